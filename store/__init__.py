@@ -1,0 +1,121 @@
+"""cachecompile's artifact store: content-addressed, verified, torch-free.
+
+    >>> st = open_store()
+    >>> key = make_key({"model": "m", "torch": "2.13.0"})
+    >>> st.put(key, {"kernel.so": b"..."}, labels={"model": "m"})
+    >>> st.get(key)            # Hit(entry) or Miss(reason, kind)
+
+Importing this package loads only the standard library and xxhash; diskcache and
+filelock are imported on first use of the index and of locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from pathlib import Path
+
+from . import errors
+from .disk import DEFAULT_MAX_SIZE, Pin, Store
+from .keys import Key, canonical_json, make_key
+from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
+from .protocol import Storage
+from .readonly import ReadOnlyStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_SIZE",
+    "Entry",
+    "EntryInfo",
+    "GcReport",
+    "Hit",
+    "Key",
+    "Miss",
+    "Pin",
+    "ReadOnlyStore",
+    "Storage",
+    "Store",
+    "VerifyReport",
+    "canonical_json",
+    "default_root",
+    "errors",
+    "make_key",
+    "open_store",
+    "parse_size",
+]
+
+_TRUE = {"1", "true", "yes", "on"}
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """``"10G"``, ``"512M"``, ``"1.5GiB"`` or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 10G, 512M, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def default_root() -> Path:
+    """``$CACHECOMPILE_DIR``, else ``$XDG_CACHE_HOME/cachecompile``, else ``~/.cache/cachecompile``."""
+    env = os.environ.get("CACHECOMPILE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "cachecompile"
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may create files in ``path`` (root ignores mode bits)."""
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def open_store(
+    root: str | os.PathLike[str] | None = None,
+    *,
+    max_size: int | str | None = None,
+    readonly: bool = False,
+    shared_group: bool | None = None,
+) -> Store | ReadOnlyStore:
+    """Open (creating with mode 0700) the store at ``root``.
+
+    Raises InsecureStoreError if the root may be written by someone else. A root that
+    cannot be written gives a :class:`ReadOnlyStore`, with one warning logged.
+    """
+    path = Path(root).expanduser() if root is not None else default_root()
+    if max_size is None:
+        max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE
+    if shared_group is None:
+        shared_group = os.environ.get("CACHECOMPILE_SHARED_GROUP", "").lower() in _TRUE
+    st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
+    if readonly:
+        st.check_root()
+        return ReadOnlyStore(st, "opened with readonly=True")
+    try:
+        if not path.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o2770 if shared_group else 0o700, exist_ok=True)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        logger.warning("cannot create cache %s (%s): using it read-only", path, e)
+        return ReadOnlyStore(st, f"cannot create it: {e.strerror}")
+    st.check_root()
+    if not _writable(path) or (st.base.exists() and not _writable(st.base)):
+        logger.warning("cache %s is not writable: using it read-only", path)
+        return ReadOnlyStore(st, "no write permission")
+    try:
+        st.create_layout()
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        logger.warning("cache %s is not writable (%s): using it read-only", path, e)
+        return ReadOnlyStore(st, f"not writable: {e.strerror}")
+    st.sweep_temp()
+    return st

@@ -1,0 +1,852 @@
+"""The local disk store: content-addressed entries, atomic publish, verification.
+
+Layout under ``<root>/v1/`` (see docs/store.md)::
+
+    entries/<d[:2]>/<digest>/manifest.json    the truth about an entry
+    entries/<d[:2]>/<digest>/data/<name>      hard links into blobs/
+    blobs/<c[:2]>/<xxh3>                      one inode per distinct file content
+    tmp/                                      staging; swept when stale
+    quarantine/                               entries that failed verification
+    locks/  pins/  index/                     filelocks, leases, diskcache index
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from . import errors
+from .fsutil import (
+    FULL_ERRNOS,
+    HOST_TAG,
+    fsync_dir,
+    hash_file,
+    owner_problem,
+    parse_temp_name,
+    pid_alive,
+    rmtree_quiet,
+    temp_name,
+    write_new_file,
+)
+from .index import Index
+from .keys import Key, is_digest
+from .manifest import check_names, dump_manifest, parse_manifest, validate_name
+from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
+from .policy import lru_evictions
+from .policy import older_than as _older_than
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Store", "Pin", "FORMAT_DIR", "DEFAULT_MAX_SIZE", "TEMP_GRACE_S"]
+
+FORMAT_DIR = "v1"
+DEFAULT_MAX_SIZE = 10 * 1024**3
+TEMP_GRACE_S = 3600.0
+MANIFEST = "manifest.json"
+DATA = "data"
+
+# Entries verified in full by this process: entry dir -> (manifest signature, manifest).
+# Later reads in this process check sizes only (issue 2: "full checksums on the first read").
+_VERIFIED: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+
+def _sig(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class _Bad(Exception):
+    """Internal: an entry failed inspection; becomes a Miss."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+class Pin:
+    """A lease on an entry: while held, gc never evicts the entry.
+
+    It is an flock'ed file under ``pins/<digest>/``; the lock dies with the process,
+    so a crashed holder never pins forever.
+    """
+
+    def __init__(self, path: Path, fd: int, digest: str) -> None:
+        self.path = path
+        self.digest = digest
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            # Only the holder ever locks this file, nobody waits on it: safe to unlink.
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+class Store:
+    """A local, content-addressed artifact store. Build it with :func:`store.open_store`."""
+
+    readonly = False
+
+    def __init__(self, root: Path, *, max_size: int = DEFAULT_MAX_SIZE, shared_group: bool = False) -> None:
+        self.root = Path(root)
+        self.max_size = int(max_size)
+        self.shared_group = shared_group
+        self.base = self.root / FORMAT_DIR
+        self._entries = self.base / "entries"
+        self._blobs = self.base / "blobs"
+        self._tmp = self.base / "tmp"
+        self._quarantine = self.base / "quarantine"
+        self._locks = self.base / "locks"
+        self._pins_dir = self.base / "pins"
+        self.index = Index(self.base / "index")
+        self._held_pins: list[Pin] = []
+        self._dir_mode = 0o2770 if shared_group else 0o700
+        self._file_mode = 0o440 if shared_group else 0o400
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r}, max_size={self.max_size})"
+
+    # -- layout ------------------------------------------------------------------
+    def create_layout(self) -> None:
+        for d in (self.base, self._entries, self._blobs, self._tmp, self._quarantine,
+                  self._locks, self._pins_dir):
+            if not d.is_dir():
+                d.mkdir(mode=self._dir_mode, exist_ok=True)
+
+    def entry_dir(self, digest: str) -> Path:
+        return self._entries / digest[:2] / digest
+
+    @staticmethod
+    def digest_of(key: Key | str) -> str:
+        if isinstance(key, Key):
+            return key.digest
+        if isinstance(key, str) and is_digest(key):
+            return key
+        raise ValueError(f"not a key or a 32-hex-digit digest: {key!r}")
+
+    def check_root(self) -> None:
+        """Raise InsecureStoreError unless root (and v1/) are trusted."""
+        for p in (self.root, self.base):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(p)
+            problem = owner_problem(st, self.shared_group)
+            if problem:
+                raise errors.InsecureStoreError(p, problem)
+
+    # -- lookup --------------------------------------------------------------------
+    def _inspect(self, digest: str, *, full: bool | None = None) -> Entry:
+        """Load and check one entry; raise _Bad. ``full``: None = first read in process."""
+        edir = self.entry_dir(digest)
+        try:
+            dst = os.lstat(edir)
+        except FileNotFoundError:
+            raise _Bad("absent", "no entry for this key") from None
+        except PermissionError as e:
+            raise _Bad("unreadable", f"cannot stat entry: {e}") from None
+        if not stat.S_ISDIR(dst.st_mode):
+            raise _Bad("insecure", "entry is not a real directory (symlink?)")
+        problem = owner_problem(dst, self.shared_group)
+        if problem:
+            raise _Bad("insecure", f"entry {problem}")
+        mpath = edir / MANIFEST
+        try:
+            mst = os.lstat(mpath)
+        except FileNotFoundError:
+            raise _Bad("corrupt", "manifest.json is missing") from None
+        except PermissionError as e:
+            raise _Bad("unreadable", f"cannot stat manifest: {e}") from None
+        if not stat.S_ISREG(mst.st_mode):
+            raise _Bad("insecure", "manifest.json is not a regular file")
+        key = str(edir)
+        cached = _VERIFIED.get(key)
+        if cached is not None and cached[0] == _sig(mst) and not full:
+            manifest = cached[1]
+            verified = True
+        else:
+            verified = False
+            try:
+                fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                with os.fdopen(fd, "rb") as f:
+                    text = f.read()
+            except PermissionError as e:
+                raise _Bad("unreadable", f"cannot read manifest: {e}") from None
+            except OSError as e:
+                raise _Bad("corrupt", f"cannot read manifest: {e}") from None
+            try:
+                manifest = parse_manifest(text, expect_key=digest)
+            except errors.UnsafePathError as e:
+                raise _Bad("insecure", str(e)) from None
+            except errors.ManifestError as e:
+                raise _Bad("corrupt", str(e)) from None
+        data = edir / DATA
+        files: dict[str, Path] = {}
+        checked_dirs: set[str] = set()
+        for name, rec in manifest["files"].items():
+            p = data / name
+            # A symlinked parent directory would lead out of the entry: check each level once.
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                sub = "/".join(parts[:i])
+                if sub not in checked_dirs:
+                    try:
+                        sst = os.lstat(data / sub)
+                    except FileNotFoundError:
+                        raise _Bad("corrupt", f"file {name!r} is missing") from None
+                    if not stat.S_ISDIR(sst.st_mode):
+                        raise _Bad("insecure", f"{sub!r} is not a real directory")
+                    checked_dirs.add(sub)
+            try:
+                fst = os.lstat(p)
+            except FileNotFoundError:
+                raise _Bad("corrupt", f"file {name!r} is missing") from None
+            except PermissionError as e:
+                raise _Bad("unreadable", f"cannot stat {name!r}: {e}") from None
+            if not stat.S_ISREG(fst.st_mode):
+                raise _Bad("insecure", f"file {name!r} is not a regular file (symlink?)")
+            problem = owner_problem(fst, self.shared_group)
+            if problem:
+                raise _Bad("insecure", f"file {name!r}: {problem}")
+            if fst.st_size != rec["size"]:
+                raise _Bad("corrupt", f"file {name!r} has size {fst.st_size}, manifest says {rec['size']}")
+            files[name] = p
+        if not verified:
+            for name, rec in manifest["files"].items():
+                try:
+                    _, digest_hex = hash_file(files[name])
+                except PermissionError as e:
+                    raise _Bad("unreadable", f"cannot read {name!r}: {e}") from None
+                except OSError as e:
+                    raise _Bad("corrupt", f"cannot read {name!r}: {e}") from None
+                if digest_hex != rec["xxh3_128"]:
+                    raise _Bad("corrupt", f"file {name!r} fails its checksum")
+            _VERIFIED[key] = (_sig(mst), manifest)
+        return Entry(key=digest, path=edir, files=files, manifest=manifest)
+
+    def peek(self, key: Key | str) -> Hit | Miss:
+        """Look up without side effects: no hit recorded, nothing quarantined."""
+        digest = self.digest_of(key)
+        try:
+            return Hit(self._inspect(digest))
+        except _Bad as b:
+            return Miss(reason=b.reason, kind=b.kind)
+
+    def get(self, key: Key | str) -> Hit | Miss:
+        """Look up and verify an entry; record the hit or miss; quarantine a bad entry."""
+        digest = self.digest_of(key)
+        try:
+            entry = self._inspect(digest)
+        except _Bad as b:
+            if b.kind in ("corrupt", "insecure"):
+                logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
+                self._index_safely("corruptions", lambda: self.index.incr("corruptions"))
+                self.quarantine(digest, b.reason)
+            self.record_miss(b.kind)
+            return Miss(reason=b.reason, kind=b.kind)
+        self._index_safely(
+            "hit",
+            lambda: self.index.record_hit(digest, entry.size_bytes, entry.created, entry.labels),
+        )
+        return Hit(entry)
+
+    def contains(self, key: Key | str) -> bool:
+        return (self.entry_dir(self.digest_of(key)) / MANIFEST).is_file()
+
+    def stat(self, key: Key | str) -> EntryInfo | None:
+        """The index record of an entry (built from its manifest if the index lacks it)."""
+        digest = self.digest_of(key)
+        info = self._index_safely("stat", lambda: self.index.get(digest))
+        if info is not None:
+            return info
+        try:
+            m = self.manifest(digest)
+        except errors.StoreError:
+            return None
+        return self._info_from_manifest(digest, m, state="unindexed")
+
+    def manifest(self, key: Key | str) -> dict[str, Any]:
+        """The parsed manifest of an entry, without verifying its files."""
+        digest = self.digest_of(key)
+        try:
+            text = (self.entry_dir(digest) / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            raise errors.KeyNotFound(f"no entry {digest}") from None
+        return parse_manifest(text, expect_key=digest)
+
+    def record_miss(self, kind: str) -> None:
+        self._index_safely("miss", lambda: self.index.incr(f"miss:{kind}"))
+
+    def _index_safely(self, what: str, fn: Any) -> Any:
+        # The index is a cache of the manifests: its failure must not fail a lookup.
+        try:
+            return fn()
+        except Exception as e:  # sqlite3 errors, timeouts, a full disk
+            logger.warning("cache index update (%s) failed: %s", what, e)
+            return None
+
+    # -- publish -------------------------------------------------------------------
+    def _store_blob(self, src: bytes | os.PathLike[str] | str, executable: bool) -> tuple[Path, int, str]:
+        """Put one content into blobs/ (once), return (blob path, size, checksum)."""
+        # Read-only for everyone who may read: entries are immutable and share inodes.
+        mode = self._file_mode | ((self._file_mode >> 2) & 0o111 if executable else 0)
+        tmp = self._tmp / temp_name("blob")
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            data = bytes(src)
+            size, cs = len(data), xxhash.xxh3_128_hexdigest(data)
+            blob = self._blobs / cs[:2] / cs
+            if self._blob_ok(blob, size):
+                return blob, size, cs
+            write_new_file(tmp, [data], mode)
+        else:
+            h = xxhash.xxh3_128()
+            size = 0
+
+            def chunks() -> Iterator[bytes]:
+                nonlocal size
+                with open(src, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                        size += len(chunk)
+                        yield chunk
+
+            write_new_file(tmp, chunks(), mode)
+            cs = h.hexdigest()
+            blob = self._blobs / cs[:2] / cs
+            if self._blob_ok(blob, size):
+                os.unlink(tmp)
+                return blob, size, cs
+        try:
+            blob.parent.mkdir(mode=self._dir_mode, exist_ok=True)
+            os.link(tmp, blob)
+        except FileExistsError:
+            pass  # another writer stored the same content first: same bytes by construction
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return blob, size, cs
+
+    @staticmethod
+    def _blob_ok(blob: Path, size: int) -> bool:
+        try:
+            st = os.lstat(blob)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+    def _link_in(self, src: bytes | os.PathLike[str] | str, dst: Path, executable: bool) -> tuple[int, str]:
+        dst.parent.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
+        for _ in range(3):
+            blob, size, cs = self._store_blob(src, executable)
+            try:
+                os.link(blob, dst)
+                return size, cs
+            except FileNotFoundError:
+                continue  # gc removed an unreferenced blob between our check and link
+            except OSError as e:
+                if e.errno != errno.EMLINK:
+                    raise
+                # Too many links to one inode: give this entry its own copy.
+                with open(blob, "rb") as f:
+                    write_new_file(dst, iter(lambda: f.read(1 << 20), b""), os.stat(blob).st_mode & 0o777)
+                return size, cs
+        raise errors.StoreError(f"could not link blob into {dst}")
+
+    def put(
+        self,
+        key: Key,
+        files: Mapping[str, bytes | os.PathLike[str] | str],
+        *,
+        labels: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Entry:
+        """Publish ``files`` under ``key`` atomically; if it already exists, return the winner."""
+        if not isinstance(key, Key):
+            raise TypeError("put() needs a Key from make_key(), so its factors are recorded")
+        digest = key.digest
+        check_names([validate_name(n) for n in files])
+        lab = {str(k): str(v) for k, v in (labels or {}).items()}
+        meta_d = json.loads(json.dumps(dict(meta or {})))  # must be JSON; fails early otherwise
+        if self.contains(key):
+            existing = self.peek(key)
+            if isinstance(existing, Hit):
+                return existing.entry
+            self.get(key)  # records and quarantines the bad entry; we then publish afresh
+        try:
+            entry = self._publish(key, files, lab, meta_d)
+        except OSError as e:
+            if e.errno in FULL_ERRNOS:
+                raise errors.StoreFullError(f"no space left publishing {digest} in {self.root}: {e}") from e
+            raise
+        return entry
+
+    def _publish(
+        self, key: Key, files: Mapping[str, bytes | os.PathLike[str] | str],
+        labels: dict[str, str], meta: dict[str, Any],
+    ) -> Entry:
+        digest = key.digest
+        staging = self._tmp / temp_name("put", digest)
+        try:
+            staging.mkdir(mode=self._dir_mode)
+            data = staging / DATA
+            data.mkdir(mode=self._dir_mode)
+            recs: dict[str, dict[str, Any]] = {}
+            for name, src in files.items():
+                executable = False
+                if not isinstance(src, (bytes, bytearray, memoryview)):
+                    executable = bool(os.stat(src).st_mode & stat.S_IXUSR)
+                size, cs = self._link_in(src, data / name, executable)
+                recs[name] = {"size": size, "xxh3_128": cs}
+            created = time.time()
+            body = dump_manifest(key=digest, factors=key.factors, labels=labels, meta=meta,
+                                 created=created, files=recs)
+            write_new_file(staging / MANIFEST, [body], self._file_mode)
+            for d in sorted({(data / n).parent for n in recs} | {data, staging}, reverse=True):
+                fsync_dir(d)
+            target = self.entry_dir(digest)
+            target.parent.mkdir(mode=self._dir_mode, exist_ok=True)
+            try:
+                os.rename(staging, target)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # Lost the race: the other writer's entry is whole; hand it out.
+                rmtree_quiet(staging)
+                won = self.get(key)
+                if isinstance(won, Hit):
+                    return won.entry
+                raise errors.CorruptEntryError(digest, f"the winning entry is bad: {won.reason}") from None
+            fsync_dir(target.parent)
+        except BaseException:
+            rmtree_quiet(staging)
+            raise
+        manifest = json.loads(body)
+        _VERIFIED[str(target)] = (_sig(os.lstat(target / MANIFEST)), manifest)
+        size = sum(r["size"] for r in recs.values())
+
+        def index_it() -> None:
+            self.index.add(digest, size, created, labels)
+            self.index.incr("publishes")
+            self.index.incr("bytes", size)
+
+        self._index_safely("publish", index_it)
+        entry = Entry(key=digest, path=target, files={n: target / DATA / n for n in recs},
+                      manifest=manifest)
+        self._maybe_gc()
+        return entry
+
+    def _maybe_gc(self) -> None:
+        total = self._index_safely("bytes", lambda: self.index.counter("bytes")) or 0
+        if total > self.max_size:
+            try:
+                self.gc(lock_timeout=0.0)
+            except errors.LockTimeout:
+                pass  # another process is collecting right now
+            except OSError as e:
+                logger.warning("automatic gc failed: %s", e)
+
+    # -- removal ---------------------------------------------------------------------
+    def _take_away(self, digest: str, kind: str) -> Path | None:
+        """Atomically move an entry out of entries/ (readers see it whole or absent)."""
+        src = self.entry_dir(digest)
+        dst = self._tmp / temp_name(kind, digest)
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        _VERIFIED.pop(str(src), None)
+        return dst
+
+    def delete(self, key: Key | str) -> bool:
+        digest = self.digest_of(key)
+        info = self.stat(digest)
+        gone = self._take_away(digest, "del")
+        self._index_safely("delete", lambda: self.index.remove(digest))
+        if gone is None:
+            return False
+        if info is not None:
+            self._index_safely("bytes", lambda: self.index.incr("bytes", -info.size_bytes))
+        # Readers with open files keep them: unlink does not touch open descriptors.
+        rmtree_quiet(gone)
+        return True
+
+    def quarantine(self, digest: str, reason: str) -> Path | None:
+        """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs."""
+        src = self.entry_dir(digest)
+        dst = self._quarantine / f"{digest}.{time.time_ns()}"
+        info = self._index_safely("stat", lambda: self.index.get(digest))
+        try:
+            self._quarantine.mkdir(mode=self._dir_mode, exist_ok=True)
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("cannot quarantine %s: %s", src, e)
+            return None
+        _VERIFIED.pop(str(src), None)
+        with contextlib.suppress(OSError):
+            (self._quarantine / f"{dst.name}.reason").write_text(reason + "\n")
+        # A damaged blob must not be linked into future entries.
+        with contextlib.suppress(Exception):
+            m = json.loads((dst / MANIFEST).read_bytes())
+            for name, rec in m.get("files", {}).items():
+                cs = str(rec.get("xxh3_128", ""))
+                blob = self._blobs / cs[:2] / cs
+                with contextlib.suppress(OSError):
+                    if len(cs) == 32 and os.path.samefile(blob, dst / DATA / validate_name(name)):
+                        os.unlink(blob)
+        self._index_safely("quarantine", lambda: self.index.remove(digest))
+        if info is not None:
+            self._index_safely("bytes", lambda: self.index.incr("bytes", -info.size_bytes))
+        return dst
+
+    # -- listing ---------------------------------------------------------------------
+    def digests(self) -> Iterator[str]:
+        """Digests of the entries on disk (the truth), unverified."""
+        try:
+            shards = os.scandir(self._entries)
+        except FileNotFoundError:
+            return
+        with shards:
+            for shard in shards:
+                if len(shard.name) != 2:
+                    continue
+                with os.scandir(shard.path) as it:
+                    for e in it:
+                        if is_digest(e.name) and e.name.startswith(shard.name):
+                            yield e.name
+
+    def _info_from_manifest(self, digest: str, m: dict[str, Any], state: str = "ok") -> EntryInfo:
+        size = sum(int(r["size"]) for r in m["files"].values())
+        return EntryInfo(key=digest, size_bytes=size, created=float(m["created"]),
+                         last_used=float(m["created"]), hits=0,
+                         labels={str(k): str(v) for k, v in m["labels"].items()}, state=state)
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """One EntryInfo per entry on disk; usage data from the index."""
+        on_disk = set(self.digests())
+        indexed = {i.key: i for i in (self._index_safely("list", lambda: list(self.index.records())) or [])}
+        for d in sorted(on_disk):
+            info = indexed.get(d)
+            if info is not None:
+                yield info
+                continue
+            try:
+                yield self._info_from_manifest(d, self.manifest(d), state="unindexed")
+            except (errors.StoreError, OSError):
+                yield EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0, hits=0,
+                                state="bad-manifest")
+
+    def find(self, **labels: Any) -> list[EntryInfo]:
+        want = {k: str(v) for k, v in labels.items()}
+        return [i for i in self.entries() if all(i.labels.get(k) == v for k, v in want.items())]
+
+    def resolve(self, prefix: str) -> str:
+        """The full digest of the one entry whose digest starts with ``prefix``."""
+        p = prefix.strip().lower()
+        if not p or any(c not in "0123456789abcdef" for c in p):
+            raise errors.KeyNotFound(f"{prefix!r} is not a hex key prefix")
+        if len(p) >= 2:
+            try:
+                names = [n for n in os.listdir(self._entries / p[:2]) if is_digest(n)]
+            except FileNotFoundError:
+                names = []
+        else:
+            names = list(self.digests())
+        matches = sorted(n for n in names if n.startswith(p))
+        if not matches:
+            raise errors.KeyNotFound(f"no entry matches {prefix!r}")
+        if len(matches) > 1:
+            raise errors.AmbiguousKey(prefix, matches)
+        return matches[0]
+
+    # -- stats -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        infos = list(self.entries())
+        counters = self._index_safely("counters", self.index.counters) or {}
+        misses = {k[5:]: v for k, v in counters.items() if k.startswith("miss:")}
+        try:
+            quarantined = sum(1 for n in os.listdir(self._quarantine) if not n.endswith(".reason"))
+        except FileNotFoundError:
+            quarantined = 0
+        return {
+            "root": str(self.root),
+            "entries": len(infos),
+            "bytes": sum(i.size_bytes for i in infos),
+            "cap": self.max_size,
+            "hits": int(counters.get("hits", 0)),
+            "misses": misses,
+            "publishes": int(counters.get("publishes", 0)),
+            "evictions": int(counters.get("evictions", 0)),
+            "corruptions": int(counters.get("corruptions", 0)),
+            "quarantined": quarantined,
+            "readonly": self.readonly,
+        }
+
+    def zero_stats(self) -> None:
+        keep = self.index.counter("bytes")
+        self.index.zero()
+        self.index.incr("bytes", keep)
+
+    # -- locks and pins --------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, name: str, timeout: float = 600.0) -> Iterator[Path]:
+        """Hold an inter-process lock ``name`` (a filelock under locks/)."""
+        import filelock  # deferred: only writers lock
+
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
+        if safe != name:
+            safe += "-" + xxhash.xxh3_64_hexdigest(name.encode())
+        path = self._locks / f"{safe}.lock"
+        lk = filelock.FileLock(str(path), timeout=timeout, mode=0o660 if self.shared_group else 0o600)
+        try:
+            lk.acquire()
+        except filelock.Timeout:
+            raise errors.LockTimeout(path, timeout) from None
+        try:
+            yield path
+        finally:
+            # filelock never unlinks the file on Unix: others may be waiting on it.
+            lk.release()
+
+    def pin(self, entry: Entry | Key | str) -> Pin:
+        """Lease an entry so that gc skips it while the returned Pin is held.
+
+        The store also keeps the pin, so it lasts for the store's (usually the process's)
+        lifetime unless released. Raises KeyNotFound if the entry went away meanwhile.
+        """
+        digest = entry.key if isinstance(entry, Entry) else self.digest_of(entry)
+        pdir = self._pins_dir / digest
+        pdir.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
+        tmp = self._tmp / temp_name("pin", digest)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Locked before it becomes visible, so gc never mistakes a new pin for a dead one.
+        final = pdir / f"{HOST_TAG}.{os.getpid()}.{tmp.name.rsplit('.', 1)[-1]}.pin"
+        os.rename(tmp, final)
+        pin = Pin(final, fd, digest)
+        # gc takes an entry away, then re-checks pins: one of us sees the other.
+        if not self.entry_dir(digest).is_dir():
+            pin.release()
+            raise errors.KeyNotFound(f"entry {digest} went away before it could be pinned")
+        self._held_pins.append(pin)
+        return pin
+
+    def pinned(self) -> set[str]:
+        """Digests with a live pin; pins of dead processes are removed on the way."""
+        out: set[str] = set()
+        try:
+            dirs = list(os.scandir(self._pins_dir))
+        except FileNotFoundError:
+            return out
+        for d in dirs:
+            live = False
+            try:
+                names = os.listdir(d.path)
+            except OSError:
+                continue
+            for n in names:
+                p = os.path.join(d.path, n)
+                try:
+                    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    live = True
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(p)  # holder is dead; nobody waits on pin files
+                finally:
+                    os.close(fd)
+            if live:
+                out.add(d.name)
+            else:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d.path)
+        return out
+
+    # -- maintenance -----------------------------------------------------------------
+    def sweep_temp(self, grace_s: float = TEMP_GRACE_S) -> int:
+        """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
+        n = 0
+        now = time.time()
+        try:
+            items = list(os.scandir(self._tmp))
+        except FileNotFoundError:
+            return 0
+        me = os.getpid()
+        for it in items:
+            parsed = parse_temp_name(it.name)
+            try:
+                age = now - it.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            stale = age > grace_s
+            if parsed is not None and parsed[0] == HOST_TAG and parsed[1] != me:
+                stale = stale or not pid_alive(parsed[1])
+            if parsed is not None and parsed[0] == HOST_TAG and parsed[1] == me:
+                stale = False  # our own work in progress
+            if stale:
+                rmtree_quiet(Path(it.path))
+                n += 1
+        return n
+
+    def sweep_blobs(self) -> int:
+        """Remove blobs no entry links to any more (link count 1)."""
+        n = 0
+        try:
+            shards = list(os.scandir(self._blobs))
+        except FileNotFoundError:
+            return 0
+        for shard in shards:
+            with os.scandir(shard.path) as it:
+                for b in it:
+                    try:
+                        if b.stat(follow_symlinks=False).st_nlink <= 1:
+                            os.unlink(b.path)
+                            n += 1
+                    except FileNotFoundError:
+                        pass
+        return n
+
+    def gc(self, max_size: int | None = None, *, lock_timeout: float = 60.0) -> GcReport:
+        """Enforce the size cap (LRU, pinned entries skipped) and sweep leftovers."""
+        cap = self.max_size if max_size is None else int(max_size)
+        report = GcReport(max_size=cap)
+        with self.lock("gc", timeout=lock_timeout):
+            report.temp_swept = self.sweep_temp()
+            infos = list(self.entries())
+            report.bytes_before = sum(i.size_bytes for i in infos)
+            pinned = self.pinned()
+            report.pinned_skipped = sorted(pinned & {i.key for i in infos})
+            for victim in lru_evictions(infos, cap, pinned):
+                if self._evict(victim.key):
+                    report.evicted.append(victim)
+                    report.freed_bytes += victim.size_bytes
+            report.blobs_removed = self.sweep_blobs()
+            report.bytes_after = report.bytes_before - report.freed_bytes
+
+            def fix_counters() -> None:
+                c = self.index.counter("bytes")
+                self.index.incr("bytes", report.bytes_after - c)
+                self.index.incr("evictions", len(report.evicted))
+
+            self._index_safely("gc", fix_counters)
+        return report
+
+    def _evict(self, digest: str) -> bool:
+        gone = self._take_away(digest, "evict")
+        if gone is None:
+            return False
+        if digest in self.pinned():
+            # Someone pinned it between our check and the rename: put it back.
+            try:
+                os.rename(gone, self.entry_dir(digest))
+                return False
+            except OSError:
+                pass  # a fresh copy was published meanwhile; ours can go
+        self._index_safely("evict", lambda: self.index.remove(digest))
+        rmtree_quiet(gone)
+        return True
+
+    def purge(
+        self,
+        *,
+        keys: list[str] | None = None,
+        labels: Mapping[str, Any] | None = None,
+        older_than: float | None = None,
+        all: bool = False,
+        dry_run: bool = False,
+    ) -> list[EntryInfo]:
+        """Remove entries by key, by labels, by age (seconds since last use) or all.
+
+        Criteria combine with AND; with none given and ``all`` false, nothing goes.
+        """
+        if not (keys or labels or older_than is not None or all):
+            return []
+        infos = list(self.entries())
+        if keys:
+            want = {self.digest_of(k) for k in keys}
+            infos = [i for i in infos if i.key in want]
+        if labels:
+            lab = {k: str(v) for k, v in labels.items()}
+            infos = [i for i in infos if all_match(i.labels, lab)]
+        if older_than is not None:
+            infos = _older_than(infos, time.time() - older_than)
+        if dry_run:
+            return infos
+        return [i for i in infos if self.delete(i.key)]
+
+    def reindex(self) -> int:
+        """Rebuild the index from the manifests on disk (the manifests are the truth)."""
+        infos = []
+        for d in self.digests():
+            try:
+                infos.append(self._info_from_manifest(d, self.manifest(d)))
+            except (errors.StoreError, OSError):
+                continue
+        self.index.replace_all(infos)
+        total = sum(i.size_bytes for i in infos)
+        self.index.incr("bytes", total - self.index.counter("bytes"))
+        return len(infos)
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        """Check every entry in full and the index against the disk."""
+        report = VerifyReport()
+        on_disk = set(self.digests())
+        for d in sorted(on_disk):
+            report.checked += 1
+            try:
+                self._inspect(d, full=True)
+            except _Bad as b:
+                report.problems.append((d, f"{b.kind}: {b.reason}"))
+        indexed = self._index_safely("list", self.index.digests) or set()
+        report.index_missing = sorted(on_disk - indexed)
+        report.index_stale = sorted(indexed - on_disk)
+        if fix:
+            for d, reason in report.problems:
+                if self.quarantine(d, reason) is not None:
+                    report.quarantined.append(d)
+                    self._index_safely("corruptions", lambda: self.index.incr("corruptions"))
+            self.reindex()
+            report.reindexed = True
+        return report
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def all_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())

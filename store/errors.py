@@ -1,0 +1,103 @@
+"""Typed errors of the artifact store.
+
+Lookups never raise for the normal path: they return ``Hit`` or ``Miss``.
+Everything below is a *fault*, raised so that the integration layer can turn it
+into a warning and a recompile, and so that ``cachectl`` can map it to an exit code.
+
+::
+
+    StoreError                      base of every store fault
+    ├── InsecureStoreError          root/entry owned by someone else, or group/world-writable
+    ├── ReadOnlyStoreError          a write on a read-only store
+    ├── StoreFullError              ENOSPC / EDQUOT while publishing (nothing half-written is left)
+    ├── LockTimeout                 a lock was not acquired in time (carries ``path``)
+    ├── CorruptEntryError           an entry failed verification (carries ``digest``, ``reason``)
+    ├── ManifestError               a manifest is not valid JSON or has the wrong shape
+    │   └── UnsafePathError         a manifest/file name escapes its entry (absolute, ``..``, symlink)
+    └── KeyNotFound                 no entry matches a key or prefix (also a ``LookupError``)
+        └── AmbiguousKey            a prefix matches more than one entry
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "AmbiguousKey",
+    "CorruptEntryError",
+    "InsecureStoreError",
+    "KeyNotFound",
+    "LockTimeout",
+    "ManifestError",
+    "ReadOnlyStoreError",
+    "StoreError",
+    "StoreFullError",
+    "UnsafePathError",
+]
+
+SHARED_HINT = (
+    "to use a deliberately shared team cache, make the root group-owned by a group you "
+    "belong to and not world-writable, then set CACHECOMPILE_SHARED_GROUP=1 "
+    "(or pass shared_group=True to open_store)"
+)
+
+
+class StoreError(Exception):
+    """Base class of every fault raised by the store."""
+
+
+class InsecureStoreError(StoreError):
+    """The root or an entry could be written by someone other than this user."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"refusing insecure cache path {self.path}: {problem}; {SHARED_HINT}")
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write (publish, delete, gc...) was attempted on a read-only store."""
+
+
+class StoreFullError(StoreError):
+    """The filesystem ran out of space or quota while publishing."""
+
+
+class LockTimeout(StoreError):
+    """A store lock could not be acquired within its timeout."""
+
+    def __init__(self, path: Path | str, timeout: float) -> None:
+        self.path = Path(path)
+        self.timeout = timeout
+        super().__init__(f"timed out after {timeout:g}s waiting for lock {self.path}")
+
+
+class CorruptEntryError(StoreError):
+    """An entry failed verification (checksum, size, missing file)."""
+
+    def __init__(self, digest: str, reason: str) -> None:
+        self.digest = digest
+        self.reason = reason
+        super().__init__(f"entry {digest} is corrupt: {reason}")
+
+
+class ManifestError(StoreError):
+    """A manifest is unreadable, not JSON, or does not have the expected shape."""
+
+
+class UnsafePathError(ManifestError):
+    """A file name would escape its entry directory."""
+
+
+class KeyNotFound(StoreError, LookupError):
+    """No entry matches the given key or prefix."""
+
+
+class AmbiguousKey(KeyNotFound):
+    """A key prefix matches more than one entry."""
+
+    def __init__(self, prefix: str, matches: list[str]) -> None:
+        self.prefix = prefix
+        self.matches = matches
+        shown = ", ".join(m[:12] for m in matches[:5])
+        super().__init__(f"prefix {prefix!r} matches {len(matches)} entries ({shown}...)")

@@ -1,0 +1,150 @@
+"""The metadata index: a diskcache (SQLite) of entry records and counters.
+
+It is a cache of what the manifests say plus usage data (last use, hits), and can
+always be rebuilt from the manifests on disk. Records are ``"e:<digest>"`` ->
+dict; counters are ``"c:<name>"`` -> int.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .outcomes import EntryInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Index"]
+
+_E = "e:"
+_C = "c:"
+COUNTERS = ("hits", "publishes", "evictions", "corruptions")
+
+
+def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
+    return EntryInfo(
+        key=digest,
+        size_bytes=int(rec.get("size_bytes", 0)),
+        created=float(rec.get("created", 0.0)),
+        last_used=float(rec.get("last_used", rec.get("created", 0.0))),
+        hits=int(rec.get("hits", 0)),
+        labels=dict(rec.get("labels", {})),
+        state=str(rec.get("state", "ok")),
+    )
+
+
+class Index:
+    """Lazily opened diskcache. Opening is deferred so that ``open_store()`` stays cheap."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._cache: Any = None
+
+    @property
+    def cache(self) -> Any:
+        if self._cache is None:
+            import diskcache  # deferred: ~15 ms of imports not needed by every caller
+
+            # Eviction inside diskcache is off: the store owns eviction policy.
+            self._cache = diskcache.Cache(
+                str(self.path), eviction_policy="none", size_limit=2**62, timeout=60
+            )
+        return self._cache
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+    # -- records ---------------------------------------------------------------
+    def add(self, digest: str, size_bytes: int, created: float, labels: dict[str, str]) -> None:
+        c = self.cache
+        with c.transact():
+            if c.get(_E + digest) is None:
+                c.set(
+                    _E + digest,
+                    {
+                        "size_bytes": size_bytes,
+                        "created": created,
+                        "last_used": created,
+                        "hits": 0,
+                        "labels": labels,
+                    },
+                )
+
+    def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str]) -> None:
+        c = self.cache
+        now = time.time()
+        with c.transact():
+            rec = c.get(_E + digest)
+            if rec is None:
+                # Published by a process that died before indexing: heal the index here.
+                rec = {"size_bytes": size_bytes, "created": created, "hits": 0, "labels": labels}
+            rec["hits"] = int(rec.get("hits", 0)) + 1
+            rec["last_used"] = now
+            c.set(_E + digest, rec)
+            c.incr(_C + "hits")
+
+    def remove(self, digest: str) -> None:
+        self.cache.delete(_E + digest)
+
+    def get(self, digest: str) -> EntryInfo | None:
+        rec = self.cache.get(_E + digest)
+        return None if rec is None else _info(digest, rec)
+
+    def records(self) -> Iterator[EntryInfo]:
+        c = self.cache
+        for k in list(c.iterkeys()):
+            if isinstance(k, str) and k.startswith(_E):
+                rec = c.get(k)
+                if rec is not None:
+                    yield _info(k[len(_E) :], rec)
+
+    def digests(self) -> set[str]:
+        return {
+            k[len(_E) :] for k in self.cache.iterkeys() if isinstance(k, str) and k.startswith(_E)
+        }
+
+    def replace_all(self, infos: list[EntryInfo]) -> None:
+        """Rebuild records from ``infos`` (from manifests), keeping known usage data."""
+        c = self.cache
+        with c.transact():
+            old = {i.key: i for i in self.records()}
+            for k in [k for k in c.iterkeys() if isinstance(k, str) and k.startswith(_E)]:
+                c.delete(k)
+            for i in infos:
+                prev = old.get(i.key)
+                c.set(
+                    _E + i.key,
+                    {
+                        "size_bytes": i.size_bytes,
+                        "created": i.created,
+                        "last_used": prev.last_used if prev else i.created,
+                        "hits": prev.hits if prev else 0,
+                        "labels": i.labels,
+                    },
+                )
+
+    # -- counters --------------------------------------------------------------
+    def incr(self, name: str, delta: int = 1) -> None:
+        self.cache.incr(_C + name, delta)
+
+    def counter(self, name: str) -> int:
+        return int(self.cache.get(_C + name, 0))
+
+    def counters(self) -> dict[str, int]:
+        c = self.cache
+        out = {n: 0 for n in COUNTERS}
+        for k in c.iterkeys():
+            if isinstance(k, str) and k.startswith(_C):
+                out[k[len(_C) :]] = int(c.get(k, 0))
+        return out
+
+    def zero(self) -> None:
+        c = self.cache
+        with c.transact():
+            for k in [k for k in c.iterkeys() if isinstance(k, str) and k.startswith(_C)]:
+                c.delete(k)

@@ -1,0 +1,79 @@
+"""Keys: named factors, hashed canonically.
+
+A key is a mapping of named factors (str, int, float, bool, None, lists/tuples and
+nested mappings with string keys). Its digest is the XXH3-128 (hex) of the
+canonical JSON text: sorted keys, no whitespace, floats through ``repr``. JSON
+already keeps the types apart (``1``, ``1.0``, ``true`` and ``"1"`` all differ);
+tuples become lists. Anything else is a ``TypeError`` naming the factor, because
+a silent ``str()`` would make unrelated values collide.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+__all__ = ["Key", "canonical_json", "make_key", "is_digest"]
+
+DIGEST_LEN = 32
+_HEX = frozenset("0123456789abcdef")
+
+
+def _normalise(value: Any, where: str) -> Any:
+    # bool before int: bool is an int subclass but must stay a JSON boolean.
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        # repr-based; NaN and infinities become NaN / Infinity, as json writes them.
+        return float(value)
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                # json would turn 1 into "1" and make {1: x} == {"1": x}.
+                raise TypeError(f"factor {where} has a non-string key {k!r}")
+            out[k] = _normalise(v, f"{where}.{k}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(
+        f"factor {where} has unsupported type {type(value).__name__}; "
+        "use str, int, float, bool, None, lists or mappings"
+    )
+
+
+def canonical_json(factors: Mapping[str, Any]) -> str:
+    """The canonical text that is hashed: sorted keys, compact separators."""
+    norm = _normalise(factors, "<root>")
+    return json.dumps(norm, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Key:
+    """An entry address: ``digest`` (32 hex chars) and the readable ``factors``."""
+
+    digest: str
+    factors: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __str__(self) -> str:
+        return self.digest
+
+
+def make_key(factors: Mapping[str, Any]) -> Key:
+    """Hash ``factors`` canonically into a :class:`Key`."""
+    if not isinstance(factors, Mapping):
+        raise TypeError(f"factors must be a mapping, not {type(factors).__name__}")
+    text = canonical_json(factors)
+    digest = xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
+    # Keep the normalised form so the manifest round-trips exactly.
+    return Key(digest=digest, factors=json.loads(text))
+
+
+def is_digest(text: str) -> bool:
+    return len(text) == DIGEST_LEN and all(c in _HEX for c in text)
