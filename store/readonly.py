@@ -57,6 +57,9 @@ class ReadOnlyStore:
     def stat(self, key: Key | str) -> EntryInfo | None:
         return self.inner.stat(key)
 
+    def entry_dir(self, digest: str) -> Path:
+        return self.inner.entry_dir(digest)
+
     def manifest(self, key: Key | str) -> dict[str, Any]:
         return self.inner.manifest(key)
 

@@ -1,0 +1,416 @@
+"""``cachectl``: inspect and maintain a cachecompile store (torch-free).
+
+Exit codes: 0 ok; 1 problems found (verify); 2 usage error, unknown key or
+ambiguous prefix; 3 insecure store; 4 lock timeout; 5 read-only store;
+6 store full; 7 any other store error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import errors, open_store, parse_size
+from .disk import Store
+from .outcomes import EntryInfo
+from .readonly import ReadOnlyStore
+
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_INSECURE = 3
+EXIT_LOCK = 4
+EXIT_READONLY = 5
+EXIT_FULL = 6
+EXIT_STORE = 7
+
+_ERROR_CODES: list[tuple[type[BaseException], int]] = [
+    (errors.KeyNotFound, EXIT_USAGE),  # AmbiguousKey included
+    (errors.InsecureStoreError, EXIT_INSECURE),
+    (errors.LockTimeout, EXIT_LOCK),
+    (errors.ReadOnlyStoreError, EXIT_READONLY),
+    (errors.StoreFullError, EXIT_FULL),
+    (errors.StoreError, EXIT_STORE),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+AnyStore = Store | ReadOnlyStore
+
+
+class CliError(click.ClickException):
+    """One clear line on stderr and a chosen exit code; no traceback."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a ClassVar
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.StoreError as e:
+            code = next(c for t, c in _ERROR_CODES if isinstance(e, t))
+            raise CliError(str(e), code) from None
+        except (ValueError, TypeError) as e:
+            raise CliError(str(e), EXIT_USAGE) from None
+        except OSError as e:
+            raise CliError(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), EXIT_STORE) from None
+
+
+def cache_dir_option(f: F) -> F:
+    return click.option(
+        "--cache-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        envvar="CACHECOMPILE_DIR",
+        help="Store root (default: $CACHECOMPILE_DIR, else $XDG_CACHE_HOME/cachecompile).",
+    )(f)
+
+
+def _open(cache_dir: str | None, **kw: Any) -> AnyStore:
+    return open_store(cache_dir, **kw)
+
+
+def _console() -> Console:
+    # Wide enough that 32-hex keys are never folded when stdout is a pipe.
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration (e.g. 30m, 12h, 7d, 2w)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def _parse_labels(pairs: Iterable[str], model: str | None, function: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise click.BadParameter(f"--label wants k=v, got {p!r}")
+        k, v = p.split("=", 1)
+        out[k] = v
+    if model is not None:
+        out["model"] = model
+    if function is not None:
+        out["function"] = function
+    return out
+
+
+def label_options(f: F) -> F:
+    f = click.option("--function", default=None, help="Only entries with labels['function'].")(f)
+    f = click.option("--model", default=None, help="Only entries with labels['model'].")(f)
+    f = click.option("--label", "label", multiple=True, metavar="K=V",
+                     help="Only entries with this label (repeatable).")(f)
+    return f
+
+
+def _match(info: EntryInfo, want: dict[str, str]) -> bool:
+    return all(info.labels.get(k) == v for k, v in want.items())
+
+
+_SORTS: dict[str, Callable[[EntryInfo], Any]] = {
+    "key": lambda i: i.key,
+    "size": lambda i: i.size_bytes,
+    "created": lambda i: i.created,
+    "last_used": lambda i: i.last_used,
+    "hits": lambda i: i.hits,
+    "model": lambda i: i.labels.get("model", ""),
+    "function": lambda i: i.labels.get("function", ""),
+}
+
+
+def _entries_table(infos: list[EntryInfo], title: str | None = None) -> Table:
+    t = Table(title=title, box=None, pad_edge=False)
+    for col, just in (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
+                      ("size", "right"), ("created", "left"), ("last used", "left"),
+                      ("hits", "right"), ("state", "left")):
+        t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+    for i in infos:
+        ranks = i.labels.get("ranks") or i.labels.get("rank", "")
+        t.add_row(i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
+                  human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits),
+                  i.state)
+    return t
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cachecompile", message="%(version)s")
+def cli() -> None:
+    """Inspect and maintain a cachecompile artifact store."""
+
+
+@cli.command("ls")
+@cache_dir_option
+@label_options
+@click.option("--sort", type=click.Choice(sorted(_SORTS)), default="last_used", show_default=True)
+@click.option("--reverse/--no-reverse", default=True, show_default=True,
+              help="Largest / newest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
+           function: str | None, sort: str, reverse: bool, as_json: bool) -> None:
+    """List entries, one row each."""
+    st = _open(cache_dir)
+    want = _parse_labels(label, model, function)
+    infos = [i for i in st.entries() if _match(i, want)]
+    infos.sort(key=_SORTS[sort], reverse=reverse)
+    if as_json:
+        click.echo(json.dumps([i.to_json() for i in infos], indent=1))
+        return
+    if not infos:
+        click.echo(f"no entries in {st.root}")
+        return
+    _console().print(_entries_table(infos))
+
+
+@cli.command("show")
+@cache_dir_option
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
+    """Show an entry's manifest, factors and files (KEY may be a unique prefix)."""
+    st = _open(cache_dir)
+    digest = st.resolve(key)
+    m = st.manifest(digest)
+    if as_json:
+        click.echo(json.dumps(m, indent=1, sort_keys=True))
+        return
+    info = st.stat(digest)
+    con = _console()
+    con.print(f"[bold]key[/bold]      {digest}")
+    con.print(f"[bold]path[/bold]     {st.entry_dir(digest)}")
+    con.print(f"[bold]created[/bold]  {_when(m['created'])}")
+    if info is not None:
+        con.print(f"[bold]used[/bold]     {_when(info.last_used)}  ({info.hits} hits)")
+    con.print(f"[bold]labels[/bold]   {json.dumps(m['labels'], sort_keys=True)}")
+    con.print(f"[bold]meta[/bold]     {json.dumps(m['meta'], sort_keys=True)}")
+    ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
+    ft.add_column("factor")
+    ft.add_column("value", overflow="fold")
+    for k, v in flatten(m["factors"]).items():
+        ft.add_row(k, json.dumps(v))
+    con.print(ft)
+    fl = Table(title="files", box=None, pad_edge=False, title_justify="left")
+    fl.add_column("name")
+    fl.add_column("size", justify="right")
+    fl.add_column("xxh3_128")
+    for name, rec in sorted(m["files"].items()):
+        fl.add_row(name, human_size(rec["size"]), rec["xxh3_128"])
+    con.print(fl)
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested factors as dotted paths, so two keys can be compared leaf by leaf."""
+    if isinstance(obj, dict) and obj:
+        out: dict[str, Any] = {}
+        for k in sorted(obj):
+            out.update(flatten(obj[k], f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix or "<root>": obj}
+
+
+def nearest(st: AnyStore, digest: str, factors: dict[str, Any], labels: dict[str, str]) -> str | None:
+    """The entry most like ``digest``: same function/model labels, most equal factors."""
+    mine = flatten(factors)
+    same: dict[str, str] = {k: labels[k] for k in ("function", "model") if k in labels}
+    best: tuple[int, str] | None = None
+    for info in st.entries():
+        if info.key == digest or not _match(info, same):
+            continue
+        try:
+            other = flatten(st.manifest(info.key)["factors"])
+        except (errors.StoreError, OSError):
+            continue
+        score = sum(1 for k, v in mine.items() if k in other and other[k] == v)
+        score -= sum(1 for k in other if k not in mine)
+        if best is None or score > best[0]:
+            best = (score, info.key)
+    return best[1] if best else None
+
+
+@cli.command("explain")
+@cache_dir_option
+@click.argument("key")
+@click.argument("key2", required=False)
+@click.option("--all", "show_all", is_flag=True, help="Also list the factors that are equal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the differing factors as JSON.")
+def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
+                as_json: bool) -> None:
+    """Compare the factors of two entries; with one KEY, against its nearest entry."""
+    st = _open(cache_dir)
+    a = st.resolve(key)
+    ma = st.manifest(a)
+    if key2 is None:
+        b = nearest(st, a, ma["factors"], ma["labels"])
+        if b is None:
+            raise CliError(f"no other entry to compare {a[:12]} with", EXIT_USAGE)
+    else:
+        b = st.resolve(key2)
+    mb = st.manifest(b)
+    fa, fb = flatten(ma["factors"]), flatten(mb["factors"])
+    missing = object()
+    names = sorted(set(fa) | set(fb))
+    diff = [n for n in names if fa.get(n, missing) != fb.get(n, missing)]
+    if as_json:
+        click.echo(json.dumps({"a": a, "b": b, "differ": {
+            n: [fa.get(n), fb.get(n)] for n in diff}}, indent=1))
+        return
+    con = _console()
+    t = Table(title=f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ",
+              box=None, pad_edge=False, title_justify="left")
+    t.add_column("factor", no_wrap=True)
+    t.add_column(a[:12], overflow="fold")
+    t.add_column(b[:12], overflow="fold")
+    for n in names:
+        va = json.dumps(fa[n]) if n in fa else "(absent)"
+        vb = json.dumps(fb[n]) if n in fb else "(absent)"
+        if n in diff:
+            t.add_row(Text("* " + n, style="bold red"), Text(va, style="red"), Text(vb, style="red"))
+        elif show_all:
+            t.add_row("  " + n, va, vb)
+    con.print(t)
+
+
+@cli.command("purge")
+@cache_dir_option
+@click.argument("keys", nargs=-1)
+@label_options
+@click.option("--older-than", default=None, metavar="AGE", help="Not used for AGE (30m, 12h, 7d, 2w).")
+@click.option("--all", "purge_all", is_flag=True, help="Every entry.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--dry-run", is_flag=True, help="Only show what would go.")
+def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ...],
+              model: str | None, function: str | None, older_than: str | None,
+              purge_all: bool, yes: bool, dry_run: bool) -> None:
+    """Remove entries by KEY (prefixes), label, age, or --all."""
+    want = _parse_labels(label, model, function)
+    age = parse_duration(older_than) if older_than is not None else None
+    if not (keys or want or age is not None or purge_all):
+        raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
+    st = _open(cache_dir)
+    digests = [st.resolve(k) for k in keys]
+    goes = _purge(st, digests, want, age, purge_all, dry_run=True)
+    if not goes:
+        click.echo("nothing to purge")
+        return
+    _console().print(_entries_table(goes, title=f"{len(goes)} entries, {human_size(sum(i.size_bytes for i in goes))}"))
+    if dry_run:
+        click.echo("dry run: nothing removed")
+        return
+    if not yes and not click.confirm(f"remove these {len(goes)} entries?", default=False):
+        click.echo("aborted")
+        return
+    gone = _purge(st, [i.key for i in goes], {}, None, False, dry_run=False)
+    click.echo(f"removed {len(gone)} entries ({human_size(sum(i.size_bytes for i in gone))})")
+
+
+def _purge(st: AnyStore, keys: list[str], labels: dict[str, str], age: float | None,
+           purge_all: bool, dry_run: bool) -> list[EntryInfo]:
+    return st.purge(keys=keys or None, labels=labels or None, older_than=age, all=purge_all,
+                    dry_run=dry_run)
+
+
+@cli.command("stats")
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
+def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
+    """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
+    st = _open(cache_dir)
+    if zero:
+        st.zero_stats()
+    s = st.stats()
+    if as_json:
+        click.echo(json.dumps(s, indent=1, sort_keys=True))
+        return
+    t = Table(box=None, show_header=False, pad_edge=False)
+    t.add_column("stat")
+    t.add_column("value", justify="right")
+    t.add_row("root", s["root"])
+    t.add_row("entries", str(s["entries"]))
+    t.add_row("size", f"{human_size(s['bytes'])} of {human_size(s['cap'])} "
+                      f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)")
+    total_misses = sum(s["misses"].values())
+    lookups = s["hits"] + s["misses"].get("absent", 0)
+    t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
+    t.add_row("misses", str(total_misses))
+    for kind, n in sorted(s["misses"].items()):
+        t.add_row(f"  {kind}", str(n))
+    for k in ("publishes", "evictions", "corruptions", "quarantined"):
+        t.add_row(k, str(s[k]))
+    if s.get("readonly"):
+        t.add_row("read-only", "yes")
+    _console().print(t)
+
+
+@cli.command("gc")
+@cache_dir_option
+@click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
+def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
+    """Enforce the size cap now (LRU; pinned entries skipped); sweep stale temp dirs."""
+    st = _open(cache_dir)
+    cap = parse_size(max_size) if max_size is not None else None
+    r = st.gc(cap)
+    click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
+               f"{human_size(r.bytes_after)} of {human_size(r.max_size)} used; "
+               f"{len(r.pinned_skipped)} pinned; {r.temp_swept} temp dirs and "
+               f"{r.blobs_removed} unused blobs swept")
+
+
+@cli.command("verify")
+@cache_dir_option
+@click.option("--fix", is_flag=True, help="Quarantine bad entries and rebuild the index.")
+@click.option("--json", "as_json", is_flag=True)
+def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
+    """Check every entry's checksums and the index against the disk (exit 1 on problems)."""
+    st = _open(cache_dir)
+    r = st.verify(fix=fix)
+    if as_json:
+        click.echo(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems],
+                               "index_missing": r.index_missing, "index_stale": r.index_stale,
+                               "quarantined": r.quarantined, "ok": r.ok}, indent=1))
+    else:
+        for d, reason in r.problems:
+            click.echo(f"{d}  {reason}" + ("  -> quarantined" if d in r.quarantined else ""))
+        for d in r.index_missing:
+            click.echo(f"{d}  on disk but not in the index" + ("  -> reindexed" if fix else ""))
+        for d in r.index_stale:
+            click.echo(f"{d}  in the index but not on disk" + ("  -> reindexed" if fix else ""))
+        click.echo(f"checked {r.checked} entries: "
+                   + ("ok" if r.ok else f"{len(r.problems)} bad, "
+                      f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
+    if not r.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="cachectl")
+
+
+if __name__ == "__main__":
+    main()
