@@ -1,0 +1,346 @@
+"""The store in one process: publish, lookup, index, dedup, corruption, security."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import store.disk
+from store import Hit, Miss, ReadOnlyStore, Store, errors, make_key, open_store
+
+
+@pytest.fixture
+def st(tmp_path: Path) -> Store:
+    s = open_store(tmp_path / "cache")
+    assert isinstance(s, Store)
+    return s
+
+
+def _forget_verification() -> None:
+    # As if a new process: the next get re-verifies checksums in full.
+    store.disk._VERIFIED.clear()
+
+
+def test_open_creates_private_versioned_root(tmp_path: Path) -> None:
+    st = open_store(tmp_path / "a" / "cache")
+    assert st.root == tmp_path / "a" / "cache"
+    assert stat.S_IMODE(os.stat(st.root).st_mode) == 0o700
+    assert (st.root / "v1" / "entries").is_dir()
+
+
+def test_location_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_DIR", str(tmp_path / "env"))
+    assert open_store().root == tmp_path / "env"
+    monkeypatch.delenv("CACHECOMPILE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert open_store().root == tmp_path / "xdg" / "cachecompile"
+
+
+def test_put_get_roundtrip(st: Store, tmp_path: Path) -> None:
+    src = tmp_path / "k.so"
+    src.write_bytes(b"\x7fELF" + os.urandom(1000))
+    src.chmod(0o755)
+    key = make_key({"model": "m", "n": 1})
+    e = st.put(key, {"k.so": src, "py/code.py": b"x = 1\n"},
+               labels={"model": "m", "function": "forward", "ranks": 0}, meta={"v": [1]})
+    assert e.key == key.digest and e.labels == {"model": "m", "function": "forward", "ranks": "0"}
+    _forget_verification()
+    r = st.get(key)
+    assert isinstance(r, Hit) and r
+    assert r.entry.files["k.so"].read_bytes() == src.read_bytes()
+    assert r.entry.files["py/code.py"].read_text() == "x = 1\n"
+    assert r.entry.files["k.so"].stat().st_mode & stat.S_IXUSR  # loaders exec/dlopen it
+    assert r.entry.factors == {"model": "m", "n": 1} and r.entry.meta == {"v": [1]}
+    assert st.get(key.digest).entry.key == key.digest  # type: ignore[union-attr]
+    assert st.contains(key) and st.contains(key.digest)
+    info = st.stat(key)
+    assert info is not None and info.hits == 2 and info.size_bytes == 1004 + 6
+
+
+def test_miss_absent_is_counted(st: Store) -> None:
+    r = st.get(make_key({"nothing": True}))
+    assert isinstance(r, Miss) and not r and r.kind == "absent"
+    st.record_miss("stale")
+    s = st.stats()
+    assert s["misses"] == {"absent": 1, "stale": 1} and s["hits"] == 0
+
+
+def test_put_existing_returns_winner_untouched(st: Store) -> None:
+    key = make_key({"k": 1})
+    first = st.put(key, {"a": b"one"})
+    second = st.put(key, {"a": b"two"})
+    assert second.files["a"].read_bytes() == b"one" and second.created == first.created
+    assert st.stats()["publishes"] == 1
+
+
+def test_put_rejects_unsafe_names(st: Store) -> None:
+    for bad in ("../x", "/abs", "a/../../b"):
+        with pytest.raises(errors.UnsafePathError):
+            st.put(make_key({"bad": bad}), {bad: b"x"})
+    assert list(st.digests()) == []
+
+
+def test_entries_find_stats_delete(st: Store) -> None:
+    k1, k2 = make_key({"i": 1}), make_key({"i": 2})
+    st.put(k1, {"a": b"1" * 10}, labels={"model": "m", "function": "f"})
+    st.put(k2, {"a": b"2" * 20}, labels={"model": "m", "function": "g"})
+    assert {i.key for i in st.entries()} == {k1.digest, k2.digest}
+    assert [i.key for i in st.find(function="g")] == [k2.digest]
+    assert [i.key for i in st.find(model="m", function="f")] == [k1.digest]
+    s = st.stats()
+    assert (s["entries"], s["bytes"], s["publishes"]) == (2, 30, 2)
+    assert st.delete(k1) and not st.delete(k1)
+    assert isinstance(st.get(k1), Miss)
+    assert st.resolve(k2.digest[:6]) == k2.digest
+
+
+def test_resolve_prefix_errors(st: Store) -> None:
+    with pytest.raises(errors.KeyNotFound):
+        st.resolve("abc")
+    keys = [make_key({"i": i}) for i in range(40)]
+    for k in keys:
+        st.put(k, {"a": b"x"})
+    with pytest.raises(errors.KeyNotFound, match="hex"):
+        st.resolve("")
+    firsts = [k.digest[0] for k in keys]
+    common = max(set(firsts), key=firsts.count)
+    with pytest.raises(errors.AmbiguousKey):
+        st.resolve(common)
+
+
+def test_dedup_shares_one_inode(st: Store) -> None:
+    blob = os.urandom(1 << 20)
+    e1 = st.put(make_key({"i": 1}), {"w.bin": blob})
+    e2 = st.put(make_key({"i": 2}), {"other/w.bin": blob})
+    s1, s2 = os.stat(e1.files["w.bin"]), os.stat(e2.files["other/w.bin"])
+    assert s1.st_ino == s2.st_ino and s1.st_nlink == 3  # two entries + the blob
+    used = sum(os.lstat(p).st_blocks * 512 for p in {e1.files["w.bin"]})
+    assert used < 1.1 * (1 << 20)
+    # du-style: count each inode once over the whole root.
+    seen, total = set(), 0
+    for dirpath, _, names in os.walk(st.root / "v1" / "entries"):
+        for n in names:
+            s = os.lstat(os.path.join(dirpath, n))
+            if s.st_ino not in seen:
+                seen.add(s.st_ino)
+                total += s.st_blocks * 512
+    assert total < 1.1 * (1 << 20)
+
+
+def test_second_read_checks_sizes_only(st: Store) -> None:
+    key = make_key({"i": 1})
+    e = st.put(key, {"a": b"abc"})
+    p = e.files["a"]
+    p.chmod(0o600)
+    p.write_bytes(b"abd")  # same size, different bytes: invisible to a size check
+    assert isinstance(st.get(key), Hit)  # verified at publish in this process
+    _forget_verification()
+    r = st.get(key)
+    assert isinstance(r, Miss) and r.kind == "corrupt" and "checksum" in r.reason
+
+
+# -- corruption: every kind is a Miss with a reason, quarantined, and reported by verify --
+def _corrupt(e_path: Path, how: str) -> None:
+    data = e_path / "data" / "big.bin"
+    if how == "flip":
+        data.chmod(0o600)
+        b = bytearray(data.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        data.write_bytes(bytes(b))
+    elif how == "truncate":
+        data.chmod(0o600)
+        with open(data, "r+b") as f:
+            f.truncate(100)
+    elif how == "delete":
+        data.unlink()
+    elif how == "manifest":
+        (e_path / "manifest.json").chmod(0o600)
+        (e_path / "manifest.json").write_text("{ not json")
+    elif how == "traversal":
+        m = e_path / "manifest.json"
+        doc = json.loads(m.read_text())
+        doc["files"]["../../../../etc/passwd"] = doc["files"].pop("big.bin")
+        m.chmod(0o600)
+        m.write_text(json.dumps(doc))
+    elif how == "symlink":
+        data.unlink()
+        data.symlink_to("/etc/passwd")
+
+
+@pytest.mark.parametrize("how,kind", [
+    ("flip", "corrupt"), ("truncate", "corrupt"), ("delete", "corrupt"), ("manifest", "corrupt"),
+    ("traversal", "insecure"), ("symlink", "insecure"),
+])
+def test_corruption_is_a_miss_and_quarantined(st: Store, how: str, kind: str) -> None:
+    key = make_key({"how": how})
+    e = st.put(key, {"big.bin": os.urandom(300_000), "small": b"s"})
+    other = st.put(make_key({"other": 1}), {"x": b"fine"})
+    _forget_verification()
+    _corrupt(e.path, how)
+    report = st.verify()
+    assert not report.ok and [d for d, _ in report.problems] == [key.digest]
+    r = st.get(key)
+    assert isinstance(r, Miss) and r.kind == kind and r.reason
+    assert not e.path.exists()
+    q = list((st.root / "v1" / "quarantine").iterdir())
+    assert any(p.name.startswith(key.digest) and p.is_dir() for p in q)  # kept, not deleted
+    assert st.stats()["corruptions"] == 1 and st.stats()["misses"] == {kind: 1}
+    assert st.verify().ok and isinstance(st.get(other.key), Hit)
+    # Publishing afresh works and does not reuse a damaged blob.
+    st.put(key, {"big.bin": b"new", "small": b"s"})
+    _forget_verification()
+    assert isinstance(st.get(key), Hit)
+
+
+def test_verify_fix_quarantines_and_reindexes(st: Store) -> None:
+    good = st.put(make_key({"g": 1}), {"a": b"good"})
+    bad = st.put(make_key({"b": 1}), {"a": b"bad!" * 100})
+    _forget_verification()
+    _corrupt_file = bad.files["a"]
+    _corrupt_file.chmod(0o600)
+    _corrupt_file.write_bytes(b"x")
+    st.index.remove(good.key)  # index drift: the manifests are the truth
+    r = st.verify()
+    assert r.problems[0][0] == bad.key and r.index_missing == [good.key]
+    fixed = st.verify(fix=True)
+    assert fixed.quarantined == [bad.key] and fixed.reindexed
+    after = st.verify()
+    assert after.ok and after.checked == 1
+    info = st.stat(good.key)
+    assert info is not None and info.state == "ok"
+
+
+# -- security ----------------------------------------------------------------------
+def test_foreign_owned_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "foreign"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    with pytest.raises(errors.InsecureStoreError, match="CACHECOMPILE_SHARED_GROUP") as ei:
+        open_store(root)
+    assert ei.value.path == root and "owned by uid 65534" in str(ei.value)
+
+
+def test_world_writable_root_is_refused_even_shared(tmp_path: Path) -> None:
+    root = tmp_path / "ww"
+    root.mkdir()
+    root.chmod(0o777)
+    for shared in (False, True):
+        with pytest.raises(errors.InsecureStoreError, match="world-writable"):
+            open_store(root, shared_group=shared)
+
+
+def test_group_writable_root_needs_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "team"
+    root.mkdir()
+    os.chown(root, 65534, os.getegid())
+    root.chmod(0o2770)
+    with pytest.raises(errors.InsecureStoreError, match="group"):
+        open_store(root)
+    monkeypatch.setenv("CACHECOMPILE_SHARED_GROUP", "1")
+    st = open_store(root)
+    e = st.put(make_key({"shared": 1}), {"a": b"x"})
+    assert isinstance(st.get(e.key), Hit)
+
+
+def test_foreign_owned_entry_is_insecure(st: Store) -> None:
+    e = st.put(make_key({"i": 1}), {"a": b"x"})
+    os.chown(e.path, 65534, 65534)
+    _forget_verification()
+    r = st.get(e.key)
+    assert isinstance(r, Miss) and r.kind == "insecure" and "65534" in r.reason
+
+
+def test_readonly_wrapper(st: Store, caplog: pytest.LogCaptureFixture) -> None:
+    key = make_key({"i": 1})
+    st.put(key, {"a": b"x"})
+    ro = open_store(st.root, readonly=True)
+    assert isinstance(ro, ReadOnlyStore) and ro.root == st.root
+    assert isinstance(ro.get(key), Hit)
+    assert isinstance(ro.get(make_key({"no": 1})), Miss)
+    with caplog.at_level(logging.WARNING, logger="store"):
+        for _ in range(3):
+            with pytest.raises(errors.ReadOnlyStoreError):
+                ro.put(make_key({"j": 1}), {"a": b"y"})
+    assert sum("read-only" in r.message for r in caplog.records) == 1  # one warning, not three
+    for call in (lambda: ro.delete(key), lambda: ro.gc(), lambda: ro.purge(all=True)):
+        with pytest.raises(errors.ReadOnlyStoreError):
+            call()
+    with ro.lock("k"), ro.pin(key):
+        pass
+    assert [i.key for i in ro.entries()] == [key.digest]
+
+
+def test_unwritable_root_opens_read_only(st: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Running as root, mode bits do not stop writes; the probe is what decides.
+    import store as store_pkg
+
+    monkeypatch.setattr(store_pkg, "_writable", lambda p: False)
+    ro = open_store(st.root)
+    assert isinstance(ro, ReadOnlyStore) and "write permission" in ro.why
+
+
+def test_full_disk_leaves_no_half_entry(st: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_write = os.write
+    calls = {"n": 0}
+
+    def failing_write(fd: int, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    key = make_key({"full": 1})
+    with pytest.raises(errors.StoreFullError):
+        st.put(key, {"a": b"a" * 10, "b": b"b" * 10, "c": b"c" * 10})
+    monkeypatch.setattr(os, "write", real_write)
+    assert not st.contains(key) and isinstance(st.get(key), Miss)
+    assert list((st.root / "v1" / "tmp").iterdir()) == []
+    assert list((st.root / "v1" / "entries").rglob("*")) == []
+    st.put(key, {"a": b"a" * 10})
+    assert isinstance(st.get(key), Hit)
+
+
+def test_lock_timeout_names_the_path(st: Store) -> None:
+    with st.lock("compile:abc") as path:
+        assert path.exists()
+        import subprocess
+        import sys
+
+        code = (
+            "import sys; from store import open_store, errors\n"
+            f"st = open_store({str(st.root)!r})\n"
+            "try:\n"
+            "    with st.lock('compile:abc', timeout=0.2): sys.exit(0)\n"
+            "except errors.LockTimeout as e:\n"
+            "    print(e.path); sys.exit(3)\n"
+        )
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert p.returncode == 3, p.stderr
+        assert p.stdout.strip() == str(path)
+    assert path.exists()  # never unlinked: others may wait on it
+
+
+def test_sweep_removes_dead_and_old_temp_dirs(st: Store) -> None:
+    tmp = st.root / "v1" / "tmp"
+    from store.fsutil import HOST_TAG
+
+    dead = tmp / f"put.{'0' * 32}.{HOST_TAG}.999999999.abcd"
+    dead.mkdir()
+    (dead / "junk").write_bytes(b"x")
+    mine = tmp / f"put.{'1' * 32}.{HOST_TAG}.{os.getpid()}.abcd"
+    mine.mkdir()
+    old_foreign = tmp / "put.x.ffffffff.1.abcd"
+    old_foreign.mkdir()
+    os.utime(old_foreign, (1, 1))
+    young_foreign = tmp / "put.x.ffffffff.1.abce"
+    young_foreign.mkdir()
+    assert st.sweep_temp() == 2
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([mine.name, young_foreign.name])
