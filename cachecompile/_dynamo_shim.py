@@ -1,0 +1,53 @@
+"""A stand-in for ``torch._dynamo.utils`` inside replayed Dynamo bytecode.
+
+Dynamo's transformed bytecode calls a few helpers from ``torch._dynamo.utils`` (sizes,
+strides, profiler markers). Importing that module imports all of Dynamo (~1.5 s), so a
+warm process gets these copies instead; any other attribute falls back to the real
+module, which is slower but correct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any
+
+import torch
+
+
+def call_size(x: Any, i: int) -> int:
+    return x.size(i)  # type: ignore[no-any-return]
+
+
+def call_stride(x: Any, i: int) -> int:
+    return x.stride(i)  # type: ignore[no-any-return]
+
+
+def call_storage_offset(x: Any) -> int:
+    return x.storage_offset()  # type: ignore[no-any-return]
+
+
+def record_pregraph_bytecode_enter() -> contextlib.AbstractContextManager[None]:
+    cm: contextlib.AbstractContextManager[None] = (
+        torch._C._profiler._RecordFunctionFast("Pregraph bytecode")
+        if torch.autograd.profiler._is_profiler_enabled
+        else contextlib.nullcontext()
+    )
+    cm.__enter__()
+    return cm
+
+
+def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -> None:
+    cm.__exit__(None, None, None)
+
+
+class _UtilsShim(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module("torch._dynamo.utils"), name)
+
+
+utils = _UtilsShim("torch._dynamo.utils")
+for _name in ("call_size", "call_stride", "call_storage_offset",
+              "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
+    setattr(utils, _name, globals()[_name])

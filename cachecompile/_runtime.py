@@ -1,0 +1,124 @@
+"""Light stand-ins for the few ``torch._inductor`` names that Inductor's output code imports.
+
+Why: importing ``torch._inductor`` (which pulls in ``torch._dynamo``) costs 1.5-2 s, and
+its ``AsyncCompile`` runs the CPU ISA probe and g++ before it looks for a built kernel.
+A warm process needs neither. Each stand-in here is a faithful copy of the behaviour the
+generated code relies on for inference (see ../shared/anchors.md, "A measured route").
+The Inductor adapter only rewrites an import when it has a stand-in for exactly that
+name; anything else keeps the real import (slow but correct).
+
+This module must stay cheap to import: ``torch`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedProgramError
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 64
+
+
+def align(nbytes: int) -> int:
+    """``torch._inductor.utils._align``: round up to a multiple of ALIGN_BYTES."""
+    return (nbytes + ALIGN_BYTES - 1) & -ALIGN_BYTES
+
+
+def run_intermediate_hooks(name: str, val: Any) -> None:
+    """``torch._inductor.hooks.run_intermediate_hooks`` with no hooks installed."""
+
+
+@contextlib.contextmanager
+def maybe_profile(should_profile: bool, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    """``torch._inductor.utils.maybe_profile``."""
+    if should_profile:
+        with torch.profiler.profile(*args, **kwargs) as p:
+            yield p
+    else:
+        yield
+
+
+class _ExternKernels:
+    """``torch._inductor.select_algorithm.extern_kernels`` for the ATen fallbacks.
+
+    Inductor registers each ``ExternKernelChoice(torch.mm, ...)`` under the name ``mm``.
+    The adapter checks at capture time that every name the program uses resolves to the
+    very same function here as in the real namespace; otherwise it keeps the real import.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(torch, name, None)
+        if fn is None:
+            raise AttributeError(f"no light extern kernel {name!r}")
+        return fn
+
+
+extern_kernels = _ExternKernels()
+
+
+def kernel_digest(argtypes: list[str], source: str) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(repr(list(argtypes)).encode())
+    h.update(b"\0")
+    h.update(source.encode())
+    return h.hexdigest()
+
+
+def load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
+    """Load a prebuilt Inductor C++ kernel (a CPython extension exposing ``kernel``)."""
+    # Inductor's bindings read this env var to find a C helper; it is a process
+    # constant, so set it once before the first kernel loads.
+    if "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR" not in os.environ:
+        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+            torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
+        )
+    # The module's last name component must be "kernel": the .so exports PyInit_kernel.
+    name = f"cachecompile_k{digest}.kernel"
+    module = sys.modules.get(name)
+    if module is None:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        if spec is None:
+            raise UnsupportedProgramError(f"cannot load kernel library {path}")
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        sys.modules[name] = module
+    return module.kernel  # type: ignore[no-any-return]
+
+
+class LightAsyncCompile:
+    """``AsyncCompile`` that hands out prebuilt kernels from an entry, compiling nothing."""
+
+    def __init__(self, kernels: Mapping[str, Path]) -> None:
+        self._kernels = kernels
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str) -> Callable[..., Any]:
+        digest = kernel_digest(argtypes, source_code)
+        path = self._kernels.get(digest)
+        if path is None:
+            raise UnsupportedProgramError(f"entry lacks the built kernel {digest}")
+        return load_kernel_library(path, digest)
+
+    def wait(self, scope: dict[str, Any]) -> None:
+        """Kernels are loaded eagerly; nothing to wait for."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise UnsupportedProgramError(f"the light runtime has no AsyncCompile.{name}")
+
+
+def light_async_compile_factory(kernels: Mapping[str, Path]) -> Callable[[], LightAsyncCompile]:
+    return lambda: LightAsyncCompile(kernels)

@@ -1,0 +1,137 @@
+"""The ``aot_eager`` adapter: AOTAutograd's ATen graph, run by the eager kernels.
+
+No kernels are generated, so an entry is just the graph's Python code (FX codegen) plus
+any tensor constants. Useful where Inductor cannot run, to debug a model, and as the
+fast path in tests. The same replay contract as Inductor: ``call(flat_inputs)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedProgramError
+from .base import JSON, Compiled, GraphCallable, Program
+
+logger = logging.getLogger(__name__)
+
+PROGRAM_FILE = "program.py"
+CONSTANTS_FILE = "constants.pt"
+# Globals FX codegen may reference that are safe and cheap to rebuild in a warm process.
+_SAFE_GLOBALS = {"torch", "inf", "nan", "NoneType", "device", "fx_pytree", "pytree"}
+
+
+class _Holder:
+    """Stands in for the GraphModule's ``self``: holds get_attr constants."""
+
+    def __init__(self, constants: Mapping[str, Any]) -> None:
+        for k, v in constants.items():
+            setattr(self, k, v)
+
+
+def _globals_for(names: Sequence[str]) -> dict[str, Any]:
+    import math
+
+    g: dict[str, Any] = {"torch": torch, "inf": math.inf, "nan": math.nan,
+                         "NoneType": type(None), "device": torch.device}
+    if "fx_pytree" in names or "pytree" in names:
+        import torch.fx._pytree as fx_pytree
+        import torch.utils._pytree as pytree
+
+        g["fx_pytree"] = fx_pytree
+        g["pytree"] = pytree
+    return g
+
+
+def _make_callable(src: str, filename: str, constants: Mapping[str, Any],
+                   global_names: Sequence[str]) -> GraphCallable:
+    ns = _globals_for(global_names)
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - verified, owner-checked entry
+    forward = ns["forward"]
+    holder = _Holder(constants)
+
+    def compiled_fn(*args: Any) -> Any:
+        return forward(holder, *args)
+
+    return compiled_fn
+
+
+class AotEagerAdapter:
+    name = "aot_eager"
+
+    def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
+        return {}
+
+    def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
+                decompositions: Mapping[Any, Any] | None) -> Compiled:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        if options:
+            raise UnsupportedProgramError(f"aot_eager takes no options, got {sorted(options)}")
+        captured: list[torch.fx.GraphModule] = []
+
+        def fw_compiler(fx_gm: torch.fx.GraphModule, ex: Sequence[Any]) -> Any:
+            captured.append(fx_gm)
+            return make_boxed_func(fx_gm.forward)
+
+        backend = aot_autograd(fw_compiler=fw_compiler,
+                               decompositions=dict(decompositions) if decompositions else {},
+                               keep_inference_input_mutations=True)
+        live = backend(gm, example_inputs)
+        n_inputs = len(example_inputs)
+
+        def program() -> Program:
+            if len(captured) != 1:
+                raise UnsupportedProgramError(f"expected one AOT graph, got {len(captured)}")
+            fx_gm = captured[0]
+            placeholders = [n for n in fx_gm.graph.nodes if n.op == "placeholder"]
+            if len(placeholders) != n_inputs:
+                raise UnsupportedProgramError(
+                    f"AOTAutograd changed the inputs ({n_inputs} graph inputs, "
+                    f"{len(placeholders)} compiled)")
+            code = fx_gm.graph.python_code(root_module="self")
+            bad = sorted(k for k, v in code.globals.items()
+                         if k not in _SAFE_GLOBALS and not isinstance(v, types.ModuleType)
+                         and not k.startswith("__"))
+            if bad:
+                raise UnsupportedProgramError(f"graph code needs globals {bad}")
+            constants: dict[str, torch.Tensor] = {}
+            for node in fx_gm.graph.nodes:
+                if node.op == "get_attr":
+                    value = getattr(fx_gm, str(node.target))
+                    if not isinstance(value, torch.Tensor):
+                        raise UnsupportedProgramError(f"graph attribute {node.target} is "
+                                                      f"a {type(value).__name__}")
+                    constants[str(node.target)] = value.detach()
+            mutated = tuple(i for i, p in enumerate(placeholders)
+                            if any(u.target is torch.ops.aten.copy_.default and u.args[0] is p
+                                   for u in p.users))
+            files: dict[str, bytes | Path] = {PROGRAM_FILE: code.src.encode("utf-8")}
+            if constants:
+                buf = io.BytesIO()
+                torch.save(constants, buf)
+                files[CONSTANTS_FILE] = buf.getvalue()
+            names = sorted(code.globals)
+            light = _make_callable(code.src, "<cachecompile capture>", constants, names)
+            meta: dict[str, JSON] = {"globals": names, "n_inputs": n_inputs,
+                                     "mutated_inputs": list(mutated)}
+            return Program(files=files, meta=meta, light=light, mutated_inputs=mutated)
+
+        return Compiled(live=live, program=program)
+
+    def load(self, files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
+        constants: dict[str, Any] = {}
+        if CONSTANTS_FILE in files:
+            constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
+        src = files[PROGRAM_FILE].read_text(encoding="utf-8")
+        return _make_callable(src, str(files[PROGRAM_FILE]), constants, meta.get("globals", []))
+
+
+ADAPTER = AotEagerAdapter()

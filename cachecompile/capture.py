@@ -1,0 +1,267 @@
+"""Dynamo-side capture: trace one signature once, and keep what a fresh process replays.
+
+A :class:`TraceSession` compiles a *private copy* of the method's code object, so that
+Dynamo's cache (and so its recompile counting) is per signature, and other compiles of
+the same method in the process do not interfere (vllm-ascend clones ``forward.__code__``
+for the same reason). After the first call it hands out a :class:`Trace`:
+
+* Dynamo's transformed bytecode for the method (marshalled): it reads parameters and
+  inputs from the live frame, calls ``__compiled_fn_*`` and rebuilds the return value,
+  replaying any side effects Dynamo recorded;
+* the names of the module globals that bytecode uses (``__import_*``);
+* the adapter's :class:`Program` for the graph, verified against the live compile;
+* the user files Dynamo traced (dependency hashes, checked again on every hit).
+
+Everything that imports ``torch._dynamo`` lives here and in the adapters: a warm process
+never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import marshal
+import sys
+import sysconfig
+import time
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .backends.base import Adapter, Compiled, Program
+from .deps import hash_file
+from .errors import GraphBreakError, UnsupportedProgramError
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DIR = str(__import__("pathlib").Path(torch.__file__).parent)
+_STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one signature's first call produced."""
+
+    bytecode: bytes
+    imports: dict[str, str]          # global name in the bytecode -> module name
+    compiled_fn_name: str
+    program: Program
+    deps: dict[str, str]             # traced user file -> content hash
+    compile_seconds: float
+
+
+def clone_function(func: types.FunctionType) -> types.FunctionType:
+    """A function with a private copy of ``func``'s code object (own Dynamo cache)."""
+    code = func.__code__.replace()
+    fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__,
+                            func.__closure__)
+    fn.__kwdefaults__ = func.__kwdefaults__
+    fn.__qualname__ = func.__qualname__
+    fn.__module__ = func.__module__
+    fn.__dict__.update(func.__dict__)
+    return fn
+
+
+def _traced_user_files() -> dict[str, str]:
+    from torch._dynamo.utils import get_traced_code
+
+    files: dict[str, str] = {}
+    for code in get_traced_code() or ():
+        path = code.co_filename
+        if not path or path.startswith("<") or path in files:
+            continue
+        if path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIRS):
+            continue  # covered by the torch / Python version factors
+        digest = hash_file(path)
+        if digest is not None:
+            files[path] = digest
+    return dict(sorted(files.items()))
+
+
+def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
+    """Turn Dynamo's fullgraph failure into an error naming file, line and reason."""
+    frames = list(getattr(exc, "real_stack", None) or [])
+    filename: str | None = None
+    lineno: int | None = None
+    if frames:
+        filename, lineno = frames[-1].filename, frames[-1].lineno
+    reason = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
+    where = f"{filename}:{lineno}" if filename else getattr(func, "__qualname__", repr(func))
+    message = (
+        f"cache_compile needs {getattr(func, '__qualname__', func)} to compile as ONE graph "
+        f"(fullgraph), but Dynamo broke the graph at {where}: {reason}\n"
+        "Hint: move the unsupported code (print, .item(), data-dependent Python control "
+        "flow, unsupported libraries) out of the cached method, or run "
+        "torch._dynamo.explain() on it for every break."
+    )
+    return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
+
+
+class TraceSession:
+    """One signature of one cached method, compiled live by Dynamo."""
+
+    def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
+                 decompositions: Mapping[Any, Any] | None, dynamic: bool,
+                 capture: bool = True) -> None:
+        self._orig = method
+        self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
+        self._adapter = adapter
+        self._options = dict(options)
+        self._decompositions = decompositions
+        self._capture = capture
+        self.traces = 0
+        self.recompile_reason: str | None = None
+        self.on_recompile: Callable[[str], None] | None = None
+        self._compiled: Compiled | None = None
+        self._deps: dict[str, str] = {}
+        self._verdict: str | None = None     # None: verified; else why not cacheable
+        self._program: Program | None = None
+        self._compile_seconds = 0.0
+        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
+                                   backend=self._backend, fullgraph=True, dynamic=dynamic)
+
+    # -- Dynamo backend -------------------------------------------------------------
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.traces += 1
+        if self.traces > 1:
+            self._on_second_trace()
+            compiled = self._adapter.compile(gm, example_inputs, self._options,
+                                             self._decompositions)
+            return compiled.live
+        t0 = time.perf_counter()
+        self._deps = _traced_user_files() if self._capture else {}
+        compiled = self._adapter.compile(gm, example_inputs, self._options, self._decompositions)
+        self._compile_seconds = time.perf_counter() - t0
+        self._compiled = compiled
+        if not self._capture:
+            return compiled.live
+        return self._verifying(compiled)
+
+    def _on_second_trace(self) -> None:
+        from torch._dynamo.utils import guard_failures
+
+        reasons = guard_failures.get(self._fn.__code__) or []
+        reason = str(reasons[-1]) if reasons else "unknown guard failure"
+        self.recompile_reason = reason
+        if self.on_recompile is not None:
+            self.on_recompile(reason)
+
+    def _verifying(self, compiled: Compiled) -> Callable[..., Any]:
+        """The live callable; its first call also runs the replayable program and compares."""
+        first = True
+
+        def run(*args: Any) -> Any:
+            nonlocal first
+            if not first:
+                return compiled.live(*args)
+            first = False
+            light_out: Any = None
+            light_args: list[Any] = list(args)
+            try:
+                program = compiled.program()
+                self._program = program
+                for i in program.mutated_inputs:
+                    light_args[i] = args[i].clone()
+                if program.light is None:
+                    raise UnsupportedProgramError("the adapter built no replayable program")
+                light_out = program.light(*light_args)
+            except UnsupportedProgramError as e:
+                self._verdict = str(e)
+            except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
+                logger.debug("program capture failed", exc_info=True)
+                self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            live_out = compiled.live(*args)
+            if self._verdict is None and self._program is not None:
+                mismatch = _compare(light_out, live_out)
+                for i in self._program.mutated_inputs:
+                    mismatch = mismatch or _compare(light_args[i], args[i], f"mutated input {i}")
+                if mismatch:
+                    self._verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+            return live_out
+
+        return run
+
+    # -- calls ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import Unsupported, UserError
+
+        try:
+            return self._live(*args, **kwargs)
+        except (Unsupported, UserError) as e:
+            raise graph_break_error(e, self._orig) from None
+
+    def trace(self) -> Trace:
+        """After the first call: everything a warm process needs, or UnsupportedProgramError."""
+        if self._compiled is None:
+            raise UnsupportedProgramError("Dynamo produced no graph for this call")
+        if self._verdict is not None:
+            raise UnsupportedProgramError(self._verdict)
+        if self._program is None:
+            raise UnsupportedProgramError("the program was never run")
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._fn.__code__)
+        if len(entries) != 1:
+            raise UnsupportedProgramError(f"Dynamo holds {len(entries)} cache entries, expected 1")
+        code: types.CodeType = entries[0].code
+        if code.co_freevars != self._fn.__code__.co_freevars:
+            raise UnsupportedProgramError("transformed bytecode changed the closure variables")
+        imports: dict[str, str] = {}
+        compiled_fn_names: list[str] = []
+        g = self._fn.__globals__
+        original_names = set(self._fn.__code__.co_names)
+        for n in _all_names(code):
+            if n.startswith("__compiled_fn"):
+                compiled_fn_names.append(n)
+            elif n.startswith("__import_"):
+                mod = g.get(n)
+                if not isinstance(mod, types.ModuleType):
+                    raise UnsupportedProgramError(f"global {n} is not a module")
+                imports[n] = mod.__name__
+            elif n.startswith("__") and n in g and n not in original_names and not n.endswith("__"):
+                raise UnsupportedProgramError(f"transformed bytecode uses Dynamo global {n}")
+        if len(compiled_fn_names) != 1:
+            raise UnsupportedProgramError(
+                f"expected one compiled graph in the bytecode, found {len(compiled_fn_names)}")
+        try:
+            bytecode = marshal.dumps(code)
+        except ValueError as e:
+            raise UnsupportedProgramError(f"transformed bytecode is not marshallable: {e}") from e
+        return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
+                     program=self._program, deps=self._deps,
+                     compile_seconds=self._compile_seconds)
+
+
+def _all_names(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_all_names(const))
+    return names
+
+
+def _compare(a: Any, b: Any, where: str = "output") -> str | None:
+    """None if ``a`` and ``b`` agree (tensors exactly or within float tolerance)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        if torch.equal(a, b):
+            return None
+        if a.is_floating_point() and torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
+            return None
+        return f"{where}: values differ"
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            m = _compare(x, y, f"{where}[{i}]")
+            if m:
+                return m
+        return None
+    return None if a == b else f"{where}: {a!r} vs {b!r}"
+
+
+def python_tag() -> str:
+    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"

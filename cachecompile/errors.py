@@ -1,0 +1,65 @@
+"""Errors and warnings raised by cachecompile's torch integration.
+
+Hierarchy::
+
+    CacheCompileError (Exception)
+    ├── ContractError (also TypeError)     bad use of cache_compile(): not a bound method of an
+    │                                      nn.Module, unknown keyword, a wrapped function
+    ├── GraphBreakError                    Dynamo could not capture the method as one graph
+    ├── InferenceOnlyError                 a call needs autograd (input requires grad in grad mode)
+    ├── UnsupportedProgramError            the compiled program cannot be replayed without
+    │                                      Dynamo (degrades to a live compile, never raised to users)
+    └── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
+
+    CacheFaultWarning (UserWarning)        a cache fault; the call went on with a live compile
+    RecompileWarning (UserWarning)         Dynamo traced one signature twice; entry withdrawn
+    SignatureLimitWarning (UserWarning)    dynamic=False saw more signatures than the limit
+
+Store faults are ``store.errors.StoreError`` subclasses; the integration layer turns them
+into a ``CacheFaultWarning`` and a live compile, never a crash.
+"""
+
+from __future__ import annotations
+
+
+class CacheCompileError(Exception):
+    """Base class of cachecompile's own errors."""
+
+
+class ContractError(CacheCompileError, TypeError):
+    """cache_compile() was used outside its contract."""
+
+
+class GraphBreakError(CacheCompileError):
+    """The method does not compile to a single graph (fullgraph)."""
+
+    def __init__(self, message: str, *, filename: str | None = None, lineno: int | None = None,
+                 reason: str = "") -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.lineno = lineno
+        self.reason = reason
+
+
+class InferenceOnlyError(CacheCompileError):
+    """A call that needs autograd reached an inference-only cached function."""
+
+
+class UnsupportedProgramError(CacheCompileError):
+    """The compiled program uses something the Dynamo-free warm path cannot replay."""
+
+
+class RankConfigError(CacheCompileError, ValueError):
+    """Rank information from different sources disagrees."""
+
+
+class CacheFaultWarning(UserWarning):
+    """A cache fault; the call continued with a live torch.compile."""
+
+
+class RecompileWarning(UserWarning):
+    """Dynamo traced the same signature twice; the entry was withdrawn."""
+
+
+class SignatureLimitWarning(UserWarning):
+    """More static signatures than the configured limit; live torch.compile from now on."""

@@ -1,0 +1,188 @@
+"""Key factors: the named, readable facts that decide whether an entry fits.
+
+Each factor is JSON and goes into the entry's manifest as is, so ``cachectl explain`` can
+say which one differs. Large inputs (source text, weights layout) are reduced to
+XXH3 digests, with counts beside them so a human still sees the scale.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import platform
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from .backends.base import Adapter
+from .ranks import Ranks
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+JSON = Any
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _digest(data: bytes | str) -> str:
+    return xxhash.xxh3_128_hexdigest(data.encode() if isinstance(data, str) else data)
+
+
+def code_digest(code: types.CodeType) -> str:
+    """Bytecode, constants and names, recursively (not line numbers or file paths)."""
+    h = xxhash.xxh3_128()
+
+    def feed(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr(c.co_names).encode())
+        h.update(repr(c.co_varnames).encode())
+        h.update(repr(c.co_freevars).encode())
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                feed(const)
+            else:
+                h.update(repr(const).encode())
+
+    feed(code)
+    return h.hexdigest()
+
+
+def _source_digest(obj: Any) -> str | None:
+    try:
+        return _digest(inspect.getsource(obj))
+    except (OSError, TypeError):
+        return None
+
+
+def callable_digest(fn: Callable[..., Any]) -> str:
+    """A custom pass or decomposition, by its code (TorchAir uses its disassembly)."""
+    code = getattr(fn, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return code_digest(code)
+    src = _source_digest(fn)
+    if src is not None:
+        return src
+    return _digest(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
+
+
+def canonical(value: Any) -> JSON:
+    """A JSON form for config values (callables by code, others by repr)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if callable(value):
+        return {"callable": getattr(value, "__qualname__", type(value).__name__),
+                "code": callable_digest(value)}
+    return repr(value)
+
+
+def function_factors(func: types.FunctionType) -> dict[str, JSON]:
+    return {"qualname": func.__qualname__, "module": func.__module__,
+            "bytecode": code_digest(func.__code__), "source": _source_digest(func)}
+
+
+def module_factors(module: torch.nn.Module) -> dict[str, JSON]:
+    """Class sources, parameter/buffer layout, training flags, plain attributes."""
+    classes: dict[str, str | None] = {}
+    layout = xxhash.xxh3_128()
+    attrs = xxhash.xxh3_128()
+    n_params = n_buffers = 0
+    devices: set[str] = set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        cls = type(sub)
+        qual = f"{cls.__module__}.{cls.__qualname__}"
+        if qual not in classes:
+            classes[qual] = _source_digest(cls)
+        layout.update(f"{name}:{qual}:{sub.training};".encode())
+        for pname, p in sub.named_parameters(recurse=False):
+            n_params += 1
+            devices.add(str(p.device))
+            layout.update(f"p {name}.{pname} {tuple(p.shape)} {p.dtype} {p.device} "
+                          f"{tuple(p.stride())};".encode())
+        for bname, b in sub.named_buffers(recurse=False):
+            n_buffers += 1
+            devices.add(str(b.device))
+            layout.update(f"b {name}.{bname} {tuple(b.shape)} {b.dtype} {b.device} "
+                          f"{tuple(b.stride())};".encode())
+        # Dynamo specialises on plain Python attributes (flags, sizes, eps): they are code.
+        for aname, value in sorted(vars(sub).items()):
+            if aname.startswith("_") or aname == "training":
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(
+                    isinstance(x, _PLAIN) for x in value)):
+                attrs.update(f"{name}.{aname}={value!r};".encode())
+    return {
+        "classes": dict(sorted(classes.items())),
+        "layout": layout.hexdigest(),
+        "attributes": attrs.hexdigest(),
+        "parameters": n_params,
+        "buffers": n_buffers,
+        "devices": sorted(devices),
+        "training": module.training,
+    }
+
+
+def device_factors(devices: list[str]) -> dict[str, JSON]:
+    f: dict[str, JSON] = {"types": sorted({d.split(":")[0] for d in devices}) or ["cpu"]}
+    if any(d.startswith("cuda") for d in devices) and torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        f["cuda"] = {"name": torch.cuda.get_device_name(idx),
+                     "capability": list(torch.cuda.get_device_capability(idx)),
+                     "runtime": torch.version.cuda}
+    return f
+
+
+def torch_flags() -> dict[str, JSON]:
+    """Global torch state that changes what a compile produces."""
+    return {
+        "default_dtype": str(torch.get_default_dtype()),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+def versions() -> dict[str, JSON]:
+    from . import __version__
+
+    return {
+        # The replayed bytecode is CPython-version specific; keep the full version.
+        "python": f"{platform.python_implementation()} {sys.version.split()[0]}",
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", None),
+        "cachecompile": __version__,
+        "format": FORMAT_VERSION,
+    }
+
+
+def base_factors(method: types.MethodType, *, adapter: Adapter, options: Mapping[str, Any],
+                 dynamic: bool, decompositions: Mapping[Any, Any] | None, ranks: Ranks,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, JSON]:
+    module = method.__self__
+    assert isinstance(module, torch.nn.Module)
+    mf = module_factors(module)
+    decomps = {str(k): callable_digest(v) for k, v in (decompositions or {}).items()}
+    f: dict[str, JSON] = {
+        "function": function_factors(method.__func__),  # type: ignore[arg-type]
+        "module": mf,
+        "backend": {"name": adapter.name, **adapter.factors(options)},
+        "config": canonical(dict(options)),
+        "dynamic": dynamic,
+        "decompositions": dict(sorted(decomps.items())),
+        "ranks": ranks.factors(),
+        "versions": versions(),
+        "device": device_factors(mf["devices"]),
+        "torch_flags": torch_flags(),
+    }
+    if extra:
+        f["extra"] = canonical(dict(extra))
+    return f
+
