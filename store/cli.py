@@ -281,8 +281,8 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
             n: [fa.get(n), fb.get(n)] for n in diff}}, indent=1))
         return
     con = _console()
-    t = Table(title=f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ",
-              box=None, pad_edge=False, title_justify="left")
+    con.print(f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ")
+    t = Table(box=None, pad_edge=False)
     t.add_column("factor", no_wrap=True)
     t.add_column(a[:12], overflow="fold")
     t.add_column(b[:12], overflow="fold")

@@ -1,0 +1,173 @@
+"""``cachectl`` driven as a user drives it: a subprocess, its output, its exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import store.disk
+from store import Store, make_key, open_store
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Store:
+    st = open_store(tmp_path / "cache")
+    assert isinstance(st, Store)
+    st.put(make_key({"model": "llama", "fn": "forward", "dtype": "float16", "bs": 1}),
+           {"kernel.so": b"\x7fELF" * 100, "code.py": b"x=1"},
+           labels={"model": "llama", "function": "forward", "ranks": "0"})
+    st.put(make_key({"model": "llama", "fn": "forward", "dtype": "bfloat16", "bs": 1}),
+           {"kernel.so": b"\x7fELF" * 200}, labels={"model": "llama", "function": "forward"})
+    st.put(make_key({"model": "mlp", "fn": "forward"}), {"a": b"a"},
+           labels={"model": "mlp", "function": "forward"})
+    return st
+
+
+def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "store.cli", *args], env=child_env,
+                          capture_output=True, text=True, input=input, timeout=60)
+
+
+def _key(st: Store, **labels: str) -> str:
+    (info,) = [i for i in st.entries() if all(i.labels.get(k) == v for k, v in labels.items())]
+    return info.key
+
+
+def test_ls_table_filters_sort_and_json(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    p = cachectl(child_env, "ls", "--cache-dir", d)
+    assert p.returncode == 0, p.stderr
+    assert "llama" in p.stdout and "mlp" in p.stdout and "forward" in p.stdout
+    assert len([ln for ln in p.stdout.splitlines() if "forward" in ln]) == 3
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--model", "mlp", "--json")
+    rows = json.loads(p.stdout)
+    assert [r["labels"]["model"] for r in rows] == ["mlp"]
+    assert {"key", "size_bytes", "created", "last_used", "hits", "labels"} <= set(rows[0])
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--label", "model=llama", "--sort", "size",
+                 "--json")
+    assert [r["size_bytes"] for r in json.loads(p.stdout)] == [800, 403]
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--sort", "nope")
+    assert p.returncode == 2
+    # --cache-dir falls back to the environment like the library does.
+    p = cachectl(dict(child_env, CACHECOMPILE_DIR=d), "ls", "--json")
+    assert len(json.loads(p.stdout)) == 3
+
+
+def test_show_by_prefix(cache: Store, child_env: dict[str, str]) -> None:
+    k = _key(cache, model="mlp")
+    p = cachectl(child_env, "show", k[:8], "--cache-dir", str(cache.root))
+    assert p.returncode == 0, p.stderr
+    assert k in p.stdout and "factors" in p.stdout and '"mlp"' in p.stdout and "files" in p.stdout
+    p = cachectl(child_env, "show", k[:8], "--json", "--cache-dir", str(cache.root))
+    assert json.loads(p.stdout)["factors"] == {"model": "mlp", "fn": "forward"}
+
+
+def test_unknown_and_ambiguous_keys_are_usage_errors(cache: Store, child_env: dict[str, str]) -> None:
+    p = cachectl(child_env, "show", "ffffffffffff", "--cache-dir", str(cache.root))
+    assert p.returncode == 2 and "no entry matches" in p.stderr and "Traceback" not in p.stderr
+    for i in range(40):  # make some first hex digit ambiguous
+        cache.put(make_key({"n": i}), {"a": b"x"})
+    firsts = [d[0] for d in cache.digests()]
+    p = cachectl(child_env, "show", max(set(firsts), key=firsts.count), "--cache-dir",
+                 str(cache.root))
+    assert p.returncode == 2 and "matches" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_explain_two_keys_and_nearest(cache: Store, child_env: dict[str, str]) -> None:
+    rows = json.loads(cachectl(child_env, "ls", "--json", "--model", "llama", "--cache-dir",
+                               str(cache.root)).stdout)
+    a, b = (r["key"] for r in rows)
+    p = cachectl(child_env, "explain", a[:10], b[:10], "--cache-dir", str(cache.root))
+    assert p.returncode == 0, p.stderr
+    assert "1 of 4 factors differ" in p.stdout and "dtype" in p.stdout
+    assert "bfloat16" in p.stdout and "float16" in p.stdout
+    assert "* bs" not in p.stdout  # equal factors are not listed without --all
+    # One key: compared with the nearest llama/forward entry, never with the mlp one.
+    p = cachectl(child_env, "explain", a, "--json", "--cache-dir", str(cache.root))
+    doc = json.loads(p.stdout)
+    assert doc["b"] == b and list(doc["differ"]) == ["dtype"]
+
+
+def test_purge_confirm_dry_run_yes(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    p = cachectl(child_env, "purge", "--cache-dir", d)
+    assert p.returncode == 2 and "say what to purge" in p.stderr
+    p = cachectl(child_env, "purge", "--model", "llama", "--dry-run", "--cache-dir", d)
+    assert p.returncode == 0 and "2 entries" in p.stdout and "dry run" in p.stdout
+    p = cachectl(child_env, "purge", "--model", "llama", "--cache-dir", d, input="n\n")
+    assert "aborted" in p.stdout and len(list(cache.digests())) == 3
+    p = cachectl(child_env, "purge", "--model", "llama", "--cache-dir", d, input="y\n")
+    assert "removed 2 entries" in p.stdout and len(list(cache.digests())) == 1
+    p = cachectl(child_env, "purge", "--older-than", "7d", "--yes", "--cache-dir", d)
+    assert "nothing to purge" in p.stdout
+    p = cachectl(child_env, "purge", "--older-than", "soon", "--yes", "--cache-dir", d)
+    assert p.returncode == 2
+    p = cachectl(child_env, "purge", "--all", "--yes", "--cache-dir", d)
+    assert p.returncode == 0 and list(cache.digests()) == []
+
+
+def test_stats_json_and_zero(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    cache.get(make_key({"absent": 1}))
+    cache.get(_key(cache, model="mlp"))
+    s = json.loads(cachectl(child_env, "stats", "--json", "--cache-dir", d).stdout)
+    assert (s["entries"], s["hits"], s["misses"], s["publishes"]) == (3, 1, {"absent": 1}, 3)
+    assert s["cap"] == 10 * 1024**3 and s["bytes"] == 1204
+    p = cachectl(child_env, "stats", "--cache-dir", d)
+    assert p.returncode == 0 and "entries" in p.stdout and "absent" in p.stdout
+    s = json.loads(cachectl(child_env, "stats", "--zero", "--json", "--cache-dir", d).stdout)
+    assert (s["hits"], s["misses"], s["entries"]) == (0, {}, 3)
+
+
+def test_gc_with_max_size(cache: Store, child_env: dict[str, str]) -> None:
+    p = cachectl(child_env, "gc", "--max-size", "1K", "--cache-dir", str(cache.root))
+    assert p.returncode == 0, p.stderr
+    assert "evicted" in p.stdout and sum(i.size_bytes for i in cache.entries()) <= 1024
+    p = cachectl(child_env, "gc", "--max-size", "lots", "--cache-dir", str(cache.root))
+    assert p.returncode == 2 and "not a size" in p.stderr
+
+
+def test_verify_reports_and_fixes(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    p = cachectl(child_env, "verify", "--cache-dir", d)
+    assert p.returncode == 0 and "checked 3 entries: ok" in p.stdout
+    k = _key(cache, model="mlp")
+    f = cache.entry_dir(k) / "data" / "a"
+    f.chmod(0o600)
+    f.write_bytes(b"b")
+    p = cachectl(child_env, "verify", "--cache-dir", d)
+    assert p.returncode == 1 and k in p.stdout and "checksum" in p.stdout
+    p = cachectl(child_env, "verify", "--fix", "--cache-dir", d)
+    assert p.returncode == 1 and "quarantined" in p.stdout
+    p = cachectl(child_env, "verify", "--cache-dir", d)
+    assert p.returncode == 0 and "checked 2 entries: ok" in p.stdout
+    store.disk._VERIFIED.clear()
+
+
+def test_insecure_store_exit_code(tmp_path: Path, child_env: dict[str, str]) -> None:
+    root = tmp_path / "foreign"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    p = cachectl(child_env, "ls", "--cache-dir", str(root))
+    assert p.returncode == 3
+    assert "CACHECOMPILE_SHARED_GROUP" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_lock_timeout_exit_code_is_documented() -> None:
+    from store import cli, errors
+
+    assert cli.EXIT_LOCK == 4
+    assert next(c for t, c in cli._ERROR_CODES if isinstance(errors.LockTimeout("/x", 1), t)) == 4
+
+
+def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
+    p = cachectl(child_env, "--help")
+    assert p.returncode == 0
+    for verb in ("ls", "show", "explain", "purge", "stats", "gc", "verify"):
+        assert verb in p.stdout
