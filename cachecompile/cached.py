@@ -52,16 +52,23 @@ _stores_lock = threading.Lock()
 
 
 def _open_store(cache_dir: str | None) -> Any:
+    """One store object per root and process (opening sweeps temp dirs: do it once)."""
+    readonly = os.environ.get("CACHECOMPILE_READONLY", "").lower() in ("1", "true", "yes")
+    root = cache_dir if cache_dir is not None else str(store_pkg.default_root())
     with _stores_lock:
-        k = (cache_dir, False)
+        k = (root, readonly)
         st = _stores.get(k)
         if st is None:
-            st = store_pkg.open_store(cache_dir)
+            st = store_pkg.open_store(root, readonly=readonly)
             _stores[k] = st
         return st
 
 
 class _Stale(Exception):
+    pass
+
+
+class _ReadOnly(Exception):
     pass
 
 
@@ -207,9 +214,14 @@ class CachedFunction:
         from .capture import TraceSession
 
         lock: Any = None
+        readonly = isinstance(st, store_pkg.ReadOnlyStore)
         try:
+            if readonly:
+                raise _ReadOnly()
             lock = st.lock(key.digest, timeout=float(os.environ.get("CACHECOMPILE_LOCK_TIMEOUT", 900)))
             lock.__enter__()
+        except _ReadOnly:
+            lock = None
         except (StoreError, OSError) as e:
             self._fault(f"could not take the compile lock for {key.digest[:12]} ({e}); "
                         "compiling without it")
@@ -234,6 +246,10 @@ class CachedFunction:
             except UnsupportedProgramError as e:
                 self._fault(f"{self.__qualname__} [{describe(sig)}] is not cacheable: {e}. "
                             "It runs with live torch.compile in this process")
+                return result
+            if readonly:
+                self._fault(f"the cache at {st.root} is read-only; {self.__qualname__} "
+                            f"[{describe(sig)}] was compiled but not published")
                 return result
             self._publish(st, key, sig, trace, elapsed)
             session.on_recompile = lambda reason: self._withdraw(st, key, sig, reason)

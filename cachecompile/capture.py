@@ -124,16 +124,21 @@ class TraceSession:
 
     # -- Dynamo backend -------------------------------------------------------------
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.traces += 1
-        if self.traces > 1:
-            self._on_second_trace()
+        # A trace counts once the backend returns: Dynamo may restart analysis by raising
+        # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
+        # recompile.
+        if self._compiled is not None:
             compiled = self._adapter.compile(gm, example_inputs, self._options,
                                              self._decompositions)
+            self.traces += 1
+            self._on_second_trace()
             return compiled.live
         t0 = time.perf_counter()
-        self._deps = _traced_user_files() if self._capture else {}
+        deps = _traced_user_files() if self._capture else {}
         compiled = self._adapter.compile(gm, example_inputs, self._options, self._decompositions)
+        self.traces += 1
         self._compile_seconds = time.perf_counter() - t0
+        self._deps = deps
         self._compiled = compiled
         if not self._capture:
             return compiled.live

@@ -7,6 +7,7 @@ XXH3 digests, with counts beside them so a human still sees the scale.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import platform
@@ -116,7 +117,8 @@ def module_factors(module: torch.nn.Module) -> dict[str, JSON]:
             if aname.startswith("_") or aname == "training":
                 continue
             if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(
-                    isinstance(x, _PLAIN) for x in value)):
+                    isinstance(x, _PLAIN) for x in value)) or (
+                    dataclasses.is_dataclass(value) and not isinstance(value, type)):
                 attrs.update(f"{name}.{aname}={value!r};".encode())
     return {
         "classes": dict(sorted(classes.items())),

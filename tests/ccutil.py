@@ -1,0 +1,94 @@
+"""Helpers for cache_compile tests: fresh child processes with isolated caches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A g++ stand-in that logs every invocation, then runs the real compiler. Inductor finds
+# it through CXX (which is a key factor, so cold and warm runs must both use it).
+GXX_WRAPPER = """#!/bin/sh
+echo "$@" >> "{log}"
+exec g++ "$@"
+"""
+
+
+class Sandbox:
+    """One test's cache directories: a cachecompile store plus Inductor/Triton/tmp dirs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.store = root / "store"
+        self.gxx_log = root / "gxx.log"
+        self._n = 0
+        bindir = root / "bin"
+        bindir.mkdir(parents=True, exist_ok=True)
+        self.gxx = bindir / "logging-g++"
+        self.gxx.write_text(GXX_WRAPPER.format(log=self.gxx_log))
+        self.gxx.chmod(0o755)
+
+    def fresh_inductor_dirs(self) -> dict[str, str]:
+        """New, empty Inductor and Triton caches and TMPDIR (precompiled headers live there)."""
+        self._n += 1
+        base = self.root / f"run{self._n}"
+        dirs = {"TORCHINDUCTOR_CACHE_DIR": base / "inductor", "TRITON_CACHE_DIR": base / "triton",
+                "TMPDIR": base / "tmp"}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        return {k: str(v) for k, v in dirs.items()}
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_", "TORCH_COMPILE")):
+                del env[k]
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(self.root)])
+        env["CACHECOMPILE_DIR"] = str(self.store)
+        env["CXX"] = str(self.gxx)
+        env["PYTHONWARNINGS"] = "default"
+        env.update(self.fresh_inductor_dirs())
+        env.update(extra)
+        return env
+
+    def compiler_calls(self) -> int:
+        if not self.gxx_log.exists():
+            return 0
+        return len(self.gxx_log.read_text().splitlines())
+
+    def reset_compiler_log(self) -> None:
+        self.gxx_log.unlink(missing_ok=True)
+
+    def run(self, code: str, *, timeout: float = 600, check: bool = True, **extra: str) -> Any:
+        """Run ``code`` in a fresh interpreter; it reports with ``report(obj)``."""
+        prelude = textwrap.dedent("""
+            import json as _json, sys as _sys
+            def report(obj):
+                print("RESULT " + _json.dumps(obj), flush=True)
+        """)
+        proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                              env=self.env(**extra), capture_output=True, text=True,
+                              timeout=timeout, cwd=str(self.root))
+        results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if check and (proc.returncode != 0 or not results):
+            raise AssertionError(f"child failed (rc={proc.returncode})\nstdout:\n{proc.stdout}"
+                                 f"\nstderr:\n{proc.stderr[-6000:]}")
+        out = json.loads(results[-1]) if results else None
+        return ChildResult(out, proc.returncode, proc.stdout, proc.stderr)
+
+
+class ChildResult:
+    def __init__(self, value: Any, rc: int, stdout: str, stderr: str) -> None:
+        self.value = value
+        self.rc = rc
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def __getitem__(self, k: str) -> Any:
+        return self.value[k]
