@@ -1,0 +1,190 @@
+"""cache_compile's contract: argument checking, inference only, fullgraph, disable switch.
+
+In-process tests with real torch.compile on the fast aot_eager backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from cachecompile import (
+    ContractError,
+    GraphBreakError,
+    InferenceOnlyError,
+    SignatureLimitWarning,
+    cache_compile,
+)
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+    def breaks(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        torch._dynamo.graph_break()  # the line the error must name
+        return y * 2
+
+
+def plain(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+class NotAModule:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _decorated(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def inner(*a: Any, **k: Any) -> Any:
+        return fn(*a, **k)
+    return inner
+
+
+class Decorated(nn.Module):
+    @_decorated
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
+    return tmp_path / "cc"
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (plain, "plain function plain"),
+    (Small(), "the module Small itself"),
+    (lambda x: x, "plain function"),
+    (NotAModule().run, "method of NotAModule"),
+    (Decorated().run, "wrapped by another decorator"),
+    (42, "got int"),
+])
+def test_non_method_is_a_type_error_with_the_pattern(bad: Any, needle: str) -> None:
+    with pytest.raises(TypeError) as info:
+        cache_compile(bad)
+    msg = str(info.value)
+    assert needle in msg
+    assert "self.cached_forward = cache_compile(self._forward)" in msg
+    assert isinstance(info.value, ContractError)
+
+
+def test_unbound_method_through_the_class_is_refused() -> None:
+    with pytest.raises(ContractError, match="bound to an instance"):
+        cache_compile(Small.run)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"fullgraf": True}, "unexpected keyword arguments fullgraf"),
+    ({"backend": "tensorrt"}, "unknown backend 'tensorrt'"),
+    ({"backend": object()}, "backend must be an adapter name"),
+    ({"config": ["max_autotune"]}, "must be a dict of options"),
+    ({"dynamic": "yes"}, "dynamic must be True or False"),
+    ({"global_rank": "0"}, "global_rank must be an int"),
+    ({"max_signatures": 0}, "max_signatures must be a positive int"),
+    ({"custom_decompositions": [1]}, "custom_decompositions must be a dict"),
+    ({"ge_cache": True}, "torchair"),
+])
+def test_bad_arguments_name_the_problem(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ContractError, match=needle):
+        cache_compile(Small().run, **kwargs)
+
+
+def test_double_wrapping_is_refused() -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager")
+    with pytest.raises(ContractError, match="already cached"):
+        cache_compile(cached)  # type: ignore[arg-type]
+
+
+def test_grad_mode_call_with_grad_input_is_refused(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(InferenceOnlyError, match="inference only"):
+        cached(x)
+    # The same call without autograd works and matches eager.
+    with torch.no_grad():
+        assert torch.allclose(cached(x), m.run(x))
+
+
+def test_output_has_no_autograd_history(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    out = cached(torch.randn(2, 4))
+    assert not out.requires_grad
+
+
+def test_graph_break_names_file_line_and_reason(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.breaks, backend="aot_eager", cache_dir=cache_dir)
+    with pytest.raises(GraphBreakError) as info:
+        cached(torch.randn(2, 4))
+    err = info.value
+    assert err.filename == __file__
+    assert err.lineno is not None
+    assert "graph_break" in Path(__file__).read_text().splitlines()[err.lineno - 1]
+    assert f"{__file__}:{err.lineno}" in str(err)
+    assert "Hint:" in str(err)
+    # Nothing was published.
+    import store
+
+    assert list(store.open_store(cache_dir).entries()) == []
+
+
+def test_disable_switch_runs_plain_torch_compile(cache_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_DISABLE", "1")
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    x = torch.randn(3, 4)
+    assert torch.allclose(cached(x), m.run(x))
+    assert [e[0] for e in cached.events] == ["live"]
+    assert not cache_dir.exists() or not any(cache_dir.rglob("manifest.json"))
+    # The contract still holds when caching is off.
+    with pytest.raises(GraphBreakError):
+        cache_compile(m.breaks, backend="aot_eager", cache_dir=cache_dir)(x)
+
+
+def test_static_signature_limit_warns_once_then_runs_live(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir, dynamic=False,
+                           max_signatures=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (1, 2, 3, 4):
+            x = torch.randn(n + 1, 4)
+            assert torch.allclose(cached(x), m.run(x))
+    limit = [w for w in caught if issubclass(w.category, SignatureLimitWarning)]
+    assert len(limit) == 1
+    assert "more than 2 static signatures" in str(limit[0].message)
+    assert [e[0] for e in cached.events] == ["miss", "miss", "live", "live"]
+
+
+def test_dynamic_true_one_entry_serves_all_sizes(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir, dynamic=True)
+    for n in (2, 3, 7, 16):
+        x = torch.randn(n, 4)
+        assert torch.allclose(cached(x), m.run(x))
+    assert [e[0] for e in cached.events] == ["miss"]
+
+
+def test_unkeyable_argument_type_is_a_clear_error(cache_dir: Path) -> None:
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    with pytest.raises(ContractError, match="cannot key argument #0 of type object"):
+        cached(object())
