@@ -171,3 +171,14 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
     assert p.returncode == 0
     for verb in ("ls", "show", "explain", "purge", "stats", "gc", "verify"):
         assert verb in p.stdout
+
+
+def test_large_listing_is_plain_aligned_text() -> None:
+    from store import EntryInfo
+    from store.cli import RICH_MAX_ROWS, _plain_table
+
+    infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,
+                       labels={"model": "m", "function": "f"}) for i in range(RICH_MAX_ROWS + 1)]
+    lines = _plain_table(infos).splitlines()
+    assert len(lines) == RICH_MAX_ROWS + 2 and lines[0].split()[:3] == ["key", "model", "function"]
+    assert len({ln.index(" m ") for ln in lines[1:]}) == 1  # columns line up
