@@ -13,6 +13,7 @@ This module must stay cheap to import: ``torch`` only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import importlib.util
 import logging
@@ -78,14 +79,17 @@ def kernel_digest(argtypes: list[str], source: str) -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _tensor_data_ptr() -> str:
+    return str(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)  # type: ignore[attr-defined]
+
+
 def load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
     """Load a prebuilt Inductor C++ kernel (a CPython extension exposing ``kernel``)."""
-    # Inductor's bindings read this env var to find a C helper; it is a process
-    # constant, so set it once before the first kernel loads.
-    if "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR" not in os.environ:
-        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-            torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
-        )
+    # Inductor's bindings read this env var to find a C helper: a function POINTER in
+    # this process. Always overwrite it (as Inductor does): a value inherited from a
+    # parent process that loaded kernels points into that process and crashes here.
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = _tensor_data_ptr()
     # The module's last name component must be "kernel": the .so exports PyInit_kernel.
     name = f"cachecompile_k{digest}.kernel"
     module = sys.modules.get(name)

@@ -84,3 +84,21 @@ def test_cold_then_warm_compiles_nothing(tmp_path: Path) -> None:
     assert warm["inductor"] is False, "a warm process must not import torch._inductor"
     # Same kernels, same program: the warm results are the cold results.
     assert warm["diffs"] == cold["diffs"]
+
+
+def test_inherited_kernel_env_pointer_does_not_crash(tmp_path: Path) -> None:
+    """Inductor's kernels find a helper through an env var holding a pointer. A parent
+    that loaded kernels passes its own value down; the warm child must not use it."""
+    box = Sandbox(tmp_path)
+    code = """
+import torch
+from cachecompile import cache_compile, models
+m = models.MLP().eval()
+out = cache_compile(m.forward_impl)(models.make_mlp_input())
+report({"ok": bool(torch.allclose(out, m.forward_impl(models.make_mlp_input()), atol=1e-5))})
+"""
+    assert box.run(code)["ok"]
+    stale = {"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140000000000000"}
+    res = box.run(code, check=False, **stale)
+    assert res.rc == 0, f"warm child crashed with an inherited pointer (rc={res.rc})"
+    assert res["ok"]
