@@ -218,13 +218,14 @@ class TraceSession:
         for n in _all_names(code):
             if n.startswith("__compiled_fn"):
                 compiled_fn_names.append(n)
-            elif n.startswith("__import_"):
+            elif n.startswith("__") and n in g and n not in original_names and not n.endswith("__"):
+                # Dynamo installs module references under generated names
+                # (__import_torch_dot_nn..., ___module_torch_<id>_c1): rebind by module name.
                 mod = g.get(n)
                 if not isinstance(mod, types.ModuleType):
-                    raise UnsupportedProgramError(f"global {n} is not a module")
+                    raise UnsupportedProgramError(
+                        f"transformed bytecode uses Dynamo global {n} ({type(mod).__name__})")
                 imports[n] = mod.__name__
-            elif n.startswith("__") and n in g and n not in original_names and not n.endswith("__"):
-                raise UnsupportedProgramError(f"transformed bytecode uses Dynamo global {n}")
         if len(compiled_fn_names) != 1:
             raise UnsupportedProgramError(
                 f"expected one compiled graph in the bytecode, found {len(compiled_fn_names)}")

@@ -40,7 +40,7 @@ def rebuild(method: types.MethodType, bytecode: bytes, imports: Mapping[str, str
         raise UnsupportedProgramError("stored bytecode does not fit the method's closure")
     g = func.__globals__  # type: ignore[attr-defined]
     for gname, modname in imports.items():
-        if not gname.startswith("__import_"):
+        if not gname.startswith("__") or gname.endswith("__"):
             raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
         g.setdefault(gname, _resolve_module(modname))
     if not compiled_fn_name.startswith("__compiled_fn"):
