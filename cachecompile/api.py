@@ -68,28 +68,6 @@ def _int_or_none(name: str, value: Any) -> int | None:
     return value
 
 
-def _select_backend(backend: Any, config: Any) -> tuple[str, Mapping[str, Any]]:
-    if backend is None:
-        name = "inductor"
-    elif isinstance(backend, str):
-        name = backend
-    else:
-        raise ContractError(
-            f"cache_compile(): backend must be an adapter name ({', '.join(backends.names())}), "
-            f"got {type(backend).__qualname__}")
-    if name not in backends.names():
-        raise ContractError(f"cache_compile(): unknown backend {name!r}; known: "
-                            f"{', '.join(backends.names())}")
-    if config is None:
-        options: Mapping[str, Any] = {}
-    elif isinstance(config, Mapping):
-        options = dict(config)
-    else:
-        raise ContractError(f"cache_compile(): config for backend {name!r} must be a dict of "
-                            f"options, got {type(config).__qualname__}")
-    return name, options
-
-
 def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any = None,
                   dynamic: bool = True, cache_dir: str | os.PathLike[str] | None = None,
                   global_rank: int | None = None, tp_rank: int | None = None,
@@ -130,16 +108,16 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
     if custom_decompositions is not None and not isinstance(custom_decompositions, Mapping):
         raise ContractError("cache_compile(): custom_decompositions must be a dict "
                             "{aten op: function}")
-    if ge_cache:
-        raise ContractError("cache_compile(): ge_cache=True needs the Ascend torchair backend, "
-                            "which is not available here")
-    name, options = _select_backend(backend, config)
+    try:
+        adapter, options = backends.resolve(backend, config, ge_cache=ge_cache)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ContractError(f"cache_compile(): {e}") from None
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
     ranks = detect(_int_or_none("global_rank", global_rank), _int_or_none("tp_rank", tp_rank),
                    _int_or_none("pp_rank", pp_rank))
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
-    return CachedFunction(method, adapter=backends.get(name), options=options, dynamic=dynamic,
+    return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
                           cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                           ranks=ranks, decompositions=custom_decompositions,
                           max_signatures=max_signatures, enabled=enabled)
