@@ -430,7 +430,26 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
         sys.exit(EXIT_PROBLEMS)
 
 
+# Verbs of optional features live in their own modules (store/cli_<feature>.py), each
+# with ``register(cli)``; a feature whose module is absent simply has no verbs.
+_PLUGINS = ("store.cli_remote", "store.cli_torchair")
+
+
+def _load_plugins() -> None:
+    import importlib
+
+    for name in _PLUGINS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(cli)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _load_plugins()
     cli.main(args=argv, prog_name="cachectl")
 
 
