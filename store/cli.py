@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -146,15 +147,19 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
 
 
 RICH_MAX_ROWS = 500
+SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
-            ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
             ("state", "left"))
 
 
 def _row(i: EntryInfo) -> list[str]:
     ranks = i.labels.get("ranks") or i.labels.get("rank", "")
+    sig = i.labels.get("signature", "")
+    if len(sig) > SIGNATURE_WIDTH:
+        sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
+            i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
 
 
 def _entries_table(infos: list[EntryInfo], title: str | None = None) -> Table:
@@ -162,7 +167,8 @@ def _entries_table(infos: list[EntryInfo], title: str | None = None) -> Table:
     for col, just in _COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     for i in infos:
-        t.add_row(*_row(i))
+        # Labels are user data: "[2,n]" must not be read as rich markup.
+        t.add_row(*(escape(c) for c in _row(i)))
     return t
 
 
@@ -229,13 +235,13 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
     con.print(f"[bold]created[/bold]  {_when(m['created'])}")
     if info is not None:
         con.print(f"[bold]used[/bold]     {_when(info.last_used)}  ({info.hits} hits)")
-    con.print(f"[bold]labels[/bold]   {json.dumps(m['labels'], sort_keys=True)}")
-    con.print(f"[bold]meta[/bold]     {json.dumps(m['meta'], sort_keys=True)}")
+    con.print(f"[bold]labels[/bold]   {escape(json.dumps(m['labels'], sort_keys=True))}")
+    con.print(f"[bold]meta[/bold]     {escape(json.dumps(m['meta'], sort_keys=True))}")
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
     for k, v in flatten(m["factors"]).items():
-        ft.add_row(k, json.dumps(v))
+        ft.add_row(escape(k), escape(json.dumps(v)))
     con.print(ft)
     fl = Table(title="files", box=None, pad_edge=False, title_justify="left")
     fl.add_column("name")
@@ -314,7 +320,7 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         if n in diff:
             t.add_row(Text("* " + n, style="bold red"), Text(va, style="red"), Text(vb, style="red"))
         elif show_all:
-            t.add_row("  " + n, va, vb)
+            t.add_row(escape("  " + n), escape(va), escape(vb))
     con.print(t)
 
 

@@ -236,3 +236,39 @@ def test_manifest_factors_are_readable(tmp_path: Path) -> None:
     for factor in ("function", "module", "backend", "config", "dynamic", "decompositions",
                    "ranks", "versions", "device", "signature"):
         assert f'"{factor}"' in text, factor
+
+
+FLAG = '''
+import torch
+from cachecompile import cache_compile
+import model
+m = model.Net().eval()
+cached = cache_compile(m.run, backend="aot_eager")
+cached(torch.randn(4, 8))
+cached(torch.randn(1, 8))
+report({"events": [e[0] for e in cached.events]})
+'''
+
+
+def test_cachectl_ls_and_explain_show_signatures(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    box = Sandbox(tmp_path)
+    _setup(box)
+    assert box.run(FLAG)["events"] == ["miss", "miss"]
+
+    def ctl(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "store.cli", *args, "--cache-dir",
+                               str(box.store)], capture_output=True, text=True,
+                              env=box.env(), timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    table = ctl("ls")
+    assert "Net" in table and "run" in table and "g0/1" in table
+    assert "float32[n,n]@cpu" in table and "float32[1,n]@cpu" in table  # size-1 dim
+    keys = [e["key"] for e in json.loads(ctl("ls", "--json"))]
+    assert len(keys) == 2
+    explained = ctl("explain", keys[0][:10])  # nearest entry: the other signature
+    assert "1 of" in explained and "signature" in explained
