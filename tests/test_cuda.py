@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ccutil import Sandbox
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
