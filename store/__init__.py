@@ -82,12 +82,31 @@ def open_store(
     max_size: int | str | None = None,
     readonly: bool = False,
     shared_group: bool | None = None,
+    remote: str | None = None,
 ) -> Store | ReadOnlyStore:
     """Open (creating with mode 0700) the store at ``root``.
 
     Raises InsecureStoreError if the root may be written by someone else. A root that
     cannot be written gives a :class:`ReadOnlyStore`, with one warning logged.
+    With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
+    local store gets a remote tier behind it (:mod:`store.tiered`); ``remote=""`` opts out.
     """
+    local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group)
+    url = os.environ.get("CACHECOMPILE_REMOTE", "") if remote is None else remote
+    if not url:
+        return local
+    from .tiered import wrap  # deferred: only remote users pay for it
+
+    return wrap(local, url)
+
+
+def _open_local(
+    root: str | os.PathLike[str] | None,
+    *,
+    max_size: int | str | None,
+    readonly: bool,
+    shared_group: bool | None,
+) -> Store | ReadOnlyStore:
     path = Path(root).expanduser() if root is not None else default_root()
     if max_size is None:
         max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE

@@ -101,3 +101,24 @@ class AmbiguousKey(KeyNotFound):
         self.matches = matches
         shown = ", ".join(m[:12] for m in matches[:5])
         super().__init__(f"prefix {prefix!r} matches {len(matches)} entries ({shown}...)")
+
+
+# -- remote tier and bundles (issue 6): RemoteError < StoreError; UntrustedEntryError and
+# UnsafeArchiveError < StoreError. Appended here so the tree above stays stable.
+
+
+class RemoteError(StoreError):
+    """The remote tier failed: connection refused, a timeout, OOM, a partial read."""
+
+
+class UntrustedEntryError(StoreError):
+    """An entry from a remote or a bundle lacks a valid signature, or trust was not given."""
+
+    def __init__(self, digest: str, reason: str) -> None:
+        self.digest = digest
+        self.reason = reason
+        super().__init__(f"refusing entry {digest}: {reason}")
+
+
+class UnsafeArchiveError(StoreError):
+    """A bundle is malformed or malicious (tar-slip, a link, a device, a bad checksum)."""

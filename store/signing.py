@@ -1,0 +1,149 @@
+"""Signed entry records: what a remote tier or a bundle carries besides the files.
+
+Loading an entry runs its code, so an entry that arrives from elsewhere (Redis, a
+bundle) must prove where it came from. A *record* is::
+
+    {"body": "<canonical JSON text>", "sig": "<hex HMAC-SHA256>" | null}
+
+and its body is ``{"format": 1, "key": <digest>, "manifest": {...}, "sha256": {name: hex},
+"chunks": {sha256: chunk size}}``. The manifest already holds each file's size and
+XXH3-128, but XXH3 is not collision resistant, so the body adds a SHA-256 per file: the
+HMAC covers the body, the body pins every byte of every file.
+
+Policy (:class:`Trust`): with ``CACHECOMPILE_SIGNING_KEY`` set, records are signed on the
+way out and a missing or wrong signature is refused on the way in. Without a key, remote
+records are accepted only if the user opts in with ``CACHECOMPILE_TRUST_REMOTE=1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ManifestError, UntrustedEntryError
+from .manifest import parse_manifest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RECORD_FORMAT", "Record", "Trust", "make_record", "parse_record", "sha256_file"]
+
+RECORD_FORMAT = 1
+# Domain separation: an HMAC made for something else with the same key never verifies here.
+_CONTEXT = b"cachecompile-entry-record-v1\n"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def sha256_file(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_key(text: str) -> bytes:
+    # "file:/run/secrets/cc-key" keeps the secret itself out of the environment.
+    if text.startswith("file:"):
+        return Path(text[5:]).expanduser().read_bytes().strip()
+    return text.encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Who is believed: ``key`` signs and verifies; ``accept_unsigned`` is the opt-in."""
+
+    key: bytes | None = None
+    accept_unsigned: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Trust:
+        env = os.environ if env is None else env
+        raw = env.get("CACHECOMPILE_SIGNING_KEY") or ""
+        key = _load_key(raw) if raw else None
+        return cls(key=key or None,
+                   accept_unsigned=env.get("CACHECOMPILE_TRUST_REMOTE", "").lower() in _TRUE)
+
+    def sign(self, body: bytes) -> str | None:
+        if self.key is None:
+            return None
+        return hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
+
+    def check(self, body: bytes, sig: str | None, digest: str) -> None:
+        """Raise UntrustedEntryError unless this record may be loaded."""
+        if self.key is not None:
+            if not sig:
+                raise UntrustedEntryError(digest, "it is not signed and CACHECOMPILE_SIGNING_KEY "
+                                                  "is set")
+            want = hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
+            if not hmac.compare_digest(want, str(sig)):
+                raise UntrustedEntryError(digest, "its signature does not match "
+                                                  "CACHECOMPILE_SIGNING_KEY")
+            return
+        if not self.accept_unsigned:
+            raise UntrustedEntryError(
+                digest, "no CACHECOMPILE_SIGNING_KEY to verify it with; loading an entry runs "
+                        "its code, so set the key, or CACHECOMPILE_TRUST_REMOTE=1 to trust "
+                        "this remote")
+
+
+@dataclass(frozen=True)
+class Record:
+    """A parsed, not yet trusted, record."""
+
+    key: str
+    manifest: dict[str, Any]
+    sha256: dict[str, str]
+    chunks: dict[str, int]
+    body: bytes
+    sig: str | None
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(int(r["size"]) for r in self.manifest["files"].values())
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"body": self.body.decode("utf-8"), "sig": self.sig}).encode("utf-8")
+
+
+def make_record(manifest: Mapping[str, Any], sha256: Mapping[str, str],
+                chunks: Mapping[str, int], trust: Trust) -> Record:
+    doc = {"format": RECORD_FORMAT, "key": manifest["key"], "manifest": dict(manifest),
+           "sha256": dict(sha256), "chunks": dict(chunks)}
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return Record(key=str(manifest["key"]), manifest=dict(manifest), sha256=dict(sha256),
+                  chunks=dict(chunks), body=body, sig=trust.sign(body))
+
+
+def parse_record(raw: bytes, expect_key: str) -> Record:
+    """Parse a record (shape only: call ``Trust.check`` before believing it)."""
+    try:
+        outer = json.loads(raw)
+        body = outer["body"].encode("utf-8")
+        sig = outer.get("sig")
+        doc = json.loads(body)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ManifestError(f"entry record for {expect_key} is malformed: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+        raise ManifestError(f"entry record for {expect_key} has an unknown format")
+    if doc.get("key") != expect_key or not isinstance(doc.get("manifest"), dict):
+        raise ManifestError(f"entry record for {expect_key} names another key")
+    manifest = parse_manifest(json.dumps(doc["manifest"]), expect_key=expect_key)
+    sha = doc.get("sha256")
+    chunks = doc.get("chunks")
+    if (not isinstance(sha, dict) or set(sha) != set(manifest["files"])
+            or not all(isinstance(v, str) and len(v) == 64 for v in sha.values())):
+        raise ManifestError(f"entry record for {expect_key} lacks a SHA-256 per file")
+    if not isinstance(chunks, dict) or not all(
+            isinstance(v, int) and v > 0 for v in chunks.values()):
+        raise ManifestError(f"entry record for {expect_key} has malformed chunk sizes")
+    if sig is not None and not isinstance(sig, str):
+        raise ManifestError(f"entry record for {expect_key} has a malformed signature")
+    return Record(key=expect_key, manifest=manifest, sha256=dict(sha), chunks=dict(chunks),
+                  body=body, sig=sig)
