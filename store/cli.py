@@ -373,6 +373,9 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     if zero:
         st.zero_stats()
     s = st.stats()
+    from .tiered import hit_split  # hits served locally vs downloaded from the remote tier
+
+    s.update(hit_split(st, s["hits"]))
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
         return
@@ -386,6 +389,8 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     total_misses = sum(s["misses"].values())
     lookups = s["hits"] + s["misses"].get("absent", 0)
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
+    t.add_row("  local", str(s["hits_local"]))
+    t.add_row("  remote", str(s["hits_remote"]))
     t.add_row("misses", str(total_misses))
     for kind, n in sorted(s["misses"].items()):
         t.add_row(f"  {kind}", str(n))

@@ -1,0 +1,341 @@
+"""Bundles: entries, manifests and signatures in one ``.tar.zst`` (or ``.tar.gz``) file,
+so that a container image can ship a warm cache.
+
+Archive layout (members in this order)::
+
+    cachecompile-bundle.json          {"format": 1, "entries": [<digest>, ...]}
+    <digest>/record.json              the signed record (store.signing), as the remote keeps it
+    <digest>/data/<name>              the entry's files
+
+Import is all or nothing: every member is checked as it streams in (a relative path
+without ``..``, a regular file or directory: no symlink, hard link, device or FIFO, no
+name twice), staged under the store's ``tmp/``, then every entry is verified (record,
+signature policy, exact file set, size, SHA-256 and XXH3-128). Only when all of them pass
+is anything published, each entry through the store's normal atomic ``put``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import xxhash
+
+from . import errors
+from .fsutil import rmtree_quiet, temp_name, write_new_file
+from .keys import Key, is_digest
+from .manifest import validate_name
+from .signing import Record, Trust, make_record, parse_record, sha256_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BundleReport", "export_bundle", "import_bundle", "compression_of"]
+
+INDEX = "cachecompile-bundle.json"
+BUNDLE_FORMAT = 1
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_GZIP_MAGIC = b"\x1f\x8b"
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class BundleReport:
+    entries: list[str] = field(default_factory=list)
+    bytes: int = 0  # logical bytes of the entries' files
+    skipped: list[str] = field(default_factory=list)  # already present (import)
+    seconds: float = 0.0
+
+
+def compression_of(path: Path | str) -> str:
+    """``zstd``, ``gzip`` or ``none`` from the file name (export)."""
+    name = str(path).lower()
+    if name.endswith((".tar.zst", ".tzst", ".tar.zstd")):
+        return "zstd"
+    if name.endswith((".tar.gz", ".tgz")):
+        return "gzip"
+    if name.endswith(".tar"):
+        return "none"
+    raise ValueError(f"{path}: name the bundle .tar.zst, .tar.gz or .tar")
+
+
+class _Counting(io.RawIOBase):
+    """A read-only file wrapper that reports bytes read (progress over the compressed file)."""
+
+    def __init__(self, f: IO[bytes], progress: Progress | None) -> None:
+        self._f = f
+        self._progress = progress
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._f.read(len(b))
+        n = len(data)
+        b[:n] = data
+        if self._progress is not None and n:
+            self._progress(n)
+        return n
+
+
+# -- export ----------------------------------------------------------------------------
+def export_bundle(st: Any, out: Path | str, digests: Iterable[str], *,
+                  trust: Trust | None = None, progress: Progress | None = None,
+                  level: int = 3) -> BundleReport:
+    """Write the entries ``digests`` of ``st`` to ``out`` (atomically: temp file, rename).
+
+    ``progress`` gets the number of file bytes added as they are added.
+    """
+    out = Path(out)
+    comp = compression_of(out)
+    trust = trust if trust is not None else Trust.from_env()
+    report = BundleReport()
+    t0 = time.perf_counter()
+    todo = list(dict.fromkeys(digests))
+    tmp = out.with_name(f".{out.name}.{temp_name('export')}")
+    try:
+        with open(tmp, "xb") as fh:
+            with _tar_writer(fh, comp, level) as tf:
+                _add_bytes(tf, INDEX, json.dumps(
+                    {"format": BUNDLE_FORMAT, "entries": todo}, indent=1).encode())
+                for d in todo:
+                    hit = st.peek(d)
+                    if not hit:
+                        raise errors.KeyNotFound(f"cannot export {d}: {hit.reason}")
+                    entry = hit.entry
+                    names = sorted(entry.files)
+                    sha = {n: sha256_file(entry.files[n]) for n in names}
+                    rec = make_record(entry.manifest, sha, {}, trust)
+                    _add_bytes(tf, f"{d}/record.json", rec.to_bytes())
+                    for n in names:
+                        info = tf.gettarinfo(str(entry.files[n]), arcname=f"{d}/data/{n}")
+                        info.uid = info.gid = 0
+                        info.uname = info.gname = ""
+                        info.mode = 0o500 if info.mode & 0o100 else 0o400
+                        with open(entry.files[n], "rb") as f:
+                            tf.addfile(info, _Counting(f, progress))  # type: ignore[arg-type]
+                    report.entries.append(d)
+                    report.bytes += entry.size_bytes
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@contextlib.contextmanager
+def _tar_writer(fh: IO[bytes], comp: str, level: int) -> Iterator[tarfile.TarFile]:
+    if comp == "zstd":
+        import zstandard  # deferred: only bundle users pay for it
+
+        cctx = zstandard.ZstdCompressor(level=level, threads=-1)
+        with cctx.stream_writer(fh, closefd=False) as zw:
+            with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tf:  # type: ignore[call-overload]
+                yield tf
+    elif comp == "gzip":
+        with tarfile.open(fileobj=fh, mode="w|gz", format=tarfile.PAX_FORMAT) as tf:
+            yield tf
+    else:
+        with tarfile.open(fileobj=fh, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+            yield tf
+
+
+def _add_bytes(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o400
+    info.mtime = int(time.time())
+    tf.addfile(info, io.BytesIO(data))
+
+
+# -- import ----------------------------------------------------------------------------
+def _safe_member(m: tarfile.TarInfo) -> tuple[str, str, str]:
+    """(digest, kind, rest) of an allowed member, else UnsafeArchiveError.
+
+    kind is "index", "record", "data" or "dir".
+    """
+    name = m.name
+    if not name or name.startswith("/") or "\\" in name or "\x00" in name:
+        raise errors.UnsafeArchiveError(f"member {name!r} has an absolute or odd path")
+    parts = name.rstrip("/").split("/") if m.isdir() else name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise errors.UnsafeArchiveError(f"member {name!r} has an empty, '.' or '..' component")
+    if m.issym() or m.islnk():
+        raise errors.UnsafeArchiveError(f"member {name!r} is a link (to {m.linkname!r})")
+    if m.ischr() or m.isblk() or m.isfifo() or m.isdev():
+        raise errors.UnsafeArchiveError(f"member {name!r} is a device or FIFO")
+    if m.isdir():
+        if not is_digest(parts[0]) or len(parts) > 1 and parts[1] != "data":
+            raise errors.UnsafeArchiveError(f"unexpected directory {name!r}")
+        return parts[0], "dir", ""
+    if not m.isreg():
+        raise errors.UnsafeArchiveError(f"member {name!r} is not a regular file")
+    if parts == [INDEX]:
+        return "", "index", ""
+    if len(parts) >= 2 and is_digest(parts[0]):
+        if parts[1:] == ["record.json"]:
+            return parts[0], "record", ""
+        if parts[1] == "data" and len(parts) >= 3:
+            rest = "/".join(parts[2:])
+            try:
+                validate_name(rest)
+            except errors.UnsafePathError as e:
+                raise errors.UnsafeArchiveError(f"member {name!r}: {e}") from None
+            return parts[0], "data", rest
+    raise errors.UnsafeArchiveError(f"unexpected member {name!r}")
+
+
+def _open_tar(fh: IO[bytes]) -> tarfile.TarFile:
+    head = fh.read(4)
+    fh.seek(0)
+    if head.startswith(_ZSTD_MAGIC):
+        import zstandard
+
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=False)
+        return tarfile.open(fileobj=reader, mode="r|")  # type: ignore[call-overload,no-any-return]
+    if head.startswith(_GZIP_MAGIC):
+        return tarfile.open(fileobj=fh, mode="r|gz")
+    return tarfile.open(fileobj=fh, mode="r|")
+
+
+@dataclass
+class _Staged:
+    record: bytes | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def _stage(tf: tarfile.TarFile, staging: Path) -> tuple[list[str] | None, dict[str, _Staged]]:
+    seen: set[str] = set()
+    index: list[str] | None = None
+    staged: dict[str, _Staged] = {}
+    n = 0
+    for m in tf:
+        digest, kind, rest = _safe_member(m)
+        key = m.name.rstrip("/")
+        if key in seen:
+            raise errors.UnsafeArchiveError(f"member {m.name!r} appears twice")
+        seen.add(key)
+        if kind == "dir":
+            continue
+        src = tf.extractfile(m)
+        if src is None:
+            raise errors.UnsafeArchiveError(f"member {m.name!r} has no data")
+        if kind == "index":
+            try:
+                doc = json.loads(src.read(1 << 20))
+                index = [str(d) for d in doc["entries"]]
+                if doc.get("format") != BUNDLE_FORMAT:
+                    raise ValueError(f"format {doc.get('format')!r}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise errors.UnsafeArchiveError(f"{INDEX} is malformed: {e}") from None
+            continue
+        s = staged.setdefault(digest, _Staged())
+        if kind == "record":
+            s.record = src.read(16 << 20)
+            continue
+        # Our own flat file names: the archive's names never become paths on disk.
+        n += 1
+        target = staging / f"f{n}"
+        # Keep the executable bit (put() carries it into the store), nothing else.
+        mode = 0o700 if m.mode & 0o100 else 0o600
+        write_new_file(target, iter(functools.partial(src.read, 1 << 20), b""), mode)
+        s.files[rest] = target
+    return index, staged
+
+
+def _verify(digest: str, s: _Staged, trust: Trust) -> Record:
+    if s.record is None:
+        raise errors.UnsafeArchiveError(f"entry {digest} has no record.json")
+    try:
+        rec = parse_record(s.record, digest)
+    except errors.ManifestError as e:
+        raise errors.UnsafeArchiveError(f"entry {digest}: {e}") from None
+    trust.check(rec.body, rec.sig, digest)
+    want = set(rec.manifest["files"])
+    if set(s.files) != want:
+        extra = sorted(set(s.files) - want)
+        missing = sorted(want - set(s.files))
+        raise errors.UnsafeArchiveError(f"entry {digest}: files do not match its manifest "
+                                        f"(extra {extra}, missing {missing})")
+    for name, frec in rec.manifest["files"].items():
+        path = s.files[name]
+        sha = hashlib.sha256()
+        xx = xxhash.xxh3_128()
+        size = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                sha.update(chunk)
+                xx.update(chunk)
+                size += len(chunk)
+        if (size != frec["size"] or sha.hexdigest() != rec.sha256[name]
+                or xx.hexdigest() != frec["xxh3_128"]):
+            raise errors.CorruptEntryError(digest, f"file {name!r} fails its checksums")
+    return rec
+
+
+def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
+                  progress: Progress | None = None) -> BundleReport:
+    """Verify every entry of the bundle ``src``, then publish them all into ``st``.
+
+    Raises UnsafeArchiveError, CorruptEntryError or UntrustedEntryError (nothing is
+    published then). Without ``CACHECOMPILE_SIGNING_KEY`` unsigned bundles are accepted
+    (you chose the file); with it, every entry must carry a valid signature.
+    ``progress`` gets compressed bytes read.
+    """
+    if getattr(st, "readonly", False):
+        raise errors.ReadOnlyStoreError(f"cannot import into {st.root}: it is read-only")
+    if trust is None:
+        env = Trust.from_env()
+        trust = Trust(key=env.key, accept_unsigned=True)
+    report = BundleReport()
+    t0 = time.perf_counter()
+    staging = Path(st.root) / "v1" / "tmp" / temp_name("import")
+    staging.mkdir(mode=0o700, parents=True)
+    try:
+        with open(src, "rb") as raw:
+            try:
+                with _open_tar(_Counting(raw, progress)) as tf:  # type: ignore[arg-type]
+                    index, staged = _stage(tf, staging)
+            except (tarfile.TarError, EOFError) as e:
+                raise errors.UnsafeArchiveError(f"{src} is not a readable bundle: {e}") from None
+            except Exception as e:
+                if type(e).__module__.startswith("zstd"):  # zstandard.ZstdError
+                    raise errors.UnsafeArchiveError(f"{src}: {e}") from None
+                raise
+        if index is None:
+            raise errors.UnsafeArchiveError(f"{src} has no {INDEX}: not a cachecompile bundle")
+        if sorted(index) != sorted(staged):
+            raise errors.UnsafeArchiveError(f"{src}: its index does not list exactly the "
+                                            "entries it holds")
+        records = {d: _verify(d, staged[d], trust) for d in index}
+        # Everything verified: publish. Each put is atomic on its own.
+        for d in index:
+            rec = records[d]
+            m = rec.manifest
+            if st.contains(d) and st.peek(d):
+                report.skipped.append(d)
+                continue
+            st.put(Key(digest=d, factors=m["factors"]), staged[d].files, labels=m["labels"],
+                   meta=m["meta"])
+            report.entries.append(d)
+            report.bytes += rec.size_bytes
+    finally:
+        rmtree_quiet(staging)
+    report.seconds = time.perf_counter() - t0
+    logger.info("imported %d entries (%d skipped) from %s", len(report.entries),
+                len(report.skipped), src)
+    return report
