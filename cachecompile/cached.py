@@ -30,9 +30,9 @@ import store as store_pkg
 from store import Hit, Key, make_key
 from store.errors import StoreError
 
+from . import coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
-from . import replay
 from .backends.base import Adapter
 from .errors import (
     CacheFaultWarning,
@@ -68,8 +68,6 @@ class _Stale(Exception):
     pass
 
 
-class _ReadOnly(Exception):
-    pass
 
 
 class CachedFunction:
@@ -215,17 +213,17 @@ class CachedFunction:
 
         lock: Any = None
         readonly = isinstance(st, store_pkg.ReadOnlyStore)
-        try:
-            if readonly:
-                raise _ReadOnly()
-            lock = st.lock(key.digest, timeout=float(os.environ.get("CACHECOMPILE_LOCK_TIMEOUT", 900)))
-            lock.__enter__()
-        except _ReadOnly:
-            lock = None
-        except (StoreError, OSError) as e:
-            self._fault(f"could not take the compile lock for {key.digest[:12]} ({e}); "
-                        "compiling without it")
-            lock = None
+        who = f"{self.__qualname__} [{self._ranks.label()}, pid {os.getpid()}]"
+        if not readonly:
+            try:
+                lock = coop.held(st, key.digest, who=who,
+                                 purpose=f"entry {key.digest[:12]} ({self.__qualname__})")
+                lock.__enter__()
+            except (StoreError, OSError) as e:
+                self._fault(f"could not take the compile lock for {key.digest[:12]} ({e}); "
+                            "compiling without it")
+                lock = None
+        share = coop.GraphShare(st, self.factors(sig), self._adapter, who) if not readonly else None
         try:
             if lock is not None:
                 # Another process may have published while we waited for the lock.
@@ -235,12 +233,13 @@ class CachedFunction:
                     self.events.append(("hit", describe(sig)))
                     return runner(*args, **kwargs)
             session = TraceSession(self._method, self._adapter, self._options,
-                                   self._decompositions, self._dynamic)
+                                   self._decompositions, self._dynamic, share=share)
             t0 = time.perf_counter()
             result = session(*args, **kwargs)
             elapsed = time.perf_counter() - t0
             self._runners[sig] = session
-            self.events.append(("miss", describe(sig)))
+            self.events.append(("shared" if share is not None and share.shared else "miss",
+                                describe(sig)))
             try:
                 trace = session.trace()
             except UnsupportedProgramError as e:
@@ -251,10 +250,14 @@ class CachedFunction:
                 self._fault(f"the cache at {st.root} is read-only; {self.__qualname__} "
                             f"[{describe(sig)}] was compiled but not published")
                 return result
+            if share is not None:
+                share.publish(trace.program, self._adapter.name, factors_mod.FORMAT_VERSION)
             self._publish(st, key, sig, trace, elapsed)
             session.on_recompile = lambda reason: self._withdraw(st, key, sig, reason)
             return result
         finally:
+            if share is not None:
+                share.finish()
             if lock is not None:
                 lock.__exit__(None, None, None)
 

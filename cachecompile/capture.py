@@ -26,6 +26,7 @@ import sysconfig
 import time
 import types
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from .errors import GraphBreakError, UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DIR = str(__import__("pathlib").Path(torch.__file__).parent)
+_TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 
 
@@ -104,13 +105,14 @@ class TraceSession:
 
     def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
                  decompositions: Mapping[Any, Any] | None, dynamic: bool,
-                 capture: bool = True) -> None:
+                 capture: bool = True, share: Any = None) -> None:
         self._orig = method
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
         self._adapter = adapter
         self._options = dict(options)
         self._decompositions = decompositions
         self._capture = capture
+        self.share = share
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
@@ -135,7 +137,15 @@ class TraceSession:
             return compiled.live
         t0 = time.perf_counter()
         deps = _traced_user_files() if self._capture else {}
-        compiled = self._adapter.compile(gm, example_inputs, self._options, self._decompositions)
+
+        def compile_here() -> Compiled:
+            return self._adapter.compile(gm, example_inputs, self._options,
+                                         self._decompositions)
+
+        if self.share is not None:
+            compiled = self.share.compile(gm, example_inputs, compile_here)
+        else:
+            compiled = compile_here()
         self.traces += 1
         self._compile_seconds = time.perf_counter() - t0
         self._deps = deps

@@ -196,12 +196,16 @@ def cli() -> None:
 @click.option("--reverse/--no-reverse", default=True, show_default=True,
               help="Largest / newest first.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@click.option("--graphs", is_flag=True,
+              help="Also list shared-graph entries (programs ranks share; label kind=graph).")
 def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
-           function: str | None, sort: str, reverse: bool, as_json: bool) -> None:
+           function: str | None, sort: str, reverse: bool, as_json: bool,
+           graphs: bool) -> None:
     """List entries, one row each."""
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
-    infos = [i for i in st.entries() if _match(i, want)]
+    infos = [i for i in st.entries() if _match(i, want)
+             and (graphs or want.get("kind") == "graph" or i.labels.get("kind") != "graph")]
     infos.sort(key=_SORTS[sort], reverse=reverse)
     if as_json:
         click.echo(json.dumps([i.to_json() for i in infos], indent=1))

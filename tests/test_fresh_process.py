@@ -134,7 +134,8 @@ def test_corrupt_entry_falls_back_to_a_recompile(tmp_path: Path) -> None:
     assert box.run(run)["event"] == "miss"
     programs = [p for p in _entry_files(box) if p.name == "program.py"]
     assert programs, "expected a stored program"
-    for p in programs:  # flip one byte (hard links: every path to the blob sees it)
+    inodes = {p.stat().st_ino: p for p in programs}  # entries share blobs by hard link
+    for p in inodes.values():  # flip one byte per blob: every entry linking it sees it
         data = bytearray(p.read_bytes())
         data[len(data) // 2] ^= 0x01
         p.chmod(0o600)
@@ -172,7 +173,8 @@ def test_undeserialisable_entry_is_replaced_with_a_warning(tmp_path: Path) -> No
     assert box.run(run)["event"] == "miss"
     box.run(FORGE)  # valid checksums, garbage bytecode
     bad = box.run(run)
-    assert bad["event"] == "miss" and bad["ok"]
+    # Traced again; the shared-graph entry (intact) may supply the program.
+    assert bad["event"] in ("miss", "shared") and bad["ok"]
     assert any("could not be loaded" in w and "bytecode" in w for w in bad["warnings"]), \
         bad["warnings"]
     assert box.run(run)["event"] == "hit"
@@ -229,9 +231,11 @@ def test_manifest_factors_are_readable(tmp_path: Path) -> None:
     box = Sandbox(tmp_path)
     _setup(box)
     box.run(RUN.format(backend="aot_eager"))
-    manifests = list(box.store.rglob("manifest.json"))
-    assert len(manifests) == 1
-    m = json.loads(manifests[0].read_text())
+    manifests = [json.loads(p.read_text()) for p in box.store.rglob("manifest.json")]
+    method = [m for m in manifests if m["labels"].get("kind") != "graph"]
+    graph = [m for m in manifests if m["labels"].get("kind") == "graph"]
+    assert len(method) == 1 and len(graph) == 1
+    m = method[0]
     text = json.dumps(m)
     for factor in ("function", "module", "backend", "config", "dynamic", "decompositions",
                    "ranks", "versions", "device", "signature"):

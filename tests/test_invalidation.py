@@ -46,7 +46,10 @@ def _call(cache_dir: Path, m: nn.Module, *args: Any, method: str = "run",
         out = cached(*args, **kwargs)
         want = getattr(m, method)(*args, **kwargs)
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-6), "cached result differs from eager"
-    return cached.events[-1][0]
+    # "shared": the key missed and the method was traced, but an identical graph's
+    # compiled program was already in the store (see test_ranks.py). For the key, a miss.
+    event = cached.events[-1][0]
+    return "miss" if event == "shared" else event
 
 
 def seeded(seed: int = 0, **kw: Any) -> Net:

@@ -32,7 +32,12 @@ def test_recompile_withdraws_entry_and_keeps_results_right(tmp_path: Path) -> No
     with torch.no_grad():
         assert torch.allclose(cached(x), m.run(x))
     st = store.open_store(d)
-    assert len(list(st.entries())) == 1
+
+    def method_entries() -> list[store.EntryInfo]:
+        # Shared-graph entries (kind=graph) hold only a program and stay valid.
+        return [e for e in st.entries() if e.labels.get("kind") != "graph"]
+
+    assert len(method_entries()) == 1
 
     ACT = "sigmoid"
     try:
@@ -46,4 +51,4 @@ def test_recompile_withdraws_entry_and_keeps_results_right(tmp_path: Path) -> No
     assert len(recompiles) == 1
     assert "traced twice" in str(recompiles[0].message)
     assert "ACT" in str(recompiles[0].message)  # Dynamo's guard-failure reason
-    assert list(st.entries()) == [], "the entry must be withdrawn"
+    assert method_entries() == [], "the entry must be withdrawn"

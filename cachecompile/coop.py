@@ -1,0 +1,258 @@
+"""Cooperation between processes that share a node's cache (ranks of one job, replicas).
+
+* :func:`held` takes a named store lock, and while it waits it says for whom (the
+  holder writes an ``.owner`` note beside the lock file) and gives up after a timeout
+  with an error naming the lock and the holder. A holder that dies (even by SIGKILL)
+  releases its flock with its process, so the next waiter proceeds.
+* :class:`CompileSlots` bounds the compiles running at once on a node: K lock files
+  ``compile-slot-<i>``; a compiler holds one for the duration of its backend compile.
+* :func:`graph_digest` identifies a Dynamo graph for sharing its compiled program
+  between ranks: the graph's code, its tensor constants and the metadata of its
+  example inputs (shapes with their size hints, strides, dtypes, devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from store.errors import LockTimeout, StoreError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 900.0
+_POLL = 0.2
+_REPORT_EVERY = 30.0
+
+
+def default_slots() -> int:
+    """Compiles allowed at once on this node: ``CACHECOMPILE_COMPILE_SLOTS`` or cores / 2."""
+    raw = os.environ.get("CACHECOMPILE_COMPILE_SLOTS")
+    if raw:
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            logger.warning("ignoring CACHECOMPILE_COMPILE_SLOTS=%r (not an int)", raw)
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def lock_timeout() -> float:
+    try:
+        return float(os.environ.get("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+
+
+def _owner_path(lock_path: Path) -> Path:
+    return lock_path.with_suffix(".owner")
+
+
+def describe_owner(lock_path: Path) -> str:
+    try:
+        info = json.loads(_owner_path(lock_path).read_text())
+    except (OSError, ValueError):
+        return "an unknown process"
+    held = time.time() - float(info.get("since", time.time()))
+    return (f"pid {info.get('pid')} on {info.get('host')} ({info.get('who', '?')}, "
+            f"{info.get('purpose', '?')}, for {held:.0f}s)")
+
+
+def _write_owner(lock_path: Path, who: str, purpose: str) -> None:
+    try:
+        tmp = lock_path.with_suffix(f".owner.{os.getpid()}")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                   "who": who, "purpose": purpose, "since": time.time()}))
+        os.replace(tmp, _owner_path(lock_path))
+    except OSError:
+        logger.debug("could not record lock owner", exc_info=True)
+
+
+@contextlib.contextmanager
+def held(st: Any, name: str, *, who: str, purpose: str,
+         timeout: float | None = None) -> Iterator[Path]:
+    """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout."""
+    limit = lock_timeout() if timeout is None else timeout
+    start = time.monotonic()
+    last_report = -_REPORT_EVERY
+    while True:
+        remaining = limit - (time.monotonic() - start)
+        try:
+            cm = st.lock(name, timeout=max(0.0, min(_POLL * 5, remaining)))
+            path = cm.__enter__()
+        except LockTimeout as e:
+            waited = time.monotonic() - start
+            if waited >= limit:
+                raise LockTimeout(e.path, limit) from None
+            if waited - last_report >= _REPORT_EVERY:
+                last_report = waited
+                logger.info("%s waits for %s held by %s", who, purpose, describe_owner(e.path))
+            continue
+        break
+    try:
+        _write_owner(path, who, purpose)
+        yield path
+    finally:
+        cm.__exit__(None, None, None)
+
+
+class CompileSlots:
+    """At most ``n`` compiles at once per store root (per node, for a local store)."""
+
+    def __init__(self, st: Any, n: int | None = None) -> None:
+        self._st = st
+        self.n = n if n is not None else default_slots()
+
+    @contextlib.contextmanager
+    def slot(self, who: str, timeout: float | None = None) -> Iterator[int]:
+        limit = lock_timeout() if timeout is None else timeout
+        start = time.monotonic()
+        last_report = -_REPORT_EVERY
+        while True:
+            for i in range(self.n):
+                try:
+                    cm = self._st.lock(f"compile-slot-{i}", timeout=0)
+                    path = cm.__enter__()
+                except LockTimeout:
+                    continue
+                try:
+                    _write_owner(path, who, "a compile slot")
+                    yield i
+                finally:
+                    cm.__exit__(None, None, None)
+                return
+            waited = time.monotonic() - start
+            if waited >= limit:
+                raise StoreError(f"{who} waited {limit:g}s for one of {self.n} compile slots "
+                                 "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout")
+            if waited - last_report >= _REPORT_EVERY:
+                last_report = waited
+                logger.info("%s waits for one of %d compile slots", who, self.n)
+            time.sleep(_POLL)
+
+
+def _meta(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        def dim(s: Any) -> str:
+            hint = getattr(getattr(s, "node", None), "hint", None)
+            return f"{s}~{hint}" if hint is not None else str(s)
+
+        return (f"T({','.join(dim(s) for s in x.shape)};{','.join(dim(s) for s in x.stride())};"
+                f"{x.dtype};{x.device};{x.requires_grad})")
+    if isinstance(x, torch.SymInt):
+        return f"S({x}~{getattr(x.node, 'hint', None)})"
+    return f"V({x!r})"
+
+
+def graph_digest(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    h = xxhash.xxh3_128()
+    h.update(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                h.update(f"{node.target}:{_meta(value)}".encode())
+                flat = value.detach().cpu().contiguous().view(-1)
+                h.update(bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b"")
+            else:
+                h.update(f"{node.target}:{value!r}".encode())
+    for x in example_inputs:
+        h.update(_meta(x).encode())
+        h.update(b";")
+    return h.hexdigest()
+
+
+GRAPH_FACTORS = ("backend", "config", "dynamic", "decompositions", "versions", "device",
+                 "torch_flags")
+
+
+class GraphShare:
+    """One compile per identical graph on a node.
+
+    Inside the Dynamo backend: hash the graph, take the graph's lock (waiting ranks block
+    here), then either load the program another process published for this graph, or
+    compile it within a compile slot. The lock is held until :meth:`finish`, after the
+    compiling process verified and published the program, so a waiter never sees an
+    unverified one.
+    """
+
+    def __init__(self, st: Any, factors: dict[str, Any], adapter: Any, who: str) -> None:
+        self._st = st
+        self._factors = {k: factors[k] for k in GRAPH_FACTORS if k in factors}
+        self._adapter = adapter
+        self._who = who
+        self._lock: Any = None
+        self.key: Any = None
+        self.shared = False      # the program came from another process
+        self.compiled = False    # this process compiled it
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                compile_fn: Any) -> Any:
+        from store import Hit, make_key
+
+        from .backends.base import Compiled, Program
+
+        digest = graph_digest(gm, example_inputs)
+        key = make_key({"kind": "graph", "graph": digest, **self._factors})
+        if self._lock is not None and self.key is not None and key.digest != self.key.digest:
+            self.finish()  # Dynamo restarted analysis and produced another graph
+        self.key = key
+        if self._lock is None:  # held already if Dynamo restarted analysis on this graph
+            try:
+                lock = held(self._st, f"graph-{key.digest}", who=self._who,
+                            purpose=f"graph {key.digest[:12]}")
+                lock.__enter__()
+                self._lock = lock
+            except (StoreError, OSError) as e:
+                logger.warning("%s: no shared compile for graph %s (%s); compiling alone",
+                               self._who, key.digest[:12], e)
+                return compile_fn()
+        try:
+            outcome = self._st.get(self.key)
+        except (StoreError, OSError):
+            outcome = None
+        if isinstance(outcome, Hit):
+            try:
+                meta = outcome.entry.meta["program"]
+                light = self._adapter.load(outcome.entry.files, meta)
+                program = Program(files=dict(outcome.entry.files), meta=meta, light=light,
+                                  mutated_inputs=tuple(meta.get("mutated_inputs", ())))
+                self.shared = True
+                logger.info("%s: graph %s was compiled by another process; loaded it",
+                            self._who, self.key.digest[:12])
+                return Compiled(live=light, program=lambda: program)
+            except Exception:  # noqa: BLE001 - a bad shared program: compile our own
+                logger.warning("%s: shared program for graph %s does not load; compiling",
+                               self._who, self.key.digest[:12], exc_info=True)
+        with CompileSlots(self._st).slot(self._who):
+            compiled = compile_fn()
+        self.compiled = True
+        return compiled
+
+    def publish(self, program: Any, adapter_name: str, format_version: int) -> None:
+        """After verification: make this process's program available to the others."""
+        if not self.compiled or self.key is None or self._lock is None:
+            return
+        try:
+            self._st.put(self.key, dict(program.files),
+                         labels={"kind": "graph", "backend": adapter_name,
+                                 "function": "(shared graph)"},
+                         meta={"format": format_version, "adapter": adapter_name,
+                               "program": program.meta})
+        except (StoreError, OSError) as e:
+            logger.warning("%s: could not share graph %s (%s)", self._who,
+                           self.key.digest[:12], e)
+
+    def finish(self) -> None:
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.__exit__(None, None, None)
