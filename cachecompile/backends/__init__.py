@@ -12,6 +12,7 @@ from .base import Adapter
 _REGISTRY: dict[str, str] = {
     "inductor": "cachecompile.backends.inductor",
     "aot_eager": "cachecompile.backends.aot_eager",
+    "torchair": "cachecompile.backends.torchair",
 }
 
 
@@ -39,18 +40,20 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
     Returns the adapter and its options (the ``config`` part of the key). Raises
     TypeError / ValueError with a message for the user on bad input.
     """
+    if _wants_torchair(backend, config, ge_cache):
+        return _resolve_torchair(backend, config, ge_cache)
     if backend is None:
         name = "inductor"
     elif isinstance(backend, str):
         name = backend
     else:
-        raise TypeError(f"backend must be an adapter name ({', '.join(names())}), "
-                        f"got {type(backend).__qualname__}")
+        raise TypeError(f"backend must be an adapter name ({', '.join(names())}) or a "
+                        f"torchair npu backend, got {type(backend).__qualname__}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(names())}")
     if ge_cache:
-        raise ValueError("ge_cache=True needs the Ascend torchair backend, which is not "
-                         "available here")
+        raise ValueError(f"ge_cache=True is an option of the Ascend torchair backend, not of "
+                         f"{name!r}; use backend='torchair' (or leave backend unset)")
     if config is None:
         options: dict[str, Any] = {}
     elif isinstance(config, Mapping):
@@ -59,3 +62,68 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
         raise TypeError(f"config for backend {name!r} must be a dict of options, got "
                         f"{type(config).__qualname__}")
     return get(name), options
+
+
+def _looks_like_compiler_config(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "CompilerConfig" and cls.__module__.startswith("torchair")
+
+
+def _looks_like_npu_backend(obj: Any) -> bool:
+    import functools
+
+    return isinstance(obj, functools.partial) and "compiler_config" in (obj.keywords or {})
+
+
+def _npu_device_present() -> bool:
+    """An NPU this process already set up (torch_npu imported by the user, a device seen).
+
+    Only looked at when nothing else names a backend; torch_npu is never imported here
+    (a failed import of it costs seconds and leaves half-registered state behind).
+    """
+    import sys
+
+    torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None:
+        return False
+    try:
+        return bool(torch_npu.npu.is_available())
+    except Exception:  # noqa: BLE001 - a broken torch_npu means: no NPU to use
+        return False
+
+
+def _wants_torchair(backend: Any, config: Any, ge_cache: bool) -> bool:
+    if backend == "torchair" or _looks_like_npu_backend(backend):
+        return True
+    if isinstance(backend, str):
+        return False  # another named adapter; ge_cache / config errors come from it
+    if backend is not None:
+        return False
+    return ge_cache or _looks_like_compiler_config(config) or (
+        config is None and _npu_device_present())
+
+
+def _resolve_torchair(backend: Any, config: Any, ge_cache: bool) -> tuple[Adapter, dict[str, Any]]:
+    from . import torchair
+
+    why = torchair.unavailable_reason()
+    if why is not None:
+        raise ValueError("the Ascend torchair backend was selected (backend='torchair', a "
+                         "torchair CompilerConfig, ge_cache=True or an NPU device) but it is "
+                         f"not usable here: {why}. Install torch-npu with CANN, or use "
+                         "backend='inductor'")
+    if _looks_like_npu_backend(backend):
+        backend_config = backend.keywords.get("compiler_config")
+        # TorchAir's own check (cache_compile in torchair/inference/_cache_compiler.py).
+        if config is not None and backend_config != config:
+            raise ValueError("config in current backend is different from the config during "
+                             "cache generation.")
+        config = backend_config if config is None else config
+    if config is not None and not torchair.is_compiler_config(config):
+        raise TypeError("config for backend 'torchair' must be a torchair.CompilerConfig, got "
+                        f"{type(config).__qualname__}")
+    try:
+        options = torchair.make_options(config, ge_cache)
+    except torchair.TorchairUnavailableError as e:
+        raise ValueError(str(e)) from None
+    return get("torchair"), options
