@@ -172,6 +172,9 @@ class RedisRemote:
         self.breaker = _Breaker(self.config.display, self.config.backoff, self.config.max_backoff)
         self._client = client
         self._client_lock = threading.Lock()
+        # Blobs this process downloaded and found damaged: an upload rewrites them instead
+        # of trusting their marker (content addressing alone would keep the bad bytes).
+        self.bad_blobs: set[str] = set()
         p = self.config.prefix
         self._entry_k = f"{p}:entry:"
         self._blob_k = f"{p}:blob:"
@@ -274,9 +277,15 @@ class RedisRemote:
                 raise errors.CorruptEntryError(digest, f"record has no chunk size for {name!r}")
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            got, actual = self._fetch_file(digest, name, self._chunk_keys(sha, size, chunk or 1),
-                                           target, progress)
+            try:
+                got, actual = self._fetch_file(digest, name,
+                                               self._chunk_keys(sha, size, chunk or 1), target,
+                                               progress)
+            except errors.CorruptEntryError:
+                self.bad_blobs.add(sha)
+                raise
             if got != size or actual != sha:
+                self.bad_blobs.add(sha)
                 raise errors.CorruptEntryError(digest, f"file {name!r} fails its SHA-256 "
                                                        f"({got} of {size} bytes)")
         return rec
@@ -346,7 +355,7 @@ class RedisRemote:
         markers = self._cmd("mget", "MGET", *[self._blob_k + s for s in blobs]) if blobs else []
         chunks: dict[str, int] = {}
         for s, m in zip(blobs, markers, strict=True):
-            if m is not None:
+            if m is not None and s not in self.bad_blobs:
                 with contextlib.suppress(ValueError):
                     chunks[s] = int(m)
         for n in names:
@@ -361,6 +370,7 @@ class RedisRemote:
                     if progress is not None:
                         progress(len(data))
             self._cmd("set marker", "SET", self._blob_k + s, chunk)
+            self.bad_blobs.discard(s)
             chunks[s] = chunk
         rec = make_record(entry.manifest, sha, {s: chunks[s] for s in blobs}, self.trust)
         self._call("set record", lambda r: r.set(self.key_of(digest), rec.to_bytes()))

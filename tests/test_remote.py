@@ -1,0 +1,373 @@
+"""The Redis tier against a real redis-server: backfill, chunking, signing, faults.
+
+Each test starts its own server on a free loopback port (tests/redis_util.py) and
+uses the store API in this process; tests/test_remote_procs.py runs cache_compile
+across fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_util import RedisServer, free_port
+
+import store
+from store import Hit, Miss, ReadOnlyStore, Store, make_key
+from store.remote import RedisRemote, RemoteConfig
+from store.tiered import ReadOnlyTieredStore, TieredStore
+
+KEY_A = "fleet-secret-1"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_SIGNING_KEY", "CACHECOMPILE_TRUST_REMOTE",
+                "CACHECOMPILE_DIR", "CACHECOMPILE_READONLY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.stop()
+
+
+def tiered(root: Path, url: str) -> TieredStore:
+    st = store.open_store(root, remote=url)
+    assert isinstance(st, TieredStore)
+    return st
+
+
+def keys_of(srv: RedisServer, kind: str) -> list[bytes]:
+    return sorted(srv.client().keys(f"cachecompile:v1:{kind}:*"))  # type: ignore[attr-defined]
+
+
+def local_manifests(root: Path) -> list[Path]:
+    return list((root / "v1" / "entries").rglob("manifest.json"))
+
+
+def remote_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("store.") and r.levelno >= logging.WARNING]
+
+
+FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 40, "code/out.py": b"x = 1\n",
+         "empty": b""}
+
+
+def test_publish_on_one_node_hits_on_another(tmp_path: Path, srv: RedisServer,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    a = tiered(tmp_path / "a", srv.url())
+    key = make_key({"model": "m", "n": 1})
+    a.put(key, FILES, labels={"model": "m"}, meta={"compile_s": 1.0})
+    assert a.flush(10)
+    assert len(keys_of(srv, "entry")) == 1
+
+    b = tiered(tmp_path / "b", srv.url())
+    hit = b.get(key)
+    assert isinstance(hit, Hit)
+    # A Hit of B's LOCAL entry (backfilled), same manifest content as A's.
+    assert hit.entry.path.is_relative_to(tmp_path / "b")
+    assert {n: p.read_bytes() for n, p in hit.entry.files.items()} == FILES
+    assert hit.entry.labels == {"model": "m"} and hit.entry.meta == {"compile_s": 1.0}
+    assert hit.entry.factors == {"model": "m", "n": 1}
+    # The backfill is not uploaded back, and a second lookup is local.
+    assert b.uploader is not None and b.uploader.pending() == 0
+    assert isinstance(b.get(key), Hit)
+    s = b.stats()
+    assert (s["hits_local"], s["hits_remote"], s["misses"].get("absent", 0)) == (1, 1, 0)
+    # Misses on both tiers are plain misses.
+    assert isinstance(b.get(make_key({"other": 1})), Miss)
+
+
+def test_chunks_are_bounded_and_blobs_deduplicated(tmp_path: Path, srv: RedisServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    big = os.urandom(10_000)
+    a = tiered(tmp_path / "a", srv.url(chunk="1K"))
+    k1, k2 = make_key({"e": 1}), make_key({"e": 2})
+    a.put(k1, {"w.bin": big, "copy.bin": big})
+    a.put(k2, {"other-name.bin": big, "small": b"s"})
+    assert a.flush(10)
+    chunks = keys_of(srv, "chunk")
+    # One copy of the 10,000 bytes in ten 1 KiB chunks, shared by both entries, plus "s".
+    assert len(chunks) == 10 + 1
+    client: Any = srv.client()
+    assert max(client.strlen(k) for k in chunks) == 1024
+    b = tiered(tmp_path / "b", srv.url())
+    for k in (k1, k2):
+        hit = b.get(k)
+        assert isinstance(hit, Hit)
+    assert b.get(k1).entry.files["copy.bin"].read_bytes() == big  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="64M"):
+        RemoteConfig.parse(srv.url(chunk="65M"))
+
+
+def _publish_signed(tmp_path: Path, srv: RedisServer, key_text: str | None,
+                    monkeypatch: pytest.MonkeyPatch) -> store.Key:
+    if key_text is None:
+        monkeypatch.delenv("CACHECOMPILE_SIGNING_KEY", raising=False)
+    else:
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", key_text)
+    a = tiered(tmp_path / "a", srv.url(chunk="512"))
+    key = make_key({"signed": key_text})
+    a.put(key, FILES)
+    assert a.flush(10)
+    return key
+
+
+@pytest.mark.parametrize("consumer", ["wrong-key", "no-key-no-opt-in"])
+def test_signed_entries_need_the_right_key(tmp_path: Path, srv: RedisServer, consumer: str,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    key = _publish_signed(tmp_path, srv, KEY_A, monkeypatch)
+    if consumer == "wrong-key":
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", "not-the-fleet-key")
+    else:
+        monkeypatch.delenv("CACHECOMPILE_SIGNING_KEY")
+    b = tiered(tmp_path / "b", srv.url())
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(b.get(key), Miss)
+    warned = remote_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert ("signature does not match" if consumer == "wrong-key" else "TRUST_REMOTE") in warned[0]
+    assert local_manifests(tmp_path / "b") == []
+    # The right key loads it.
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    assert isinstance(tiered(tmp_path / "c", srv.url()).get(key), Hit)
+
+
+def test_unsigned_entries_need_an_opt_in(tmp_path: Path, srv: RedisServer,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    key = _publish_signed(tmp_path, srv, None, monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(tiered(tmp_path / "b", srv.url()).get(key), Miss)
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)  # a key makes signing mandatory
+        assert isinstance(tiered(tmp_path / "c", srv.url()).get(key), Miss)
+    warned = remote_warnings(caplog)
+    assert len(warned) == 2 and "TRUST_REMOTE" in warned[0] and "not signed" in warned[1]
+    monkeypatch.delenv("CACHECOMPILE_SIGNING_KEY")
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    assert isinstance(tiered(tmp_path / "d", srv.url()).get(key), Hit)
+
+
+def test_tampered_blob_is_refused(tmp_path: Path, srv: RedisServer,
+                                  monkeypatch: pytest.MonkeyPatch,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    key = _publish_signed(tmp_path, srv, KEY_A, monkeypatch)
+    client: Any = srv.client()
+    victim = keys_of(srv, "chunk")[0]
+    data = bytearray(client.get(victim))
+    data[0] ^= 0x01
+    client.set(victim, bytes(data))  # the signed record is untouched; a blob is not
+    b = tiered(tmp_path / "b", srv.url())
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(b.get(key), Miss)
+    warned = remote_warnings(caplog)
+    assert len(warned) == 1 and "SHA-256" in warned[0], warned
+    assert local_manifests(tmp_path / "b") == []
+    assert list((tmp_path / "b" / "v1" / "tmp").iterdir()) == []  # staging removed
+    # B compiles and publishes its own copy: it replaces the bad remote one.
+    b.put(key, FILES)
+    assert b.flush(10)
+    assert isinstance(tiered(tmp_path / "c", srv.url()).get(key), Hit)
+
+
+def test_read_only_remote_consumes_but_never_publishes(tmp_path: Path, srv: RedisServer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    ro = tiered(tmp_path / "ro", srv.url(mode="ro"))
+    assert ro.remote.readonly and ro.uploader is None
+    ro.put(make_key({"from": "ro"}), FILES)  # local publish works; nothing goes up
+    assert srv.client().dbsize() == 0  # type: ignore[attr-defined]
+    rw = tiered(tmp_path / "rw", srv.url())
+    key = make_key({"from": "rw"})
+    rw.put(key, FILES)
+    assert rw.flush(10)
+    assert isinstance(ro.get(key), Hit)
+
+
+def test_read_only_local_root_with_a_remote(tmp_path: Path, srv: RedisServer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    rw = tiered(tmp_path / "rw", srv.url())
+    key = make_key({"image": "layer"})
+    rw.put(key, FILES)
+    assert rw.flush(10)
+    store.open_store(tmp_path / "ro")  # exists, empty
+    st = store.open_store(tmp_path / "ro", readonly=True, remote=srv.url())
+    assert isinstance(st, ReadOnlyTieredStore) and isinstance(st, ReadOnlyStore)
+    hit = st.get(key)
+    assert isinstance(hit, Hit) and not hit.entry.path.is_relative_to(tmp_path / "ro")
+    assert local_manifests(tmp_path / "ro") == []
+
+
+def test_connection_refused_warns_once_and_stays_local(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    st = tiered(tmp_path / "a", url)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        for i in range(20):
+            k = make_key({"i": i})
+            assert isinstance(st.get(k), Miss)
+            st.put(k, {"f": b"x"})
+            assert isinstance(st.get(k), Hit)
+        assert st.flush(5)
+    assert time.monotonic() - t0 < 5
+    warned = remote_warnings(caplog)
+    assert len(warned) == 1 and "Connection refused" in warned[0], warned
+    # Backoff, not per call: one failed attempt in the whole loop.
+    assert st.remote.breaker.failures == 1
+
+
+def test_remote_comes_back_after_backoff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    srv = RedisServer(tmp_path / "redis")
+    st = tiered(tmp_path / "a", srv.url(backoff="0.2"))
+    key = make_key({"late": 1})
+    assert isinstance(st.get(key), Miss) and st.remote.breaker.down
+    srv.start()
+    try:
+        other = tiered(tmp_path / "b", srv.url())
+        other.put(key, FILES)
+        assert other.flush(10)
+        assert isinstance(st.get(key), Miss)  # still inside the backoff: no network call
+        time.sleep(0.3)
+        assert isinstance(st.get(key), Hit) and not st.remote.breaker.down
+    finally:
+        srv.stop()
+
+
+def _kill_after(monkeypatch: pytest.MonkeyPatch, srv: RedisServer, what: str, n: int) -> None:
+    real = RedisRemote._cmd
+    seen = {"n": 0}
+
+    def cmd(self: RedisRemote, w: str, *args: Any) -> Any:
+        if w == what:
+            seen["n"] += 1
+            if seen["n"] == n:
+                srv.kill()
+        return real(self, w, *args)
+
+    monkeypatch.setattr(RedisRemote, "_cmd", cmd)
+
+
+def test_killed_server_mid_upload_leaves_no_partial_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        big = os.urandom(1 << 20)
+        a = tiered(tmp_path / "a", srv.url(chunk="64K"))
+        _kill_after(monkeypatch, srv, "set chunk", 5)
+        key = make_key({"upload": "killed"})
+        with caplog.at_level(logging.WARNING):
+            a.put(key, {"w.bin": big})
+            assert a.flush(10)
+        assert isinstance(a.get(key), Hit)  # the local side never noticed
+        assert len(remote_warnings(caplog)) == 1
+        srv.start()  # same port and dir: the append-only file replays what was acked
+        assert len(keys_of(srv, "chunk")) == 4  # the upload really was cut midway...
+        assert keys_of(srv, "entry") == [] and keys_of(srv, "blob") == []  # ...and invisible
+        b = tiered(tmp_path / "b", srv.url())
+        assert isinstance(b.get(key), Miss) and local_manifests(tmp_path / "b") == []
+        assert b.remote.sweep() == 4  # cachectl remote purge clears the leftovers
+    finally:
+        srv.stop()
+
+
+def test_killed_server_mid_download_leaves_no_partial_entry(
+        tmp_path: Path, srv: RedisServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    a = tiered(tmp_path / "a", srv.url(chunk="64K"))
+    key = make_key({"download": "killed"})
+    a.put(key, {"w.bin": os.urandom(1 << 20)})
+    assert a.flush(10)
+    b = tiered(tmp_path / "b", srv.url())
+    _kill_after(monkeypatch, srv, "get chunk", 5)
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(b.get(key), Miss)
+        assert isinstance(b.get(key), Miss)  # no second try, no second warning
+    assert len(remote_warnings(caplog)) == 1
+    assert local_manifests(tmp_path / "b") == []
+    assert list((tmp_path / "b" / "v1" / "tmp").iterdir()) == []
+
+
+def test_out_of_memory_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    srv = RedisServer(tmp_path / "redis", maxmemory="3mb").start()
+    try:
+        a = tiered(tmp_path / "a", srv.url(chunk="256K"))
+        key = make_key({"too": "big"})
+        with caplog.at_level(logging.WARNING):
+            a.put(key, {"w.bin": os.urandom(8 << 20)})
+            assert a.flush(10)
+        warned = remote_warnings(caplog)
+        assert len(warned) == 1 and "OutOfMemory" in warned[0], warned
+        assert keys_of(srv, "entry") == []
+        assert isinstance(a.get(key), Hit)
+    finally:
+        srv.stop()
+
+
+def test_plain_store_without_remote(tmp_path: Path) -> None:
+    assert type(store.open_store(tmp_path / "x")) is Store
+    assert type(store.open_store(tmp_path / "y", remote="")) is Store
+
+
+# -- cachectl --------------------------------------------------------------------------
+def cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "store.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisServer,
+                                                   child_env: dict[str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(child_env, CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_SIGNING_KEY=KEY_A)
+    a = store.open_store(tmp_path / "a")
+    ka, kb = make_key({"m": "llama"}), make_key({"m": "mlp"})
+    a.put(ka, FILES, labels={"model": "llama", "function": "forward"})
+    a.put(kb, {"f": b"1"}, labels={"model": "mlp", "function": "forward"})
+    p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"), "--model", "llama")
+    assert p.returncode == 0 and "pushed 1 entries" in p.stdout, p.stderr
+    p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"))
+    assert p.returncode == 0 and "pushed 1 entries" in p.stdout and "1 were there" in p.stdout
+    p = cachectl(env, "remote", "ls", "--json")
+    rows = json.loads(p.stdout)
+    assert sorted(r["labels"]["model"] for r in rows) == ["llama", "mlp"]
+    assert {r["state"] for r in rows} == {"signed"}
+    p = cachectl(env, "remote", "stats", "--json")
+    assert json.loads(p.stdout)["entries"] == 2
+    p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"), ka.digest[:8])
+    assert p.returncode == 0 and "pulled 1 entries" in p.stdout, p.stderr
+    assert [i.key for i in store.open_store(tmp_path / "b").entries()] == [ka.digest]
+    # A hit through the tier counts as remote in cachectl stats.
+    assert isinstance(store.open_store(tmp_path / "c", remote=srv.url()).get(kb), Miss)
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    assert isinstance(store.open_store(tmp_path / "c", remote=srv.url()).get(kb), Hit)
+    p = cachectl(env, "stats", "--cache-dir", str(tmp_path / "c"), "--json")
+    s = json.loads(p.stdout)
+    assert (s["hits_local"], s["hits_remote"]) == (0, 1), s
+    p = cachectl(env, "remote", "purge", "--model", "mlp", "--yes")
+    assert p.returncode == 0 and "removed 1 entries" in p.stdout, p.stderr
+    p = cachectl(env, "remote", "ls", "--json")
+    assert [r["labels"]["model"] for r in json.loads(p.stdout)] == ["llama"]
+    p = cachectl(dict(env, CACHECOMPILE_REMOTE=f"redis://127.0.0.1:{free_port()}/0"),
+                 "remote", "ls")
+    assert p.returncode == 7 and "Connection refused" in p.stderr and "Traceback" not in p.stderr
