@@ -1,0 +1,133 @@
+"""A fleet in miniature: nodes are fresh processes with their own CACHECOMPILE_DIR that
+share one redis-server. Node A compiles and publishes; node B loads with zero compiles.
+A server killed mid-transfer or absent costs a warning and a compile, never a result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ccutil import Sandbox
+from redis_util import RedisServer, free_port
+
+from store import open_store
+from store.remote import RedisRemote
+from store.signing import Trust
+
+pytestmark = pytest.mark.slow
+
+FLEET_KEY = "fleet-secret"
+
+CODE = """
+import os, sys, torch, warnings
+from cachecompile import cache_compile, models
+from store.remote import RedisRemote
+
+KILL = os.environ.get("TEST_KILL_REDIS")   # "<pid>:<command>:<n>": SIGKILL redis on the nth
+if KILL:
+    pid, what, n = KILL.split(":")
+    real, seen = RedisRemote._cmd, []
+    def _cmd(self, w, *args):
+        if w == what:
+            seen.append(w)
+            if len(seen) == int(n):
+                os.kill(int(pid), 9)
+                import time; time.sleep(0.2)   # let it die before our next command
+        return real(self, w, *args)
+    RedisRemote._cmd = _cmd
+
+m = models.MLP().eval()
+cached = cache_compile(m.forward_impl{backend})
+x = models.make_mlp_input()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = cached(x)
+dynamo = "torch._dynamo" in sys.modules
+report({{"event": cached.events[-1][0], "dynamo": dynamo,
+        "ok": bool(torch.allclose(out, m.forward_impl(x), rtol=1e-4, atol=1e-5)),
+        "warnings": [str(w.message) for w in caught if "cachecompile" in str(w.message)]}})
+"""
+AOT = CODE.format(backend=', backend="aot_eager"')
+INDUCTOR = CODE.format(backend="")
+
+
+def manifests(root: Path) -> list[Path]:
+    return list(root.rglob("manifest.json"))
+
+
+def remote_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "remote" in ln.lower()]
+
+
+def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        box = Sandbox(tmp_path / "box")
+        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
+        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
+        assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
+        assert box.compiler_calls() > 0
+        box.reset_compiler_log()
+        # Node B: its own empty store, empty Inductor dirs; the entry comes from Redis.
+        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **env)
+        assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
+        assert box.compiler_calls() == 0, box.gxx_log.read_text()
+        assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
+        assert remote_lines(b.stderr) == [], b.stderr
+        assert manifests(tmp_path / "b")  # backfilled locally
+    finally:
+        srv.stop()
+
+
+def test_killed_server_mid_download_and_mid_upload(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        box = Sandbox(tmp_path / "box")
+        env = {"CACHECOMPILE_REMOTE": srv.url(chunk="512"), "CACHECOMPILE_TRUST_REMOTE": "1"}
+        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
+        assert (a["event"], a["ok"]) == ("miss", True)
+        n = len(manifests(tmp_path / "a"))  # the method's entry (and any it shares)
+        client = srv.client()
+        assert len(client.keys("cachecompile:v1:entry:*")) == n  # type: ignore[attr-defined]
+
+        assert srv.proc is not None
+        b = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "b"),
+                    TEST_KILL_REDIS=f"{srv.proc.pid}:get chunk:2", **env)
+        # The download died midway: B compiled for itself, right result, one warning.
+        assert (b["event"], b["ok"]) == ("miss", True), b.value
+        assert len(remote_lines(b.stderr)) == 1, b.stderr
+        # Only complete entries (its own compile's), no download leftovers.
+        assert len(manifests(tmp_path / "b")) == n
+        assert open_store(tmp_path / "b", remote="").verify().ok
+        assert list((tmp_path / "b" / "v1" / "tmp").iterdir()) == []
+
+        srv.start()  # the append-only file brings A's entry back
+        srv.client().flushall()  # type: ignore[attr-defined]
+        assert srv.proc is not None
+        c = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "c"),
+                    TEST_KILL_REDIS=f"{srv.proc.pid}:set chunk:2", **env)
+        assert (c["event"], c["ok"], c.rc) == ("miss", True, 0), c.value
+        assert len(remote_lines(c.stderr)) == 1, c.stderr
+        srv.start()
+        client = srv.client()
+        assert client.keys("cachecompile:v1:chunk:*"), "the upload should have begun"  # type: ignore[attr-defined]
+        # Every record that is visible is whole: each downloads and verifies; the entry
+        # whose upload was cut is not visible at all.
+        remote = RedisRemote(srv.url(), trust=Trust(accept_unsigned=True))
+        records = list(remote.records())
+        assert len(records) < n, "the cut upload's entry is visible"
+        for i, rec in enumerate(records):
+            assert remote.download(rec.key, tmp_path / f"check{i}") is not None
+    finally:
+        srv.stop()
+
+
+def test_unreachable_remote_at_start_is_one_warning(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path / "box")
+    res = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"),
+                  CACHECOMPILE_REMOTE=f"redis://127.0.0.1:{free_port()}/0")
+    assert (res["event"], res["ok"], res["warnings"]) == ("miss", True, []), res.value
+    lines = remote_lines(res.stderr)
+    assert len(lines) == 1 and "Connection refused" in lines[0], res.stderr
+    assert manifests(tmp_path / "a")  # local-only, but fully working
