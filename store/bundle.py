@@ -199,9 +199,8 @@ def _safe_member(m: tarfile.TarInfo) -> tuple[str, str, str]:
     raise errors.UnsafeArchiveError(f"unexpected member {name!r}")
 
 
-def _open_tar(fh: IO[bytes]) -> tarfile.TarFile:
-    head = fh.read(4)
-    fh.seek(0)
+def _open_tar(fh: IO[bytes], head: bytes) -> tarfile.TarFile:
+    """A streaming reader; the compression comes from the magic bytes ``head``."""
     if head.startswith(_ZSTD_MAGIC):
         import zstandard
 
@@ -307,13 +306,15 @@ def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
     staging.mkdir(mode=0o700, parents=True)
     try:
         with open(src, "rb") as raw:
+            head = raw.read(4)
+            raw.seek(0)
             try:
-                with _open_tar(_Counting(raw, progress)) as tf:  # type: ignore[arg-type]
+                with _open_tar(_Counting(raw, progress), head) as tf:  # type: ignore[arg-type]
                     index, staged = _stage(tf, staging)
             except (tarfile.TarError, EOFError) as e:
                 raise errors.UnsafeArchiveError(f"{src} is not a readable bundle: {e}") from None
             except Exception as e:
-                if type(e).__module__.startswith("zstd"):  # zstandard.ZstdError
+                if type(e).__module__.startswith("zstandard"):  # ZstdError: not importable up front
                     raise errors.UnsafeArchiveError(f"{src}: {e}") from None
                 raise
         if index is None:

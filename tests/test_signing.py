@@ -1,0 +1,62 @@
+"""Signed records: what is covered by the HMAC, and the trust policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from store.errors import ManifestError, UntrustedEntryError
+from store.manifest import dump_manifest
+from store.signing import Trust, make_record, parse_record
+
+DIGEST = "0" * 32
+SHA = "a" * 64
+
+
+def _manifest() -> dict[str, object]:
+    return json.loads(dump_manifest(key=DIGEST, factors={"f": 1}, labels={}, meta={},
+                                    created=1.0,
+                                    files={"k.so": {"size": 3, "xxh3_128": "b" * 32}}))
+
+
+def test_signature_round_trip_and_forgeries() -> None:
+    rec = make_record(_manifest(), {"k.so": SHA}, {SHA: 1024}, Trust(key=b"secret"))
+    parsed = parse_record(rec.to_bytes(), DIGEST)
+    Trust(key=b"secret").check(parsed.body, parsed.sig, DIGEST)
+    with pytest.raises(UntrustedEntryError, match="does not match"):
+        Trust(key=b"other").check(parsed.body, parsed.sig, DIGEST)
+    # Any change to the body (here: a file's SHA-256) breaks the signature.
+    outer = json.loads(rec.to_bytes())
+    outer["body"] = outer["body"].replace(SHA, "c" * 64)
+    forged = parse_record(json.dumps(outer).encode(), DIGEST)
+    with pytest.raises(UntrustedEntryError, match="does not match"):
+        Trust(key=b"secret").check(forged.body, forged.sig, DIGEST)
+    # A record cannot be moved under another key.
+    with pytest.raises(ManifestError):
+        parse_record(rec.to_bytes(), "1" * 32)
+
+
+def test_policy_without_a_key() -> None:
+    rec = make_record(_manifest(), {"k.so": SHA}, {}, Trust())
+    assert rec.sig is None
+    with pytest.raises(UntrustedEntryError, match="TRUST_REMOTE"):
+        Trust().check(rec.body, rec.sig, DIGEST)
+    Trust(accept_unsigned=True).check(rec.body, rec.sig, DIGEST)
+    with pytest.raises(UntrustedEntryError, match="not signed"):
+        Trust(key=b"k", accept_unsigned=True).check(rec.body, rec.sig, DIGEST)
+
+
+def test_trust_from_env(tmp_path: Path) -> None:
+    keyfile = tmp_path / "key"
+    keyfile.write_text("from-a-file\n")
+    assert Trust.from_env({"CACHECOMPILE_SIGNING_KEY": f"file:{keyfile}"}).key == b"from-a-file"
+    assert Trust.from_env({"CACHECOMPILE_TRUST_REMOTE": "1"}).accept_unsigned
+    assert Trust.from_env({}) == Trust()
+
+
+def test_malformed_records_are_manifest_errors() -> None:
+    for raw in (b"not json", b'{"body": "{}"}', b'{"body": 3}'):
+        with pytest.raises(ManifestError):
+            parse_record(raw, DIGEST)
