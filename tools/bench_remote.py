@@ -32,9 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cachecompile.demo import _fresh_env, _run  # noqa: E402
-
 import store  # noqa: E402
+from cachecompile.demo import _fresh_env, _run  # noqa: E402
 from store import Hit, make_key  # noqa: E402
 from store.remote import RedisRemote  # noqa: E402
 from store.signing import Trust  # noqa: E402
