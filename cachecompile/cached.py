@@ -223,7 +223,8 @@ class CachedFunction:
                 self._fault(f"could not take the compile lock for {key.digest[:12]} ({e}); "
                             "compiling without it")
                 lock = None
-        share = coop.GraphShare(st, self.factors(sig), self._adapter, who) if not readonly else None
+        share = (coop.GraphShare(st, self.factors(sig), self._adapter, who,
+                                 factors_mod.FORMAT_VERSION) if not readonly else None)
         try:
             if lock is not None:
                 # Another process may have published while we waited for the lock.
@@ -286,6 +287,8 @@ class CachedFunction:
             "global_rank": str(self._ranks.global_rank),
             "backend": self._adapter.name,
         }
+        labels["group"] = self._group(sig)
+        labels["group_size"] = str(self._ranks.world_size)
         if self._ranks.tp_rank is not None:
             labels["tp_rank"] = str(self._ranks.tp_rank)
         if self._ranks.pp_rank is not None:
@@ -331,6 +334,12 @@ class CachedFunction:
                 dynamic=self._dynamic, decompositions=self._decompositions, ranks=self._ranks,
                 extra=self._extra)
         return {**self._base, "signature": to_json(sig)}
+
+    def _group(self, sig: Signature) -> str:
+        """The rank group: every factor but this process's own ranks (world size stays)."""
+        f = self.factors(sig)
+        f["ranks"] = {"world_size": f["ranks"]["world_size"]}
+        return make_key(f).digest[:16]
 
     def _key(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))

@@ -142,8 +142,10 @@ class TraceSession:
             return self._adapter.compile(gm, example_inputs, self._options,
                                          self._decompositions)
 
+        collective = has_collectives(gm)
         if self.share is not None:
-            compiled = self.share.compile(gm, example_inputs, compile_here)
+            compiled = self.share.compile(gm, example_inputs, compile_here,
+                                          publish_now=collective and self._capture)
         else:
             compiled = compile_here()
         self.traces += 1
@@ -152,7 +154,39 @@ class TraceSession:
         self._compiled = compiled
         if not self._capture:
             return compiled.live
+        if collective:
+            return self._run_once(compiled)
         return self._verifying(compiled)
+
+    def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
+        """Graphs with collectives run exactly once per call on every rank.
+
+        Running the program beside the live compile (verification) would issue each
+        collective twice on this rank; a rank whose capture failed would issue it once,
+        and the job would hang. So the first call runs the replayable program if there
+        is one (else the live graph), once, unverified.
+        """
+        first = True
+        runner: Callable[..., Any] = compiled.live
+
+        def run(*args: Any) -> Any:
+            nonlocal first, runner
+            if first:
+                first = False
+                try:
+                    program = compiled.program()
+                    if program.light is None:
+                        raise UnsupportedProgramError("the adapter built no replayable program")
+                    self._program = program
+                    runner = program.light
+                except UnsupportedProgramError as e:
+                    self._verdict = str(e)
+                except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
+                    logger.debug("program capture failed", exc_info=True)
+                    self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            return runner(*args)
+
+        return run
 
     def _on_second_trace(self) -> None:
         from torch._dynamo.utils import guard_failures
@@ -246,6 +280,25 @@ class TraceSession:
         return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
                      program=self._program, deps=self._deps,
                      compile_seconds=self._compile_seconds)
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
+
+
+def has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph communicates (functional collectives, c10d ops)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        # OpOverload has .namespace; an OpOverloadPacket only its module torch._ops.<ns>.
+        ns = getattr(target, "namespace", None)
+        module = getattr(target, "__module__", "") or ""
+        if ns is None and module.startswith("torch._ops."):
+            ns = module[len("torch._ops."):]
+        if ns in _COLLECTIVE_NAMESPACES or module.startswith("torch.distributed"):
+            return True
+    return False
 
 
 def _all_names(code: types.CodeType) -> list[str]:

@@ -185,8 +185,10 @@ class GraphShare:
     unverified one.
     """
 
-    def __init__(self, st: Any, factors: dict[str, Any], adapter: Any, who: str) -> None:
+    def __init__(self, st: Any, factors: dict[str, Any], adapter: Any, who: str,
+                 format_version: int = 1) -> None:
         self._st = st
+        self._format = format_version
         self._factors = {k: factors[k] for k in GRAPH_FACTORS if k in factors}
         self._adapter = adapter
         self._who = who
@@ -196,7 +198,11 @@ class GraphShare:
         self.compiled = False    # this process compiled it
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                compile_fn: Any) -> Any:
+                compile_fn: Any, publish_now: bool = False) -> Any:
+        """Load or compile the graph's program. ``publish_now``: share it and release
+        the lock before the first call (graphs with collectives: a rank holding the
+        lock through a call would wait in the collective for ranks waiting on the lock).
+        """
         from store import Hit, make_key
 
         from .backends.base import Compiled, Program
@@ -236,6 +242,17 @@ class GraphShare:
         with CompileSlots(self._st).slot(self._who):
             compiled = compile_fn()
         self.compiled = True
+        if publish_now:
+            try:
+                program = compiled.program()
+            except Exception:  # noqa: BLE001 - not replayable: others compile themselves
+                logger.debug("program capture failed", exc_info=True)
+                self.finish()
+                return compiled
+            self.publish(program, self._adapter.name, self._format)
+            self.compiled = False  # published; finish() must not publish again
+            self.finish()
+            return Compiled(live=compiled.live, program=lambda: program)
         return compiled
 
     def publish(self, program: Any, adapter_name: str, format_version: int) -> None:

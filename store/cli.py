@@ -149,31 +149,51 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
 RICH_MAX_ROWS = 500
 SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
-            ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
             ("state", "left"))
 
 
-def _row(i: EntryInfo) -> list[str]:
+def group_status(infos: Iterable[EntryInfo]) -> dict[str, str]:
+    """Group id -> "id n/N" (ranks published / world size), "incomplete" when short."""
+    ranks: dict[str, set[str]] = {}
+    size: dict[str, str] = {}
+    for i in infos:
+        g = i.labels.get("group")
+        if g:
+            ranks.setdefault(g, set()).add(i.labels.get("global_rank", i.key))
+            size[g] = i.labels.get("group_size", "?")
+    out = {}
+    for g, members in ranks.items():
+        n, total = len(members), size[g]
+        done = total.isdigit() and n >= int(total)
+        out[g] = f"{g[:8]} {n}/{total}" + ("" if done else " incomplete")
+    return out
+
+
+def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
     ranks = i.labels.get("ranks") or i.labels.get("rank", "")
+    g = i.labels.get("group", "")
+    group = (groups or {}).get(g, g[:8])
     sig = i.labels.get("signature", "")
     if len(sig) > SIGNATURE_WIDTH:
         sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
+            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
 
 
-def _entries_table(infos: list[EntryInfo], title: str | None = None) -> Table:
+def _entries_table(infos: list[EntryInfo], title: str | None = None,
+                   groups: dict[str, str] | None = None) -> Table:
     t = Table(title=title, box=None, pad_edge=False)
     for col, just in _COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     for i in infos:
         # Labels are user data: "[2,n]" must not be read as rich markup.
-        t.add_row(*(escape(c) for c in _row(i)))
+        t.add_row(*(escape(c) for c in _row(i, groups)))
     return t
 
 
-def _plain_table(infos: list[EntryInfo]) -> str:
-    rows = [[c for c, _ in _COLUMNS]] + [_row(i) for i in infos]
+def _plain_table(infos: list[EntryInfo], groups: dict[str, str] | None = None) -> str:
+    rows = [[c for c, _ in _COLUMNS]] + [_row(i, groups) for i in infos]
     widths = [max(len(r[k]) for r in rows) for k in range(len(_COLUMNS))]
     lines = []
     for r in rows:
@@ -204,9 +224,11 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     """List entries, one row each."""
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
-    infos = [i for i in st.entries() if _match(i, want)
+    everything = list(st.entries())
+    infos = [i for i in everything if _match(i, want)
              and (graphs or want.get("kind") == "graph" or i.labels.get("kind") != "graph")]
     infos.sort(key=_SORTS[sort], reverse=reverse)
+    groups = group_status(everything)
     if as_json:
         click.echo(json.dumps([i.to_json() for i in infos], indent=1))
         return
@@ -215,9 +237,9 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
         return
     if len(infos) > RICH_MAX_ROWS:
         # rich lays out ~1,500 rows/s; a plain aligned table keeps 10,000 entries well under 1 s.
-        click.echo(_plain_table(infos))
+        click.echo(_plain_table(infos, groups))
         return
-    _console().print(_entries_table(infos))
+    _console().print(_entries_table(infos, groups=groups))
 
 
 @cli.command("show")

@@ -43,7 +43,7 @@ from .index import Index
 from .keys import Key, is_digest
 from .manifest import check_names, dump_manifest, parse_manifest, validate_name
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
-from .policy import lru_evictions
+from .policy import expand_groups, lru_evictions
 from .policy import older_than as _older_than
 
 logger = logging.getLogger(__name__)
@@ -796,7 +796,8 @@ class Store:
         """
         if not (keys or labels or older_than is not None or all):
             return []
-        infos = list(self.entries())
+        universe = list(self.entries())
+        infos = universe
         if keys:
             want = {self.digest_of(k) for k in keys}
             infos = [i for i in infos if i.key in want]
@@ -804,7 +805,11 @@ class Store:
             lab = {k: str(v) for k, v in labels.items()}
             infos = [i for i in infos if all_match(i.labels, lab)]
         if older_than is not None:
-            infos = _older_than(infos, time.time() - older_than)
+            # Age of a group is its latest use over ALL members, not the selected ones.
+            old = {i.key for i in _older_than(universe, time.time() - older_than)}
+            infos = [i for i in infos if i.key in old]
+        # Never one rank of a group: whatever is selected takes its whole group along.
+        infos = expand_groups(infos, universe)
         if dry_run:
             return infos
         return [i for i in infos if self.delete(i.key)]
