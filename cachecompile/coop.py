@@ -235,6 +235,9 @@ class GraphShare:
                 self.shared = True
                 logger.info("%s: graph %s was compiled by another process; loaded it",
                             self._who, self.key.digest[:12])
+                # Nothing left to publish: let the next waiter in now (holding on through
+                # the first call would deadlock ranks whose graph has collectives).
+                self.finish()
                 return Compiled(live=light, program=lambda: program)
             except Exception:  # noqa: BLE001 - a bad shared program: compile our own
                 logger.warning("%s: shared program for graph %s does not load; compiling",
