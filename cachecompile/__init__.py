@@ -19,6 +19,7 @@ from .errors import (  # noqa: E402
     RecompileWarning,
     SignatureLimitWarning,
 )
+from .node import node_once, prepare_node  # noqa: E402
 
 __all__ = [
     "CacheCompileError",
@@ -31,4 +32,6 @@ __all__ = [
     "SignatureLimitWarning",
     "__version__",
     "cache_compile",
+    "node_once",
+    "prepare_node",
 ]

@@ -1,0 +1,146 @@
+"""Node-level steps: exactly one local process does it, the others wait (LOCAL_WORLD_SIZE).
+
+TorchAir installs its static kernels this way (local rank 0 builds and installs, the
+others wait at a barrier). :func:`node_once` is that barrier for any step that
+must run once per job on a node: installing a shared artifact, sweeping the cache.
+
+Protocol, all in plain files under ``<store root>/node/<job>/<step>/``:
+
+1. every local rank writes ``rank<L>.json`` with its ``LOCAL_WORLD_SIZE``;
+2. local rank 0 waits until all ``LOCAL_WORLD_SIZE`` ranks registered, checks that they
+   agree, runs the step and writes ``done.json`` (or ``failed.json`` with the reason);
+3. the others wait for either file. Any rank that sees a registration with another
+   ``LOCAL_WORLD_SIZE`` than its own raises at once.
+
+The job is ``TORCHELASTIC_RUN_ID`` (torchrun sets it), else ``MASTER_ADDR:MASTER_PORT``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import RankConfigError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_POLL = 0.05
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)  # type: ignore[arg-type]
+    except ValueError:
+        raise RankConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def job_id() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run:
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        run = f"{addr}-{port}" if addr and port else ""
+    if not run:
+        raise RankConfigError(
+            "a node-level step needs to know the job: set TORCHELASTIC_RUN_ID (torchrun "
+            "does) or MASTER_ADDR and MASTER_PORT")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:100]
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # atomic: a reader sees all of it or nothing
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
+              timeout: float = 900.0) -> T | None:
+    """Run ``fn`` on local rank 0 of this node, once per job; others wait for it.
+
+    Returns ``fn``'s result on local rank 0 and None elsewhere. Raises RankConfigError
+    if ``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK`` is missing, if the ranks disagree on
+    ``LOCAL_WORLD_SIZE``, if local rank 0 failed the step, or after ``timeout``.
+    """
+    lws = _env_int("LOCAL_WORLD_SIZE")
+    local = _env_int("LOCAL_RANK")
+    if lws is None or local is None:
+        raise RankConfigError(
+            f"node step {step!r} needs LOCAL_WORLD_SIZE and LOCAL_RANK (torchrun sets both; "
+            "other launchers must export them) to know how many local processes take part")
+    if not 0 <= local < lws:
+        raise RankConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={lws}")
+    d = Path(root) / "node" / job_id() / re.sub(r"[^A-Za-z0-9_.-]", "_", step)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write_json(d / f"rank{local}.json", {"local_world_size": lws, "pid": os.getpid()})
+    deadline = time.monotonic() + timeout
+
+    def check_agreement() -> int:
+        seen = 0
+        for p in d.glob("rank*.json"):
+            info = _read_json(p)
+            if info is None:
+                continue
+            seen += 1
+            if info.get("local_world_size") != lws:
+                raise RankConfigError(
+                    f"node step {step!r}: {p.stem} runs with LOCAL_WORLD_SIZE="
+                    f"{info.get('local_world_size')} but local rank {local} with {lws}; all "
+                    "processes of a job on one node must agree")
+        return seen
+
+    if local == 0:
+        try:
+            while check_agreement() < lws:
+                if time.monotonic() > deadline:
+                    raise RankConfigError(
+                        f"node step {step!r}: only {check_agreement()} of LOCAL_WORLD_SIZE="
+                        f"{lws} local ranks arrived within {timeout:g}s")
+                time.sleep(_POLL)
+            logger.info("node step %s: local rank 0 runs it for %d local ranks", step, lws)
+            result = fn()
+        except BaseException as e:
+            _write_json(d / "failed.json", {"reason": f"{type(e).__name__}: {e}"})
+            raise
+        _write_json(d / "done.json", {"pid": os.getpid(), "at": time.time()})
+        return result
+    logger.info("node step %s: local rank %d waits for local rank 0", step, local)
+    while True:
+        check_agreement()
+        if (d / "done.json").exists():
+            return None
+        failed = _read_json(d / "failed.json")
+        if failed is not None:
+            raise RankConfigError(f"node step {step!r} failed on local rank 0: "
+                                  f"{failed.get('reason')}")
+        if time.monotonic() > deadline:
+            raise RankConfigError(f"node step {step!r}: local rank 0 did not finish within "
+                                  f"{timeout:g}s")
+        time.sleep(_POLL)
+
+
+def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
+                 timeout: float = 900.0) -> None:
+    """Call once per rank at job start: local rank 0 enforces the cache's size cap and
+    sweeps stale temp dirs while the other local ranks wait, so N ranks do not all
+    sweep the same directory at once. Needs LOCAL_WORLD_SIZE / LOCAL_RANK."""
+    import store
+
+    st = store.open_store(cache_dir)
+    node_once(st.root, "prepare", st.gc, timeout=timeout)
