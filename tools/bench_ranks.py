@@ -58,7 +58,10 @@ def one_job(mode: str, nproc: int, base: Path) -> dict[str, Any]:
                      ("TMPDIR", "tmp")):
         (work / sub).mkdir()
         env[var] = str(work / sub)
-    script = work / "rank.py"
+    # The script gets a directory of its own: its directory goes first on sys.path, and a
+    # cache dir named "triton" there would be imported as the triton package.
+    (work / "job").mkdir()
+    script = work / "job" / "rank.py"
     script.write_text(RANK_SCRIPT)
     cpu0 = cpu_children()
     t0 = time.perf_counter()
