@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import marshal
-import sys
 import sysconfig
 import time
 import types
@@ -330,7 +329,3 @@ def _compare(a: Any, b: Any, where: str = "output") -> str | None:
                 return m
         return None
     return None if a == b else f"{where}: {a!r} vs {b!r}"
-
-
-def python_tag() -> str:
-    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"
