@@ -6,6 +6,7 @@ In-process tests with real torch.compile on the fast aot_eager backend.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,23 @@ def test_unkeyable_argument_type_is_a_clear_error(cache_dir: Path) -> None:
     cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
     with pytest.raises(ContractError, match="cannot key argument #0 of type object"):
         cached(object())
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="needs root to give the directory to another user")
+def test_foreign_owned_cache_dir_degrades_with_a_clear_warning(tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)  # another user's cache: its entries would run their code
+    m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=d)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            assert torch.allclose(cached(x), m.run(x))
+    faults = [str(w.message) for w in caught if "cachecompile" in str(w.message)]
+    assert len(faults) == 1, faults
+    assert "unusable" in faults[0] and "CACHECOMPILE_SHARED_GROUP" in faults[0], faults[0]
+    assert [e[0] for e in cached.events] == ["live"]
+    assert list(d.iterdir()) == [], "nothing may be written into another user's cache"
