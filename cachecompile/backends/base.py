@@ -14,12 +14,21 @@ contract Dynamo's transformed bytecode expects of ``__compiled_fn_*``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 JSON = Any
 GraphCallable = Callable[..., Any]
+
+
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version, without importing it (cheap on the warm path)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclasses.dataclass

@@ -21,7 +21,6 @@ graph, AOTAutograd changing the argument list (duplicate or synthetic-base input
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import io
 import logging
 import os
@@ -36,7 +35,7 @@ import torch
 
 from .. import _runtime
 from ..errors import UnsupportedProgramError
-from .base import JSON, Compiled, GraphCallable, Program
+from .base import JSON, Compiled, GraphCallable, Program, package_version
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +70,6 @@ _ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                 "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_COMPILE_THREADS",
                 "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_VEC_ISA_OK"}
 _UNSUPPORTED_OPTIONS = ("cpp_wrapper", "freezing", "triton.cudagraphs", "aot_inductor.package")
-
-
-def _package_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @functools.cache
@@ -124,7 +116,7 @@ class InductorAdapter:
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         f: dict[str, JSON] = {
-            "triton": _package_version("triton"),
+            "triton": package_version("triton"),
             "cpu": _cpu_identity(),
             "compiler": _compiler_identity(),
             # Inductor bakes the OpenMP thread count into the generated C++.

@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -54,7 +53,7 @@ import torch
 
 from ..errors import UnsupportedProgramError
 from ..factors import canonical
-from .base import JSON, Compiled, GraphCallable, Program
+from .base import JSON, Compiled, GraphCallable, Program, package_version
 
 logger = logging.getLogger(__name__)
 
@@ -226,13 +225,6 @@ def _static_kernel(config: Any) -> bool:
 
 
 # -- machine factors ----------------------------------------------------------------------
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 @functools.cache
 def _torchair_identity() -> dict[str, JSON]:
     """torchair's version, plus its source tree (sizes, mtimes): an edit is a new compiler."""
@@ -250,7 +242,7 @@ def _torchair_identity() -> dict[str, JSON]:
                 h.update(f"{os.path.relpath(os.path.join(dirpath, fn), root)}:{st.st_size}:"
                          f"{st.st_mtime_ns};".encode())
                 n += 1
-    return {"version": getattr(torchair, "__version__", None) or _dist_version("torchair"),
+    return {"version": getattr(torchair, "__version__", None) or package_version("torchair"),
             "path": str(root), "files": n, "tree": h.hexdigest()}
 
 
@@ -446,7 +438,7 @@ class TorchairAdapter:
         return {
             "codegen_format": CODEGEN_FORMAT,
             "torchair": _torchair_identity(),
-            "torch_npu": _dist_version("torch-npu") or getattr(torch_npu, "__version__", None),
+            "torch_npu": package_version("torch-npu") or getattr(torch_npu, "__version__", None),
             "torch_npu_imported": torch_npu is not None,
             "cann": cann_version(),
             "soc": soc_name(),
