@@ -351,10 +351,13 @@ class CachedFunction:
                                  function=self._method.__name__)
             best: tuple[int, list[str]] | None = None
             for info in candidates[:50]:
-                other = st.get(info.key)
-                if not isinstance(other, Hit):
+                # The manifest alone: a get() would hash every file of every candidate
+                # and count a hit on each, just to word a log line.
+                try:
+                    factors = st.manifest(info.key)["factors"]
+                except (StoreError, OSError, KeyError):
                     continue
-                diff = _diff(key.factors, other.entry.factors)
+                diff = _diff(key.factors, factors)
                 if best is None or len(diff) < best[0]:
                     best = (len(diff), diff)
             if best is None:
