@@ -53,10 +53,14 @@ def _check_method(func: Any) -> types.MethodType:
         raise ContractError("cache_compile() needs a method of an nn.Module instance, got a "
                             f"method of {type(func.__self__).__qualname__}.\n" + _PATTERN)
     inner = func.__func__
-    if not isinstance(inner, types.FunctionType) or hasattr(inner, "__wrapped__"):
+    if not isinstance(inner, types.FunctionType):
+        # functools.wraps-style decorators give a plain function (traced, wrapper and all);
+        # other callables (a class instance, a C function) have no bytecode to replay.
         raise ContractError(
-            f"cache_compile() got {func.__qualname__}, which is wrapped by another decorator "
-            f"({type(inner).__qualname__}); cache the undecorated method.\n" + _PATTERN)
+            f"cache_compile() got {func.__qualname__}, which is wrapped by "
+            f"{type(inner).__qualname__}, not a Python function: Dynamo's bytecode cannot "
+            "be replayed for it. Cache the undecorated method, or decorate it with a plain "
+            "function wrapper (functools.wraps).\n" + _PATTERN)
     return func
 
 
@@ -74,7 +78,7 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
                   pp_rank: int | None = None,
                   custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
                   ge_cache: bool = False, max_signatures: int = 8,
-                  **kwargs: Any) -> CachedFunction:
+                  guards: str | None = None, **kwargs: Any) -> CachedFunction:
     """Cache ``torch.compile`` of a module method across processes.
 
     ``func`` must be a bound method of an ``nn.Module`` (``self._forward``). The result is
@@ -95,6 +99,10 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
             torchair adapter.
         max_signatures: static signatures cached per method before falling back to live
             torch.compile (``dynamic=False`` only).
+        guards: when a loaded entry's guards run: ``"first"`` (default; argument guards
+            on every call, state guards on each signature's first call in a process) or
+            ``"always"`` (every guard on every call, as torch.compile does). Default
+            ``$CACHECOMPILE_GUARDS`` or ``"first"``.
     """
     if kwargs:
         raise ContractError(f"cache_compile() got unexpected keyword arguments "
@@ -116,8 +124,10 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
     ranks = detect(_int_or_none("global_rank", global_rank), _int_or_none("tp_rank", tp_rank),
                    _int_or_none("pp_rank", pp_rank))
+    if guards is not None and guards not in ("first", "always"):
+        raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got {guards!r}")
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
     return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
                           cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                           ranks=ranks, decompositions=custom_decompositions,
-                          max_signatures=max_signatures, enabled=enabled)
+                          max_signatures=max_signatures, enabled=enabled, guards=guards)

@@ -15,6 +15,8 @@ Any cache fault (store error, unloadable entry, non-replayable program) is one
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -28,21 +30,21 @@ import torch
 
 import store as store_pkg
 from store import Hit, Key, make_key
-from store.errors import StoreError
+from store.errors import KeyNotFound, StoreError
 
 from . import coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
+from . import guards as guards_mod
 from .backends.base import Adapter
 from .errors import (
     CacheFaultWarning,
     InferenceOnlyError,
-    RecompileWarning,
     SignatureLimitWarning,
     UnsupportedProgramError,
 )
 from .ranks import Ranks
-from .signature import Signature, describe, requires_grad, signature, to_json
+from .signature import Signature, describe, requires_grad, signature, to_json, varying
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,41 @@ def _open_store(cache_dir: str | None) -> Any:
         return st
 
 
-class _Stale(Exception):
-    pass
+class _Absent(Exception):
+    """No entry under a variant key: the first free index."""
 
 
+# A frame key (the method, its settings and the call signature) holds up to this many
+# entries, each with its own guards; past it, new variants run with live torch.compile.
+MAX_VARIANTS = 16
+
+
+def guard_mode() -> str:
+    """``first`` (default): the state guards run on each signature's first call in a
+    process, the argument guards on every call. ``always``: every guard on every call."""
+    mode = os.environ.get("CACHECOMPILE_GUARDS", "first").strip().lower() or "first"
+    if mode not in ("first", "always"):
+        logger.warning("ignoring CACHECOMPILE_GUARDS=%r (use first or always)", mode)
+        return "first"
+    return mode
+
+
+@dataclasses.dataclass
+class _Variant:
+    """One loaded entry (or live compile) serving calls of a signature while its check holds."""
+
+    run: Callable[..., Any]
+    check: Callable[..., bool] | None    # bound to the module; None: nothing to check per call
+    name: str
+
+
+@dataclasses.dataclass
+class _Probe:
+    """What looking up a frame key's variants found."""
+
+    runner: _Variant | None = None
+    free: int | None = None            # first unused variant index
+    rejected: list[str] = dataclasses.field(default_factory=list)  # why each variant did not fit
 
 
 class CachedFunction:
@@ -76,8 +109,10 @@ class CachedFunction:
     def __init__(self, method: types.MethodType, *, adapter: Adapter, options: Mapping[str, Any],
                  dynamic: bool, cache_dir: str | None, ranks: Ranks,
                  decompositions: Mapping[Any, Any] | None, max_signatures: int,
-                 enabled: bool, extra_factors: Mapping[str, Any] | None = None) -> None:
+                 enabled: bool, extra_factors: Mapping[str, Any] | None = None,
+                 guards: str | None = None) -> None:
         self._method = method
+        self._module = method.__self__
         self._adapter = adapter
         self._options = dict(options)
         self._dynamic = dynamic
@@ -87,17 +122,19 @@ class CachedFunction:
         self._max_signatures = max_signatures
         self._enabled = enabled
         self._extra = extra_factors
-        self._runners: dict[Signature, Callable[..., Any]] = {}
+        self._guard_mode = guards or guard_mode()
+        self._runners: dict[Signature, list[_Variant]] = {}
         self._base: dict[str, Any] | None = None
         self._fallback: Any = None
         self._limit_warned = False
         self._pins: list[Any] = []
         self._lock = threading.RLock()
+        self._params = tuple(inspect.signature(method).parameters)
         self.__wrapped__ = method
         self.__name__ = method.__name__
         self.__qualname__ = method.__qualname__
         self.__doc__ = method.__doc__
-        # Outcome of each signature's first call: "hit", "miss", "live" (for tests, logs).
+        # Outcome of each variant's first call: "hit", "miss", "shared", "live" (tests, logs).
         self.events: list[tuple[str, str]] = []
 
     # -- calls ------------------------------------------------------------------------
@@ -115,31 +152,42 @@ class CachedFunction:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         sig = signature(args, kwargs, self._dynamic)
-        runner = self._runners.get(sig)
-        if runner is not None:
-            return runner(*args, **kwargs)
+        variants = self._runners.get(sig)
+        if variants is not None:
+            for v in variants:
+                if v.check is None or v.check(*args, **kwargs):
+                    return v.run(*args, **kwargs)
         with self._lock:
-            runner = self._runners.get(sig)
-            if runner is not None:
-                return runner(*args, **kwargs)
+            for v in self._runners.get(sig, ()):
+                if v.check is None or v.check(*args, **kwargs):
+                    return v.run(*args, **kwargs)
             return self._first_call(sig, args, kwargs)
 
-    # -- first call of a signature ----------------------------------------------------
+    def _add(self, sig: Signature, variant: _Variant, event: str) -> None:
+        self._runners.setdefault(sig, []).append(variant)
+        self.events.append((event, describe(sig)))
+
+    def _n_variants(self) -> int:
+        return sum(len(v) for v in self._runners.values())
+
+    # -- first call of a signature (or of a variant whose guards failed) --------------
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._enabled:
             return self._run_live(sig, args, kwargs, "disabled")
-        if not self._dynamic and len(self._runners) >= self._max_signatures:
+        if not self._dynamic and self._n_variants() >= self._max_signatures:
             if not self._limit_warned:
                 self._limit_warned = True
+                what = varying(list(self._runners), sig, self._params[1:])
                 warnings.warn(
-                    f"{self.__qualname__}: more than {self._max_signatures} static signatures "
-                    f"(dynamic=False); new ones run with live torch.compile and are not "
-                    "cached. Use dynamic=True, pad inputs to fewer sizes, or raise "
-                    "max_signatures.", SignatureLimitWarning, stacklevel=4)
+                    f"{self.__qualname__}: more than {self._max_signatures} static variants "
+                    f"(dynamic=False){'; what varies: ' + what if what else ''}. New ones run "
+                    "with live torch.compile and are not cached. Make that argument dynamic "
+                    "(dynamic=True), pad it to a few sizes, or raise max_signatures.",
+                    SignatureLimitWarning, stacklevel=4)
             return self._run_live(sig, args, kwargs, "over signature limit")
         t0 = time.perf_counter()
         try:
-            key = self._key(sig)
+            frame = self._key(sig)
         except Exception as e:  # noqa: BLE001 - an unkeyable call is a fault, not a crash
             logger.debug("computing the key failed", exc_info=True)
             self._fault(f"computing the cache key failed ({type(e).__name__}: {e})")
@@ -149,65 +197,115 @@ class CachedFunction:
         except (StoreError, OSError) as e:
             self._fault(f"the cache store is unusable ({e})")
             return self._run_live(sig, args, kwargs, "store unusable")
-        runner = self._try_load(st, key, sig)
-        if runner is not None:
-            self._runners[sig] = runner
-            self.events.append(("hit", describe(sig)))
+        probe = self._probe(st, frame, args, kwargs)
+        if probe.runner is not None:
+            self._add(sig, probe.runner, "hit")
             logger.info("cachecompile hit %s %s [%s] loaded in %.1f ms", self.__qualname__,
-                        key.digest[:12], describe(sig), (time.perf_counter() - t0) * 1e3)
-            return runner(*args, **kwargs)
-        return self._compile(st, key, sig, args, kwargs)
+                        probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
+            return probe.runner.run(*args, **kwargs)
+        why = ("; ".join(probe.rejected[:3]) if probe.rejected
+               else "no entry" + self._nearest(st, frame))
+        logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
+                    describe(sig), why)
+        return self._compile(st, frame, sig, args, kwargs)
 
-    def _try_load(self, st: Any, key: Key, sig: Signature,
-                  quiet: bool = False) -> Callable[..., Any] | None:
-        try:
-            outcome = st.get(key)
-        except (StoreError, OSError) as e:
-            self._fault(f"looking up {key.digest[:12]} failed ({e})")
-            return None
-        if not isinstance(outcome, Hit):
-            if outcome.kind == "absent":
-                if quiet:
+    def _variant_key(self, frame: Key, i: int) -> Key:
+        return make_key({**frame.factors, "variant": i})
+
+    def _probe(self, st: Any, frame: Key, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> _Probe:
+        """Walk the frame's variants in order; load the first whose guards hold."""
+        out = _Probe()
+        for i in range(MAX_VARIANTS):
+            key = self._variant_key(frame, i)
+            try:
+                meta = self._variant_meta(st, key)
+            except _Absent:
+                out.free = i
+                return out
+            except (StoreError, OSError) as e:
+                self._fault(f"looking up {key.digest[:12]} failed ({e})")
+                return out
+            if meta is None:
+                continue  # unusable (corrupt, insecure): the store said why
+            try:
+                runner = self._try_variant(st, key, meta, args, kwargs, out)
+            except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
+                logger.debug("loading entry failed", exc_info=True)
+                self._fault(f"entry {key.digest[:12]} could not be loaded "
+                            f"({type(e).__name__}: {e}); it is removed and recompiled")
+                self._safe(lambda: st.record_miss("unloadable"))
+                self._safe(lambda k=key: st.delete(k))
+                out.free = i if out.free is None else out.free
+                return out
+            if runner is not None:
+                out.runner = runner
+                return out
+        return out
+
+    def _variant_meta(self, st: Any, key: Key) -> dict[str, Any] | None:
+        """An entry's meta, from its manifest when the local store has it (no file hashing,
+        no hit counted); else through ``get`` (a remote tier downloads and backfills)."""
+        manifest = getattr(st, "manifest", None)
+        if manifest is not None:
+            try:
+                return dict(manifest(key)["meta"])
+            except StoreError as e:
+                if not isinstance(e, KeyNotFound):
+                    self._fault(f"entry {key.digest[:12]} is unusable: {e}")
                     return None
-                logger.info("cachecompile miss %s %s [%s]: %s%s", self.__qualname__,
-                            key.digest[:12], describe(sig), outcome.reason, self._nearest(st, key))
-            else:
-                self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
+        outcome = st.get(key)
+        if isinstance(outcome, Hit):
+            return dict(outcome.entry.meta)
+        if outcome.kind == "absent":
+            raise _Absent()
+        self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
+        return None
+
+    def _try_variant(self, st: Any, key: Key, meta: dict[str, Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], out: _Probe) -> _Variant | None:
+        name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
+        if meta.get("format") != factors_mod.FORMAT_VERSION or meta.get("adapter") != self._adapter.name:
+            out.rejected.append(f"{name}: format {meta.get('format')!r} / adapter "
+                                f"{meta.get('adapter')!r} does not fit")
             return None
-        entry = outcome.entry
-        try:
-            return self._load(st, entry)
-        except _Stale as e:
-            logger.info("cachecompile stale %s %s: %s", self.__qualname__, key.digest[:12], e)
+        changed = deps_mod.changed(meta.get("deps", {}))
+        if changed:
+            logger.info("cachecompile stale %s %s: source changed: %s", self.__qualname__,
+                        name, ", ".join(changed[:3]))
+            out.rejected.append(f"{name}: source changed ({', '.join(changed[:3])})")
             self._safe(lambda: st.record_miss("stale"))
             self._safe(lambda: st.delete(key))
             return None
-        except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
-            logger.debug("loading entry failed", exc_info=True)
-            self._fault(f"entry {key.digest[:12]} could not be loaded "
-                        f"({type(e).__name__}: {e}); it is removed and recompiled")
-            self._safe(lambda: st.record_miss("unloadable"))
-            self._safe(lambda: st.delete(key))
+        func = self._method.__func__
+        g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
+        checker = guards_mod.build_checker(func, meta["guards"], g)  # type: ignore[arg-type]
+        if not checker.full(self._module, *args, **kwargs):
+            reason = checker.explain(self._module, *args, **kwargs) or "a guard failed"
+            out.rejected.append(f"{name}: guard failed: {reason}")
             return None
-
-    def _load(self, st: Any, entry: Any) -> Callable[..., Any]:
-        meta = entry.meta
-        if meta.get("format") != factors_mod.FORMAT_VERSION or meta.get("adapter") != self._adapter.name:
-            raise UnsupportedProgramError(f"entry format {meta.get('format')!r} / adapter "
-                                          f"{meta.get('adapter')!r} does not fit")
-        changed = deps_mod.changed(meta.get("deps", {}))
-        if changed:
-            raise _Stale("source changed: " + ", ".join(changed[:3]))
-        compiled_fn = self._adapter.load(entry.files, meta["program"])
+        outcome = st.get(key)
+        if not isinstance(outcome, Hit):
+            out.rejected.append(f"{name}: {outcome.reason}")
+            return None
+        entry = outcome.entry
+        compiled_fn = self._adapter.load(entry.files, entry.meta["program"])
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
-                               meta["imports"], meta["compiled_fn"], compiled_fn)
+                               entry.meta.get("consts", []), g, entry.meta["compiled_fn"],
+                               compiled_fn)
         try:
             self._pins.append(st.pin(entry))
         except Exception:  # noqa: BLE001 - a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
-        return bound
+        return _Variant(run=bound, check=self._check_of(checker), name=name)
 
-    def _compile(self, st: Any, key: Key, sig: Signature, args: tuple[Any, ...],
+    def _check_of(self, checker: guards_mod.Checker) -> Callable[..., bool] | None:
+        fn = checker.full if self._guard_mode == "always" else checker.per_call
+        if fn is checker.per_call and checker.n_per_call == 0:
+            return None
+        return types.MethodType(fn, self._module)
+
+    def _compile(self, st: Any, frame: Key, sig: Signature, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         from .capture import TraceSession
 
@@ -216,11 +314,11 @@ class CachedFunction:
         who = f"{self.__qualname__} [{self._ranks.label()}, pid {os.getpid()}]"
         if not readonly:
             try:
-                lock = coop.held(st, key.digest, who=who,
-                                 purpose=f"entry {key.digest[:12]} ({self.__qualname__})")
+                lock = coop.held(st, frame.digest, who=who,
+                                 purpose=f"entry {frame.digest[:12]} ({self.__qualname__})")
                 lock.__enter__()
             except (StoreError, OSError) as e:
-                self._fault(f"could not take the compile lock for {key.digest[:12]} ({e}); "
+                self._fault(f"could not take the compile lock for {frame.digest[:12]} ({e}); "
                             "compiling without it")
                 lock = None
         share = (coop.GraphShare(st, self.factors(sig), self._adapter, who,
@@ -228,19 +326,21 @@ class CachedFunction:
         try:
             if lock is not None:
                 # Another process may have published while we waited for the lock.
-                runner = self._try_load(st, key, sig, quiet=True)
-                if runner is not None:
-                    self._runners[sig] = runner
-                    self.events.append(("hit", describe(sig)))
-                    return runner(*args, **kwargs)
+                probe = self._probe(st, frame, args, kwargs)
+                if probe.runner is not None:
+                    self._add(sig, probe.runner, "hit")
+                    return probe.runner.run(*args, **kwargs)
             session = TraceSession(self._method, self._adapter, self._options,
                                    self._decompositions, self._dynamic, share=share)
             t0 = time.perf_counter()
             result = session(*args, **kwargs)
             elapsed = time.perf_counter() - t0
-            self._runners[sig] = session
-            self.events.append(("shared" if share is not None and share.shared else "miss",
-                                describe(sig)))
+            checker = session.checker
+            # Dynamo guards its own live compile; our per-call check routes calls whose
+            # arguments no longer fit to another variant, as a hit would.
+            variant = _Variant(run=session, name="live",
+                               check=self._check_of(checker) if checker is not None else None)
+            self._add(sig, variant, "shared" if share is not None and share.shared else "miss")
             try:
                 trace = session.trace()
             except UnsupportedProgramError as e:
@@ -253,8 +353,10 @@ class CachedFunction:
                 return result
             if share is not None:
                 share.publish(trace.program, self._adapter.name, factors_mod.FORMAT_VERSION)
-            self._publish(st, key, sig, trace, elapsed)
-            session.on_recompile = lambda reason: self._withdraw(st, key, sig, reason)
+            self._publish(st, frame, sig, trace, elapsed)
+            session.on_recompile = lambda reason: logger.info(
+                "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
+                "entry keeps its own guards", self.__qualname__, describe(sig), reason)
             return result
         finally:
             if share is not None:
@@ -262,7 +364,7 @@ class CachedFunction:
             if lock is not None:
                 lock.__exit__(None, None, None)
 
-    def _publish(self, st: Any, key: Key, sig: Signature, trace: Any, elapsed: float) -> None:
+    def _publish(self, st: Any, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
         files: dict[str, Any] = dict(trace.program.files)
         files[BYTECODE_FILE] = trace.bytecode
         meta = {
@@ -270,13 +372,15 @@ class CachedFunction:
             "adapter": self._adapter.name,
             "program": trace.program.meta,
             "imports": trace.imports,
+            "consts": trace.consts,
             "compiled_fn": trace.compiled_fn_name,
             "deps": trace.deps,
+            "guards": trace.guards,
             "signature": describe(sig),
             "compile_seconds": round(trace.compile_seconds, 3),
             "first_call_seconds": round(elapsed, 3),
         }
-        module = self._method.__self__
+        module = self._module
         labels = {
             "model": type(module).__qualname__,
             "function": self._method.__name__,
@@ -286,6 +390,7 @@ class CachedFunction:
             "world_size": str(self._ranks.world_size),
             "global_rank": str(self._ranks.global_rank),
             "backend": self._adapter.name,
+            "frame": frame.digest[:32],
         }
         labels["group"] = self._group(sig)
         labels["group_size"] = str(self._ranks.world_size)
@@ -295,24 +400,36 @@ class CachedFunction:
             labels["pp_rank"] = str(self._ranks.pp_rank)
         t0 = time.perf_counter()
         try:
-            st.put(key, files, labels=labels, meta=meta)
+            # Under the frame lock: the first free variant index. Another node (through a
+            # remote tier) may take the same index at once; the loser moves on.
+            for _ in range(MAX_VARIANTS):
+                probe = self._free_variant(st, frame)
+                if probe is None:
+                    self._fault(f"{self.__qualname__} already has {MAX_VARIANTS} variants "
+                                f"for [{describe(sig)}]; this one is not cached. "
+                                "`cachectl explain` shows which guards differ")
+                    return
+                key = self._variant_key(frame, probe)
+                labels["variant"] = str(probe)
+                entry = st.put(key, files, labels=labels, meta=meta)
+                if entry.meta.get("guards") == meta["guards"]:
+                    break
         except (StoreError, OSError) as e:
-            self._fault(f"publishing {key.digest[:12]} failed ({e}); this process keeps its "
+            self._fault(f"publishing {frame.digest[:12]} failed ({e}); this process keeps its "
                         "live compile and the next one compiles again")
             return
-        logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms",
-                    self.__qualname__, key.digest[:12], describe(sig), elapsed,
-                    (time.perf_counter() - t0) * 1e3)
+        logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms "
+                    "(%d guards)", self.__qualname__, key.digest[:12], describe(sig), elapsed,
+                    (time.perf_counter() - t0) * 1e3, len(trace.guards))
 
-    def _withdraw(self, st: Any, key: Key, sig: Signature, reason: str) -> None:
-        warnings.warn(
-            f"{self.__qualname__} [{describe(sig)}] was traced twice by Dynamo ({reason}); "
-            "its cache entry is withdrawn and this process goes on with live torch.compile. "
-            "Something the cache key does not see (a global, an attribute changed after "
-            "the first call) changes the graph: make it an argument or a module attribute "
-            "set before the first call.", RecompileWarning, stacklevel=2)
-        self._safe(lambda: st.delete(key))
-        self._safe(lambda: st.record_miss("recompile"))
+    def _free_variant(self, st: Any, frame: Key) -> int | None:
+        for i in range(MAX_VARIANTS):
+            key = self._variant_key(frame, i)
+            if not st.contains(key):
+                outcome = st.get(key)  # a remote tier may hold it
+                if not isinstance(outcome, Hit):
+                    return i
+        return None
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                   why: str) -> Any:
@@ -321,8 +438,7 @@ class CachedFunction:
         if self._fallback is None:
             self._fallback = TraceSession(self._method, self._adapter, self._options,
                                           self._decompositions, self._dynamic, capture=False)
-        self._runners[sig] = self._fallback
-        self.events.append(("live", describe(sig)))
+        self._add(sig, _Variant(run=self._fallback, check=None, name="live"), "live")
         logger.info("cachecompile live %s [%s]: %s", self.__qualname__, describe(sig), why)
         return self._fallback(*args, **kwargs)
 
@@ -354,9 +470,10 @@ class CachedFunction:
                 # The manifest alone: a get() would hash every file of every candidate
                 # and count a hit on each, just to word a log line.
                 try:
-                    factors = st.manifest(info.key)["factors"]
+                    factors = dict(st.manifest(info.key)["factors"])
                 except (StoreError, OSError, KeyError):
                     continue
+                factors.pop("variant", None)
                 diff = _diff(key.factors, factors)
                 if best is None or len(diff) < best[0]:
                     best = (len(diff), diff)

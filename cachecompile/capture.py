@@ -18,9 +18,10 @@ never imports this module.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import inspect
 import logging
-import marshal
 import sysconfig
 import time
 import types
@@ -30,9 +31,13 @@ from typing import Any
 
 import torch
 
+from . import codeobj, guard_capture
+from . import guards as guards_mod
 from .backends.base import Adapter, Compiled, Program
+from .deps import by_module as deps_by_module
 from .deps import hash_file
 from .errors import GraphBreakError, UnsupportedProgramError
+from .replay import BUILTINS_DICT
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,8 @@ class Trace:
     program: Program
     deps: dict[str, str]             # traced user file -> content hash
     compile_seconds: float
+    consts: list[Any]                # constants rebuilt on load (codeobj)
+    guards: list[dict[str, Any]]     # Dynamo's guards, portable (guards.py)
 
 
 def clone_function(func: types.FunctionType) -> types.FunctionType:
@@ -64,12 +71,16 @@ def clone_function(func: types.FunctionType) -> types.FunctionType:
     return fn
 
 
-def _traced_user_files() -> dict[str, str]:
+def _traced_paths() -> list[str]:
+    """The files of every code object Dynamo traced (inside the tracing context only)."""
     from torch._dynamo.utils import get_traced_code
 
+    return [code.co_filename for code in get_traced_code() or ()]
+
+
+def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     files: dict[str, str] = {}
-    for code in get_traced_code() or ():
-        path = code.co_filename
+    for path in paths:
         if not path or path.startswith("<") or path in files:
             continue
         if path.startswith(_TORCH_DIR) or path.startswith(_STDLIB_DIRS):
@@ -77,7 +88,7 @@ def _traced_user_files() -> dict[str, str]:
         digest = hash_file(path)
         if digest is not None:
             files[path] = digest
-    return dict(sorted(files.items()))
+    return deps_by_module(files)
 
 
 def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
@@ -117,11 +128,58 @@ class TraceSession:
         self.on_recompile: Callable[[str], None] | None = None
         self._compiled: Compiled | None = None
         self._deps: dict[str, str] = {}
+        self._traced: list[str] = []
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
         self._compile_seconds = 0.0
+        self._called = False
+        self._call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._state: dict[str, Any] = {}
+        self._tensor_dims: dict[str, Any] = {}
+        self._guards: list[dict[str, Any]] | None = None
+        self._guard_classes: set[type] = set()
+        self.checker: guards_mod.Checker | None = None
         self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=self._backend, fullgraph=True, dynamic=dynamic)
+                                   backend=self._backend, fullgraph=True, dynamic=dynamic,
+                                   options={"guard_filter_fn": self._on_guards})
+
+    # -- Dynamo's guards ------------------------------------------------------------
+    def _on_guards(self, entries: Any) -> list[bool]:
+        """guard_filter_fn: keep every guard; record the first trace's in portable form."""
+        keep = [True] * len(entries)
+        if not self._capture or self._guards is not None or self._verdict is not None:
+            return keep
+        try:
+            self._record_guards(entries)
+        except UnsupportedProgramError as e:
+            self._verdict = str(e)
+        except Exception as e:  # noqa: BLE001 - a guard we cannot carry means "do not cache"
+            logger.debug("guard capture failed", exc_info=True)
+            self._verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
+        return keep
+
+    def _record_guards(self, entries: Any) -> None:
+        if self._call_args is None:
+            raise UnsupportedProgramError("guards were built outside a call")
+        func = self._orig.__func__
+        params = list(inspect.signature(func).parameters)
+        arg_names = set(params[1:])
+        portable, classes = guard_capture.translate(
+            entries, arg_names=arg_names, tensor_dims=self._tensor_dims,
+            module_name=getattr(func, "__module__", "") or "", state=self._state)
+        # The guards are checked here, before the graph runs, against the very call being
+        # traced: a guard that does not hold now was translated wrongly. (Global state is
+        # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
+        local = [gd for gd in portable if gd["kind"] not in guards_mod.GLOBAL_KINDS]
+        probe = guards_mod.build_checker(self._fn, local, self._fn.__globals__)
+        args, kwargs = self._call_args
+        call = (self._orig.__self__, *args)
+        if not probe.full(*call, **kwargs):
+            why = probe.explain(*call, **kwargs)
+            raise UnsupportedProgramError(f"a carried guard does not hold at trace time: {why}")
+        self._guards = portable
+        self._guard_classes = classes
+        self.checker = guards_mod.build_checker(self._fn, portable, self._fn.__globals__)
 
     # -- Dynamo backend -------------------------------------------------------------
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -135,7 +193,8 @@ class TraceSession:
             self._on_second_trace()
             return compiled.live
         t0 = time.perf_counter()
-        deps = _traced_user_files() if self._capture else {}
+        self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
+        self._traced = _traced_paths() if self._capture else []
 
         def compile_here() -> Compiled:
             return self._adapter.compile(gm, example_inputs, self._options,
@@ -149,7 +208,6 @@ class TraceSession:
             compiled = compile_here()
         self.traces += 1
         self._compile_seconds = time.perf_counter() - t0
-        self._deps = deps
         self._compiled = compiled
         if not self._capture:
             return compiled.live
@@ -235,10 +293,22 @@ class TraceSession:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import Unsupported, UserError
 
+        first = not self._called
+        self._called = True
+        if first and self._capture:
+            # Dynamo's guards are built during this call; they are checked against it.
+            self._call_args = (args, dict(kwargs))
+            self._state = guard_capture.state_snapshot()
         try:
             return self._live(*args, **kwargs)
         except (Unsupported, UserError) as e:
             raise graph_break_error(e, self._orig) from None
+        finally:
+            if first and self._capture:
+                self._call_args = None  # do not keep the first call's tensors alive
+                if self._compiled is not None:
+                    self._deps = _user_file_hashes(
+                        self._traced + sorted(guard_capture.class_files(self._guard_classes)))
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""
@@ -248,6 +318,8 @@ class TraceSession:
             raise UnsupportedProgramError(self._verdict)
         if self._program is None:
             raise UnsupportedProgramError("the program was never run")
+        if self._guards is None:
+            raise UnsupportedProgramError("Dynamo's guards were not recorded")
         entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._fn.__code__)
         if len(entries) != 1:
             raise UnsupportedProgramError(f"Dynamo holds {len(entries)} cache entries, expected 1")
@@ -258,27 +330,31 @@ class TraceSession:
         compiled_fn_names: list[str] = []
         g = self._fn.__globals__
         original_names = set(self._fn.__code__.co_names)
-        for n in _all_names(code):
+        guard_globals = {m.group(1) for gd in self._guards
+                         for m in guards_mod.GLOBAL_RE.finditer(_guard_text(gd))}
+        for n in [*_all_names(code), *sorted(guard_globals)]:
             if n.startswith("__compiled_fn"):
                 compiled_fn_names.append(n)
             elif n.startswith("__") and n in g and n not in original_names and not n.endswith("__"):
                 # Dynamo installs module references under generated names
-                # (__import_torch_dot_nn..., ___module_torch_<id>_c1): rebind by module name.
-                mod = g.get(n)
-                if not isinstance(mod, types.ModuleType):
+                # (__import_torch_dot_nn..., ___module_torch_<id>_c1) and the builtins dict
+                # (__builtins_dict___0): rebind them by name in the warm process.
+                value = g.get(n)
+                if isinstance(value, types.ModuleType):
+                    imports[n] = value.__name__
+                elif value is vars(builtins):
+                    imports[n] = BUILTINS_DICT
+                else:
                     raise UnsupportedProgramError(
-                        f"transformed bytecode uses Dynamo global {n} ({type(mod).__name__})")
-                imports[n] = mod.__name__
+                        f"transformed bytecode uses Dynamo global {n} ({type(value).__name__})")
         if len(compiled_fn_names) != 1:
             raise UnsupportedProgramError(
                 f"expected one compiled graph in the bytecode, found {len(compiled_fn_names)}")
-        try:
-            bytecode = marshal.dumps(code)
-        except ValueError as e:
-            raise UnsupportedProgramError(f"transformed bytecode is not marshallable: {e}") from e
+        bytecode, consts = codeobj.dumps(code)
         return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
                      program=self._program, deps=self._deps,
-                     compile_seconds=self._compile_seconds)
+                     compile_seconds=self._compile_seconds, consts=consts,
+                     guards=self._guards)
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
@@ -298,6 +374,12 @@ def has_collectives(gm: torch.fx.GraphModule) -> bool:
         if ns in _COLLECTIVE_NAMESPACES or module.startswith("torch.distributed"):
             return True
     return False
+
+
+def _guard_text(gd: dict[str, Any]) -> str:
+    if gd["kind"] == "alias":
+        return " ".join(gd["value"]["exprs"])
+    return str(gd.get("expr", ""))
 
 
 def _all_names(code: types.CodeType) -> list[str]:

@@ -1,8 +1,17 @@
-"""Hashes of the user source files a trace depended on, checked on every hit."""
+"""Hashes of the user source files a trace depended on, checked on every hit.
+
+A file is recorded by the module it defines (``module:pkg.helpers``) where it is one, so
+that a second checkout of the same code at another path checks *its own* files: keyed
+by absolute path, an edit in checkout B would be checked against A's unchanged file.
+Files that are no importable module (a script run as ``__main__``) stay keyed by path.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import sys
 
 import xxhash
 
@@ -24,6 +33,42 @@ def hash_file(path: str) -> str | None:
     return digest
 
 
+def by_module(files: dict[str, str]) -> dict[str, str]:
+    """``{path: digest}`` -> ``{"module:name" | "path:/abs": digest}``."""
+    owners: dict[str, str] = {}
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and name != "__main__" and not name.startswith("cachecompile_k"):
+            owners.setdefault(os.path.realpath(f), name)
+    out: dict[str, str] = {}
+    for path, digest in files.items():
+        name = owners.get(os.path.realpath(path))
+        out[f"module:{name}" if name else f"path:{path}"] = digest
+    return dict(sorted(out.items()))
+
+
+def _locate(ident: str) -> str | None:
+    kind, _, rest = ident.partition(":")
+    if kind == "path":
+        return rest
+    if kind != "module":
+        return None
+    mod = sys.modules.get(rest)
+    f = getattr(mod, "__file__", None) if mod is not None else None
+    if f:
+        return str(f)
+    try:
+        spec = importlib.util.find_spec(rest)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None else None
+
+
 def changed(deps: dict[str, str]) -> list[str]:
-    """The files among ``deps`` whose content differs from the recorded hash."""
-    return [p for p, h in deps.items() if hash_file(p) != h]
+    """The recorded dependencies whose current file differs from the recorded hash."""
+    out: list[str] = []
+    for ident, digest in deps.items():
+        path = _locate(ident)
+        if path is None or hash_file(path) != digest:
+            out.append(ident.partition(":")[2] or ident)
+    return out

@@ -7,7 +7,6 @@ XXH3 digests, with counts beside them so a human still sees the scale.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import platform
@@ -19,12 +18,14 @@ from typing import Any
 import torch
 import xxhash
 
+from . import guards
 from .backends.base import Adapter
 from .ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: Dynamo's guards carried per entry; variants per frame key; rebuilt constants.
+FORMAT_VERSION = 2
 JSON = Any
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -60,7 +61,11 @@ def _source_digest(obj: Any) -> str | None:
 
 
 def callable_digest(fn: Callable[..., Any]) -> str:
-    """A custom pass or decomposition, by its code (TorchAir uses its disassembly)."""
+    """A custom pass or decomposition, by its code and its closure, defaults and partial
+    arguments as values (TorchAir uses only the disassembly: a changed closure hit)."""
+    ident = guards.identity(fn)
+    if ident is not None and not ident.startswith(("module:", "class:")):
+        return _digest(ident)
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
         return code_digest(code)
@@ -85,15 +90,31 @@ def canonical(value: Any) -> JSON:
 
 
 def function_factors(func: types.FunctionType) -> dict[str, JSON]:
-    return {"qualname": func.__qualname__, "module": func.__module__,
-            "bytecode": code_digest(func.__code__), "source": _source_digest(func)}
+    f: dict[str, JSON] = {"qualname": func.__qualname__, "module": func.__module__,
+                          "bytecode": code_digest(func.__code__), "source": _source_digest(func)}
+    # A decorated method (functools.wraps): the wrapper's code is traced too, and the
+    # functions it wraps are keyed by their code (closures are guarded by Dynamo).
+    wrapped: list[JSON] = []
+    inner = getattr(func, "__wrapped__", None)
+    while inner is not None and len(wrapped) < 8:
+        code = getattr(inner, "__code__", None)
+        wrapped.append({"qualname": getattr(inner, "__qualname__", type(inner).__name__),
+                        "bytecode": code_digest(code) if isinstance(code, types.CodeType)
+                        else None})
+        inner = getattr(inner, "__wrapped__", None)
+    if wrapped:
+        f["wrapped"] = wrapped
+    return f
 
 
 def module_factors(module: torch.nn.Module) -> dict[str, JSON]:
-    """Class sources, parameter/buffer layout, training flags, plain attributes."""
+    """Class sources, parameter/buffer layout and training flags.
+
+    Attribute values are not factors: Dynamo guards exactly those it reads (private,
+    nested, in dicts or plain objects alike), and the entry carries those guards.
+    """
     classes: dict[str, str | None] = {}
     layout = xxhash.xxh3_128()
-    attrs = xxhash.xxh3_128()
     n_params = n_buffers = 0
     devices: set[str] = set()
     for name, sub in module.named_modules(remove_duplicate=False):
@@ -112,18 +133,9 @@ def module_factors(module: torch.nn.Module) -> dict[str, JSON]:
             devices.add(str(b.device))
             layout.update(f"b {name}.{bname} {tuple(b.shape)} {b.dtype} {b.device} "
                           f"{tuple(b.stride())};".encode())
-        # Dynamo specialises on plain Python attributes (flags, sizes, eps): they are code.
-        for aname, value in sorted(vars(sub).items()):
-            if aname.startswith("_") or aname == "training":
-                continue
-            if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(
-                    isinstance(x, _PLAIN) for x in value)) or (
-                    dataclasses.is_dataclass(value) and not isinstance(value, type)):
-                attrs.update(f"{name}.{aname}={value!r};".encode())
     return {
         "classes": dict(sorted(classes.items())),
         "layout": layout.hexdigest(),
-        "attributes": attrs.hexdigest(),
         "parameters": n_params,
         "buffers": n_buffers,
         "devices": sorted(devices),

@@ -1,52 +1,80 @@
 """Warm path: rebuild a cached method from an entry, without Dynamo.
 
-Dynamo's transformed bytecode is turned back into a function over the method's own module
-globals and closure, with the names it expects (``__compiled_fn_*``, ``__import_*``)
-bound to the adapter's rebuilt program and to the modules it imports. It then reads the
-module's parameters and the call's inputs from the live frame on every call, exactly as
-in the compiling process.
+Dynamo's transformed bytecode is turned back into a function over the method's closure
+and a *private* globals mapping: the names Dynamo generated (``__compiled_fn_*``,
+``__import_*``, the builtins dict) live there, and every other name falls through to the
+module's live globals. Nothing is written into the module's globals, so a later
+``torch.compile`` of the same module (a new signature compiled live in this process) never
+meets our stand-ins where Dynamo expects its own objects. The function reads the module's
+parameters and the call's inputs from the live frame on every call, exactly as in the
+compiling process.
 
 Only ``torch`` is imported here; ``torch._dynamo.utils`` is served by a shim.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
-import marshal
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _dynamo_shim
+from . import _dynamo_shim, codeobj
 from .errors import UnsupportedProgramError
 
+BUILTINS_DICT = "builtins.__dict__"
 
-def _resolve_module(name: str) -> types.ModuleType:
+
+class ReplayGlobals(dict[str, Any]):
+    """Dynamo's generated names over the module's live globals (read through, never written)."""
+
+    __slots__ = ("module_globals",)
+
+    def __init__(self, module_globals: dict[str, Any], names: Mapping[str, Any]) -> None:
+        super().__init__(names)
+        self.module_globals = module_globals
+        # A function's builtins come from its globals' __builtins__, read without
+        # __missing__: set it here.
+        self["__builtins__"] = module_globals.get("__builtins__", builtins)
+
+    def __missing__(self, key: str) -> Any:
+        return self.module_globals[key]
+
+
+def _resolve_module(name: str) -> Any:
+    if name == BUILTINS_DICT:
+        return vars(builtins)
     if name == "torch._dynamo.utils":
         return _dynamo_shim.utils
     return importlib.import_module(name)
 
 
-def rebuild(method: types.MethodType, bytecode: bytes, imports: Mapping[str, str],
-            compiled_fn_name: str, compiled_fn: Callable[..., Any]) -> types.MethodType:
+def replay_globals(func: types.FunctionType, imports: Mapping[str, str],
+                   extra: Mapping[str, Any] | None = None) -> ReplayGlobals:
+    names: dict[str, Any] = {}
+    for gname, modname in imports.items():
+        if not gname.startswith("__") or gname.endswith("__"):
+            raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
+        names[gname] = _resolve_module(modname)
+    names.update(extra or {})
+    return ReplayGlobals(func.__globals__, names)
+
+
+def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
+            g: ReplayGlobals, compiled_fn_name: str,
+            compiled_fn: Callable[..., Any]) -> types.MethodType:
     func = method.__func__
     try:
-        code = marshal.loads(bytecode)
+        code = codeobj.loads(bytecode, consts)
     except (EOFError, ValueError, TypeError) as e:
         raise UnsupportedProgramError(f"stored bytecode does not load: {e}") from e
     if not isinstance(code, types.CodeType):
         raise UnsupportedProgramError("stored bytecode is not a code object")
     if code.co_freevars != func.__code__.co_freevars:  # type: ignore[attr-defined]
         raise UnsupportedProgramError("stored bytecode does not fit the method's closure")
-    g = func.__globals__  # type: ignore[attr-defined]
-    for gname, modname in imports.items():
-        if not gname.startswith("__") or gname.endswith("__"):
-            raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
-        g.setdefault(gname, _resolve_module(modname))
     if not compiled_fn_name.startswith("__compiled_fn"):
         raise UnsupportedProgramError(f"unexpected compiled function name {compiled_fn_name!r}")
-    # Dynamo names are unique per compile (a uuid); binding ours into the module's
-    # globals is what Dynamo itself does in the compiling process.
     g[compiled_fn_name] = compiled_fn
     fn = types.FunctionType(code, g, func.__name__, func.__defaults__,  # type: ignore[attr-defined]
                             func.__closure__)  # type: ignore[attr-defined]

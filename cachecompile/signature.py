@@ -1,77 +1,108 @@
-"""The call signature: the cheap guard that stands in for Dynamo's guards on a hit.
+"""The call signature: a cheap bucket for a call, and part of the entry's key.
 
-A signature is a hashable tuple computed on every call. It holds, for each tensor in the
-arguments, its dtype, device, rank, layout facts and either its exact shape
-(``dynamic=False``) or each dimension's size class 0 / 1 / many (``dynamic=True``: Dynamo
-specialises sizes 0 and 1 even for dynamic dims); and for every other argument, its
-value (Dynamo specialises on bools, ints, floats and strings). Calls with equal
-signatures can share one compiled entry; anything else is a different entry.
+It is computed on every call and is no stricter than Dynamo: the guards carried in each
+entry (:mod:`cachecompile.guards`) decide whether an entry fits; the signature only
+groups calls that can share entries and names the group in logs and labels.
+
+* Tensors: class (when not a plain Tensor / Parameter), dtype, device, rank, inference
+  flag, contiguity, and either the exact shape (``dynamic=False``) or each dimension's
+  size class 0 / 1 / many (``dynamic=True``: Dynamo specialises sizes 0 and 1 even for
+  dynamic dims). Storage offset and strides are left to the guards (and to Inductor's
+  own alignment copy), as Dynamo does.
+* ints: with ``dynamic=True`` their class 0 / 1 / many (Dynamo makes other ints
+  symbolic); with ``dynamic=False`` their value. floats: their value only with
+  ``dynamic=False``. bools, strings, None, dtypes, devices: their value.
+* lists, tuples, dicts, NamedTuples and dataclasses: recursively (tensors inside are
+  graph inputs; other fields are guarded). Any other object: its class (Dynamo guards
+  whatever the method reads from it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .errors import ContractError
-
 Signature = tuple[Any, ...]
 
-_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_VALUE_SCALARS = (bool, str, type(None), torch.dtype, torch.device)
 _Tensor = torch.Tensor
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_MAX_DEPTH = 6
+
+
+def _size_class(n: int) -> int:
+    return n if n < 2 else -1
 
 
 def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
     shape = t.shape
-    if dynamic:
-        sizes: tuple[Any, ...] = tuple(s if s < 2 else -1 for s in shape)
-    else:
-        sizes = tuple(shape)
-    contiguous = t.is_contiguous()
-    return ("T", t.dtype, t.device, sizes, contiguous,
-            None if contiguous else t.stride(), t.storage_offset(), t.is_inference())
+    sizes = tuple(_size_class(s) for s in shape) if dynamic else tuple(shape)
+    cls = type(t)
+    return ("T", t.dtype, t.device, sizes, t.is_contiguous(), t.is_inference(),
+            None if cls in _PLAIN_TENSORS else f"{cls.__module__}.{cls.__qualname__}")
 
 
-def _value_sig(v: Any, dynamic: bool, where: str) -> Any:
+def _qual(v: Any) -> str:
+    cls = type(v)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _value_sig(v: Any, dynamic: bool, depth: int = 0) -> Any:
     if isinstance(v, _Tensor):
         return _tensor_sig(v, dynamic)
-    if isinstance(v, _SCALARS):
+    if isinstance(v, _VALUE_SCALARS):
         # type matters: True == 1 == 1.0 but Dynamo treats them differently
         return (type(v).__name__, v)
+    if isinstance(v, int) and type(v) is int:
+        return ("int", _size_class(v)) if dynamic else ("int", v)
+    if isinstance(v, float) and type(v) is float:
+        return ("float", None) if dynamic else ("float", v)
+    if depth >= _MAX_DEPTH:
+        return ("obj", _qual(v))
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return ("nt", _qual(v), tuple(_value_sig(x, dynamic, depth + 1) for x in v))
     if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_value_sig(x, dynamic, f"{where}[{i}]")
-                                        for i, x in enumerate(v)))
+        return (type(v).__name__, tuple(_value_sig(x, dynamic, depth + 1) for x in v))
     if isinstance(v, Mapping):
-        return ("dict", tuple((k, _value_sig(v[k], dynamic, f"{where}[{k!r}]"))
+        return ("dict", tuple((k, _value_sig(v[k], dynamic, depth + 1))
                               for k in sorted(v, key=repr)))
-    raise ContractError(
-        f"cache_compile cannot key argument {where} of type {type(v).__qualname__}: cached "
-        "methods take tensors, bools, ints, floats, strings, None, dtypes, devices and "
-        "lists/tuples/dicts of those. Pass other state through the module's attributes "
-        "or make it part of the module.")
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return ("dc", _qual(v), tuple((f.name, _value_sig(getattr(v, f.name, None), dynamic,
+                                                          depth + 1))
+                                      for f in dataclasses.fields(v)))
+    return ("obj", _qual(v))
 
 
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) -> Signature:
-    pos = tuple(_value_sig(a, dynamic, f"#{i}") for i, a in enumerate(args))
+    pos = tuple(_value_sig(a, dynamic) for a in args)
     if not kwargs:
         return pos
-    return pos + (("kw",) + tuple((k, _value_sig(kwargs[k], dynamic, k)) for k in sorted(kwargs)),)
+    return pos + (("kw",) + tuple((k, _value_sig(kwargs[k], dynamic)) for k in sorted(kwargs)),)
+
+
+def _children(v: Any) -> list[Any]:
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    if isinstance(v, Mapping):
+        return list(v.values())
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return [getattr(v, f.name, None) for f in dataclasses.fields(v)]
+    return []
 
 
 def requires_grad(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """True if any tensor argument (top level or in a list/tuple/dict) requires grad."""
-    stack: list[Any] = list(args) + list(kwargs.values())
+    """True if any tensor argument (top level or nested in containers) requires grad."""
+    stack: list[tuple[Any, int]] = [(a, 0) for a in (*args, *kwargs.values())]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         if isinstance(v, _Tensor):
             if v.requires_grad:
                 return True
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, Mapping):
-            stack.extend(v.values())
+        elif depth < _MAX_DEPTH:
+            stack.extend((c, depth + 1) for c in _children(v))
     return False
 
 
@@ -88,11 +119,16 @@ def describe(sig: Signature) -> str:
 
 def _describe_one(v: Any) -> str:
     if isinstance(v, tuple) and v and v[0] == "T":
-        _, dtype, device, sizes, contiguous, _stride, offset, _inf = v
+        _, dtype, device, sizes, contiguous, _inf, cls = v
         dims = ",".join("n" if s == -1 else str(s) for s in sizes)
         extra = "" if contiguous else " strided"
-        extra += f" +{offset}" if offset else ""
+        extra += f" {cls.rsplit('.', 1)[-1]}" if cls else ""
         return f"{str(dtype).replace('torch.', '')}[{dims}]@{device}{extra}"
+    if isinstance(v, tuple) and v and v[0] in ("nt", "dc") and len(v) == 3:
+        name = v[1].rsplit(".", 1)[-1]
+        if v[0] == "nt":
+            return f"{name}(" + ", ".join(_describe_one(x) for x in v[2]) + ")"
+        return f"{name}(" + ", ".join(f"{k}={_describe_one(x)}" for k, x in v[2]) + ")"
     if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
         kind, val = v
         if kind in ("list", "tuple"):
@@ -100,8 +136,35 @@ def _describe_one(v: Any) -> str:
             return f"[{inner}]" if kind == "list" else f"({inner})"
         if kind == "dict":
             return "{" + ", ".join(f"{k!r}: {_describe_one(x)}" for k, x in val) + "}"
+        if kind == "obj":
+            return str(val).rsplit(".", 1)[-1]
+        if kind == "int" and val == -1:
+            return "int"
+        if kind == "float" and val is None:
+            return "float"
         return repr(val)
     return repr(v)
+
+
+def varying(old: list[Signature], new: Signature, names: tuple[str, ...] = ()) -> str:
+    """Which argument of ``new`` differs from the signatures seen before, and how."""
+    if not old:
+        return ""
+    best = min(old, key=lambda s: sum(1 for a, b in zip(s, new, strict=False) if a != b))
+    diffs: list[str] = []
+    for i, (a, b) in enumerate(zip(best, new, strict=False)):
+        if a == b:
+            continue
+        if isinstance(b, tuple) and b and b[0] == "kw" and isinstance(a, tuple) and a[:1] == ("kw",):
+            old_kw, new_kw = dict(a[1:]), dict(b[1:])
+            diffs.extend(f"{k}: {_describe_one(old_kw.get(k))} -> {_describe_one(new_kw.get(k))}"
+                         for k in sorted(set(old_kw) | set(new_kw)) if old_kw.get(k) != new_kw.get(k))
+        else:
+            what = f"argument {names[i]!r}" if i < len(names) else f"argument #{i}"
+            diffs.append(f"{what}: {_describe_one(a)} -> {_describe_one(b)}")
+    if len(best) != len(new):
+        diffs.append(f"{len(best)} -> {len(new)} arguments")
+    return "; ".join(diffs)
 
 
 def to_json(sig: Signature) -> Any:

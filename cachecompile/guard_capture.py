@@ -1,0 +1,260 @@
+"""Cold side of the guards: Dynamo's guard list for one frame, made portable.
+
+Dynamo hands every guard it installs for a frame to ``guard_filter_fn`` as a
+``GuardFilterEntry`` (the source expression, the guard type, the value at trace time).
+:func:`translate` turns each into a portable guard (see :mod:`cachecompile.guards`);
+:class:`GuardRecorder` is the ``guard_filter_fn``: it translates, compiles the result
+into a checker and checks it against the call being traced *before* the graph runs.
+A guard with no portable form (a weakref, an arbitrary object matched by identity, a
+guard type this module does not know) makes the frame not cacheable, with the guard
+named; it never becomes a weaker check.
+
+Imported only in a compiling process (it reads Dynamo's objects, never imports Dynamo).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import guards as g
+from . import values
+from .errors import UnsupportedProgramError
+
+logger = logging.getLogger(__name__)
+
+JSON = Any
+
+# Covered by the one GLOBAL_STATE snapshot (Dynamo checks them through it too).
+_IN_GLOBAL_STATE = {"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "FSDP_TRAINING_STATE"}
+# Autograd-only state: a cached method runs without grad (inference only).
+_AUTOGRAD_ONLY = {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
+_IDENTITY = {"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH",
+             "NN_MODULE"}
+
+
+def _partial_kw(guard: Any, name: str) -> Any:
+    fn = getattr(guard, "create_fn", None)
+    kw = getattr(fn, "keywords", None) or {}
+    if name in kw:
+        return kw[name]
+    args = getattr(fn, "args", ()) or ()
+    return args[-1] if args else None
+
+
+def reads_args(expr: str, arg_names: set[str]) -> bool:
+    return any(m.group(1) in arg_names for m in g.LOCAL_RE.finditer(expr))
+
+
+class _Builder:
+    def __init__(self, arg_names: set[str], tensor_dims: Mapping[str, tuple[list[Any], list[Any]]],
+                 module_name: str, state: Mapping[str, JSON]) -> None:
+        self.arg_names = arg_names
+        self.tensor_dims = tensor_dims
+        self.module_name = module_name
+        self.state = state
+        self.out: list[g.GuardDict] = []
+        self.classes: set[type] = set()
+        self.tensors: list[tuple[str, Any]] = []
+        self._seen: set[tuple[str, str, str]] = set()
+
+    def add(self, kind: str, expr: str, value: JSON, text: str | None = None) -> None:
+        sig = (kind, expr, repr(value))
+        if sig in self._seen:
+            return
+        self._seen.add(sig)
+        self.out.append({"kind": kind, "expr": expr, "value": value,
+                         "text": text or g.user_text(expr, self.module_name),
+                         "args": reads_args(expr, self.arg_names)})
+
+    def ident(self, expr: str, value: Any, guard_type: str) -> None:
+        ident = g.identity(value)
+        if ident is None:
+            raise UnsupportedProgramError(
+                f"Dynamo guards the identity of {g.user_text(expr, self.module_name)} "
+                f"({guard_type} on a {g.qualified_name(type(value))}), which has no "
+                "process-independent form; pass it as an argument or make it a plain value")
+        if isinstance(value, type):
+            self.classes.add(value)
+        self.add("ident", expr, ident, f"{g.user_text(expr, self.module_name)} is {_short(ident)}")
+
+    def entry(self, e: Any) -> None:
+        gt: str = e.guard_type
+        guard = e.orig_guard
+        expr: str = guard.name
+        value = e.value
+        derived = set(e.derived_guard_types or ())
+        if gt in _IN_GLOBAL_STATE or gt in _AUTOGRAD_ONLY:
+            return
+        if gt == "GLOBAL_STATE":
+            self.add("global_state", "", self.state["global_state"], "global torch state "
+                     "(grad mode, autocast, default dtype, deterministic algorithms, threads)")
+            return
+        if gt == "TORCH_FUNCTION_STATE":
+            self.add("modes", "", self.state["modes"], "the active torch function modes "
+                     f"{self.state['modes']}")
+            return
+        if gt == "DEFAULT_DEVICE":
+            self.add("default_device", "", self.state["default_device"],
+                     f"torch default device == {self.state['default_device']!r}")
+            return
+        if gt == "SHAPE_ENV":
+            for part in guard.code_list or ():
+                self.add("expr", part, None)
+            return
+        if not e.has_value:
+            self.fallback(e, "its value could not be read at trace time")
+            return
+        if gt != "TYPE_MATCH" and "TYPE_MATCH" in derived:
+            self.type_match(expr, value)
+        if gt == "TYPE_MATCH":
+            self.type_match(expr, value)
+        elif gt == "FAKE_SCRIPT_TYPE_MATCH":
+            # An opaque (script) object such as a process group: its real type at run time.
+            self.type_match(expr, getattr(value, "real_obj", value))
+        elif gt in ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"):
+            if isinstance(value, types.CodeType):
+                self.add("ident", expr, g.identity(value),
+                         f"{g.user_text(expr, self.module_name)} is the same code")
+                return
+            try:
+                enc = values.encode_value(value)
+            except UnsupportedProgramError:
+                self.ident(expr, value, gt)
+                return
+            self.add("eq", expr, enc, f"{g.user_text(expr, self.module_name)} == {value!r}")
+        elif gt == "NONE_MATCH":
+            self.add("ident", expr, "None", f"{g.user_text(expr, self.module_name)} is None")
+        elif gt == "NOT_NONE_MATCH":
+            self.add("expr", f"{expr} is not None", None)
+        elif gt == "CLOSURE_MATCH":
+            # Dynamo matches a user function by its code object (its closure cells are
+            # guarded on their own where they are read).
+            if isinstance(value, types.FunctionType):
+                self.add("ident", f"{expr}.__code__", g.identity(value.__code__),
+                         f"{g.user_text(expr, self.module_name)} is {g.qualified_name(value)} "
+                         "with the same code")
+            else:
+                self.ident(expr, value, gt)
+        elif gt in _IDENTITY:
+            self.ident(expr, value, gt)
+        elif gt in ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"):
+            self.add("len", expr, len(value),
+                     f"len({g.user_text(expr, self.module_name)}) == {len(value)}")
+        elif gt == "DICT_KEYS_MATCH":
+            keys = [values.encode_value(k) for k in value.keys()]
+            self.add("keys", expr, keys,
+                     f"{g.user_text(expr, self.module_name)} has keys {list(value.keys())!r}")
+        elif gt == "NOT_PRESENT_IN_GENERIC_DICT":
+            attr = _partial_kw(guard, "attr")
+            if not isinstance(attr, str):
+                self.fallback(e, "its attribute name is unknown")
+                return
+            self.add("not_in_dict", expr, attr,
+                     f"{g.user_text(expr, self.module_name)} has no instance attribute {attr!r}")
+        elif gt == "TENSOR_MATCH":
+            self.tensor(expr, value)
+        elif gt == "OPAQUE_OBJ_GUARD_FN_MATCH" and g.identity(value) is not None:
+            # An opaque object's guard values (a process group's name, rank and size) are
+            # part of its portable identity.
+            self.ident(expr, value, gt)
+        elif gt == "DUPLICATE_INPUT":
+            return  # the alias guard over every tensor covers it
+        else:
+            self.fallback(e, "cachecompile has no portable form for this guard type")
+
+    def type_match(self, expr: str, value: Any) -> None:
+        cls = type(value)
+        self.classes.add(cls)
+        self.add("type", expr, g.type_value(cls),
+                 f"type({g.user_text(expr, self.module_name)}) is {g.qualified_name(cls)}")
+
+    def tensor(self, expr: str, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedProgramError(f"TENSOR_MATCH on a {type(value).__name__}")
+        self.classes.add(type(value))
+        dims = self.tensor_dims.get(expr)
+        facts = g.tensor_facts(value, *(dims or (None, None)))
+        self.tensors.append((expr, value))
+        shape = ",".join("*" if s is None else str(s) for s in facts["sizes"])
+        self.add("tensor", expr, facts, f"{g.user_text(expr, self.module_name)} is a "
+                 f"{facts['dtype']}[{shape}] {facts['type']['qual'].rsplit('.', 1)[-1]} on "
+                 f"{facts['device']}")
+
+    def fallback(self, e: Any, why: str) -> None:
+        raise UnsupportedProgramError(
+            f"Dynamo's {e.guard_type} guard on {g.user_text(e.orig_guard.name, self.module_name) or 'global state'} "
+            f"cannot be carried across processes ({why})")
+
+    def aliasing(self) -> None:
+        """Which tensors are the same object: Dynamo guards that pattern (no_tensor_aliasing)."""
+        for per_call in (True, False):
+            chosen = [(x, v) for x, v in self.tensors
+                      if not per_call or reads_args(x, self.arg_names)]
+            if len(chosen) < 2:
+                continue
+            groups: dict[int, list[int]] = {}
+            for i, (_, v) in enumerate(chosen):
+                groups.setdefault(id(v), []).append(i)
+            exprs = [x for x, _ in chosen]
+            shared = [grp for grp in groups.values() if len(grp) > 1]
+            text = ("inputs alias as at trace time" if not shared else
+                    "aliased inputs: " + "; ".join(
+                        " is ".join(g.user_text(exprs[i], self.module_name) for i in grp)
+                        for grp in shared))
+            self.out.append({"kind": "alias", "expr": "", "args": per_call, "text": text,
+                             "value": {"exprs": exprs, "groups": list(groups.values())}})
+
+
+def tensor_dims_from_graph(gm: Any) -> dict[str, tuple[list[Any], list[Any]]]:
+    """Source expression -> (sizes, strides) with None where Dynamo made a dim symbolic."""
+    out: dict[str, tuple[list[Any], list[Any]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        ga = node.meta.get("grapharg")
+        ex = node.meta.get("example_value")
+        source = getattr(ga, "source", None)
+        if source is None or not isinstance(ex, torch.Tensor):
+            continue
+        name = source.name() if callable(getattr(source, "name", None)) else source.name
+        out[str(name)] = ([s if type(s) is int else None for s in ex.size()],
+                          [s if type(s) is int else None for s in ex.stride()])
+    return out
+
+
+def translate(entries: Sequence[Any], *, arg_names: set[str],
+              tensor_dims: Mapping[str, tuple[list[Any], list[Any]]], module_name: str,
+              state: Mapping[str, JSON]) -> tuple[list[g.GuardDict], set[type]]:
+    b = _Builder(arg_names, tensor_dims, module_name, state)
+    for e in entries:
+        b.entry(e)
+    b.aliasing()
+    return b.out, b.classes
+
+
+def state_snapshot() -> dict[str, JSON]:
+    """The global state Dynamo sees at frame entry (taken just before the traced call)."""
+    return {"global_state": g.global_state(), "modes": g.function_modes(),
+            "default_device": g.current_device()}
+
+
+def class_files(classes: set[type]) -> set[str]:
+    files: set[str] = set()
+    for cls in classes:
+        try:
+            path = inspect.getsourcefile(cls)
+        except (TypeError, OSError):
+            continue
+        if path:
+            files.add(path)
+    return files
+
+
+def _short(ident: str) -> str:
+    return ident if len(ident) < 80 else ident[:60] + "..."

@@ -1,0 +1,456 @@
+"""Dynamo's guards, carried in an entry and checked in a warm process without Dynamo.
+
+A compiled frame is right only while every fact Dynamo guarded at trace time still
+holds: the globals and attributes it read, the functions and classes it inlined, the
+global state, every tensor's metadata, the symbolic shape relations and input aliasing.
+The cold process records those guards (``guard_capture``) in a portable form; this module
+turns that list back into two plain Python functions over the method's own arguments:
+
+* ``per_call``: the guards that read the call's arguments (tensor metadata of inputs,
+  shape relations such as ``x.size(0) <= 8``, argument values Dynamo specialised on,
+  aliasing between inputs). They run on every call, like Dynamo's.
+* ``full``: every guard, including the module's attributes, globals, inlined functions
+  and global state. It runs on the first call of each signature in a process (and on
+  every call with ``guards="always"``).
+
+A portable guard is a dict ``{"kind", "expr", "value", "text", "args"}``: ``expr`` is
+Dynamo's source expression (``L['self'].cfg.act``, ``G['CONST']``), ``value`` what it must
+match, ``text`` the guard in the user's terms for logs and ``cachectl explain``, and
+``args`` whether it reads the call's arguments. What Dynamo checks by object identity
+(functions, classes, modules) is compared through :func:`identity`: a qualified name
+plus a code digest, with closure cells, defaults and partial arguments as values.
+
+This module is on the warm path: it imports ``torch`` only.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import logging
+import math
+import re
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from . import values
+from .errors import UnsupportedProgramError
+
+logger = logging.getLogger(__name__)
+
+JSON = Any
+GuardDict = dict[str, JSON]
+
+# Kinds, in the order a checker evaluates them (cheap ones first).
+GLOBAL_KINDS = ("global_state", "modes", "default_device")
+KINDS = ("global_state", "modes", "default_device", "type", "eq", "len", "keys", "hasattr",
+         "not_in_dict", "ident", "tensor", "alias", "expr")
+
+LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
+GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
+
+
+# -- portable identities ----------------------------------------------------------------
+_code_digests: dict[int, tuple[types.CodeType, str]] = {}
+
+
+def code_digest(code: types.CodeType) -> str:
+    """Bytecode, names and constants, recursively; memoised per code object."""
+    hit = _code_digests.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    h = xxhash.xxh3_128()
+
+    def feed(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars)).encode())
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                feed(const)
+            else:
+                h.update(repr(const).encode())
+
+    feed(code)
+    digest = h.hexdigest()
+    _code_digests[id(code)] = (code, digest)
+    return digest
+
+
+def qualified_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+
+
+# Classes from these packages are pinned by the torch and Python version factors.
+_VERSIONED_PACKAGES = frozenset({"torch", "builtins", "collections", "functools", "types",
+                                 "typing", "enum", "abc", "dataclasses", "_abc", "re"})
+_class_digests: dict[int, tuple[type, str | None]] = {}
+
+
+def class_digest(cls: type) -> str | None:
+    """The code of a user class's methods (its own and inherited from user classes).
+
+    Dynamo matches a class by ``id``, which in one process also pins its methods; across
+    processes the same name may hold other code (an edited file, a method patched at
+    import). None for classes whose package is pinned by a version factor.
+    """
+    hit = _class_digests.get(id(cls))
+    if hit is not None and hit[0] is cls:
+        return hit[1]
+    h = xxhash.xxh3_128()
+    n = 0
+    for klass in cls.__mro__:
+        if (klass.__module__ or "").split(".")[0] in _VERSIONED_PACKAGES:
+            continue
+        h.update(qualified_name(klass).encode())
+        for name, value in sorted(vars(klass).items(), key=lambda kv: kv[0]):
+            fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            fn = fn.fget if isinstance(fn, property) else fn
+            code = getattr(fn, "__code__", None)
+            if isinstance(code, types.CodeType):
+                h.update(f"{name}:{code_digest(code)};".encode())
+                n += 1
+    digest = h.hexdigest() if n else None
+    _class_digests[id(cls)] = (cls, digest)
+    return digest
+
+
+def type_value(cls: type) -> JSON:
+    """What a type guard compares: the class's name and, for user classes, its code."""
+    return {"qual": qualified_name(cls), "code": class_digest(cls)}
+
+
+def _value_token(v: Any, depth: int = 0) -> str:
+    """A process-independent token for a closure cell, default or partial argument."""
+    if depth > 4:
+        return "..."
+    if v is None or isinstance(v, (bool, int, float, str, bytes, complex)):
+        return f"{type(v).__name__}:{v!r}"
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return f"{type(v).__name__}(" + ",".join(_value_token(x, depth + 1) for x in items) + ")"
+    if isinstance(v, dict):
+        return "dict(" + ",".join(f"{k!r}:{_value_token(x, depth + 1)}"
+                                  for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + ")"
+    if isinstance(v, torch.Tensor):
+        # Values are read live (Dynamo guards a closure tensor by TENSOR_MATCH on its own).
+        return f"tensor:{v.dtype}{list(v.shape)}@{v.device}"
+    ident = identity(v, depth + 1)
+    if ident is not None:
+        return ident
+    return f"object:{qualified_name(type(v))}"
+
+
+def identity(obj: Any, depth: int = 0) -> str | None:
+    """A process-independent identity for what Dynamo matches by ``id``; None if none."""
+    if obj is None or obj is True or obj is False or obj is Ellipsis or obj is NotImplemented:
+        return repr(obj)
+    if isinstance(obj, types.ModuleType):
+        return f"module:{obj.__name__}"
+    if isinstance(obj, types.CodeType):
+        return f"code:{obj.co_name}:{code_digest(obj)}"
+    if isinstance(obj, type):
+        code = class_digest(obj)
+        return f"class:{qualified_name(obj)}" + (f":{code}" if code else "")
+    if isinstance(obj, types.FunctionType):
+        cells = tuple(_value_token(c.cell_contents, depth) if _cell_full(c) else "<empty>"
+                      for c in (obj.__closure__ or ()))
+        return (f"function:{qualified_name(obj)}:{code_digest(obj.__code__)}"
+                f":{_value_token(obj.__defaults__, depth)}:{_value_token(obj.__kwdefaults__, depth)}"
+                f":{','.join(cells)}")
+    if isinstance(obj, types.MethodType):
+        owner = identity(obj.__self__, depth + 1) or f"object:{qualified_name(type(obj.__self__))}"
+        return f"method:{identity(obj.__func__, depth + 1)}@{owner}"
+    if isinstance(obj, types.BuiltinFunctionType):
+        owner = obj.__self__
+        if owner is None or isinstance(owner, types.ModuleType):
+            return f"builtin:{getattr(obj, '__module__', None)}.{obj.__qualname__}"
+        return f"builtin:{obj.__qualname__}@{identity(owner, depth + 1) or qualified_name(type(owner))}"
+    if isinstance(obj, functools.partial):
+        return (f"partial:{identity(obj.func, depth + 1)}:{_value_token(obj.args, depth)}"
+                f":{_value_token(obj.keywords, depth)}")
+    if isinstance(obj, enum.Enum):
+        return f"enum:{qualified_name(type(obj))}.{obj.name}"
+    if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return f"torch:{obj!r}"
+    if isinstance(obj, (types.MethodWrapperType, types.WrapperDescriptorType,
+                        types.MethodDescriptorType, types.ClassMethodDescriptorType,
+                        types.GetSetDescriptorType, types.MemberDescriptorType)):
+        owner = getattr(obj, "__objclass__", None) or type(getattr(obj, "__self__", None))
+        return f"descriptor:{qualified_name(owner)}.{getattr(obj, '__name__', '?')}"
+    tmod = type(obj).__module__ or ""
+    if tmod == "torch._ops":
+        # OpOverload / OpOverloadPacket / HigherOrderOperator: named by the registry.
+        return f"op:{type(obj).__name__}:{obj}"
+    if type(obj).__name__ == "ProcessGroup" and hasattr(obj, "group_name"):
+        # A collective's group: the compiled graph refers to it by name, so a process
+        # group of the same name, size and rank is the same group to the program.
+        return f"process_group:{obj.group_name}:{obj.rank()}/{obj.size()}"
+    if isinstance(obj, (staticmethod, classmethod)):
+        return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1)}"
+    if isinstance(obj, property):
+        return f"property:{identity(obj.fget, depth + 1)}"
+    return None
+
+
+def _cell_full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - probing an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+# -- tensors ------------------------------------------------------------------------------
+def tensor_facts(t: torch.Tensor, sizes: Sequence[int | None] | None = None,
+                 strides: Sequence[int | None] | None = None) -> JSON:
+    """What Dynamo's TENSOR_MATCH checks: class, dtype, device, grad, rank, static dims."""
+    return {
+        "type": type_value(type(t)),
+        "dtype": str(t.dtype).replace("torch.", ""),
+        "device": str(t.device),
+        "requires_grad": bool(t.requires_grad),
+        "sizes": list(t.shape) if sizes is None else list(sizes),
+        "strides": list(t.stride()) if strides is None else list(strides),
+    }
+
+
+class _TypeRef:
+    """A class to compare with: same qualified name and same method code.
+
+    The first class that matches is remembered, so later checks are one ``is``.
+    """
+
+    __slots__ = ("qual", "code", "_cls")
+
+    def __init__(self, value: JSON) -> None:
+        if isinstance(value, str):
+            value = {"qual": value, "code": None}
+        self.qual: str = value["qual"]
+        self.code: str | None = value.get("code")
+        self._cls: Any = None
+
+    def matches(self, cls: type) -> bool:
+        if cls is self._cls:
+            return True
+        if qualified_name(cls) != self.qual or class_digest(cls) != self.code:
+            return False
+        if self._cls is None:
+            self._cls = cls
+        return True
+
+
+def _tensor_check(facts: Mapping[str, JSON]) -> Callable[[Any], bool]:
+    tref = _TypeRef(facts["type"])
+    dtype = getattr(torch, facts["dtype"])
+    device = torch.device(facts["device"])
+    rg = bool(facts["requires_grad"])
+    sizes = [(i, s) for i, s in enumerate(facts["sizes"]) if s is not None]
+    strides = [(i, s) for i, s in enumerate(facts["strides"]) if s is not None]
+    ndim = len(facts["sizes"])
+
+    def check(t: Any) -> bool:
+        if not tref.matches(type(t)):
+            return False
+        if t.dtype is not dtype or t.device != device or t.requires_grad is not rg:
+            return False
+        if t.dim() != ndim:
+            return False
+        shape = t.shape
+        for i, s in sizes:
+            if shape[i] != s:
+                return False
+        if strides:
+            st = t.stride()
+            for i, s in strides:
+                if st[i] != s:
+                    return False
+        return True
+
+    return check
+
+
+# -- global state ---------------------------------------------------------------------------
+def global_state() -> str:
+    """Dynamo's own global-state snapshot (grad mode, autocast, default dtype, ...)."""
+    return str(torch._C._dynamo.guards.GlobalStateGuard().__getstate__())  # type: ignore[attr-defined]
+
+
+def _global_state_check(state: str) -> Callable[[], bool]:
+    g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
+    g.__setstate__(state)
+    return g.check  # type: ignore[no-any-return]
+
+
+def function_modes() -> list[str]:
+    """The active torch function modes, innermost last, by class."""
+    n = torch._C._len_torch_function_stack()
+    return [qualified_name(type(torch._C._get_function_stack_at(i))) for i in range(n)]
+
+
+def current_device() -> str | None:
+    from torch.utils import _device
+
+    dev = _device.CURRENT_DEVICE
+    return None if dev is None else str(dev)
+
+
+# -- rendering in the user's terms ----------------------------------------------------------
+def user_text(expr: str, module_name: str = "") -> str:
+    """``L['self'].cfg.act`` -> ``self.cfg.act``; ``G['CONST']`` -> ``module.CONST``."""
+    out = LOCAL_RE.sub(lambda m: m.group(1), expr)
+    prefix = f"{module_name}." if module_name else ""
+    return GLOBAL_RE.sub(lambda m: prefix + m.group(1), out)
+
+
+# -- checkers -------------------------------------------------------------------------------
+class Checker:
+    """The compiled guard functions of one entry, bound to the live method."""
+
+    def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
+                 explain: Callable[..., str | None], n_guards: int, n_per_call: int) -> None:
+        self.per_call = per_call
+        self.full = full
+        self.explain = explain
+        self.n_guards = n_guards
+        self.n_per_call = n_per_call
+
+
+def _params(func: types.FunctionType) -> tuple[str, list[str]]:
+    """The parameter list text of ``func`` (defaults filled in afterwards) and its names."""
+    sig = inspect.signature(func)
+    parts: list[str] = []
+    names: list[str] = []
+    star_done = False
+    for p in sig.parameters.values():
+        names.append(p.name)
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star_done = True
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star_done:
+                parts.append("*")
+                star_done = True
+            parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
+        elif p.kind is p.POSITIONAL_ONLY:
+            parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
+        else:
+            parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
+    if any(p.kind is p.POSITIONAL_ONLY for p in sig.parameters.values()):
+        last = max(i for i, p in enumerate(sig.parameters.values()) if p.kind is p.POSITIONAL_ONLY)
+        parts.insert(last + 1, "/")
+    return ", ".join(parts), names
+
+
+def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
+                  globals_: Mapping[str, Any]) -> Checker:
+    """Compile ``guards`` into functions that take exactly the method's arguments."""
+    params, names = _params(func)
+    freevars = func.__code__.co_freevars
+    env: dict[str, Any] = {"__cc_G": globals_, "math": math, "torch": torch,
+                           "__cc_closure": func.__closure__ or ()}
+    conds: list[tuple[str, bool, str]] = []   # (python expression, per call, text)
+
+    def const(v: Any) -> str:
+        name = f"__cc_c{len(env)}"
+        env[name] = v
+        return name
+
+    def rewrite(expr: str) -> str:
+        def local(m: re.Match[str]) -> str:
+            n = m.group(1)
+            if n not in names and n not in freevars:
+                raise UnsupportedProgramError(f"guard reads an unknown local {n!r}: {expr}")
+            return n
+        return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
+
+    for g in sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99):
+        kind, value, text = g["kind"], g.get("value"), g.get("text", "")
+        per_call = bool(g.get("args"))
+        e = rewrite(g.get("expr", "")) if g.get("expr") else ""
+        if kind == "global_state":
+            cond = f"{const(_global_state_check(value))}()"
+        elif kind == "modes":
+            cond = f"{const(function_modes)}() == {const(list(value))}"
+        elif kind == "default_device":
+            cond = f"{const(current_device)}() == {const(value)}"
+        elif kind == "type":
+            cond = f"{const(_TypeRef(value))}.matches(type({e}))"
+        elif kind == "eq":
+            expected = values.decode_value(value)
+            if isinstance(expected, (bool, int, float)):
+                cond = f"(type({e}) is {const(type(expected))} and {e} == {const(expected)})"
+            else:
+                cond = f"{e} == {const(expected)}"
+        elif kind == "len":
+            cond = f"len({e}) == {int(value)}"
+        elif kind == "keys":
+            cond = f"list({e}.keys()) == {const([values.decode_value(k) for k in value])}"
+        elif kind == "hasattr":
+            cond = f"hasattr({e}, {const(value['attr'])}) is {const(bool(value['present']))}"
+        elif kind == "not_in_dict":
+            cond = f"{const(value)} not in {e}.__dict__"
+        elif kind == "ident":
+            cond = f"{const(identity)}({e}) == {const(value)}"
+        elif kind == "tensor":
+            cond = f"{const(_tensor_check(value))}({e})"
+        elif kind == "alias":
+            exprs = [rewrite(x) for x in value["exprs"]]
+            groups = value["groups"]
+            parts = [f"len({{{', '.join(f'id({x})' for x in exprs)}}}) == {len(groups)}"]
+            for grp in groups:
+                parts.extend(f"{exprs[grp[0]]} is {exprs[i]}" for i in grp[1:])
+            cond = "(" + " and ".join(parts) + ")"
+        elif kind == "expr":
+            cond = f"({e})"
+        else:
+            raise UnsupportedProgramError(f"entry holds a guard of unknown kind {kind!r}")
+        conds.append((cond, per_call, text))
+
+    prologue = "".join(f"    {n} = __cc_closure[{i}].cell_contents\n"
+                       for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
+
+    def fn(name: str, selected: list[str]) -> str:
+        body = " and ".join(selected) if selected else "True"
+        # A guard that raises (a missing attribute, a wrong type) is a failed guard.
+        return (f"def {name}({params}):\n    try:\n{_indent(prologue)}        return bool({body})\n"
+                "    except Exception:\n        return False\n")
+
+    per = [c for c, p, _ in conds if p]
+    lines = [f"        if not ({c}): return {i}\n" for i, (c, _, _) in enumerate(conds)]
+    src = (fn("__cc_per_call", per) + fn("__cc_full", [c for c, _, _ in conds])
+           + f"def __cc_first_failure({params}):\n    try:\n{_indent(prologue)}" + "".join(lines)
+           + "    except Exception:\n        return -2\n    return -1\n")
+    try:
+        exec(compile(src, f"<cachecompile guards {func.__qualname__}>", "exec"), env)  # noqa: S102
+    except SyntaxError as err:
+        raise UnsupportedProgramError(f"guards do not compile: {err}") from err
+    texts = [t for _, _, t in conds]
+    out: dict[str, Callable[..., Any]] = {}
+    for n in ("__cc_per_call", "__cc_full", "__cc_first_failure"):
+        f = env[n]
+        f.__defaults__ = func.__defaults__
+        f.__kwdefaults__ = func.__kwdefaults__
+        out[n] = f
+    first_failure = out["__cc_first_failure"]
+
+    def explain(*args: Any, **kwargs: Any) -> str | None:
+        i = first_failure(*args, **kwargs)
+        if i == -1:
+            return None
+        if i == -2:
+            return "a guard raised while being checked"
+        return texts[i] or conds[i][0]
+
+    return Checker(per_call=out["__cc_per_call"], full=out["__cc_full"], explain=explain,
+                   n_guards=len(conds), n_per_call=len(per))
+
+
+def _indent(block: str) -> str:
+    return "".join("    " + line + "\n" for line in block.splitlines())

@@ -1,0 +1,379 @@
+"""The guard matrix: one cross-process case per kind of fact Dynamo guards.
+
+Each case is a small module whose method reads one kind of state (a constant in another
+module, a private attribute, a dict value, a function attribute, autocast, a tensor
+subclass, a shape relation, ...). ``GM_CHANGE=1`` changes exactly that state before
+the first call. The processes, each fresh and over one store:
+
+1. cold, unchanged: every case compiles and publishes;
+2. warm, unchanged: every case hits;
+3. warm, changed: every case misses, the log names the guard that failed in the user's
+   terms, and the output equals eager (a second variant is published);
+4. warm, changed again: every case hits the second variant;
+5. warm, unchanged: every case still hits the first.
+
+Every call's output is compared with eager in the same process. Backend ``aot_eager``
+keeps the compiles fast; the guards are the same Dynamo guards as with Inductor.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from ccutil import Sandbox
+
+pytestmark = pytest.mark.slow
+
+HELPER = """
+K = 3
+"""
+
+CASES = r'''
+import dataclasses, functools, os, types
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+import gm_helper
+
+CHANGED = os.environ.get("GM_CHANGE") == "1"
+if CHANGED:
+    gm_helper.K = 4
+
+ACT = "relu"
+if CHANGED:
+    ACT = "tanh"          # a module global reassigned before the first call
+SCALE = float(os.environ.get("GM_SCALE", "2.0"))
+
+
+class Base(nn.Module):
+    dynamic = True
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+    def inputs(self):
+        return (torch.randn(3, 4, generator=torch.Generator().manual_seed(1)),)
+
+
+class OtherModuleConst(Base):
+    """an int constant read from another module"""
+    expect = "gm_helper.K"
+    def run(self, x):
+        return self.lin(x) * gm_helper.K
+
+
+class GlobalReassigned(Base):
+    """a module global (str) reassigned before the first call"""
+    expect = "ACT"
+    def run(self, x):
+        return getattr(torch, ACT)(self.lin(x))
+
+
+class GlobalFromEnv(Base):
+    """a float global computed from an env var"""
+    expect = "SCALE"
+    dynamic = False
+    def run(self, x):
+        return self.lin(x) * SCALE
+
+
+class PrivateAttr(Base):
+    expect = "self._k"
+    def __init__(self):
+        super().__init__()
+        self._k = 3 if CHANGED else 2
+    def run(self, x):
+        return self.lin(x) * self._k
+
+
+class DictValue(Base):
+    expect = "self.opts['mode']"
+    def __init__(self):
+        super().__init__()
+        self.opts = {"mode": "b" if CHANGED else "a"}
+    def run(self, x):
+        y = self.lin(x)
+        return y + 1 if self.opts["mode"] == "a" else y - 1
+
+
+class ListOfLists(Base):
+    expect = "self.table"
+    def __init__(self):
+        super().__init__()
+        self.table = [[1, 2], [3, 5 if CHANGED else 4]]
+    def run(self, x):
+        return self.lin(x) * self.table[1][1]
+
+
+class NamespaceConfig(Base):
+    expect = "self.cfg.act"
+    def __init__(self):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(act="silu" if CHANGED else "relu")
+    def run(self, x):
+        return F.relu(self.lin(x)) if self.cfg.act == "relu" else F.silu(self.lin(x))
+
+
+class PlainCfg:
+    def __init__(self, width):
+        self.width = width
+
+
+class PlainObjectConfig(Base):
+    expect = "self.cfg.width"
+    def __init__(self):
+        super().__init__()
+        self.cfg = PlainCfg(2 if CHANGED else 3)
+    def run(self, x):
+        return self.lin(x)[:, : self.cfg.width]
+
+
+@dataclasses.dataclass
+class DCfg:
+    eps: float = 1e-5
+    act: str = "gelu"
+
+
+class DataclassConfig(Base):
+    expect = "self.cfg.act"
+    def __init__(self):
+        super().__init__()
+        self.cfg = DCfg(act="tanh" if CHANGED else "gelu")
+    def run(self, x):
+        return getattr(F, self.cfg.act)(self.lin(x)) if self.cfg.act == "gelu" else torch.tanh(self.lin(x))
+
+
+class ClassAttr(Base):
+    expect = "FLAG"
+    FLAG = False
+    def run(self, x):
+        return self.lin(x) + (1 if type(self).FLAG else 0)
+
+
+if CHANGED:
+    ClassAttr.FLAG = True
+
+
+class DtypeAttr(Base):
+    expect = "self.out_dtype"
+    def __init__(self):
+        super().__init__()
+        self.out_dtype = torch.float64 if CHANGED else torch.float32
+    def run(self, x):
+        return self.lin(x).to(self.out_dtype)
+
+
+class FunctionAttr(Base):
+    expect = "self.act"
+    def __init__(self):
+        super().__init__()
+        self.act = F.silu if CHANGED else F.relu
+    def run(self, x):
+        return self.act(self.lin(x))
+
+
+class PartialKeywords(Base):
+    expect = "self.clip"
+    def __init__(self):
+        super().__init__()
+        self.clip = functools.partial(torch.clamp, min=-0.1 if CHANGED else 0.0)
+    def run(self, x):
+        return self.clip(self.lin(x))
+
+
+class InstanceMethodPatched(Base):
+    expect = "helper"
+    def helper(self, y):
+        return y * 2
+    def run(self, x):
+        return self.helper(self.lin(x))
+
+
+class ClassMethodPatched(Base):
+    expect = "helper"
+    def helper(self, y):
+        return y * 2
+    def run(self, x):
+        return self.helper(self.lin(x))
+
+
+if CHANGED:
+    ClassMethodPatched.helper = lambda self, y: y * 3
+
+
+class UnderAutocast(Base):
+    expect = "global torch state"
+    ctx = "autocast"
+    def run(self, x):
+        return self.lin(x)
+
+
+class Doubler(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.Tensor.add else out
+
+
+class UnderFunctionMode(Base):
+    expect = "torch function modes"
+    ctx = "mode"
+    def run(self, x):
+        return self.lin(x).add(1)
+
+
+class SubclassInput(Base):
+    """a tensor-subclass input (a Parameter) where a plain tensor was traced"""
+    expect = "Parameter"
+    def inputs(self):
+        x = super().inputs()[0]
+        return (nn.Parameter(x, requires_grad=False) if CHANGED else x,)
+    def run(self, x):
+        return self.lin(x) + 1
+
+
+class AliasedInputs(Base):
+    expect = "alias"
+    def inputs(self):
+        a = torch.ones(3, 4)
+        return (a, a) if CHANGED else (a, torch.ones(3, 4))
+    def run(self, a, b):
+        a.add_(1)
+        return a + b
+
+
+class EqualSizesThenNot(Base):
+    expect = "size()"
+    def inputs(self):
+        g = torch.Generator().manual_seed(2)
+        return (torch.randn(3, 4, generator=g), torch.randn(5 if CHANGED else 3, 4, generator=g))
+    def run(self, a, b):
+        return self.lin(a).sum(0) + self.lin(b).sum(0)
+
+
+class ShapeBranch(Base):
+    expect = "size()[0]"
+    def inputs(self):
+        return (torch.randn(12 if CHANGED else 3, 4, generator=torch.Generator().manual_seed(3)),)
+    def run(self, x):
+        return self.lin(x) + 1 if x.shape[0] > 8 else self.lin(x) - 1
+
+
+class TensorAttrReshaped(Base):
+    expect = "self.table"
+    def __init__(self):
+        super().__init__()
+        self.table = torch.ones(2, 4) if CHANGED else torch.ones(1, 4)
+    def run(self, x):
+        return self.lin(x) + self.table.sum(0)
+
+
+class KVState:
+    """state on a non-module object (a KV-cache-like holder)"""
+    def __init__(self, n):
+        self.keys = torch.zeros(n, 4)
+
+
+class NonModuleTensorState(Base):
+    expect = "self.kv.keys"
+    def __init__(self):
+        super().__init__()
+        self.kv = KVState(6 if CHANGED else 5)
+    def run(self, x):
+        self.kv.keys[: x.shape[0]] = x
+        return self.lin(self.kv.keys)
+
+
+ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, PrivateAttr, DictValue,
+       ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
+       DtypeAttr, FunctionAttr, PartialKeywords, InstanceMethodPatched, ClassMethodPatched,
+       UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, EqualSizesThenNot,
+       ShapeBranch, TensorAttrReshaped, NonModuleTensorState]
+'''
+
+DRIVER = r'''
+import contextlib, logging, os, types, warnings
+import torch
+import gm_cases
+from cachecompile import cache_compile
+
+records = []
+class H(logging.Handler):
+    def emit(self, r):
+        records.append(r.getMessage())
+logging.getLogger("cachecompile").addHandler(H())
+logging.getLogger("cachecompile").setLevel(logging.INFO)
+changed = gm_cases.CHANGED
+out = {}
+for cls in gm_cases.ALL:
+    m = cls().eval()
+    if changed and cls.__name__ == "InstanceMethodPatched":
+        m.helper = types.MethodType(lambda self, y: y * 5, m)
+    cached = cache_compile(m.run, backend="aot_eager", dynamic=cls.dynamic)
+    ctx = contextlib.nullcontext()
+    if getattr(cls, "ctx", None) == "autocast" and changed:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif getattr(cls, "ctx", None) == "mode" and changed:
+        ctx = gm_cases.Doubler()
+    n0 = len(records)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), ctx:
+        warnings.simplefilter("always")
+        got = cached(*m.inputs())
+        want = getattr(m, "run")(*m.inputs())
+    ok = (got.dtype == want.dtype and got.shape == want.shape
+          and torch.allclose(got.float(), want.float(), atol=1e-5) and type(got) is type(want))
+    out[cls.__name__] = {"event": cached.events[-1][0], "ok": bool(ok), "expect": cls.expect,
+                         "log": records[n0:], "warnings": [str(w.message) for w in caught]}
+report(out)
+'''
+
+
+def _run(box: Sandbox, changed: bool) -> dict[str, dict]:
+    env = {"GM_CHANGE": "1" if changed else "0"}
+    if changed:
+        env["GM_SCALE"] = "3.0"
+    return box.run(DRIVER, **env).value
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    root = tmp_path_factory.mktemp("guards")
+    (root / "gm_helper.py").write_text(textwrap.dedent(HELPER))
+    (root / "gm_cases.py").write_text(CASES)
+    box = Sandbox(root)
+    return {"cold": _run(box, False), "warm": _run(box, False), "changed": _run(box, True),
+            "changed2": _run(box, True), "back": _run(box, False)}
+
+
+CASE_NAMES = [
+    "OtherModuleConst", "GlobalReassigned", "GlobalFromEnv", "PrivateAttr", "DictValue",
+    "ListOfLists", "NamespaceConfig", "PlainObjectConfig", "DataclassConfig", "ClassAttr",
+    "DtypeAttr", "FunctionAttr", "PartialKeywords", "InstanceMethodPatched",
+    "ClassMethodPatched", "UnderAutocast", "UnderFunctionMode", "SubclassInput",
+    "AliasedInputs", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
+    "NonModuleTensorState",
+]
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_guard_case(matrix: dict[str, dict[str, dict]], case: str) -> None:
+    cold, warm = matrix["cold"][case], matrix["warm"][case]
+    changed, changed2, back = (matrix["changed"][case], matrix["changed2"][case],
+                               matrix["back"][case])
+    for name, r in (("cold", cold), ("warm", warm), ("changed", changed),
+                    ("changed2", changed2), ("back", back)):
+        assert r["ok"], f"{case} {name}: output differs from eager: {r}"
+    assert cold["event"] in ("miss", "shared"), cold
+    assert warm["event"] == "hit", warm
+    # A real change is a miss (compiled again, or live where it is not cacheable) ...
+    assert changed["event"] in ("miss", "shared"), changed
+    # ... whose log line names the guard that failed.
+    failed = [line for line in changed["log"] if "guard failed" in line]
+    assert failed, changed["log"]
+    assert any(changed["expect"] in line for line in failed), (changed["expect"], failed)
+    assert back["event"] == "hit", back
+    if changed2["event"] != "hit":
+        # Only where the changed state cannot be cached (aliased inputs change the graph's
+        # inputs) may the second changed process compile again; it must say why.
+        assert any("not cacheable" in w for w in changed["warnings"]), changed
