@@ -16,6 +16,7 @@ Any cache fault (store error, unloadable entry, non-replayable program) is one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -67,7 +68,11 @@ def _open_store(cache_dir: str | None) -> Any:
 
 
 class _Absent(Exception):
-    """No entry under a variant key: the first free index."""
+    """No entry under a variant key: the end of the chain."""
+
+
+class _Vacated(Exception):
+    """The variant's entry was removed while being looked at (stale, corrupt)."""
 
 
 # A frame key (the method, its settings and the call signature) holds up to this many
@@ -177,7 +182,7 @@ class CachedFunction:
         if not self._dynamic and self._n_variants() >= self._max_signatures:
             if not self._limit_warned:
                 self._limit_warned = True
-                what = varying(list(self._runners), sig, self._params[1:])
+                what = varying(list(self._runners), sig, self._params)
                 warnings.warn(
                     f"{self.__qualname__}: more than {self._max_signatures} static variants "
                     f"(dynamic=False){'; what varies: ' + what if what else ''}. New ones run "
@@ -221,7 +226,9 @@ class CachedFunction:
             try:
                 meta = self._variant_meta(st, key)
             except _Absent:
-                out.free = i
+                # Variants are published at the lowest free index, so the chain ends at the
+                # first gap (a gap left by eviction is refilled by the next publish).
+                out.free = i if out.free is None else out.free
                 return out
             except (StoreError, OSError) as e:
                 self._fault(f"looking up {key.digest[:12]} failed ({e})")
@@ -230,12 +237,16 @@ class CachedFunction:
                 continue  # unusable (corrupt, insecure): the store said why
             try:
                 runner = self._try_variant(st, key, meta, args, kwargs, out)
+            except _Vacated:
+                # Quarantined or removed just now: the next publish refills this index.
+                out.free = i if out.free is None else out.free
+                continue
             except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
                 logger.debug("loading entry failed", exc_info=True)
                 self._fault(f"entry {key.digest[:12]} could not be loaded "
                             f"({type(e).__name__}: {e}); it is removed and recompiled")
                 self._safe(lambda: st.record_miss("unloadable"))
-                self._safe(lambda k=key: st.delete(k))
+                self._safe(functools.partial(st.delete, key))
                 out.free = i if out.free is None else out.free
                 return out
             if runner is not None:
@@ -276,7 +287,7 @@ class CachedFunction:
             out.rejected.append(f"{name}: source changed ({', '.join(changed[:3])})")
             self._safe(lambda: st.record_miss("stale"))
             self._safe(lambda: st.delete(key))
-            return None
+            raise _Vacated()
         func = self._method.__func__
         g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
         checker = guards_mod.build_checker(func, meta["guards"], g)  # type: ignore[arg-type]
@@ -286,8 +297,10 @@ class CachedFunction:
             return None
         outcome = st.get(key)
         if not isinstance(outcome, Hit):
+            if outcome.kind != "absent":
+                self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
             out.rejected.append(f"{name}: {outcome.reason}")
-            return None
+            raise _Vacated()
         entry = outcome.entry
         compiled_fn = self._adapter.load(entry.files, entry.meta["program"])
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
@@ -423,12 +436,11 @@ class CachedFunction:
                     (time.perf_counter() - t0) * 1e3, len(trace.guards))
 
     def _free_variant(self, st: Any, frame: Key) -> int | None:
+        """The lowest variant index with no entry (locally or in a remote tier)."""
         for i in range(MAX_VARIANTS):
             key = self._variant_key(frame, i)
-            if not st.contains(key):
-                outcome = st.get(key)  # a remote tier may hold it
-                if not isinstance(outcome, Hit):
-                    return i
+            if not st.contains(key) and not isinstance(st.get(key), Hit):
+                return i
         return None
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],

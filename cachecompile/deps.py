@@ -42,8 +42,8 @@ def by_module(files: dict[str, str]) -> dict[str, str]:
             owners.setdefault(os.path.realpath(f), name)
     out: dict[str, str] = {}
     for path, digest in files.items():
-        name = owners.get(os.path.realpath(path))
-        out[f"module:{name}" if name else f"path:{path}"] = digest
+        owner = owners.get(os.path.realpath(path))
+        out[f"module:{owner}" if owner else f"path:{path}"] = digest
     return dict(sorted(out.items()))
 
 

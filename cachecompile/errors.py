@@ -12,7 +12,8 @@ Hierarchy::
     └── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
 
     CacheFaultWarning (UserWarning)        a cache fault; the call went on with a live compile
-    RecompileWarning (UserWarning)         Dynamo traced one signature twice; entry withdrawn
+    RecompileWarning (UserWarning)         kept for compatibility; no longer emitted (entries
+                                           carry Dynamo's guards: a recompile is a variant)
     SignatureLimitWarning (UserWarning)    dynamic=False saw more signatures than the limit
 
 Store faults are ``store.errors.StoreError`` subclasses; the integration layer turns them
@@ -58,7 +59,8 @@ class CacheFaultWarning(UserWarning):
 
 
 class RecompileWarning(UserWarning):
-    """Dynamo traced the same signature twice; the entry was withdrawn."""
+    """No longer emitted: entries carry Dynamo's guards, so a recompile is a new variant,
+    not a stale entry. Kept so that existing warning filters still import."""
 
 
 class SignatureLimitWarning(UserWarning):

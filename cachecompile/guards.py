@@ -163,13 +163,14 @@ def identity(obj: Any, depth: int = 0) -> str | None:
                 f":{_value_token(obj.__defaults__, depth)}:{_value_token(obj.__kwdefaults__, depth)}"
                 f":{','.join(cells)}")
     if isinstance(obj, types.MethodType):
-        owner = identity(obj.__self__, depth + 1) or f"object:{qualified_name(type(obj.__self__))}"
-        return f"method:{identity(obj.__func__, depth + 1)}@{owner}"
+        bound = identity(obj.__self__, depth + 1) or f"object:{qualified_name(type(obj.__self__))}"
+        return f"method:{identity(obj.__func__, depth + 1)}@{bound}"
     if isinstance(obj, types.BuiltinFunctionType):
-        owner = obj.__self__
-        if owner is None or isinstance(owner, types.ModuleType):
+        holder = obj.__self__
+        if holder is None or isinstance(holder, types.ModuleType):
             return f"builtin:{getattr(obj, '__module__', None)}.{obj.__qualname__}"
-        return f"builtin:{obj.__qualname__}@{identity(owner, depth + 1) or qualified_name(type(owner))}"
+        return (f"builtin:{obj.__qualname__}@"
+                f"{identity(holder, depth + 1) or qualified_name(type(holder))}")
     if isinstance(obj, functools.partial):
         return (f"partial:{identity(obj.func, depth + 1)}:{_value_token(obj.args, depth)}"
                 f":{_value_token(obj.keywords, depth)}")
@@ -180,8 +181,8 @@ def identity(obj: Any, depth: int = 0) -> str | None:
     if isinstance(obj, (types.MethodWrapperType, types.WrapperDescriptorType,
                         types.MethodDescriptorType, types.ClassMethodDescriptorType,
                         types.GetSetDescriptorType, types.MemberDescriptorType)):
-        owner = getattr(obj, "__objclass__", None) or type(getattr(obj, "__self__", None))
-        return f"descriptor:{qualified_name(owner)}.{getattr(obj, '__name__', '?')}"
+        objclass = getattr(obj, "__objclass__", None) or type(getattr(obj, "__self__", None))
+        return f"descriptor:{qualified_name(objclass)}.{getattr(obj, '__name__', '?')}"
     tmod = type(obj).__module__ or ""
     if tmod == "torch._ops":
         # OpOverload / OpOverloadPacket / HigherOrderOperator: named by the registry.
@@ -282,7 +283,7 @@ def global_state() -> str:
 
 def _global_state_check(state: str) -> Callable[[], bool]:
     g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
-    g.__setstate__(state)
+    g.__setstate__(state)  # type: ignore[attr-defined]
     return g.check  # type: ignore[no-any-return]
 
 
@@ -371,7 +372,8 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
 
     for g in sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99):
-        kind, value, text = g["kind"], g.get("value"), g.get("text", "")
+        kind, text = g["kind"], g.get("text", "")
+        value: Any = g.get("value")
         per_call = bool(g.get("args"))
         e = rewrite(g.get("expr", "")) if g.get("expr") else ""
         if kind == "global_state":

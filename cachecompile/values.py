@@ -83,7 +83,7 @@ def decode_value(j: JSON) -> Any:
     if not isinstance(j, dict) or "$" not in j:
         raise ValueError(f"not a value spec: {j!r}")
     kind = j["$"]
-    v = j.get("v")
+    v: Any = j.get("v")
     if kind == "float":
         if v not in ("inf", "-inf", "nan"):
             raise ValueError(f"bad float {v!r}")

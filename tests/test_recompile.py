@@ -1,54 +1,98 @@
-"""Single trace per entry: a Dynamo recompile within one signature withdraws the entry."""
+"""State that changes after a signature's first call.
+
+Entries carry Dynamo's guards, so a recompile no longer withdraws anything: each state
+gets its own variant. What a process does when state changes *after* the first call:
+
+* the compiling process runs Dynamo's own live compile, which recompiles: right;
+* a process that loaded an entry checks the state guards on each signature's first
+  call (``guards="first"``, the default, like TorchAir: a later change is not seen) or
+  on every call (``guards="always"``, like torch.compile: the change finds or compiles
+  the variant that fits).
+"""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import store
-from cachecompile import RecompileWarning, cache_compile
+from cachecompile import cache_compile
 
-ACT = "tanh"  # a global the method reads: Dynamo guards on it, the cache key cannot see it
+ACT = "tanh"  # a global the method reads: Dynamo guards on it
 
 
 class UsesGlobal(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.lin = nn.Linear(4, 4)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(torch, ACT)(self.lin(x))
 
 
-def test_recompile_withdraws_entry_and_keeps_results_right(tmp_path: Path) -> None:
+def _method_entries(d: Path) -> list[store.EntryInfo]:
+    # Shared-graph entries (kind=graph) hold only a program.
+    return [e for e in store.open_store(d).entries() if e.labels.get("kind") != "graph"]
+
+
+def _set_act(value: str) -> None:
     global ACT
+    ACT = value
+
+
+def test_each_state_gets_its_own_variant(tmp_path: Path) -> None:
     d = tmp_path / "cc"
     m = UsesGlobal().eval()
-    cached = cache_compile(m.run, backend="aot_eager", cache_dir=d)
     x = torch.randn(2, 4)
-    with torch.no_grad():
-        assert torch.allclose(cached(x), m.run(x))
-    st = store.open_store(d)
-
-    def method_entries() -> list[store.EntryInfo]:
-        # Shared-graph entries (kind=graph) hold only a program and stay valid.
-        return [e for e in st.entries() if e.labels.get("kind") != "graph"]
-
-    assert len(method_entries()) == 1
-
-    ACT = "sigmoid"
     try:
-        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-            warnings.simplefilter("always")
-            out = cached(x)
-            assert torch.allclose(out, m.run(x)), "live compile must follow the new global"
+        cold = cache_compile(m.run, backend="aot_eager", cache_dir=d)
+        with torch.no_grad():
+            assert torch.allclose(cold(x), m.run(x))
+            _set_act("sigmoid")  # after the first call: Dynamo's live compile follows it
+            assert torch.allclose(cold(x), m.run(x))
+        assert len(_method_entries(d)) == 1, "nothing is withdrawn"
+
+        # A new wrapper (as in a fresh process) with the new state: variant 0's guard
+        # fails, a second variant is compiled; then each state hits its own.
+        second = cache_compile(m.run, backend="aot_eager", cache_dir=d)
+        with torch.no_grad():
+            assert torch.allclose(second(x), m.run(x))
+        assert [e[0] for e in second.events] in (["miss"], ["shared"])
+        assert sorted(e.labels["variant"] for e in _method_entries(d)) == ["0", "1"]
+        for act in ("tanh", "sigmoid"):
+            _set_act(act)
+            again = cache_compile(m.run, backend="aot_eager", cache_dir=d)
+            with torch.no_grad():
+                assert torch.allclose(again(x), m.run(x))
+            assert [e[0] for e in again.events] == ["hit"], act
     finally:
-        ACT = "tanh"
-    recompiles = [w for w in caught if issubclass(w.category, RecompileWarning)]
-    assert len(recompiles) == 1
-    assert "traced twice" in str(recompiles[0].message)
-    assert "ACT" in str(recompiles[0].message)  # Dynamo's guard-failure reason
-    assert method_entries() == [], "the entry must be withdrawn"
+        _set_act("tanh")
+
+
+def test_guards_always_follows_a_change_after_the_first_call(tmp_path: Path) -> None:
+    d = tmp_path / "cc"
+    m = UsesGlobal().eval()
+    x = torch.randn(2, 4)
+    try:
+        for act in ("tanh", "sigmoid"):  # publish both variants
+            _set_act(act)
+            with torch.no_grad():
+                cache_compile(m.run, backend="aot_eager", cache_dir=d)(x)
+        _set_act("tanh")
+        always = cache_compile(m.run, backend="aot_eager", cache_dir=d, guards="always")
+        first = cache_compile(m.run, backend="aot_eager", cache_dir=d)
+        with torch.no_grad():
+            assert torch.allclose(always(x), torch.tanh(m.lin(x)))
+            assert torch.allclose(first(x), torch.tanh(m.lin(x)))
+            _set_act("sigmoid")
+            # Every guard on every call: the change is seen, variant 1 is loaded.
+            assert torch.allclose(always(x), torch.sigmoid(m.lin(x)))
+            assert [e[0] for e in always.events] == ["hit", "hit"]
+            # The default checks state once per signature and process (documented):
+            # the loaded variant keeps running.
+            assert torch.allclose(first(x), torch.tanh(m.lin(x)))
+    finally:
+        _set_act("tanh")
