@@ -71,7 +71,7 @@ def encode_value(v: Any, depth: int = 0) -> JSON:
         return {"$": "enum", "module": cls.__module__, "qualname": cls.__qualname__,
                 "name": v.name}
     raise UnsupportedProgramError(f"no portable form for a {type(v).__module__}."
-                                  f"{type(v).__qualname__} ({_short(v)})")
+                                  f"{type(v).__qualname__} ({short(v)})")
 
 
 def decode_value(j: JSON) -> Any:
@@ -127,7 +127,7 @@ def _enum_member(module: str, qualname: str, name: str) -> Any:
     return obj[name]
 
 
-def _short(v: Any) -> str:
+def short(v: Any) -> str:
     try:
         r = repr(v)
     except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
