@@ -335,7 +335,8 @@ class CachedFunction:
                             "compiling without it")
                 lock = None
         share = (coop.GraphShare(st, self.factors(sig), self._adapter, who,
-                                 factors_mod.FORMAT_VERSION) if not readonly else None)
+                                 factors_mod.FORMAT_VERSION)
+                 if not readonly and self._adapter.shares_graphs else None)
         try:
             if lock is not None:
                 # Another process may have published while we waited for the lock.

@@ -34,25 +34,6 @@ def _digest(data: bytes | str) -> str:
     return xxhash.xxh3_128_hexdigest(data.encode() if isinstance(data, str) else data)
 
 
-def code_digest(code: types.CodeType) -> str:
-    """Bytecode, constants and names, recursively (not line numbers or file paths)."""
-    h = xxhash.xxh3_128()
-
-    def feed(c: types.CodeType) -> None:
-        h.update(c.co_code)
-        h.update(repr(c.co_names).encode())
-        h.update(repr(c.co_varnames).encode())
-        h.update(repr(c.co_freevars).encode())
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                feed(const)
-            else:
-                h.update(repr(const).encode())
-
-    feed(code)
-    return h.hexdigest()
-
-
 def _source_digest(obj: Any) -> str | None:
     try:
         return _digest(inspect.getsource(obj))
@@ -68,7 +49,7 @@ def callable_digest(fn: Callable[..., Any]) -> str:
         return _digest(ident)
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
-        return code_digest(code)
+        return guards.code_digest(code)
     src = _source_digest(fn)
     if src is not None:
         return src
@@ -91,7 +72,7 @@ def canonical(value: Any) -> JSON:
 
 def function_factors(func: types.FunctionType) -> dict[str, JSON]:
     f: dict[str, JSON] = {"qualname": func.__qualname__, "module": func.__module__,
-                          "bytecode": code_digest(func.__code__), "source": _source_digest(func)}
+                          "bytecode": guards.code_digest(func.__code__), "source": _source_digest(func)}
     # A decorated method (functools.wraps): the wrapper's code is traced too, and the
     # functions it wraps are keyed by their code (closures are guarded by Dynamo).
     wrapped: list[JSON] = []
@@ -99,7 +80,7 @@ def function_factors(func: types.FunctionType) -> dict[str, JSON]:
     while inner is not None and len(wrapped) < 8:
         code = getattr(inner, "__code__", None)
         wrapped.append({"qualname": getattr(inner, "__qualname__", type(inner).__name__),
-                        "bytecode": code_digest(code) if isinstance(code, types.CodeType)
+                        "bytecode": guards.code_digest(code) if isinstance(code, types.CodeType)
                         else None})
         inner = getattr(inner, "__wrapped__", None)
     if wrapped:

@@ -157,6 +157,21 @@ class _Builder:
                 return
             self.add("not_in_dict", expr, attr,
                      f"{g.user_text(expr, self.module_name)} has no instance attribute {attr!r}")
+        elif gt == "HASATTR":
+            attr = _partial_kw(guard, "attr")
+            if not isinstance(attr, str):
+                self.fallback(e, "its attribute name is unknown")
+                return
+            present = hasattr(value, attr)
+            self.add("hasattr", expr, {"attr": attr, "present": present},
+                     f"{g.user_text(expr, self.module_name)} "
+                     f"{'has' if present else 'has no'} attribute {attr!r}")
+        elif gt in ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"):
+            key = _partial_kw(guard, "key")
+            present = "NOT" not in gt
+            self.add("contains", expr, {"key": values.encode_value(key), "present": present},
+                     f"{key!r} {'in' if present else 'not in'} "
+                     f"{g.user_text(expr, self.module_name)}")
         elif gt == "TENSOR_MATCH":
             self.tensor(expr, value)
         elif gt == "OPAQUE_OBJ_GUARD_FN_MATCH" and g.identity(value) is not None:
@@ -179,7 +194,8 @@ class _Builder:
             raise UnsupportedProgramError(f"TENSOR_MATCH on a {type(value).__name__}")
         self.classes.add(type(value))
         dims = self.tensor_dims.get(expr)
-        facts = g.tensor_facts(value, *(dims or (None, None)))
+        sizes, strides = (concrete(dims[0]), concrete(dims[1])) if dims else (None, None)
+        facts = g.tensor_facts(value, sizes, strides)
         self.tensors.append((expr, value))
         shape = ",".join("*" if s is None else str(s) for s in facts["sizes"])
         self.add("tensor", expr, facts, f"{g.user_text(expr, self.module_name)} is a "
@@ -223,8 +239,21 @@ def tensor_dims_from_graph(gm: Any) -> dict[str, tuple[list[Any], list[Any]]]:
         if source is None or not isinstance(ex, torch.Tensor):
             continue
         name = source.name() if callable(getattr(source, "name", None)) else source.name
-        out[str(name)] = ([s if type(s) is int else None for s in ex.size()],
-                          [s if type(s) is int else None for s in ex.stride()])
+        # Symbolic sizes stay symbolic here: Dynamo and Inductor may still specialise
+        # them (a replacement s0 -> 2); :func:`concrete` reads them when guards are built.
+        out[str(name)] = (list(ex.size()), list(ex.stride()))
+    return out
+
+
+def concrete(dims: Sequence[Any]) -> list[int | None]:
+    """Static sizes as ints, dynamic ones as None (as Dynamo's TENSOR_MATCH sees them)."""
+    out: list[int | None] = []
+    for d in dims:
+        if type(d) is int:
+            out.append(d)
+        else:
+            node = getattr(d, "node", None)
+            out.append(node.maybe_as_int() if node is not None else None)
     return out
 
 

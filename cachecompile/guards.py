@@ -25,6 +25,8 @@ This module is on the warm path: it imports ``torch`` only.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
 import functools
 import inspect
@@ -49,7 +51,7 @@ GuardDict = dict[str, JSON]
 # Kinds, in the order a checker evaluates them (cheap ones first).
 GLOBAL_KINDS = ("global_state", "modes", "default_device")
 KINDS = ("global_state", "modes", "default_device", "type", "eq", "len", "keys", "hasattr",
-         "not_in_dict", "ident", "tensor", "alias", "expr")
+         "contains", "not_in_dict", "ident", "tensor", "alias", "expr")
 
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
 GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
@@ -73,12 +75,25 @@ def code_digest(code: types.CodeType) -> str:
             if isinstance(const, types.CodeType):
                 feed(const)
             else:
-                h.update(repr(const).encode())
+                h.update(_const_token(const).encode())
 
     feed(code)
     digest = h.hexdigest()
     _code_digests[id(code)] = (code, digest)
     return digest
+
+
+_PLAIN_CONSTS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis))
+
+
+def _const_token(v: Any) -> str:
+    """A constant as code sees it; objects (in generated code) by type, never by address."""
+    if isinstance(v, _PLAIN_CONSTS):
+        return repr(v)
+    if isinstance(v, (tuple, frozenset)):
+        items = sorted(v, key=repr) if isinstance(v, frozenset) else v
+        return f"{type(v).__name__}(" + ",".join(_const_token(x) for x in items) + ")"
+    return f"<{type(v).__module__}.{type(v).__qualname__}>"
 
 
 def qualified_name(obj: Any) -> str:
@@ -308,6 +323,18 @@ def user_text(expr: str, module_name: str = "") -> str:
     return GLOBAL_RE.sub(lambda m: prefix + m.group(1), out)
 
 
+# The pure helpers Dynamo's source expressions and shape guards may name
+# (``___odict_getitem(L['self']._modules, 'lin')``, ``not __math_isnan(...)``).
+_EXPR_HELPERS: dict[str, Any] = {
+    "math": math, "torch": torch, "inf": float("inf"), "device": torch.device,
+    "___odict_getitem": collections.OrderedDict.__getitem__,
+    "___dict_contains": lambda a, b: dict.__contains__(b, a),
+    "___namedtuple_fields": lambda x: x._fields,
+    "___dataclass_fields": dataclasses.fields,
+    "__math_isnan": math.isnan,
+}
+
+
 # -- checkers -------------------------------------------------------------------------------
 class Checker:
     """The compiled guard functions of one entry, bound to the live method."""
@@ -354,8 +381,8 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     """Compile ``guards`` into functions that take exactly the method's arguments."""
     params, names = _params(func)
     freevars = func.__code__.co_freevars
-    env: dict[str, Any] = {"__cc_G": globals_, "math": math, "torch": torch,
-                           "__cc_closure": func.__closure__ or ()}
+    env: dict[str, Any] = {"__cc_G": globals_, "__cc_closure": func.__closure__ or (),
+                           **_EXPR_HELPERS}
     conds: list[tuple[str, bool, str]] = []   # (python expression, per call, text)
 
     def const(v: Any) -> str:
@@ -396,6 +423,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             cond = f"list({e}.keys()) == {const([values.decode_value(k) for k in value])}"
         elif kind == "hasattr":
             cond = f"hasattr({e}, {const(value['attr'])}) is {const(bool(value['present']))}"
+        elif kind == "contains":
+            key = const(values.decode_value(value["key"]))
+            cond = f"({key} in {e}) is {const(bool(value['present']))}"
         elif kind == "not_in_dict":
             cond = f"{const(value)} not in {e}.__dict__"
         elif kind == "ident":

@@ -64,6 +64,10 @@ def _make_callable(src: str, filename: str, constants: Mapping[str, Any],
 
 class AotEagerAdapter:
     name = "aot_eager"
+    # Compiling is cheaper than loading, and a shared program would run graph constants
+    # taken from another process's trace (a DynamicCache's empty meta placeholders
+    # tripped the device check): every process traces its own.
+    shares_graphs = False
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         return {}

@@ -56,6 +56,9 @@ class Adapter(Protocol):
     """A compile path. Implementations live in this package, one module each."""
 
     name: str
+    # Whether ranks share one compile of an identical graph (coop.GraphShare). Worth it
+    # where compiling costs seconds; a cheap backend compiles its own.
+    shares_graphs: bool
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         """Key factors that decide whether this backend's artifacts fit this machine."""

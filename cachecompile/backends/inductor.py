@@ -113,6 +113,7 @@ def _env_factors() -> dict[str, str]:
 
 class InductorAdapter:
     name = "inductor"
+    shares_graphs = True
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         f: dict[str, JSON] = {

@@ -431,6 +431,7 @@ def _no_backward(gm: Any, example_inputs: Sequence[Any]) -> Any:
 
 class TorchairAdapter:
     name = "torchair"
+    shares_graphs = True
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         torch_npu, _ = _import_quiet()

@@ -1,0 +1,101 @@
+"""Real third-party models, cached as their users serve them: transformers and diffusers.
+
+Tiny configs built in code, random weights, no downloads (tests/zoo/models.py). For each
+model, two fresh processes over one store, Inductor on CPU:
+
+* cold: eager, then the cached methods; outputs equal eager;
+* warm: the same calls hit with zero C++ compiler calls and equal eager; then the same
+  process serves a new batch size (a new signature after hits, which used to crash in
+  Dynamo) and still equals eager.
+
+LLMs (Llama, Qwen2, Mistral): ``prefill`` returns the default ``ModelOutput`` with a
+``DynamicCache`` and also decodes through it (size-1 tokens are their own variant),
+``decode`` runs a lazily initialised ``StaticCache`` token by token. The UNet runs a real
+DDIM loop over every timestep (0-d tensors at other storage offsets); the DiT a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ccutil import Sandbox
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.slow
+
+DRIVER = r'''
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from zoo import models as zm
+from cachecompile import cache_compile
+
+kind, phase = {kind!r}, {phase!r}
+log = os.environ["CXX_LOG"]
+def gxx_calls():
+    return len(open(log).read().splitlines()) if os.path.exists(log) else 0
+
+def close(a, b):
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4))
+
+out = {{}}
+with torch.no_grad():
+    if kind in zm.LLM_FAMILIES:
+        r = zm.LlmRunner(kind)
+        cp = cache_compile(r.prefill, dynamic=True)
+        cd = cache_compile(r.decode, dynamic=False)
+        def serve(batch):
+            dyn = zm.dynamic_generate(r, cp, batch)
+            sta = zm.static_generate(r, cd, batch)
+            return {{"dynamic_ok": close(dyn, zm.dynamic_generate(r, r.prefill, batch)),
+                    "static_ok": close(sta, zm.static_generate(r, r.decode, batch))}}
+        cached = [cp, cd]
+    elif kind == "unet":
+        r = zm.UNetRunner()
+        cs = cache_compile(r.step, dynamic=False)
+        def serve(batch):
+            return {{"ok": close(zm.unet_loop(r, cs, batch), zm.unet_loop(r, r.step, batch))}}
+        cached = [cs]
+    else:
+        r = zm.DiTRunner()
+        cs = cache_compile(r.step, dynamic=False)
+        def serve(batch):
+            args = zm.dit_inputs(batch)
+            return {{"ok": close(cs(*args), r.step(*args))}}
+        cached = [cs]
+    before = gxx_calls()
+    out["first"] = serve(2)
+    out["gxx_first"] = gxx_calls() - before
+    out["events_first"] = [e[0] for c in cached for e in c.events]
+    if phase == "warm":
+        n = len(out["events_first"])
+        out["second"] = serve(3)   # a new batch size after hits
+        out["events_second"] = [e[0] for c in cached for e in c.events][n:]
+report(out)
+'''
+
+MODELS = ["llama", "qwen2", "mistral", "unet", "dit"]
+
+
+def _run(box: Sandbox, kind: str, phase: str) -> dict:
+    code = DRIVER.format(tests=str(box.root.parent.parent / "tests") if False else TESTS,
+                         kind=kind, phase=phase)
+    return box.run(code, CXX_LOG=str(box.gxx_log), timeout=900).value
+
+
+TESTS = str(__import__("pathlib").Path(__file__).resolve().parent)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_zoo_model(tmp_path, kind: str) -> None:
+    box = Sandbox(tmp_path)
+    cold = _run(box, kind, "cold")
+    assert all(cold["first"].values()), cold
+    assert cold["events_first"] and "hit" not in cold["events_first"], cold
+    warm = _run(box, kind, "warm")
+    assert all(warm["first"].values()), warm
+    assert warm["events_first"] == ["hit"] * len(warm["events_first"]), warm
+    assert warm["gxx_first"] == 0, warm
+    # A new batch size after hits: served right (compiled where the signature is new).
+    assert all(warm["second"].values()), warm

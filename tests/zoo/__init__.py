@@ -1,0 +1,1 @@
+"""Third-party models (transformers, diffusers) from tiny configs built in code."""
