@@ -16,8 +16,9 @@ DDIM loop over every timestep (0-d tensors at other storage offsets); the DiT a 
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
 from ccutil import Sandbox
 
 pytest.importorskip("transformers")
@@ -78,17 +79,16 @@ report(out)
 MODELS = ["llama", "qwen2", "mistral", "unet", "dit"]
 
 
+TESTS = str(Path(__file__).resolve().parent)
+
+
 def _run(box: Sandbox, kind: str, phase: str) -> dict:
-    code = DRIVER.format(tests=str(box.root.parent.parent / "tests") if False else TESTS,
-                         kind=kind, phase=phase)
+    code = DRIVER.format(tests=TESTS, kind=kind, phase=phase)
     return box.run(code, CXX_LOG=str(box.gxx_log), timeout=900).value
 
 
-TESTS = str(__import__("pathlib").Path(__file__).resolve().parent)
-
-
 @pytest.mark.parametrize("kind", MODELS)
-def test_zoo_model(tmp_path, kind: str) -> None:
+def test_zoo_model(tmp_path: Path, kind: str) -> None:
     box = Sandbox(tmp_path)
     cold = _run(box, kind, "cold")
     assert all(cold["first"].values()), cold
