@@ -162,7 +162,7 @@ class TraceSession:
         if self._call_args is None:
             raise UnsupportedProgramError("guards were built outside a call")
         func = self._orig.__func__
-        params = list(inspect.signature(func).parameters)
+        params = list(inspect.signature(func, follow_wrapped=False).parameters)
         arg_names = set(params[1:])
         portable, classes = guard_capture.translate(
             entries, arg_names=arg_names, tensor_dims=self._tensor_dims,

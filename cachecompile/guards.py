@@ -350,7 +350,7 @@ class Checker:
 
 def _params(func: types.FunctionType) -> tuple[str, list[str]]:
     """The parameter list text of ``func`` (defaults filled in afterwards) and its names."""
-    sig = inspect.signature(func)
+    sig = inspect.signature(func, follow_wrapped=False)
     parts: list[str] = []
     names: list[str] = []
     star_done = False

@@ -30,7 +30,7 @@ K = 3
 """
 
 CASES = r'''
-import dataclasses, functools, os, types
+import dataclasses, functools, os, types, typing
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -285,11 +285,64 @@ class NonModuleTensorState(Base):
         return self.lin(self.kv.keys)
 
 
+def scaled(mode):
+    """A functools.wraps decorator whose closure holds a value (as HF's decorators do)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            return out * 2 if mode == "double" else out * 3
+        return inner
+    return deco
+
+
+class DecoratedMethod(Base):
+    """a decorated method whose wrapper's closure value changed"""
+    expect = "mode"
+    @scaled("triple" if CHANGED else "double")
+    def run(self, x):
+        return self.lin(x)
+
+
+@dataclasses.dataclass
+class AttnMeta:
+    lengths: torch.Tensor
+    mode: str
+
+
+class DataclassArgument(Base):
+    """a dataclass argument: its tensor is a graph input, its str field is keyed"""
+    expect = "signature"   # strings are values in the signature, so the key differs
+    def inputs(self):
+        x = super().inputs()[0]
+        return (x, AttnMeta(torch.tensor([1.0, 2.0, 3.0]), "b" if CHANGED else "a"))
+    def run(self, x, meta):
+        y = self.lin(x) * meta.lengths[:, None]
+        return y + 1 if meta.mode == "a" else y - 1
+
+
+class Pos(typing.NamedTuple):
+    offset: torch.Tensor
+    scale: int
+
+
+class NamedTupleArgument(Base):
+    """a NamedTuple argument whose int field (dynamic) the method branches on"""
+    expect = "pos.scale"
+    def inputs(self):
+        x = super().inputs()[0]
+        return (x, Pos(torch.ones(4), 3 if CHANGED else 2))
+    def run(self, x, pos):
+        y = (self.lin(x) + pos.offset) * pos.scale
+        return y + 1 if pos.scale > 2 else y - 1
+
+
 ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, PrivateAttr, DictValue,
        ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
        DtypeAttr, FunctionAttr, PartialKeywords, InstanceMethodPatched, ClassMethodPatched,
        UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, EqualSizesThenNot,
-       ShapeBranch, TensorAttrReshaped, NonModuleTensorState]
+       ShapeBranch, TensorAttrReshaped, NonModuleTensorState, DecoratedMethod,
+       DataclassArgument, NamedTupleArgument]
 '''
 
 DRIVER = r'''
@@ -352,7 +405,7 @@ CASE_NAMES = [
     "DtypeAttr", "FunctionAttr", "PartialKeywords", "InstanceMethodPatched",
     "ClassMethodPatched", "UnderAutocast", "UnderFunctionMode", "SubclassInput",
     "AliasedInputs", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
-    "NonModuleTensorState",
+    "NonModuleTensorState", "DecoratedMethod", "DataclassArgument", "NamedTupleArgument",
 ]
 
 
@@ -369,7 +422,8 @@ def test_guard_case(matrix: dict[str, dict[str, dict]], case: str) -> None:
     # A real change is a miss (compiled again, or live where it is not cacheable) ...
     assert changed["event"] in ("miss", "shared"), changed
     # ... whose log line names the guard that failed.
-    failed = [line for line in changed["log"] if "guard failed" in line]
+    failed = [line for line in changed["log"]
+              if "guard failed" in line or "differs in: signature" in line]
     assert failed, changed["log"]
     assert any(changed["expect"] in line for line in failed), (changed["expect"], failed)
     assert back["event"] == "hit", back

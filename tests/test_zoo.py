@@ -10,7 +10,8 @@ model, two fresh processes over one store, Inductor on CPU:
 
 LLMs (Llama, Qwen2, Mistral): ``prefill`` returns the default ``ModelOutput`` with a
 ``DynamicCache`` and also decodes through it (size-1 tokens are their own variant),
-``decode`` runs a lazily initialised ``StaticCache`` token by token. The UNet runs a real
+``decode`` runs a lazily initialised ``StaticCache`` token by token; ``llama-forward``
+caches the model's own decorated ``forward``. The UNet runs a real
 DDIM loop over every timestep (0-d tensors at other storage offsets); the DiT a step.
 """
 
@@ -52,6 +53,17 @@ with torch.no_grad():
             return {{"dynamic_ok": close(dyn, zm.dynamic_generate(r, r.prefill, batch)),
                     "static_ok": close(sta, zm.static_generate(r, r.decode, batch))}}
         cached = [cp, cd]
+    elif kind == "llama-forward":
+        # The model's own forward, wrapped by HF's functools.wraps decorators.
+        r = zm.LlmRunner("llama")
+        cf = cache_compile(r.model.forward, dynamic=True)
+        def serve(batch):
+            ids = zm.tokens(batch, 5)
+            got = cf(input_ids=ids, past_key_values=r.dynamic_cache(), use_cache=True)
+            want = r.model(input_ids=ids, past_key_values=r.dynamic_cache(), use_cache=True)
+            return {{"ok": close(got.logits, want.logits),
+                    "output_type": type(got) is type(want)}}
+        cached = [cf]
     elif kind == "unet":
         r = zm.UNetRunner()
         cs = cache_compile(r.step, dynamic=False)
@@ -76,7 +88,7 @@ with torch.no_grad():
 report(out)
 '''
 
-MODELS = ["llama", "qwen2", "mistral", "unet", "dit"]
+MODELS = ["llama", "qwen2", "mistral", "llama-forward", "unet", "dit"]
 
 
 TESTS = str(Path(__file__).resolve().parent)
