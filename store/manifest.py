@@ -2,11 +2,16 @@
 
 A manifest is ``manifest.json`` in the entry directory::
 
-    {"format": 1, "key": "<digest>", "factors": {...}, "labels": {...},
+    {"format": 2, "key": "<digest>", "factors": {...}, "labels": {...},
      "meta": {...}, "created": 1700000000.0,
-     "files": {"<name>": {"size": 123, "xxh3_128": "<hex>"}, ...}}
+     "files": {"<name>": {"size": 123, "xxh3_128": "<hex>"}, ...},
+     "integrity": "<xxh3_128 of everything above, canonical JSON>"}
 
-File names are relative POSIX paths below the entry's ``data/`` directory.
+File names are relative POSIX paths below the entry's ``data/`` directory. The integrity
+digest covers the whole manifest, ``meta`` included: a program's metadata (which kernel
+file serves which kernel, the guards, the bytecode's constants) is as much code as the
+files are, so a one-character edit anywhere makes the entry corrupt (quarantined, and
+reported by ``cachectl verify``), never a wrong program.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import xxhash
+
 from .errors import ManifestError, UnsafePathError
 
-__all__ = ["FORMAT", "check_names", "validate_name", "parse_manifest", "dump_manifest"]
+__all__ = ["FORMAT", "check_names", "validate_name", "parse_manifest", "dump_manifest",
+           "manifest_digest"]
 
-FORMAT = 1
+# 2: the integrity digest over the whole manifest.
+FORMAT = 2
 _BAD_CHARS = ("\\", "\x00")
 
 
@@ -47,6 +56,13 @@ def check_names(names: list[str]) -> None:
     clash = prefixes.intersection(names)
     if clash:
         raise UnsafePathError(f"file name {sorted(clash)[0]!r} is also used as a directory")
+
+
+def manifest_digest(doc: Mapping[str, Any]) -> str:
+    """XXH3-128 of the manifest's canonical JSON, without its own digest field."""
+    body = {k: v for k, v in doc.items() if k != "integrity"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
 
 
 def parse_manifest(text: bytes | str, expect_key: str | None = None) -> dict[str, Any]:
@@ -78,6 +94,9 @@ def parse_manifest(text: bytes | str, expect_key: str | None = None) -> dict[str
         ):
             raise ManifestError(f"manifest record for {name!r} is malformed")
     check_names(list(files))
+    # Last: an unsafe path is reported as insecure even when the digest fails too.
+    if doc.get("integrity") != manifest_digest(doc):
+        raise ManifestError("manifest does not match its integrity digest (edited or torn)")
     return doc
 
 
@@ -99,4 +118,5 @@ def dump_manifest(
         "created": created,
         "files": {n: dict(r) for n, r in sorted(files.items())},
     }
+    doc["integrity"] = manifest_digest(doc)
     return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
