@@ -307,6 +307,28 @@ def nearest(st: AnyStore, digest: str, factors: dict[str, Any], labels: dict[str
     return best[1] if best else None
 
 
+def guard_diff(ma: dict[str, Any], mb: dict[str, Any]) -> list[tuple[str, str]]:
+    """The guards two entries of one method disagree on, in the user's terms.
+
+    Variants of one frame share every factor; what tells them apart is the state each was
+    compiled for, which Dynamo's guards (carried in ``meta.guards``) record.
+    """
+    def by_expr(m: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+        gs = m.get("meta", {}).get("guards") or []
+        return {(str(g.get("kind")), str(g.get("expr", ""))): g for g in gs
+                if isinstance(g, dict)}
+
+    ga, gb = by_expr(ma), by_expr(mb)
+    rows: list[tuple[str, str]] = []
+    for k in sorted(set(ga) | set(gb)):
+        a, b = ga.get(k), gb.get(k)
+        if a is not None and b is not None and a.get("value") == b.get("value"):
+            continue
+        rows.append((str(a.get("text")) if a else "(not guarded)",
+                     str(b.get("text")) if b else "(not guarded)"))
+    return rows
+
+
 @cli.command("explain")
 @cache_dir_option
 @click.argument("key")
@@ -330,9 +352,10 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
     missing = object()
     names = sorted(set(fa) | set(fb))
     diff = [n for n in names if fa.get(n, missing) != fb.get(n, missing)]
+    guards = guard_diff(ma, mb)
     if as_json:
         click.echo(json.dumps({"a": a, "b": b, "differ": {
-            n: [fa.get(n), fb.get(n)] for n in diff}}, indent=1))
+            n: [fa.get(n), fb.get(n)] for n in diff}, "guards": guards}, indent=1))
         return
     con = _console()
     con.print(f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ")
@@ -348,6 +371,14 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         elif show_all:
             t.add_row(escape("  " + n), escape(va), escape(vb))
     con.print(t)
+    if guards:
+        con.print(f"{len(guards)} guards differ (Dynamo's, as each entry was compiled):")
+        g = Table(box=None, pad_edge=False)
+        g.add_column(a[:12], overflow="fold")
+        g.add_column(b[:12], overflow="fold")
+        for ta, tb in guards:
+            g.add_row(escape(ta), escape(tb))
+        con.print(g)
 
 
 @cli.command("purge")

@@ -182,3 +182,22 @@ def test_large_listing_is_plain_aligned_text() -> None:
     lines = _plain_table(infos).splitlines()
     assert len(lines) == RICH_MAX_ROWS + 2 and lines[0].split()[:3] == ["key", "model", "function"]
     assert len({ln.index(" m ") for ln in lines[1:]}) == 1  # columns line up
+
+
+def test_explain_names_the_guards_two_variants_differ_in(tmp_path: Path,
+                                                         child_env: dict[str, str]) -> None:
+    st = open_store(tmp_path / "cache")
+    base = {"model": "M", "fn": "run"}
+    guard = {"kind": "eq", "expr": "L['self'].cfg.act", "args": False}
+    a = st.put(make_key({**base, "variant": 0}), {"p": b"1"}, labels={"model": "M"},
+               meta={"guards": [{**guard, "value": "relu", "text": "self.cfg.act == 'relu'"}]})
+    b = st.put(make_key({**base, "variant": 1}), {"p": b"2"}, labels={"model": "M"},
+               meta={"guards": [{**guard, "value": "silu", "text": "self.cfg.act == 'silu'"}]})
+    p = cachectl(child_env, "explain", "--cache-dir", str(tmp_path / "cache"), a.key[:12],
+                 b.key[:12])
+    assert p.returncode == 0, p.stderr
+    assert "self.cfg.act == 'relu'" in p.stdout and "self.cfg.act == 'silu'" in p.stdout
+    j = cachectl(child_env, "explain", "--json", "--cache-dir", str(tmp_path / "cache"),
+                 a.key[:12], b.key[:12])
+    assert json.loads(j.stdout)["guards"] == [["self.cfg.act == 'relu'",
+                                               "self.cfg.act == 'silu'"]]
