@@ -282,12 +282,13 @@ class CachedFunction:
             return None
         changed = deps_mod.changed(meta.get("deps", {}))
         if changed:
+            # Kept, not deleted: another checkout of the code (or a revert) may still
+            # match it. Publishing reclaims stale variants when the chain is full.
             logger.info("cachecompile stale %s %s: source changed: %s", self.__qualname__,
                         name, ", ".join(changed[:3]))
             out.rejected.append(f"{name}: source changed ({', '.join(changed[:3])})")
             self._safe(lambda: st.record_miss("stale"))
-            self._safe(lambda: st.delete(key))
-            raise _Vacated()
+            return None
         func = self._method.__func__
         g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
         checker = guards_mod.build_checker(func, meta["guards"], g)  # type: ignore[arg-type]
@@ -437,11 +438,21 @@ class CachedFunction:
                     (time.perf_counter() - t0) * 1e3, len(trace.guards))
 
     def _free_variant(self, st: Any, frame: Key) -> int | None:
-        """The lowest variant index with no entry (locally or in a remote tier)."""
+        """The lowest variant index with no entry (locally or in a remote tier); when
+        every index is taken, the first one whose source files changed (it is removed)."""
+        stale: Key | None = None
         for i in range(MAX_VARIANTS):
             key = self._variant_key(frame, i)
             if not st.contains(key) and not isinstance(st.get(key), Hit):
                 return i
+            if stale is None:
+                try:
+                    if deps_mod.changed(dict(st.manifest(key)["meta"]).get("deps", {})):
+                        stale = key
+                except (StoreError, OSError, KeyError, AttributeError):
+                    continue
+        if stale is not None and st.delete(stale):
+            return int(stale.factors["variant"])
         return None
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -359,6 +359,7 @@ logging.getLogger("cachecompile").addHandler(H())
 logging.getLogger("cachecompile").setLevel(logging.INFO)
 changed = gm_cases.CHANGED
 out = {}
+before = set(vars(gm_cases))
 for cls in gm_cases.ALL:
     m = cls().eval()
     if changed and cls.__name__ == "InstanceMethodPatched":
@@ -378,6 +379,9 @@ for cls in gm_cases.ALL:
           and torch.allclose(got.float(), want.float(), atol=1e-5) and type(got) is type(want))
     out[cls.__name__] = {"event": cached.events[-1][0], "ok": bool(ok), "expect": cls.expect,
                          "log": records[n0:], "warnings": [str(w.message) for w in caught]}
+# Names added to the user's module globals (Dynamo adds its own when it compiles live;
+# a process that only hits must add none).
+out["__leaked__"] = sorted(set(vars(gm_cases)) - before)
 report(out)
 '''
 
@@ -407,6 +411,11 @@ CASE_NAMES = [
     "AliasedInputs", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
     "NonModuleTensorState", "DecoratedMethod", "DataclassArgument", "NamedTupleArgument",
 ]
+
+
+def test_hits_write_nothing_into_module_globals(matrix: dict[str, dict[str, dict]]) -> None:
+    assert matrix["warm"]["__leaked__"] == [], matrix["warm"]["__leaked__"]
+    assert matrix["cold"]["__leaked__"], "the cold process compiles live (Dynamo's names)"
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

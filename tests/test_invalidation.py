@@ -220,3 +220,25 @@ def test_two_cached_methods_on_one_module(tmp_path: Path,
         assert torch.allclose(m2.cached_decode(x), m.decode(x))
     assert [e[0] for e in m2.cached_prefill.events] == ["hit"]
     assert [e[0] for e in m2.cached_decode.events] == ["hit"]
+
+
+def _scaled_tanh(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def tanh_decomp(x: torch.Tensor) -> torch.Tensor:
+        return k * torch.sigmoid(2 * x) - 1   # k is a closure cell: same code, other value
+    return tanh_decomp
+
+
+def test_decomposition_closure_change_is_a_miss(tmp_path: Path) -> None:
+    # TorchAir keys custom code by its disassembly only; a changed closure value was a hit
+    # that ran the old decomposition.
+    d = tmp_path / "cc"
+    for k, expected in ((2.0, "miss"), (2.5, "miss"), (2.0, "hit"), (2.5, "hit")):
+        decomps = {aten.tanh.default: _scaled_tanh(k)}
+        cached = cache_compile(seeded().run, backend="aot_eager", cache_dir=d,
+                               custom_decompositions=decomps)
+        m = seeded()
+        with torch.no_grad():
+            out = cached(X)
+            want = (k * torch.sigmoid(2 * (m.lin(X) + m.shift)) - 1) * m.scale
+        assert torch.allclose(out, want, atol=1e-5), k
+        assert cached.events[-1][0] in ((expected,) if expected == "hit" else ("miss", "shared"))

@@ -81,6 +81,7 @@ MICRO_MECHANISMS: tuple[str, ...] = (
     "aot_precompile",
     "aot_precompile_noguard",
     "cc_warm",
+    "cc_warm_always",
 )
 
 LABELS: dict[str, str] = {
@@ -100,7 +101,8 @@ MICRO_LABELS: dict[str, str] = {
     "compile": "torch.compile (bound method)",
     "aot_precompile": "AOT precompile, loaded, guards checked",
     "aot_precompile_noguard": "AOT precompile, loaded, disable_guard_check()",
-    "cc_warm": "cache_compile, warm entry",
+    "cc_warm": "cache_compile, warm entry (argument guards per call)",
+    "cc_warm_always": "cache_compile, warm entry, guards=\"always\" (every guard per call)",
 }
 
 # Which produced artifact a mechanism needs, and whether its timed runs reuse the
@@ -325,7 +327,7 @@ def bench_micro(mechs: list[str], work: Path, timeout: float) -> list[Row]:
         row = Row("micro", mech)
         rows.append(row)
         dirs = fresh_dirs(micro_work, mech)
-        if mech == "cc_warm":
+        if mech in ("cc_warm", "cc_warm_always"):
             row.produce = run_child(
                 "micro", mech, "produce", dirs.root, dirs.env, dirs.root / "p.log", timeout, 0
             )

@@ -233,11 +233,13 @@ def run_micro(args: argparse.Namespace) -> None:
                 def call() -> torch.Tensor:
                     return fn(module, x)  # type: ignore[no-any-return]
 
-            elif mech == "cc_warm":
+            elif mech in ("cc_warm", "cc_warm_always"):
                 cache_compile = import_cache_compile()
                 try:
+                    # cc_warm_always: every guard on every call, as torch.compile does.
                     cached = cache_compile(
-                        module.add, dynamic=False, cache_dir=os.environ["CACHECOMPILE_DIR"]
+                        module.add, dynamic=False, cache_dir=os.environ["CACHECOMPILE_DIR"],
+                        guards="always" if mech == "cc_warm_always" else "first",
                     )
                 except Exception as exc:  # noqa: BLE001
                     raise Unavailable(
