@@ -242,3 +242,15 @@ def test_decomposition_closure_change_is_a_miss(tmp_path: Path) -> None:
             want = (k * torch.sigmoid(2 * (m.lin(X) + m.shift)) - 1) * m.scale
         assert torch.allclose(out, want, atol=1e-5), k
         assert cached.events[-1][0] in ((expected,) if expected == "hit" else ("miss", "shared"))
+
+
+def test_unrelated_env_vars_are_not_key_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachecompile.backends import inductor
+
+    for name in ("CCACHE_DIR", "CC_DIR", "CXXFLAGS", "CXX_STANDARD", "OMP_PROC_BIND"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("CXX", "g++")
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    env = inductor._env_factors()
+    assert "CXX" in env and "TORCHINDUCTOR_MAX_AUTOTUNE" in env
+    assert not {"CCACHE_DIR", "CC_DIR", "CXXFLAGS", "CXX_STANDARD", "OMP_PROC_BIND"} & set(env)

@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=5, help="timed processes per mechanism")
-    parser.add_argument("--model", choices=("demo", "anchor", "both"), default="demo")
+    parser.add_argument("--model", choices=("demo", "anchor", "hf", "both"), default="demo",
+                        help="hf: a transformers Llama (needs the test extras)")
     parser.add_argument("--only", default="", help="comma-separated mechanisms (see above)")
     parser.add_argument("--quick", action="store_true", help="runs=1, demo model")
     parser.add_argument("--micro", action="store_true", help="also run the x+1 micro-benchmark")

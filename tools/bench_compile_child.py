@@ -72,6 +72,23 @@ def config_for(name: str) -> DecoderConfig:
     return demo_config() if name == "demo" else anchor_config()
 
 
+def build_hf() -> tuple[Any, torch.Tensor]:
+    """A transformers Llama (tests/zoo/models.py, hidden 256, 4 layers, random weights)
+    whose ``prefill(input_ids)`` returns the logits: the method every mechanism runs."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from zoo.models import LlmRunner, tokens
+
+    class HfPrefill(LlmRunner):
+        def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.prefill(input_ids)
+
+    model = HfPrefill("llama", hidden_size=256, intermediate_size=704, num_hidden_layers=4)
+    return model, tokens(2, 64)
+
+
 def import_cache_compile() -> Callable[..., Any]:
     try:
         from cachecompile import cache_compile  # type: ignore[attr-defined]
@@ -172,8 +189,11 @@ def build_callable(
 
 def run_model(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    model = build_decoder(config_for(args.model), seed=0)
-    example = make_inputs(model, seed=0)
+    if args.model == "hf":
+        model, example = build_hf()
+    else:
+        model = build_decoder(config_for(args.model), seed=0)
+        example = make_inputs(model, seed=0)
     with torch.no_grad():
         try:
             call, info = build_callable(args.mech, args.phase, model, example, work)
@@ -267,7 +287,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mech", required=True)
     parser.add_argument("--phase", choices=("produce", "run"), default="run")
-    parser.add_argument("--model", choices=("demo", "anchor", "micro"), required=True)
+    parser.add_argument("--model", choices=("demo", "anchor", "hf", "micro"), required=True)
     parser.add_argument("--work", required=True, help="shared work dir for produced artifacts")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--calls", type=int, default=200)

@@ -63,8 +63,10 @@ _STANDINS: dict[tuple[str, str], str] = {
 _IMPORT_RE = re.compile(r"^from (torch\._(?:inductor|dynamo)[\w.]*) import (\w+)(?: as (\w+))?$")
 _EXTERN_RE = re.compile(r"\bextern_kernels\.(\w+)\b")
 # Env vars that change what Inductor generates (cache locations excluded: they do not).
-_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "ATEN_CPU_CAPABILITY",
-                 "OMP_NUM_THREADS", "CXX", "CC")
+# Prefixes only for torch's own namespaces; other variables by exact name (as prefixes,
+# "CC" and "CXX" also matched CCACHE_DIR, CC_DIR, CXXFLAGS and split the cache).
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_")
+_ENV_NAMES = {"ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "CXX", "CC"}
 _ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE",
                 "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_COMPILE_THREADS",
@@ -108,7 +110,7 @@ def _compiler_identity() -> dict[str, JSON]:
 
 def _env_factors() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED}
+            if (k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)) and k not in _ENV_IGNORED}
 
 
 class InductorAdapter:

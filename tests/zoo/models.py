@@ -28,12 +28,14 @@ VOCAB = 128
 MAX_LEN = 32
 
 
-def llm_config(family: str) -> Any:
+def llm_config(family: str, **overrides: Any) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, attn_implementation="sdpa")
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64,
+                                  attn_implementation="sdpa")
+    common.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig}[family]
     return cls(**common)
@@ -42,12 +44,12 @@ def llm_config(family: str) -> Any:
 class LlmRunner(nn.Module):
     """What a serving loop around an HF causal LM looks like."""
 
-    def __init__(self, family: str, seed: int = 0) -> None:
+    def __init__(self, family: str, seed: int = 0, **config: Any) -> None:
         super().__init__()
         import transformers
 
         torch.manual_seed(seed)
-        self.config = llm_config(family)
+        self.config = llm_config(family, **config)
         self.model = transformers.AutoModelForCausalLM.from_config(self.config).eval()
 
     def prefill(self, input_ids: torch.Tensor, past_key_values: Any) -> Any:
