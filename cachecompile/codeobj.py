@@ -1,21 +1,40 @@
 """Dynamo's transformed bytecode as bytes, with the constants marshal cannot hold.
 
-Dynamo bakes objects into the bytecode it generates: ``torch.device('cpu')`` and
-``torch.float16`` when a method builds tensors, ``torch.Size`` and slices when it
-rebuilds outputs, enum members for HF's ``ModelOutput`` and cache classes. ``marshal``
-refuses all of them. :func:`dumps` swaps each such constant (in ``co_consts``, inside
-tuples and frozensets, in nested code objects) for a placeholder and returns its
-portable form (:mod:`cachecompile.values`); :func:`loads` puts the rebuilt objects back.
-A constant with no portable form is named with the user's source line.
+Dynamo bakes objects into the bytecode it generates: ``torch.device('cpu')``,
+``torch.float16`` or ``torch.strided`` when a method reads ``x.device``/``x.dtype`` or
+builds tensors, ``torch.Size`` when it returns a shape, slices, ``NotImplemented``, enum
+members for HF's ``ModelOutput`` and cache classes, ``torch.finfo``. ``marshal`` refuses
+all of them, so an entry could not hold the bytecode at all. :func:`dumps` swaps each such
+constant (in ``co_consts``, inside tuples and frozensets, in nested code objects) for a
+placeholder string and returns the constant's portable form; :func:`loads` marshals the
+code back and puts the rebuilt objects in place.
+
+The portable forms are :mod:`cachecompile.values`' tagged JSON (``{"$": kind, ...}``) plus
+the few kinds only bytecode needs (:data:`_OWN_KINDS`). The list comes from a cache entry
+another process wrote, so it is read as data: a closed set of kinds with exact keys, each
+rebuilt by name lookup (``getattr(torch, name)``, importing an enum's module), never by
+eval or unpickling. A constant with no portable form is refused when the entry is
+written, naming its type and the user's ``file:line``, so the method compiles live
+instead of failing in a later process.
+
+This module is imported on the warm path: torch and the standard library only, and
+nothing from ``torch._dynamo`` or ``torch._inductor``.
 """
 
 from __future__ import annotations
 
 import dis
+import enum
+import json
 import logging
 import marshal
+import math
+import re
 import types
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from . import values
 from .errors import UnsupportedProgramError
@@ -26,6 +45,32 @@ JSON = Any
 
 # A string no source code produces by accident: NUL bytes, a fixed prefix, an index.
 _PREFIX = "\x00cachecompile-const\x00"
+# Canonical ASCII decimal only ("٣", "+1", "01" are refused): str.isdigit() is too lenient.
+_INDEX = re.compile(r"(?:0|[1-9][0-9]{0,8})")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DEVICE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?::[0-9]{1,6})?")
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_MAX_DEPTH = 16
+
+# Kinds values.decode_value rebuilds, with the exact keys a spec of that kind has. A spec
+# with another key set is refused before anything is rebuilt.
+_VALUE_KINDS: dict[str, frozenset[str]] = {
+    **{k: frozenset({"$", "v"}) for k in (
+        "float", "torch", "device", "size", "tuple", "list", "frozenset", "set", "dict",
+        "slice", "range", "bytes", "complex")},
+    "ellipsis": frozenset({"$"}),
+    "enum": frozenset({"$", "module", "qualname", "name"}),
+}
+# Kinds only bytecode constants need (Dynamo's is_safe_constant allows them in LOAD_CONST):
+# rebuilt here, before values is asked.
+_OWN_KINDS: dict[str, frozenset[str]] = {
+    "notimplemented": frozenset({"$"}),
+    "finfo": frozenset({"$", "v"}),
+    "iinfo": frozenset({"$", "v"}),
+    "sdpbackend": frozenset({"$", "v"}),
+}
+_KINDS = {**_VALUE_KINDS, **_OWN_KINDS}
 
 
 def _marshallable(v: Any) -> bool:
@@ -36,84 +81,345 @@ def _marshallable(v: Any) -> bool:
     return True
 
 
-def _where(code: types.CodeType, const: Any) -> str:
-    """``file:line`` of the instruction that loads ``const`` in ``code``."""
-    line = code.co_firstlineno
+def _type_name(v: Any) -> str:
+    t = type(v)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+# --------------------------------------------------------------------------- source lines
+
+def _line_of(ins: dis.Instruction) -> int | None:
+    """The line an instruction belongs to, on every Python from 3.10 to 3.13."""
+    positions = getattr(ins, "positions", None)            # 3.11+
+    if positions is not None and positions.lineno is not None:
+        return int(positions.lineno)
+    line_number = getattr(ins, "line_number", None)        # 3.13
+    if isinstance(line_number, int):
+        return line_number
+    starts = ins.starts_line                               # 3.10-3.12: int or None
+    if isinstance(starts, int) and not isinstance(starts, bool):
+        return starts
+    return None
+
+
+def _where(code: types.CodeType, index: int) -> str:
+    """``file:line`` of the instruction that loads ``code.co_consts[index]``.
+
+    Matching by the constant's slot rather than its value also finds constants nested in a
+    tuple constant. An instruction without a line (Dynamo emits many) takes the line of
+    the one before it; a constant nothing loads takes ``co_firstlineno``. Dynamo tags its
+    generated instructions with the method's first line, so for transformed bytecode this
+    is usually the ``def`` line of the compiled method.
+    """
+    current = code.co_firstlineno
     try:
         for ins in dis.get_instructions(code):
-            if ins.opname.startswith("LOAD_CONST") and ins.argval is const:
-                if ins.positions is not None and ins.positions.lineno is not None:
-                    line = ins.positions.lineno
-                break
-    except Exception:  # noqa: BLE001 - only for the message
-        logger.debug("could not locate a constant", exc_info=True)
-    return f"{code.co_filename}:{line}"
+            line = _line_of(ins)
+            if line is not None:
+                current = line
+            if ins.opcode in dis.hasconst and ins.arg == index:
+                return f"{code.co_filename}:{current}"
+    except Exception:  # noqa: BLE001 - only for the message; a broken repr must not hide it
+        logger.debug("could not locate constant %d in %s", index, code.co_name, exc_info=True)
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _dtype_by_name(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and _NAME.fullmatch(name) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch.{name} is not a dtype")
+    return dtype
+
+
+def _encode_leaf(v: Any) -> JSON:
+    """The portable form of one constant; UnsupportedProgramError if it has none."""
+    if v is NotImplemented:
+        return {"$": "notimplemented"}
+    if isinstance(v, torch.finfo):
+        return {"$": "finfo", "v": str(v.dtype)}
+    if isinstance(v, torch.iinfo):
+        return {"$": "iinfo", "v": str(v.dtype)}
+    if isinstance(v, torch._C._SDPBackend):
+        return {"$": "sdpbackend", "v": v.name}
+    if isinstance(v, enum.Enum):
+        # Here, not in values: values writes a StrEnum/IntEnum member as its plain value.
+        cls = type(v)
+        if "<locals>" in cls.__qualname__:
+            raise UnsupportedProgramError(
+                f"enum {cls.__qualname__} is defined in a function (not importable)")
+        return {"$": "enum", "module": cls.__module__, "qualname": cls.__qualname__,
+                "name": v.name}
+    return values.encode_value(v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``b`` is ``a`` rebuilt: equal *and* of the same types all the way down.
+
+    ``==`` alone would accept ``"x"`` for a ``StrEnum`` member, ``1`` for ``True`` or for
+    an ``IntEnum`` member, ``0.0`` for ``-0.0``: bytecode that then behaves differently.
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (frozenset, set)):
+        return len(a) == len(b) and all(any(_same(x, y) for y in b) for x in a)
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            any(_same(k, k2) and _same(x, b[k2]) for k2 in b) for k, x in a.items())
+    if isinstance(a, slice):
+        return (_same(a.start, b.start) and _same(a.stop, b.stop)
+                and _same(a.step, b.step))
+    if isinstance(a, range):
+        return (a.start, a.stop, a.step) == (b.start, b.stop, b.step)
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)  # nan == nan, -0.0 != 0.0
+    return bool(a is b or a == b)
+
+
+def _portable(v: Any) -> JSON:
+    """``v``'s spec, checked to rebuild as ``v`` after a JSON round trip.
+
+    The check runs when the entry is written, so a value that would come back different
+    (a StrEnum member inside a slice, a Flag combination, a class renamed on import) is
+    refused here, with the user's line, not replayed wrongly in another process.
+    """
+    try:
+        spec = _encode_leaf(v)
+    except UnsupportedProgramError as e:
+        if str(e).startswith("no portable form"):  # values' message repeats type and repr
+            raise UnsupportedProgramError("no portable form") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. an enum whose name lookup fails
+        raise UnsupportedProgramError(f"no portable form: {e}") from e
+    try:
+        stored = json.loads(json.dumps(spec, allow_nan=False))
+        back = _decode(stored)
+    except Exception as e:  # noqa: BLE001 - any failure to rebuild means: not portable
+        raise UnsupportedProgramError(f"its portable form does not rebuild: {e}") from e
+    if not _same(v, back):
+        raise UnsupportedProgramError(
+            f"its portable form rebuilds as {values.short(back)} ({_type_name(back)})")
+    return spec
+
+
+def _walk(code: types.CodeType, leaf: Callable[[Any, types.CodeType, int], Any]
+          ) -> types.CodeType:
+    """``code`` with every constant that is not a code object, tuple or frozenset (at any
+    depth, in nested code too) replaced by ``leaf(value, owner, slot)``: ``owner`` is the
+    code object whose ``co_consts[slot]`` holds the value (directly or in a container)."""
+
+    def swap(v: Any, owner: types.CodeType, slot: int) -> Any:
+        if isinstance(v, types.CodeType):
+            return _walk(v, leaf)
+        if type(v) is tuple:
+            return tuple(swap(x, owner, slot) for x in v)
+        if type(v) is frozenset:
+            return frozenset(swap(x, owner, slot) for x in v)
+        return leaf(v, owner, slot)
+
+    return code.replace(co_consts=tuple(swap(v, code, i) for i, v in enumerate(code.co_consts)))
+
+
+def _placeholder_clash(owner: types.CodeType, slot: int) -> str:
+    return (f"transformed bytecode holds a string that looks like a cachecompile placeholder "
+            f"at {_where(owner, slot)}")
+
+
+def _unportable(v: Any, owner: types.CodeType, slot: int, why: Exception) -> str:
+    return (f"transformed bytecode holds an unmarshallable constant {values.short(v)} "
+            f"(type {_type_name(v)}) at {_where(owner, slot)}: {why}")
+
+
+def describe_unmarshallable(code: types.CodeType) -> list[str]:
+    """One message per constant in ``code`` that :func:`dumps` would refuse (empty: fine).
+
+    For diagnostics (``cachectl``, logs): :func:`dumps` stops at the first one.
+    """
+    problems: list[str] = []
+
+    def leaf(v: Any, owner: types.CodeType, slot: int) -> Any:
+        if isinstance(v, str) and v.startswith(_PREFIX):
+            problems.append(_placeholder_clash(owner, slot))
+        elif not _marshallable(v):
+            try:
+                _portable(v)
+            except UnsupportedProgramError as e:
+                problems.append(_unportable(v, owner, slot, e))
+        return v
+
+    _walk(code, leaf)
+    return problems
 
 
 def dumps(code: types.CodeType) -> tuple[bytes, list[JSON]]:
-    """marshal.dumps with unmarshallable constants replaced; also their portable forms."""
+    """marshal.dumps of ``code`` with every unmarshallable constant (recursively: in
+    co_consts, inside tuples/frozensets, in nested code objects) replaced by a placeholder;
+    returns the bytes and a JSON-able list of constant specs (index i <-> placeholder i).
+
+    Raises UnsupportedProgramError naming the constant's type, repr and ``file:line`` when a
+    constant has no portable form.
+    """
     specs: list[JSON] = []
 
-    def swap(v: Any, owner: types.CodeType) -> Any:
-        if isinstance(v, types.CodeType):
-            return rewrite(v)
-        if type(v) is tuple:
-            return tuple(swap(x, owner) for x in v)
-        if type(v) is frozenset:
-            return frozenset(swap(x, owner) for x in v)
+    def leaf(v: Any, owner: types.CodeType, slot: int) -> Any:
         if isinstance(v, str) and v.startswith(_PREFIX):
-            raise UnsupportedProgramError("bytecode holds a cachecompile placeholder string")
+            raise UnsupportedProgramError(_placeholder_clash(owner, slot))
         if _marshallable(v):
             return v
         try:
-            spec = values.encode_value(v)
+            specs.append(_portable(v))
         except UnsupportedProgramError as e:
-            raise UnsupportedProgramError(
-                f"transformed bytecode holds an unmarshallable constant {values.short(v)} "
-                f"(type {type(v).__module__}.{type(v).__qualname__}) at {_where(owner, v)}: "
-                f"{e}") from None
-        specs.append(spec)
+            raise UnsupportedProgramError(_unportable(v, owner, slot, e)) from None
         return f"{_PREFIX}{len(specs) - 1}"
 
-    def rewrite(c: types.CodeType) -> types.CodeType:
-        return c.replace(co_consts=tuple(swap(v, c) for v in c.co_consts))
+    rewritten = _walk(code, leaf)
+    if specs:
+        logger.debug("%s: %d constant(s) stored by reconstruction", code.co_name, len(specs))
+    return marshal.dumps(rewritten), specs
 
-    return marshal.dumps(rewrite(code)), specs
+
+# --------------------------------------------------------------------------- decoding
+
+def _plain(j: JSON) -> bool:
+    """A value values' format writes as itself (nested in a spec)."""
+    return (j is None or type(j) in (bool, str, int)
+            or (type(j) is float and math.isfinite(j)))
+
+
+def _check_spec(spec: JSON, depth: int = 0, kinds: dict[str, frozenset[str]] = _KINDS) -> str:
+    """The spec's kind, after checking its whole shape, nested specs included.
+
+    The grammar is exactly what :func:`dumps` writes: a known kind, exactly that kind's
+    keys, and payloads of the right JSON types. values.decode_value alone is lenient
+    (``{"$": "size", "v": "12"}`` would make ``torch.Size([1, 2])``); this is not.
+    Nested specs (inside a tuple, slice, ...) are rebuilt by values alone, so only its
+    kinds are allowed there. Raises ValueError.
+    """
+    if depth > _MAX_DEPTH:
+        raise ValueError("constant spec nested too deeply")
+    if not isinstance(spec, dict):
+        raise ValueError(f"a constant spec must be an object, not {type(spec).__name__}")
+    kind = spec.get("$")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ValueError(f"unknown constant kind {kind!r}")
+    if set(spec) != kinds[kind]:
+        raise ValueError(f"constant spec of kind {kind!r} has keys {sorted(spec)}")
+    v = spec.get("v")
+
+    def nested(items: Any, n: int | None = None) -> None:
+        if not isinstance(items, list) or (n is not None and len(items) != n):
+            raise ValueError(f"bad {kind} payload {values.short(items)}")
+        for x in items:
+            if not _plain(x):
+                _check_spec(x, depth + 1, _VALUE_KINDS)
+
+    if kind in ("torch", "finfo", "iinfo", "sdpbackend"):
+        ok = isinstance(v, str) and _NAME.fullmatch(v) is not None
+    elif kind == "device":
+        ok = isinstance(v, str) and _DEVICE.fullmatch(v) is not None
+    elif kind == "float":
+        ok = v in ("inf", "-inf", "nan")
+    elif kind == "size":
+        ok = isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+    elif kind == "range":
+        ok = isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v)
+    elif kind == "bytes":
+        ok = isinstance(v, str) and _HEX.fullmatch(v) is not None
+    elif kind == "complex":
+        ok = (isinstance(v, list) and len(v) == 2
+              and all(type(x) in (int, float) for x in v))
+    elif kind == "slice":
+        nested(v, 3)
+        ok = True
+    elif kind in ("tuple", "list", "frozenset", "set"):
+        nested(v)
+        ok = True
+    elif kind == "dict":
+        ok = isinstance(v, list)
+        for pair in v if isinstance(v, list) else []:
+            nested(pair, 2)
+    elif kind == "enum":
+        module, qualname, name = spec["module"], spec["qualname"], spec["name"]
+        if not (isinstance(module, str) and _DOTTED.fullmatch(module)):
+            raise ValueError(f"bad enum module {module!r}")
+        if not (isinstance(qualname, str) and _DOTTED.fullmatch(qualname)):
+            raise ValueError(f"bad enum class {qualname!r} (classes in functions are refused)")
+        ok = isinstance(name, str)
+    else:  # ellipsis, notimplemented: no payload
+        ok = True
+    if not ok:
+        raise ValueError(f"bad {kind} spec {values.short(spec)}")
+    return kind
+
+
+def _decode(spec: JSON) -> Any:
+    kind = _check_spec(spec)
+    v = spec.get("v")
+    if kind == "notimplemented":
+        return NotImplemented
+    if kind == "finfo":
+        dtype = _dtype_by_name(v)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"torch.finfo of a non-floating dtype {v!r}")
+        return torch.finfo(dtype)
+    if kind == "iinfo":
+        dtype = _dtype_by_name(v)
+        if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+            raise ValueError(f"torch.iinfo of a non-integer dtype {v!r}")
+        return torch.iinfo(dtype)
+    if kind == "sdpbackend":
+        members = torch._C._SDPBackend.__members__
+        if not isinstance(v, str) or v not in members:
+            raise ValueError(f"unknown SDPBackend {v!r}")
+        return members[v]
+    return values.decode_value(spec)
+
+
+def _rebuild(i: int, spec: JSON) -> Any:
+    try:
+        return _decode(spec)
+    except Exception as e:  # noqa: BLE001 - torch.device('bogus') raises RuntimeError, etc.
+        raise UnsupportedProgramError(f"stored constant {i} does not rebuild: {e}") from e
 
 
 def loads(data: bytes, consts: list[JSON]) -> types.CodeType:
-    """The inverse of :func:`dumps`; raises UnsupportedProgramError on bad input."""
+    """The inverse of :func:`dumps`: marshal.loads, then put back the rebuilt constants.
+
+    Checks strictly, since ``consts`` comes from a cache entry: every spec has a known kind
+    and exactly its keys, every placeholder names a spec, and every spec is used exactly
+    once. Any mismatch raises UnsupportedProgramError (the caller compiles live).
+    """
+    if not isinstance(consts, list):
+        raise UnsupportedProgramError("stored constants are not a list")
     try:
         code = marshal.loads(data)
     except (EOFError, ValueError, TypeError) as e:
         raise UnsupportedProgramError(f"stored bytecode does not load: {e}") from e
     if not isinstance(code, types.CodeType):
         raise UnsupportedProgramError("stored bytecode is not a code object")
-    try:
-        rebuilt = [values.decode_value(s) for s in consts]
-    except (ValueError, TypeError, KeyError, AttributeError, ImportError) as e:
-        raise UnsupportedProgramError(f"stored constant does not rebuild: {e}") from e
+    rebuilt = [_rebuild(i, s) for i, s in enumerate(consts)]
     used: set[int] = set()
 
-    def back(v: Any) -> Any:
-        if isinstance(v, types.CodeType):
-            return restore(v)
-        if type(v) is tuple:
-            return tuple(back(x) for x in v)
-        if type(v) is frozenset:
-            return frozenset(back(x) for x in v)
-        if isinstance(v, str) and v.startswith(_PREFIX):
-            tail = v[len(_PREFIX):]
-            if not tail.isdigit() or int(tail) >= len(rebuilt):
-                raise UnsupportedProgramError(f"bad constant placeholder {tail!r}")
-            used.add(int(tail))
-            return rebuilt[int(tail)]
-        return v
+    def leaf(v: Any, owner: types.CodeType, slot: int) -> Any:
+        if not (isinstance(v, str) and v.startswith(_PREFIX)):
+            return v
+        tail = v[len(_PREFIX):]
+        if not _INDEX.fullmatch(tail) or int(tail) >= len(rebuilt):
+            raise UnsupportedProgramError(f"bad constant placeholder {tail!r}")
+        i = int(tail)
+        if i in used:
+            raise UnsupportedProgramError(f"constant placeholder {i} used twice")
+        used.add(i)
+        return rebuilt[i]
 
-    def restore(c: types.CodeType) -> types.CodeType:
-        return c.replace(co_consts=tuple(back(v) for v in c.co_consts))
-
-    out = restore(code)
+    out = _walk(code, leaf)
     if len(used) != len(rebuilt):
-        raise UnsupportedProgramError("stored constants do not match the bytecode")
+        raise UnsupportedProgramError(
+            f"stored constants do not match the bytecode ({len(rebuilt) - len(used)} unused)")
     return out
+
+
+__all__ = ["JSON", "describe_unmarshallable", "dumps", "loads"]

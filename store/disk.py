@@ -59,10 +59,19 @@ DATA = "data"
 # Entries verified in full by this process: entry dir -> (manifest signature, manifest).
 # Later reads in this process check sizes only (issue 2: "full checksums on the first read").
 _VERIFIED: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+# Manifests parsed and checked against their integrity digest by this process (files not
+# hashed yet): entry dir -> (manifest signature, manifest). ``manifest()`` and the first
+# ``get`` of an entry share it, so a manifest is parsed and digested once per process.
+_PARSED: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
 
 def _sig(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _forget(edir: Path) -> None:
+    _VERIFIED.pop(str(edir), None)
+    _PARSED.pop(str(edir), None)
 
 
 class _Bad(Exception):
@@ -190,26 +199,33 @@ class Store:
         if not stat.S_ISREG(mst.st_mode):
             raise _Bad("insecure", "manifest.json is not a regular file")
         key = str(edir)
+        msig = _sig(mst)
         cached = _VERIFIED.get(key)
-        if cached is not None and cached[0] == _sig(mst) and not full:
+        if cached is not None and cached[0] == msig and not full:
             manifest = cached[1]
             verified = True
         else:
             verified = False
-            try:
-                fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                with os.fdopen(fd, "rb") as f:
-                    text = f.read()
-            except PermissionError as e:
-                raise _Bad("unreadable", f"cannot read manifest: {e}") from None
-            except OSError as e:
-                raise _Bad("corrupt", f"cannot read manifest: {e}") from None
-            try:
-                manifest = parse_manifest(text, expect_key=digest)
-            except errors.UnsafePathError as e:
-                raise _Bad("insecure", str(e)) from None
-            except errors.ManifestError as e:
-                raise _Bad("corrupt", str(e)) from None
+            parsed = _PARSED.get(key)
+            if parsed is not None and parsed[0] == msig and not full:
+                manifest = parsed[1]  # parsed and digest-checked by manifest() already
+            else:
+                try:
+                    fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                    with os.fdopen(fd, "rb") as f:
+                        msig = _sig(os.fstat(f.fileno()))  # the signature of what is read
+                        text = f.read()
+                except PermissionError as e:
+                    raise _Bad("unreadable", f"cannot read manifest: {e}") from None
+                except OSError as e:
+                    raise _Bad("corrupt", f"cannot read manifest: {e}") from None
+                try:
+                    # Checks the integrity digest over the whole manifest (meta included).
+                    manifest = parse_manifest(text, expect_key=digest)
+                except errors.UnsafePathError as e:
+                    raise _Bad("insecure", str(e)) from None
+                except errors.ManifestError as e:
+                    raise _Bad("corrupt", str(e)) from None
         data = edir / DATA
         files: dict[str, Path] = {}
         checked_dirs: set[str] = set()
@@ -251,7 +267,8 @@ class Store:
                     raise _Bad("corrupt", f"cannot read {name!r}: {e}") from None
                 if digest_hex != rec["xxh3_128"]:
                     raise _Bad("corrupt", f"file {name!r} fails its checksum")
-            _VERIFIED[key] = (_sig(mst), manifest)
+            _VERIFIED[key] = (msig, manifest)
+            _PARSED.pop(key, None)
         return Entry(key=digest, path=edir, files=files, manifest=manifest)
 
     def peek(self, key: Key | str) -> Hit | Miss:
@@ -290,19 +307,40 @@ class Store:
         if info is not None:
             return info
         try:
-            m = self.manifest(digest)
+            m = self._manifest(digest)
         except errors.StoreError:
             return None
         return self._info_from_manifest(digest, m, state="unindexed")
 
     def manifest(self, key: Key | str) -> dict[str, Any]:
-        """The parsed manifest of an entry, without verifying its files."""
-        digest = self.digest_of(key)
+        """The parsed manifest of an entry, without verifying its files.
+
+        Raises KeyNotFound, or ManifestError when the manifest fails its integrity digest
+        (this read has no side effects: ``get`` is what quarantines). The manifest is
+        parsed and digest-checked once per process and shared: do not modify it.
+        """
+        return self._manifest(self.digest_of(key), remember=True)
+
+    def _manifest(self, digest: str, *, remember: bool = False) -> dict[str, Any]:
+        # Listings (entries, reindex, stat) read every manifest once: they use the
+        # per-process cache but do not fill it, so a big cache is not held in memory.
+        edir = str(self.entry_dir(digest))
+        mpath = os.path.join(edir, MANIFEST)
         try:
-            text = (self.entry_dir(digest) / MANIFEST).read_bytes()
+            sig = _sig(os.stat(mpath))
+            for cache in (_VERIFIED, _PARSED):
+                hit = cache.get(edir)
+                if hit is not None and hit[0] == sig:
+                    return hit[1]
+            with open(mpath, "rb") as f:
+                sig = _sig(os.fstat(f.fileno()))  # the signature of what is read
+                text = f.read()
         except FileNotFoundError:
             raise errors.KeyNotFound(f"no entry {digest}") from None
-        return parse_manifest(text, expect_key=digest)
+        m = parse_manifest(text, expect_key=digest)
+        if remember:
+            _PARSED[edir] = (sig, m)
+        return m
 
     def record_miss(self, kind: str) -> None:
         self._index_safely("miss", lambda: self.index.incr(f"miss:{kind}"))
@@ -484,7 +522,7 @@ class Store:
             os.rename(src, dst)
         except FileNotFoundError:
             return None
-        _VERIFIED.pop(str(src), None)
+        _forget(src)
         return dst
 
     def delete(self, key: Key | str) -> bool:
@@ -513,7 +551,7 @@ class Store:
         except OSError as e:
             logger.warning("cannot quarantine %s: %s", src, e)
             return None
-        _VERIFIED.pop(str(src), None)
+        _forget(src)
         with contextlib.suppress(OSError):
             (self._quarantine / f"{dst.name}.reason").write_text(reason + "\n")
         # A damaged blob must not be linked into future entries.
@@ -562,7 +600,7 @@ class Store:
                 yield info
                 continue
             try:
-                yield self._info_from_manifest(d, self.manifest(d), state="unindexed")
+                yield self._info_from_manifest(d, self._manifest(d), state="unindexed")
             except (errors.StoreError, OSError):
                 yield EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0, hits=0,
                                 state="bad-manifest")
@@ -819,7 +857,7 @@ class Store:
         infos = []
         for d in self.digests():
             try:
-                infos.append(self._info_from_manifest(d, self.manifest(d)))
+                infos.append(self._info_from_manifest(d, self._manifest(d)))
             except (errors.StoreError, OSError):
                 continue
         self.index.replace_all(infos)

@@ -12,6 +12,20 @@ digest covers the whole manifest, ``meta`` included: a program's metadata (which
 file serves which kernel, the guards, the bytecode's constants) is as much code as the
 files are, so a one-character edit anywhere makes the entry corrupt (quarantined, and
 reported by ``cachectl verify``), never a wrong program.
+
+Nothing is left out: a manifest is written once, at publish, and never rewritten. What
+changes after publish (last use, hit counts) lives in the index, pins are files under
+``pins/``; ``labels`` are fixed at publish and select entries for purge and export, so
+they are covered too. ``created`` is covered as well (an import re-publishes and writes
+a fresh manifest and digest). The digest is over the parsed document in canonical JSON
+(sorted keys, no whitespace, ASCII), so re-indenting a manifest changes nothing, while
+any change of a value, a key, or an added or removed field does. Like the files'
+XXH3-128 it detects edits and damage, not an attacker who can write the cache (who could
+recompute it; see the security model): remote records and bundles are signed (HMAC over
+a body that holds this whole manifest, digest included).
+
+Format 1 manifests (no digest) are refused as corrupt: such entries are quarantined
+on their first lookup and compiled again.
 """
 
 from __future__ import annotations
@@ -74,7 +88,8 @@ def parse_manifest(text: bytes | str, expect_key: str | None = None) -> dict[str
     if not isinstance(doc, dict):
         raise ManifestError("manifest is not a JSON object")
     if doc.get("format") != FORMAT:
-        raise ManifestError(f"unsupported manifest format {doc.get('format')!r}")
+        old = " (it predates the integrity digest)" if doc.get("format") == 1 else ""
+        raise ManifestError(f"unsupported manifest format {doc.get('format')!r}{old}")
     key = doc.get("key")
     if not isinstance(key, str) or (expect_key is not None and key != expect_key):
         raise ManifestError(f"manifest key {key!r} does not match its directory {expect_key!r}")

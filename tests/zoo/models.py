@@ -1,13 +1,25 @@
 """Tiny transformers / diffusers models and the serving wrappers their users write.
 
-Configs are built in code with random weights (seeded): nothing is downloaded. Each
-builder returns a wrapper ``nn.Module`` whose methods are what a serving team caches:
+Configs are built in code with random weights (seeded): nothing is downloaded
+(``HF_HUB_OFFLINE=1``). Each builder returns a wrapper ``nn.Module`` whose methods are
+what a serving team caches, and a function that makes example inputs:
 
-* :class:`LlmRunner`: ``prefill`` (a ``DynamicCache``, the default ``ModelOutput``
-  returned as is) and ``decode`` (a ``StaticCache`` with ``cache_position``);
-* :class:`UNetRunner`: one denoising step, called in a real DDIM scheduler loop whose
-  timesteps are 0-d tensors;
-* :class:`DiTRunner`: a DiT transformer step with class labels.
+* :func:`build_llm` (``build_llama``, ``build_qwen2``, ``build_mistral``, ``build_gpt2``)
+  -> ``(LlmRunner, make_inputs(batch, seq))``: ``prefill(input_ids, past_key_values)``
+  returns the default ``ModelOutput`` with a ``DynamicCache`` (serve it with
+  ``dynamic=True``); ``decode(input_ids, cache_position, past_key_values)`` returns the
+  logits of a ``StaticCache`` step (``dynamic=False``). ``make_inputs`` gives prefill's
+  arguments; :func:`dynamic_generate` / :func:`static_generate` drive whole requests;
+* :func:`build_unet` -> ``(UNetRunner, make_inputs(batch))``: one denoising ``step``,
+  driven by :func:`run_unet_loop` (a real DDIM loop whose timesteps are 0-d tensors);
+* :func:`build_dit` -> ``(DiTRunner, make_inputs(batch))``: a DiT ``step`` with class
+  labels.
+
+Every runner has ``cached(compile_fn, **kw)``, which sets ``cached_<method>`` for each
+served method with that method's ``dynamic`` (``runner.cached(cache_compile,
+cache_dir=d)``); a test may as well assign ``runner.cached_prefill =
+cache_compile(runner.prefill, dynamic=True, cache_dir=d)`` itself. The generate/loop
+helpers of a runner use ``cached_<method>`` when it is set, else the eager method.
 
 This module does not import cachecompile: tests attach ``cache_compile`` themselves.
 """
@@ -15,6 +27,7 @@ This module does not import cachecompile: tests attach ``cache_compile`` themsel
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,14 +36,40 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-LLM_FAMILIES = ("llama", "qwen2", "mistral")
+LLM_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 VOCAB = 128
 MAX_LEN = 32
 
 
+class _Served(nn.Module):
+    """A wrapper whose ``SERVED`` methods (name -> ``dynamic``) a server compiles."""
+
+    SERVED: dict[str, bool] = {}
+
+    def cached(self, compile_fn: Callable[..., Any], **kwargs: Any) -> _Served:
+        """``self.cached_<name> = compile_fn(self.<name>, dynamic=SERVED[name], **kwargs)``."""
+        for name, dynamic in self.SERVED.items():
+            setattr(self, f"cached_{name}", compile_fn(getattr(self, name), dynamic=dynamic,
+                                                       **kwargs))
+        return self
+
+    def serving(self, name: str) -> Callable[..., Any]:
+        """The cached method when one is attached, else the eager one."""
+        fn = getattr(self, f"cached_{name}", None)
+        return fn if fn is not None else getattr(self, name)
+
+
+# ------------------------------------------------------------------------ LLMs
+
 def llm_config(family: str, **overrides: Any) -> Any:
     import transformers
 
+    if family == "gpt2":
+        gpt2: dict[str, Any] = dict(vocab_size=VOCAB, n_embd=64, n_inner=128, n_layer=2,
+                                    n_head=4, n_positions=64, bos_token_id=0,
+                                    eos_token_id=0, attn_implementation="sdpa")
+        gpt2.update(overrides)
+        return transformers.GPT2Config(**gpt2)
     common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, max_position_embeddings=64,
@@ -41,8 +80,10 @@ def llm_config(family: str, **overrides: Any) -> Any:
     return cls(**common)
 
 
-class LlmRunner(nn.Module):
+class LlmRunner(_Served):
     """What a serving loop around an HF causal LM looks like."""
+
+    SERVED = {"prefill": True, "decode": False}
 
     def __init__(self, family: str, seed: int = 0, **config: Any) -> None:
         super().__init__()
@@ -67,14 +108,62 @@ class LlmRunner(nn.Module):
 
         return DynamicCache(config=self.config)
 
-    def static_cache(self, max_cache_len: int = MAX_LEN) -> Any:
+    def static_cache(self, max_cache_len: int = MAX_LEN, early: int | None = None) -> Any:
+        """A ``StaticCache``: its layers allocate on the first ``update`` (lazily), or now
+        for batch size ``early`` (``early_initialization``, float32 on CPU)."""
         from transformers import StaticCache
 
-        return StaticCache(config=self.config, max_cache_len=max_cache_len)
+        cache = StaticCache(config=self.config, max_cache_len=max_cache_len)
+        if early is not None:
+            cfg = self.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            cache.early_initialization(early, kv_heads, head_dim, torch.float32,
+                                       torch.device("cpu"))
+        return cache
+
+    def generate_dynamic(self, batch: int, **kw: Any) -> torch.Tensor:
+        return dynamic_generate(self, self.serving("prefill"), batch, **kw)
+
+    def generate_static(self, batch: int, **kw: Any) -> torch.Tensor:
+        return static_generate(self, self.serving("decode"), batch, **kw)
 
 
 def tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def build_llm_inputs(runner: LlmRunner, batch: int, seq: int,
+                     seed: int = 1) -> tuple[torch.Tensor, Any]:
+    """``prefill``'s arguments: ``(input_ids[batch, seq], DynamicCache())``."""
+    return tokens(batch, seq, seed), runner.dynamic_cache()
+
+
+def build_llm(family: str, seed: int = 0,
+              **config: Any) -> tuple[LlmRunner, Callable[..., tuple[torch.Tensor, Any]]]:
+    runner = LlmRunner(family, seed, **config)
+
+    def make_inputs(batch: int, seq: int, seed: int = 1) -> tuple[torch.Tensor, Any]:
+        return build_llm_inputs(runner, batch, seq, seed)
+
+    return runner, make_inputs
+
+
+def build_llama(seed: int = 0, **config: Any) -> tuple[LlmRunner, Callable[..., Any]]:
+    return build_llm("llama", seed, **config)
+
+
+def build_qwen2(seed: int = 0, **config: Any) -> tuple[LlmRunner, Callable[..., Any]]:
+    return build_llm("qwen2", seed, **config)
+
+
+def build_mistral(seed: int = 0, **config: Any) -> tuple[LlmRunner, Callable[..., Any]]:
+    return build_llm("mistral", seed, **config)
+
+
+def build_gpt2(seed: int = 0, **config: Any) -> tuple[LlmRunner, Callable[..., Any]]:
+    return build_llm("gpt2", seed, **config)
 
 
 def dynamic_generate(runner: LlmRunner, prefill: Any, batch: int, prompt: int = 5,
@@ -91,12 +180,14 @@ def dynamic_generate(runner: LlmRunner, prefill: Any, batch: int, prompt: int = 
 
 
 def static_generate(runner: LlmRunner, decode: Any, batch: int, prompt: int = 4,
-                    steps: int = 3, max_cache_len: int = MAX_LEN) -> torch.Tensor:
+                    steps: int = 3, max_cache_len: int = MAX_LEN,
+                    early: bool = False) -> torch.Tensor:
     """Greedy decoding through a StaticCache: the prompt token by token, then new tokens.
 
-    ``decode`` is the (cached or eager) decode method. Returns every step's logits.
+    ``decode`` is the (cached or eager) decode method; ``early`` allocates the cache
+    before the first step instead of lazily inside it. Returns every step's logits.
     """
-    cache = runner.static_cache(max_cache_len)
+    cache = runner.static_cache(max_cache_len, early=batch if early else None)
     ids = tokens(batch, prompt)
     outs: list[torch.Tensor] = []
     nxt = ids[:, :1]
@@ -108,7 +199,11 @@ def static_generate(runner: LlmRunner, decode: Any, batch: int, prompt: int = 4,
     return torch.cat(outs, dim=1)
 
 
-class UNetRunner(nn.Module):
+# ------------------------------------------------------------------------ diffusers
+
+class UNetRunner(_Served):
+    SERVED = {"step": False}
+
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         from diffusers import UNet2DConditionModel
@@ -124,22 +219,39 @@ class UNetRunner(nn.Module):
         return self.unet(sample, t, encoder_hidden_states=context).sample
 
 
+def unet_inputs(batch: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One ``step``'s arguments: latents [b,4,8,8], a 0-d timestep, context [b,6,32]."""
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(batch, 4, 8, 8, generator=g)
+    context = torch.randn(batch, 6, 32, generator=g)
+    return latents, torch.tensor(981), context
+
+
+def build_unet(seed: int = 0) -> tuple[UNetRunner, Callable[..., Any]]:
+    return UNetRunner(seed), unet_inputs
+
+
 def unet_loop(runner: UNetRunner, step: Any, batch: int, steps: int = 10) -> torch.Tensor:
     """A real DDIM loop: ``steps`` timesteps, each a 0-d tensor from the scheduler."""
     from diffusers import DDIMScheduler
 
     sched = DDIMScheduler(num_train_timesteps=1000)
     sched.set_timesteps(steps)
-    g = torch.Generator().manual_seed(3)
-    latents = torch.randn(batch, 4, 8, 8, generator=g)
-    context = torch.randn(batch, 6, 32, generator=g)
+    latents, _, context = unet_inputs(batch)
     for t in sched.timesteps:
         noise = step(latents, t, context)
         latents = sched.step(noise, t, latents).prev_sample
     return latents
 
 
-class DiTRunner(nn.Module):
+def run_unet_loop(runner: UNetRunner, batch: int, steps: int = 10) -> torch.Tensor:
+    """:func:`unet_loop` through ``runner.cached_step`` if set, else the eager step."""
+    return unet_loop(runner, runner.serving("step"), batch, steps)
+
+
+class DiTRunner(_Served):
+    SERVED = {"step": False}
+
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         from diffusers import DiTTransformer2DModel
@@ -155,6 +267,17 @@ class DiTRunner(nn.Module):
 
 
 def dit_inputs(batch: int, t: int = 500) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``step``'s arguments: latents [b,4,8,8], timesteps [b] (int64), labels [b] in 0..9."""
     g = torch.Generator().manual_seed(4)
     return (torch.randn(batch, 4, 8, 8, generator=g), torch.tensor([t] * batch),
             torch.randint(0, 10, (batch,), generator=g))
+
+
+def build_dit(seed: int = 0) -> tuple[DiTRunner, Callable[..., Any]]:
+    return DiTRunner(seed), dit_inputs
+
+
+BUILDERS: dict[str, Callable[..., tuple[Any, Callable[..., Any]]]] = {
+    "llama": build_llama, "qwen2": build_qwen2, "mistral": build_mistral, "gpt2": build_gpt2,
+    "unet": build_unet, "dit": build_dit,
+}
