@@ -18,7 +18,7 @@ import inspect
 import logging
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -151,17 +151,11 @@ class _Builder:
             self.add("keys", expr, keys,
                      f"{g.user_text(expr, self.module_name)} has keys {list(value.keys())!r}")
         elif gt == "NOT_PRESENT_IN_GENERIC_DICT":
-            attr = _partial_kw(guard, "attr")
-            if not isinstance(attr, str):
-                self.fallback(e, "its attribute name is unknown")
-                return
+            attr = self.attr_of(e)
             self.add("not_in_dict", expr, attr,
                      f"{g.user_text(expr, self.module_name)} has no instance attribute {attr!r}")
         elif gt == "HASATTR":
-            attr = _partial_kw(guard, "attr")
-            if not isinstance(attr, str):
-                self.fallback(e, "its attribute name is unknown")
-                return
+            attr = self.attr_of(e)
             present = hasattr(value, attr)
             self.add("hasattr", expr, {"attr": attr, "present": present},
                      f"{g.user_text(expr, self.module_name)} "
@@ -183,6 +177,13 @@ class _Builder:
         else:
             self.fallback(e, "cachecompile has no portable form for this guard type")
 
+    def attr_of(self, e: Any) -> str:
+        """The attribute name an attribute guard (HASATTR, NOT_PRESENT...) was built with."""
+        attr = _partial_kw(e.orig_guard, "attr")
+        if not isinstance(attr, str):
+            self.fallback(e, "its attribute name is unknown")
+        return str(attr)
+
     def type_match(self, expr: str, value: Any) -> None:
         cls = type(value)
         self.classes.add(cls)
@@ -202,7 +203,7 @@ class _Builder:
                  f"{facts['dtype']}[{shape}] {facts['type']['qual'].rsplit('.', 1)[-1]} on "
                  f"{facts['device']}")
 
-    def fallback(self, e: Any, why: str) -> None:
+    def fallback(self, e: Any, why: str) -> NoReturn:
         raise UnsupportedProgramError(
             f"Dynamo's {e.guard_type} guard on {g.user_text(e.orig_guard.name, self.module_name) or 'global state'} "
             f"cannot be carried across processes ({why})")
