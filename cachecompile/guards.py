@@ -384,6 +384,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     env: dict[str, Any] = {"__cc_G": globals_, "__cc_closure": func.__closure__ or (),
                            **_EXPR_HELPERS}
     conds: list[tuple[str, bool, str]] = []   # (python expression, per call, text)
+    observed: list[tuple[str, str]] = []        # (guarded expression, kind), for explain
 
     def const(v: Any) -> str:
         name = f"__cc_c{len(env)}"
@@ -398,7 +399,8 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             return n
         return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
 
-    for g in sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99):
+    ordered = sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99)
+    for g in ordered:
         kind, text = g["kind"], g.get("text", "")
         value: Any = g.get("value")
         per_call = bool(g.get("args"))
@@ -444,6 +446,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         else:
             raise UnsupportedProgramError(f"entry holds a guard of unknown kind {kind!r}")
         conds.append((cond, per_call, text))
+        observed.append((e, kind))
 
     prologue = "".join(f"    {n} = __cc_closure[{i}].cell_contents\n"
                        for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
@@ -464,6 +467,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     except SyntaxError as err:
         raise UnsupportedProgramError(f"guards do not compile: {err}") from err
     texts = [t for _, _, t in conds]
+    guards_by_index = ordered
     out: dict[str, Callable[..., Any]] = {}
     for n in ("__cc_per_call", "__cc_full", "__cc_first_failure"):
         f = env[n]
@@ -478,10 +482,44 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             return None
         if i == -2:
             return "a guard raised while being checked"
-        return texts[i] or conds[i][0]
+        text = texts[i] or conds[i][0]
+        expr, kind = observed[i]
+        if not expr:
+            return text
+        # Only on a miss: evaluate the guarded expression to say what the call had.
+        src = f"def __cc_observe({params}):\n{prologue}    return {expr}\n"
+        try:
+            scope = dict(env)
+            exec(compile(src, "<cachecompile observe>", "exec"), scope)  # noqa: S102
+            obs = scope["__cc_observe"]
+            obs.__defaults__, obs.__kwdefaults__ = func.__defaults__, func.__kwdefaults__
+            got = describe(obs(*args, **kwargs), kind, guards_by_index[i].get("value"))
+        except Exception:  # noqa: BLE001 - the expression itself failed: say so
+            got = "the expression could not be read"
+        return f"{text} (got {got})"
 
     return Checker(per_call=out["__cc_per_call"], full=out["__cc_full"], explain=explain,
                    n_guards=len(conds), n_per_call=len(per))
+
+
+def describe(v: Any, kind: str, expected: Any = None) -> str:
+    """A value as a miss reports it: what the call had where a guard wanted another."""
+    if kind == "type":
+        v = type(v)
+    if isinstance(v, torch.Tensor) and kind != "type":
+        dims = ",".join(str(d) for d in v.shape)
+        grad = ", requires_grad" if v.requires_grad else ""
+        return f"{type(v).__name__} {str(v.dtype).replace('torch.', '')}[{dims}] on {v.device}{grad}"
+    if isinstance(v, type):
+        want = _TypeRef(expected) if expected is not None else None
+        if want is not None and qualified_name(v) == want.qual:
+            return f"{qualified_name(v)} with other method code"
+        return qualified_name(v)
+    if kind == "ident":
+        return qualified_name(v) if hasattr(v, "__qualname__") else values.short(v)
+    if kind == "len":
+        return f"length {len(v)}"
+    return values.short(v)
 
 
 def _indent(block: str) -> str:
