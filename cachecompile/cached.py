@@ -230,6 +230,10 @@ class CachedFunction:
                 # first gap (a gap left by eviction is refilled by the next publish).
                 out.free = i if out.free is None else out.free
                 return out
+            except _Vacated:
+                # Quarantined by the store just now (it warned once): refill this index.
+                out.free = i if out.free is None else out.free
+                continue
             except (StoreError, OSError) as e:
                 self._fault(f"looking up {key.digest[:12]} failed ({e})")
                 return out
@@ -261,15 +265,19 @@ class CachedFunction:
         if manifest is not None:
             try:
                 return dict(manifest(key)["meta"])
-            except StoreError as e:
-                if not isinstance(e, KeyNotFound):
-                    self._fault(f"entry {key.digest[:12]} is unusable: {e}")
-                    return None
+            except KeyNotFound:
+                pass
+            except StoreError:
+                # A manifest that fails its digest: ``get`` verifies it again and
+                # quarantines it, so it is warned about once, not on every run.
+                pass
         outcome = st.get(key)
         if isinstance(outcome, Hit):
             return dict(outcome.entry.meta)
         if outcome.kind == "absent":
             raise _Absent()
+        if outcome.kind in ("corrupt", "insecure"):
+            raise _Vacated()
         self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
 

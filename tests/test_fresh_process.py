@@ -147,6 +147,30 @@ def test_corrupt_entry_falls_back_to_a_recompile(tmp_path: Path) -> None:
     assert box.run(run)["event"] == "hit"  # republished whole
 
 
+def test_edited_manifest_meta_is_quarantined_once(tmp_path: Path) -> None:
+    """A one-character edit in a manifest's meta fails its integrity digest: the first
+    warm process warns once, quarantines and recompiles; the next one hits."""
+    box = Sandbox(tmp_path)
+    _setup(box)
+    run = RUN.format(backend="aot_eager")
+    assert box.run(run)["event"] == "miss"
+    manifests = list((box.store / "v1" / "entries").rglob("manifest.json"))
+    assert manifests
+    for p in manifests:
+        doc = json.loads(p.read_text())
+        doc["meta"]["tampered"] = 1
+        p.chmod(0o600)
+        p.write_text(json.dumps(doc))
+    broken = box.run(run)
+    assert broken["event"] in ("miss", "shared") and broken["ok"], broken.value
+    faults = [w for w in broken["warnings"] if "CacheFaultWarning" in w]
+    assert len(faults) <= 1, faults
+    quarantine = box.store / "v1" / "quarantine"
+    assert quarantine.is_dir() and any(quarantine.iterdir()), "the edited entries are quarantined"
+    again = box.run(run)
+    assert again["event"] == "hit" and again["ok"] and not again["warnings"], again.value
+
+
 FORGE = '''
 import torch, store
 from cachecompile import cache_compile
