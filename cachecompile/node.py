@@ -6,13 +6,18 @@ must run once per job on a node: installing a shared artifact, sweeping the cach
 
 Protocol, all in plain files under ``<store root>/node/<job>/<step>/``:
 
-1. every local rank writes ``rank<L>.json`` with its ``LOCAL_WORLD_SIZE``;
+1. every local rank writes ``rank<L>.json`` with its ``LOCAL_WORLD_SIZE``, pid and time;
 2. local rank 0 waits until all ``LOCAL_WORLD_SIZE`` ranks registered, checks that they
    agree, runs the step and writes ``done.json`` (or ``failed.json`` with the reason);
 3. the others wait for either file. Any rank that sees a registration with another
    ``LOCAL_WORLD_SIZE`` than its own raises at once.
 
 The job is ``TORCHELASTIC_RUN_ID`` (torchrun sets it), else ``MASTER_ADDR:MASTER_PORT``.
+Neither is unique: plain ``torchrun`` sets ``TORCHELASTIC_RUN_ID=none`` and the default
+port for every job, so the state of an earlier job (or an earlier restart of this one)
+may still be there. Hence: a registration counts only while its process is alive (pids
+are checked in the caller's own pid namespace), and a waiting rank accepts only a
+``done.json`` / ``failed.json`` written after it registered.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ def _env_int(name: str) -> int | None:
 
 def job_id() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run == "none":  # plain torchrun's placeholder: says nothing about the job
+        run = ""
     if not run:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         run = f"{addr}-{port}" if addr and port else ""
@@ -88,15 +95,17 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
         raise RankConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={lws}")
     d = Path(root) / "node" / job_id() / re.sub(r"[^A-Za-z0-9_.-]", "_", step)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_json(d / f"rank{local}.json", {"local_world_size": lws, "pid": os.getpid()})
+    registered = time.time()
+    _write_json(d / f"rank{local}.json", {"local_world_size": lws, "pid": os.getpid(),
+                                          "pidns": _pid_namespace(), "at": registered})
     deadline = time.monotonic() + timeout
 
     def check_agreement() -> int:
         seen = 0
         for p in d.glob("rank*.json"):
             info = _read_json(p)
-            if info is None:
-                continue
+            if info is None or not _alive(info):
+                continue  # a rank of an earlier job or attempt
             seen += 1
             if info.get("local_world_size") != lws:
                 raise RankConfigError(
@@ -104,6 +113,13 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
                     f"{info.get('local_world_size')} but local rank {local} with {lws}; all "
                     "processes of a job on one node must agree")
         return seen
+
+    def ours(name: str) -> dict[str, Any] | None:
+        """``done.json`` / ``failed.json`` if written for this attempt (after we came)."""
+        info = _read_json(d / name)
+        if info is None or not isinstance(info.get("at"), (int, float)):
+            return None
+        return info if info["at"] >= registered else None
 
     if local == 0:
         try:
@@ -116,16 +132,17 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
             logger.info("node step %s: local rank 0 runs it for %d local ranks", step, lws)
             result = fn()
         except BaseException as e:
-            _write_json(d / "failed.json", {"reason": f"{type(e).__name__}: {e}"})
+            _write_json(d / "failed.json", {"reason": f"{type(e).__name__}: {e}",
+                                            "at": time.time()})
             raise
         _write_json(d / "done.json", {"pid": os.getpid(), "at": time.time()})
         return result
     logger.info("node step %s: local rank %d waits for local rank 0", step, local)
     while True:
         check_agreement()
-        if (d / "done.json").exists():
+        if ours("done.json") is not None:
             return None
-        failed = _read_json(d / "failed.json")
+        failed = ours("failed.json")
         if failed is not None:
             raise RankConfigError(f"node step {step!r} failed on local rank 0: "
                                   f"{failed.get('reason')}")
@@ -133,6 +150,28 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
             raise RankConfigError(f"node step {step!r}: local rank 0 did not finish within "
                                   f"{timeout:g}s")
         time.sleep(_POLL)
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _alive(info: dict[str, Any]) -> bool:
+    """Whether a registration's process still runs. Another pid namespace (a container
+    sharing the volume) cannot be checked: it counts."""
+    pid = info.get("pid")
+    if not isinstance(pid, int) or info.get("pidns", "") != _pid_namespace():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
