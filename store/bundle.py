@@ -7,24 +7,37 @@ Archive layout (members in this order)::
     <digest>/record.json              the signed record (store.signing), as the remote keeps it
     <digest>/data/<name>              the entry's files
 
+Every file is a regular member, even where the store shares one blob between entries
+(export never writes tar hard links).
+
 Import is all or nothing: every member is checked as it streams in (a relative path
 without ``..``, a regular file or directory: no symlink, hard link, device or FIFO, no
 name twice), staged under the store's ``tmp/``, then every entry is verified (record,
 signature policy, exact file set, size, SHA-256 and XXH3-128). Only when all of them pass
 is anything published, each entry through the store's normal atomic ``put``.
+
+What an import writes is bounded before it is written: the index comes first and lists
+the entries; each entry's record comes before its files and is parsed and its signature
+checked first; a file is written only if its manifest lists it, at exactly the declared
+size, and only while the store's file system keeps 64 MiB free. The decompressed stream
+itself may not run past what the accepted members declare (headers included), so a
+small archive cannot expand into gigabytes on disk or in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gzip
 import hashlib
 import io
 import json
 import logging
 import os
+import shutil
 import tarfile
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,11 +132,14 @@ def export_bundle(st: Any, out: Path | str, digests: Iterable[str], *,
                     rec = make_record(entry.manifest, sha, {}, trust)
                     _add_bytes(tf, f"{d}/record.json", rec.to_bytes())
                     for n in names:
-                        info = tf.gettarinfo(str(entry.files[n]), arcname=f"{d}/data/{n}")
-                        info.uid = info.gid = 0
-                        info.uname = info.gname = ""
-                        info.mode = 0o500 if info.mode & 0o100 else 0o400
+                        # A regular member for every file, never a tar hard link: the
+                        # store dedups blobs by hard link, and import refuses links.
                         with open(entry.files[n], "rb") as f:
+                            fst = os.fstat(f.fileno())
+                            info = tarfile.TarInfo(f"{d}/data/{n}")
+                            info.size = fst.st_size
+                            info.mtime = int(fst.st_mtime)
+                            info.mode = 0o500 if fst.st_mode & 0o100 else 0o400
                             tf.addfile(info, _Counting(f, progress))  # type: ignore[arg-type]
                     report.entries.append(d)
                     report.bytes += entry.size_bytes
@@ -199,27 +215,74 @@ def _safe_member(m: tarfile.TarInfo) -> tuple[str, str, str]:
     raise errors.UnsafeArchiveError(f"unexpected member {name!r}")
 
 
-def _open_tar(fh: IO[bytes], head: bytes) -> tarfile.TarFile:
-    """A streaming reader; the compression comes from the magic bytes ``head``."""
+# What an import may read, beyond the files its records declare: the index, each
+# record, and tar headers (PAX headers included) with their block padding.
+_INDEX_MAX = 1 << 20
+_RECORD_MAX = 16 << 20
+_HEADER_ALLOWANCE = 64 << 10
+# Free space an import leaves on the store's file system.
+_FREE_RESERVE = 64 << 20
+
+
+class _Bounded(io.RawIOBase):
+    """The decompressed tar stream, refused once it runs past ``allowance`` bytes.
+
+    The allowance grows only as members are accepted (by their checked sizes), so a
+    small archive cannot expand into gigabytes: not in a member's data, and not in a
+    header that tarfile would read into memory.
+    """
+
+    def __init__(self, f: IO[bytes], src: str) -> None:
+        self._f = f
+        self._src = src
+        self.used = 0
+        self.allowance = _INDEX_MAX + _HEADER_ALLOWANCE
+
+    def readable(self) -> bool:
+        return True
+
+    def grant(self, n: int) -> None:
+        self.allowance += -(-n // 512) * 512 + _HEADER_ALLOWANCE
+
+    def readinto(self, b: Any) -> int:
+        # Read at most one byte past the allowance: enough to prove the excess.
+        want = min(len(b), self.allowance - self.used + 1)
+        data = self._f.read(want) if want > 0 else b""
+        n = len(data)
+        self.used += n
+        if self.used > self.allowance:
+            raise errors.UnsafeArchiveError(
+                f"{self._src} expands beyond what its manifests declare (refused after "
+                f"{self.used} bytes)")
+        b[:n] = data
+        return n
+
+
+def _decompressed(fh: IO[bytes], head: bytes) -> IO[bytes]:
+    """The tar stream inside ``fh``; the compression comes from the magic bytes ``head``."""
     if head.startswith(_ZSTD_MAGIC):
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(fh, closefd=False)
-        return tarfile.open(fileobj=reader, mode="r|")  # type: ignore[call-overload,no-any-return]
+        return zstandard.ZstdDecompressor().stream_reader(fh, closefd=False)  # type: ignore[no-any-return]
     if head.startswith(_GZIP_MAGIC):
-        return tarfile.open(fileobj=fh, mode="r|gz")
-    return tarfile.open(fileobj=fh, mode="r|")
+        return gzip.GzipFile(fileobj=fh, mode="rb")  # type: ignore[return-value]
+    return fh
 
 
 @dataclass
 class _Staged:
-    record: bytes | None = None
+    record: Record | None = None
     files: dict[str, Path] = field(default_factory=dict)
 
 
-def _stage(tf: tarfile.TarFile, staging: Path) -> tuple[list[str] | None, dict[str, _Staged]]:
+def _stage(tf: tarfile.TarFile, staging: Path, bound: _Bounded,
+           trust: Trust) -> tuple[list[str] | None, dict[str, _Staged]]:
+    """Stream members into ``staging``. The index comes first, each entry's record
+    before its files; a record is parsed and its signature checked before any of its
+    files is written, and a file is written only at the size its manifest declares."""
     seen: set[str] = set()
     index: list[str] | None = None
+    listed: set[str] = set()
     staged: dict[str, _Staged] = {}
     n = 0
     for m in tf:
@@ -229,22 +292,49 @@ def _stage(tf: tarfile.TarFile, staging: Path) -> tuple[list[str] | None, dict[s
             raise errors.UnsafeArchiveError(f"member {m.name!r} appears twice")
         seen.add(key)
         if kind == "dir":
+            bound.grant(0)
             continue
+        if kind != "index" and digest not in listed:
+            raise errors.UnsafeArchiveError(
+                f"member {m.name!r} is not an entry listed by a preceding {INDEX}")
+        if kind == "index":
+            limit = _INDEX_MAX
+        elif kind == "record":
+            limit = _RECORD_MAX
+        else:
+            limit = _declared_size(staged.get(digest), digest, rest)
+            if m.size != limit:
+                raise errors.UnsafeArchiveError(
+                    f"member {m.name!r} is {m.size} bytes; its manifest says {limit}")
+        if m.size > limit:
+            raise errors.UnsafeArchiveError(
+                f"member {m.name!r} is {m.size} bytes; at most {limit} expected")
+        bound.grant(m.size)
         src = tf.extractfile(m)
         if src is None:
             raise errors.UnsafeArchiveError(f"member {m.name!r} has no data")
         if kind == "index":
             try:
-                doc = json.loads(src.read(1 << 20))
+                doc = json.loads(src.read(_INDEX_MAX))
                 index = [str(d) for d in doc["entries"]]
                 if doc.get("format") != BUNDLE_FORMAT:
                     raise ValueError(f"format {doc.get('format')!r}")
             except (ValueError, KeyError, TypeError) as e:
                 raise errors.UnsafeArchiveError(f"{INDEX} is malformed: {e}") from None
+            listed = set(index)
             continue
         s = staged.setdefault(digest, _Staged())
         if kind == "record":
-            s.record = src.read(16 << 20)
+            if s.record is not None or s.files:
+                raise errors.UnsafeArchiveError(f"entry {digest}: record out of order")
+            try:
+                rec = parse_record(src.read(_RECORD_MAX), digest)
+            except errors.ManifestError as e:
+                raise errors.UnsafeArchiveError(f"entry {digest}: {e}") from None
+            # Refused before a byte of its files is written (with a key set: signed only).
+            trust.check(rec.body, rec.sig, digest)
+            _check_space(staging, rec.size_bytes)
+            s.record = rec
             continue
         # Our own flat file names: the archive's names never become paths on disk.
         n += 1
@@ -256,14 +346,27 @@ def _stage(tf: tarfile.TarFile, staging: Path) -> tuple[list[str] | None, dict[s
     return index, staged
 
 
-def _verify(digest: str, s: _Staged, trust: Trust) -> Record:
-    if s.record is None:
+def _declared_size(s: _Staged | None, digest: str, name: str) -> int:
+    if s is None or s.record is None:
+        raise errors.UnsafeArchiveError(f"entry {digest}: file {name!r} comes before its record")
+    frec = s.record.manifest["files"].get(name)
+    if frec is None:
+        raise errors.UnsafeArchiveError(f"entry {digest}: file {name!r} is not in its manifest")
+    return int(frec["size"])
+
+
+def _check_space(staging: Path, need: int) -> None:
+    free = shutil.disk_usage(staging).free
+    if need + _FREE_RESERVE > free:
+        raise errors.UnsafeArchiveError(
+            f"an entry needs {need} bytes; {free} are free under {staging.parent} (an "
+            f"import leaves {_FREE_RESERVE >> 20} MiB free)")
+
+
+def _verify(digest: str, s: _Staged) -> Record:
+    rec = s.record
+    if rec is None:
         raise errors.UnsafeArchiveError(f"entry {digest} has no record.json")
-    try:
-        rec = parse_record(s.record, digest)
-    except errors.ManifestError as e:
-        raise errors.UnsafeArchiveError(f"entry {digest}: {e}") from None
-    trust.check(rec.body, rec.sig, digest)
     want = set(rec.manifest["files"])
     if set(s.files) != want:
         extra = sorted(set(s.files) - want)
@@ -309,9 +412,11 @@ def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
             head = raw.read(4)
             raw.seek(0)
             try:
-                with _open_tar(_Counting(raw, progress), head) as tf:  # type: ignore[arg-type]
-                    index, staged = _stage(tf, staging)
-            except (tarfile.TarError, EOFError) as e:
+                stream = _decompressed(_Counting(raw, progress), head)  # type: ignore[arg-type]
+                bound = _Bounded(stream, str(src))
+                with tarfile.open(fileobj=bound, mode="r|") as tf:  # type: ignore[call-overload]
+                    index, staged = _stage(tf, staging, bound, trust)
+            except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as e:
                 raise errors.UnsafeArchiveError(f"{src} is not a readable bundle: {e}") from None
             except Exception as e:
                 if type(e).__module__.startswith("zstandard"):  # ZstdError: not importable up front
@@ -322,7 +427,7 @@ def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
         if sorted(index) != sorted(staged):
             raise errors.UnsafeArchiveError(f"{src}: its index does not list exactly the "
                                             "entries it holds")
-        records = {d: _verify(d, staged[d], trust) for d in index}
+        records = {d: _verify(d, staged[d]) for d in index}
         # Everything verified: publish. Each put is atomic on its own.
         for d in index:
             rec = records[d]

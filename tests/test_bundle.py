@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import store.bundle
 from store import Hit, Store, make_key, open_store
 from store.bundle import export_bundle, import_bundle
 from store.errors import CorruptEntryError, StoreError, UnsafeArchiveError, UntrustedEntryError
@@ -170,3 +173,108 @@ def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str,
     assert p.returncode == 7 and "'..'" in p.stderr and "Traceback" not in p.stderr
     p = cachectl("export", "--cache-dir", str(src.root), str(tmp_path / "x.zip"))
     assert p.returncode == 2
+
+
+# -- deduplicated blobs ---------------------------------------------------------------
+def test_entries_sharing_blobs_round_trip(tmp_path: Path) -> None:
+    """The store keeps one blob per content (hard links). Four rank entries with the same
+    kernels used to be exported as tar hard links, which import refuses."""
+    st = open_store(tmp_path / "src")
+    for rank in range(4):
+        st.put(make_key({"m": "llama", "rank": rank}), FILES, labels={"rank": str(rank)})
+    links = [p for p in (tmp_path / "src").rglob("kernel.so") if p.stat().st_nlink > 1]
+    assert links, "the store is expected to dedup identical files"
+    out = tmp_path / "ranks.tar.zst"
+    export_bundle(st, out, digests(st))  # type: ignore[arg-type]
+    assert all(m.isreg() for m, _ in _members(out) if "/data/" in m.name)
+    dst = open_store(tmp_path / "dst")
+    assert len(import_bundle(dst, out).entries) == 4
+    for d in digests(dst):  # type: ignore[arg-type]
+        hit = dst.get(d)
+        assert isinstance(hit, Hit)
+        assert hit.entry.files["kernel.so"].read_bytes() == FILES["kernel.so"]
+
+
+# -- what an import may write ---------------------------------------------------------
+class _Zeros(io.RawIOBase):
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.left)
+        b[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def _bomb(tmp_path: Path, src: Store, how: str) -> Path:
+    """A small .tar.zst that would expand to 1 GiB: valid index and records, then a
+    member that lies about (or pads) its size."""
+    import zstandard
+
+    good = tmp_path / "good.tar.zst"
+    export_bundle(src, good, digests(src))
+    members = _members(good)
+    first_data = next(i for i, (m, _) in enumerate(members) if "/data/" in m.name)
+    name = members[first_data][0].name
+    out = tmp_path / f"bomb-{how}.tar.zst"
+    with open(out, "wb") as fh, zstandard.ZstdCompressor(level=1).stream_writer(fh) as zw, \
+            tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+        for m, data in members[:first_data]:
+            tf.addfile(m, io.BytesIO(data or b""))
+        if how == "data":    # the file, 1 GiB where its manifest says a few KiB
+            big = tarfile.TarInfo(name)
+            big.size = 1 << 30
+            tf.addfile(big, _Zeros(big.size))  # type: ignore[arg-type]
+        elif how == "pax":   # a 4 MiB PAX header, which tarfile would read into memory
+            m, data = members[first_data]
+            m.pax_headers = {"comment": "x" * (4 << 20)}
+            tf.addfile(m, io.BytesIO(data or b""))
+        elif how == "unlisted":  # an entry the index does not list
+            big = tarfile.TarInfo(f"{'f' * 32}/data/x")
+            big.size = 1 << 30
+            tf.addfile(big, _Zeros(big.size))  # type: ignore[arg-type]
+    assert out.stat().st_size < 2 << 20, out.stat().st_size
+    return out
+
+
+@pytest.mark.parametrize("how", ["data", "pax", "unlisted"])
+@pytest.mark.parametrize("key", [None, b"k1"])
+def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: str,
+                                             key: bytes | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bomb = _bomb(tmp_path, src, how)
+    written: list[int] = []
+    real = store.bundle.write_new_file
+
+    def counting(path: Path, chunks: Any, mode: int) -> None:
+        def counted() -> Any:
+            for c in chunks:
+                written.append(len(c))
+                yield c
+        real(path, counted(), mode)
+
+    monkeypatch.setattr(store.bundle, "write_new_file", counting)
+    dst = open_store(tmp_path / "dst")
+    trust = Trust(key=key, accept_unsigned=key is None)
+    with pytest.raises(StoreError) as err:
+        import_bundle(dst, bomb, trust=trust)
+    assert sum(written) < 1 << 20, f"an import of a refused bundle wrote {sum(written)} bytes"
+    if key is not None:
+        assert isinstance(err.value, UntrustedEntryError), err.value  # refused at its record
+    assert digests(dst) == []  # type: ignore[arg-type]
+    assert list((tmp_path / "dst" / "v1" / "tmp").iterdir()) == []
+
+
+def test_import_refuses_when_the_disk_would_fill(tmp_path: Path, src: Store,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "b.tar.zst"
+    export_bundle(src, out, digests(src))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(store.bundle.shutil, "disk_usage",
+                        lambda p: usage._replace(free=(64 << 20) + 100))
+    with pytest.raises(UnsafeArchiveError, match="free"):
+        import_bundle(open_store(tmp_path / "dst"), out)
