@@ -484,9 +484,15 @@ class CachedFunction:
         return {**self._base, "signature": to_json(sig)}
 
     def _group(self, sig: Signature) -> str:
-        """The rank group: every factor but this process's own ranks (world size stays)."""
+        """The rank group: every factor but this process's own ranks (world size stays)
+        and the signature. Ranks of one job may each trace their own graph at their own
+        shapes (pipeline stages, uneven shards); they are still evicted together, so a
+        restart never finds some ranks warm and others cold."""
         f = self.factors(sig)
         f["ranks"] = {"world_size": f["ranks"]["world_size"]}
+        f.pop("signature", None)
+        # Each rank's shard has its own parameter shapes.
+        f["module"] = {k: v for k, v in f["module"].items() if k != "layout"}
         return make_key(f).digest[:16]
 
     def _key(self, sig: Signature) -> Key:

@@ -37,8 +37,12 @@ class RowParallel(nn.Module):
     def __init__(self, rank: int, world: int, rank_constant: bool) -> None:
         super().__init__()
         full = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0))
-        self.shard = DIM // world
-        self.weight = nn.Parameter(full[:, rank * self.shard:(rank + 1) * self.shard].clone())
+        # Uneven shards (UNEVEN=1): each rank's input has its own shape, so its own
+        # signature; the ranks' entries must still form one group.
+        cuts = [0, 40, DIM] if world == 2 and os.environ.get("UNEVEN") == "1" else \
+            [r * (DIM // world) for r in range(world + 1)]
+        self.lo, self.hi = cuts[rank], cuts[rank + 1]
+        self.weight = nn.Parameter(full[:, self.lo:self.hi].clone())
         # A rank-dependent graph: a bool attribute that Dynamo specialises on. (A float
         # attribute would not do: with dynamic=True Dynamo makes it a graph input.)
         self.sigmoid = rank_constant and rank % 2 == 1
@@ -53,7 +57,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 m = RowParallel(rank, world, os.environ.get("RANK_CONSTANT") == "1").eval()
 x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1))
-out = m.cached_forward(x[:, rank * m.shard:(rank + 1) * m.shard].contiguous())
+out = m.cached_forward(x[:, m.lo:m.hi].contiguous())
 full = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0))
 eager = torch.sigmoid(x @ full.t()) if m.sigmoid else torch.relu(x @ full.t())
 compiles = 0
@@ -114,6 +118,36 @@ def test_rank_dependent_graphs_compile_separately(tmp_path: Path) -> None:
     assert [r["events"] for r in cold] == [["miss"], ["miss"]], cold
     warm = torchrun(box, 2, RANK_CONSTANT="1")
     assert all(r["ok"] and r["events"] == ["hit"] for r in warm), warm
+    _assert_one_complete_group(box, 2)
+
+
+def test_uneven_shards_form_one_group(tmp_path: Path) -> None:
+    """Pipeline stages and uneven shards: every rank has its own graph and signature.
+    The job's entries are still one group: complete, and evicted whole."""
+    box = Sandbox(tmp_path)
+    cold = torchrun(box, 2, RANK_CONSTANT="1", UNEVEN="1")
+    assert all(r["ok"] for r in cold) and [r["events"] for r in cold] == [["miss"], ["miss"]]
+    warm = torchrun(box, 2, RANK_CONSTANT="1", UNEVEN="1")
+    assert all(r["ok"] and r["events"] == ["hit"] for r in warm), warm
+    _assert_one_complete_group(box, 2)
+
+
+def _assert_one_complete_group(box: Sandbox, world: int) -> None:
+    import store
+    from store.cli import group_status
+
+    st = store.open_store(box.store)
+    ranks = [i for i in st.entries() if i.labels.get("kind") != "graph"]
+    assert sorted(i.labels["global_rank"] for i in ranks) == [str(r) for r in range(world)]
+    groups = {i.labels["group"] for i in ranks}
+    assert len(groups) == 1, [i.labels for i in ranks]
+    status = group_status(ranks)[groups.pop()]
+    assert status.endswith(f" {world}/{world}"), status
+    # Eviction under a cap that fits one rank's entry takes the whole group, not one rank.
+    one = max(i.size_bytes for i in ranks)
+    st.gc(max_size=one + 1)
+    left = [i for i in st.entries() if i.labels.get("kind") != "graph"]
+    assert left == [], [i.labels["global_rank"] for i in left]
 
 
 def _unique_file_bytes(root: Path) -> int:
