@@ -233,8 +233,12 @@ class GraphShare:
                 program = Program(files=dict(outcome.entry.files), meta=meta, light=light,
                                   mutated_inputs=tuple(meta.get("mutated_inputs", ())))
                 self.shared = True
-                logger.info("%s: graph %s was compiled by another process; loaded it",
-                            self._who, self.key.digest[:12])
+                by = outcome.entry.meta.get("publisher") or {}
+                here = by.get("pid") == os.getpid() and by.get("host") == socket.gethostname()
+                logger.info("%s: graph %s was compiled %s; loaded it", self._who,
+                            self.key.digest[:12],
+                            "earlier in this process" if here
+                            else f"by {by.get('who')}" if by else "by another process")
                 # Nothing left to publish: let the next waiter in now (holding on through
                 # the first call would deadlock ranks whose graph has collectives).
                 self.finish()
@@ -267,7 +271,9 @@ class GraphShare:
                          labels={"kind": "graph", "backend": adapter_name,
                                  "function": "(shared graph)"},
                          meta={"format": format_version, "adapter": adapter_name,
-                               "program": program.meta})
+                               "program": program.meta,
+                               "publisher": {"who": self._who, "pid": os.getpid(),
+                                             "host": socket.gethostname()}})
         except (StoreError, OSError) as e:
             logger.warning("%s: could not share graph %s (%s)", self._who,
                            self.key.digest[:12], e)

@@ -222,3 +222,31 @@ def test_foreign_owned_cache_dir_degrades_with_a_clear_warning(tmp_path: Path) -
     assert "unusable" in faults[0] and "CACHECOMPILE_SHARED_GROUP" in faults[0], faults[0]
     assert [e[0] for e in cached.events] == ["live"]
     assert list(d.iterdir()) == [], "nothing may be written into another user's cache"
+
+
+class Twin(nn.Module):
+    """Another class whose method traces the same graph as Small.run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_a_graph_shared_within_one_process_says_so(cache_dir: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Two methods with one graph: the second loads the first's program, and the log says
+    it came from this process (it used to say "another process", naming its own pid)."""
+    x = torch.randn(2, 4)
+    a, b = Small().eval(), Twin().eval()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad(), caplog.at_level("INFO", logger="cachecompile"):
+        ca = cache_compile(a.run, backend="inductor", cache_dir=str(cache_dir))
+        cb = cache_compile(b.forward_tanh, backend="inductor", cache_dir=str(cache_dir))
+        torch.testing.assert_close(ca(x), a.run(x))
+        torch.testing.assert_close(cb(x), b.forward_tanh(x))
+    assert cb.events[-1][0] == "shared", cb.events
+    lines = [r.getMessage() for r in caplog.records if "was compiled" in r.getMessage()]
+    assert lines and all("earlier in this process" in ln for ln in lines), lines
