@@ -73,20 +73,12 @@ def config_for(name: str) -> DecoderConfig:
 
 
 def build_hf() -> tuple[Any, torch.Tensor]:
-    """A transformers Llama (tests/zoo/models.py, hidden 256, 4 layers, random weights)
-    whose ``prefill(input_ids)`` returns the logits: the method every mechanism runs."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from zoo.models import LlmRunner, tokens
+    """A transformers Llama (tools/bench_hf_model.py: hidden 256, 4 layers, random
+    weights) whose ``prefill(input_ids)`` returns the logits."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_hf_model
 
-    class HfPrefill(LlmRunner):
-        def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.prefill(input_ids)
-
-    model = HfPrefill("llama", hidden_size=256, intermediate_size=704, num_hidden_layers=4)
-    return model, tokens(2, 64)
+    return bench_hf_model.build()
 
 
 def import_cache_compile() -> Callable[..., Any]:
