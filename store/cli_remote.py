@@ -189,28 +189,46 @@ def register(cli: click.Group) -> None:
     @remote_option
     @click.argument("keys", nargs=-1)
     @label_options
-    @click.option("--force", is_flag=True, help="Overwrite entries the remote has already.")
+    @click.option("--force", is_flag=True,
+                  help="Overwrite entries the remote has already (never a signed record "
+                       "with an unsigned one).")
     def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
                  label: tuple[str, ...], model: str | None, function: str | None,
                  force: bool) -> None:
-        """Upload local entries to the remote: all, or those KEY... and filters select."""
+        """Upload local entries to the remote: all, or those KEY... and filters select.
+
+        With CACHECOMPILE_SIGNING_KEY set, a remote record that does not verify under it
+        (unsigned, malformed, or signed with another key) is replaced: run push with the
+        fleet's key to repair such records. Without a key, signed records stay as they are.
+        """
         r = _remote(remote_url)
         st = _local(cache_dir)
         infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                           st.resolve)
-        sent = have = 0
+        sent = have = repaired = kept = 0
         with _progress("push", sum(i.size_bytes for i in infos)) as advance:
             for i in infos:
                 hit = st.peek(i.key)
                 if not isinstance(hit, Hit):
                     click.echo(f"{i.key[:12]}  skipped: {hit.reason}", err=True)
                     continue
-                if r.upload(hit.entry, overwrite=force, progress=advance):
+                # repair: the operator who pushes with a key vouches that it is the fleet's.
+                done = r.upload(hit.entry, overwrite=force, repair=r.trust.key is not None,
+                                progress=advance)
+                if done:
                     sent += 1
+                    repaired += done.found in ("unsigned", "malformed", "foreign")
+                    continue
+                advance(i.size_bytes)
+                if done.found == "foreign":
+                    kept += 1
+                    click.echo(f"{i.key[:12]}  kept: the remote record is signed and "
+                               "CACHECOMPILE_SIGNING_KEY is not set", err=True)
                 else:
                     have += 1
-                    advance(i.size_bytes)
-        click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already")
+        click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already"
+                   + (f"; {repaired} replaced records that did not verify" if repaired else "")
+                   + (f"; {kept} signed records kept" if kept else ""))
 
     @cli.command("pull")
     @cache_dir_option

@@ -5,12 +5,19 @@ Layout under a key prefix (default ``cachecompile:v1``)::
     <p>:entry:<digest>        the record (store.signing): manifest, SHA-256s, signature
     <p>:blob:<sha256>         blob marker, value = its chunk size; written after the chunks
     <p>:chunk:<sha256>:<i>    the i-th chunk of a file's bytes (at most 64 MiB each)
+    <p>:pin:<sha256>          "an upload needs this blob"; expires ``lease`` s after its
+                              last refresh
 
 Blobs are addressed by SHA-256, so identical files are stored once across entries and
-a planted blob cannot pass for another. An upload writes the chunks, then the blob
-markers, then the record: a record is the last thing written, so an entry is visible
-whole or not at all; a killed upload leaves only unreferenced chunks (``cachectl remote
-purge`` sweeps them).
+a planted blob cannot pass for another. An upload pins its blobs, writes the chunks,
+then the blob markers, then the record: a record is the last thing written, so an entry
+is visible whole or not at all; a killed upload leaves only unreferenced chunks, which
+``cachectl remote purge`` sweeps once their pins have expired. The sweep deletes a blob
+only where no pin is (atomically, in a Lua script), so it cannot take the chunks of an
+upload in flight, nor a blob that an upload has just decided to reuse.
+
+A record is written only if it is still what the uploader looked at (compare-and-set
+in Lua), and never over a record the uploader cannot vouch for: see :meth:`upload`.
 
 Failures degrade: a connection error, a timeout, OOM or a partial read trips a breaker
 that logs ONE warning, makes every remote call a quick :class:`RemoteError` (the process
@@ -23,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -34,7 +43,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from . import errors
 from .fsutil import write_new_file
@@ -43,14 +52,52 @@ from .signing import Record, Trust, make_record, parse_record, sha256_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_CHUNK", "RemoteConfig", "RedisRemote"]
+__all__ = ["MAX_CHUNK", "RecordState", "RemoteConfig", "RedisRemote", "Uploaded"]
 
 MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
 # 16 MiB ones 440 (tools/bench_remote.py), and smaller ones add round trips.
 DEFAULT_CHUNK = 4 * 1024**2
 _UNITS = {"": 1, "K": 1024, "M": 1024**2}
-_OURS = ("mode", "chunk", "timeout", "backoff", "prefix")
+_OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
+# How long an upload's pins keep ``purge`` off its blobs after their last refresh. A
+# killed upload's chunks are swept this long after it died, not before.
+DEFAULT_LEASE = 600.0
+_CAS_TRIES = 5  # records rewritten under us this often in a row: give up this upload
+
+# Write the record only if it is still what the uploader judged ('' = there was none).
+_SET_IF = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false then cur = '' end
+if cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+# Delete one blob (KEYS[2..]: marker and chunks) unless an upload pinned it (KEYS[1]).
+_DROP_UNPINNED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local n = 0
+for i = 2, #KEYS do n = n + redis.call('DEL', KEYS[i]) end
+return n
+"""
+
+# What a remote record is, as this node sees it: "ours" verifies under our key;
+# "foreign" is signed but not verifiable here (another key, tampered, or we have none).
+RecordState = Literal["absent", "malformed", "unsigned", "ours", "foreign"]
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """What :meth:`RedisRemote.upload` did: true if it wrote the record.
+
+    ``found`` is the record that was there before: the one replaced, or the one kept.
+    """
+
+    written: bool
+    found: RecordState
+
+    def __bool__(self) -> bool:
+        return self.written
 
 
 def _size(text: str) -> int:
@@ -65,7 +112,8 @@ class RemoteConfig:
 
     Our own query parameters are taken out before the URL reaches redis-py:
     ``mode=ro`` (consume, never publish), ``chunk=4M``, ``timeout=5`` (seconds per socket
-    operation), ``backoff=1`` (first retry delay), ``prefix=cachecompile:v1``.
+    operation), ``backoff=1`` (first retry delay), ``prefix=cachecompile:v1``,
+    ``lease=600`` (seconds an upload's pins hold off ``purge``).
     """
 
     url: str
@@ -76,6 +124,7 @@ class RemoteConfig:
     backoff: float = 1.0
     max_backoff: float = 60.0
     prefix: str = "cachecompile:v1"
+    lease: float = DEFAULT_LEASE
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -98,11 +147,14 @@ class RemoteConfig:
         chunk = _size(ours["chunk"]) if "chunk" in ours else DEFAULT_CHUNK
         if not 0 < chunk <= MAX_CHUNK:
             raise ValueError(f"remote {url!r}: chunk must be between 1 byte and 64M")
+        lease = float(ours.get("lease", DEFAULT_LEASE))
+        if not lease >= 1:
+            raise ValueError(f"remote {url!r}: lease must be at least 1 second")
         redis_url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(rest)))
         return cls(url=url, redis_url=redis_url, readonly=mode == "ro", chunk=chunk,
                    timeout=float(ours.get("timeout", 5.0)),
                    backoff=float(ours.get("backoff", 1.0)),
-                   prefix=ours.get("prefix", "cachecompile:v1"))
+                   prefix=ours.get("prefix", "cachecompile:v1"), lease=lease)
 
     @property
     def display(self) -> str:
@@ -183,6 +235,7 @@ class RedisRemote:
         self._entry_k = f"{p}:entry:"
         self._blob_k = f"{p}:blob:"
         self._chunk_k = f"{p}:chunk:"
+        self._pin_k = f"{p}:pin:"
 
     def __repr__(self) -> str:
         return f"RedisRemote({self.config.display!r}, readonly={self.readonly})"
@@ -284,6 +337,7 @@ class RedisRemote:
             try:
                 got, actual = self._fetch_file(digest, name,
                                                self._chunk_keys(sha, size, chunk or 1), target,
+                                               0o700 if name in rec.executable else 0o600,
                                                progress)
             except errors.CorruptEntryError:
                 self.bad_blobs.add(sha)
@@ -294,7 +348,7 @@ class RedisRemote:
                                                        f"({got} of {size} bytes)")
         return rec
 
-    def _fetch_file(self, digest: str, name: str, keys: list[str], target: Path,
+    def _fetch_file(self, digest: str, name: str, keys: list[str], target: Path, mode: int,
                     progress: Callable[[int], None] | None) -> tuple[int, str]:
         """Stream chunks into ``target``; (bytes written, SHA-256 hex)."""
         h = hashlib.sha256()
@@ -329,7 +383,7 @@ class RedisRemote:
                     progress(len(data))
                 yield data
 
-        write_new_file(target, chunks(), 0o600)
+        write_new_file(target, chunks(), mode)
         return got, h.hexdigest()
 
     def records(self, *, batch: int = 500) -> Iterator[Record]:
@@ -359,19 +413,62 @@ class RedisRemote:
             raise errors.ReadOnlyStoreError(f"remote cache {self.config.display} is read-only "
                                             "(mode=ro)")
 
-    def upload(self, entry: Entry, *, overwrite: bool = False,
-               progress: Callable[[int], None] | None = None) -> bool:
-        """Publish a local entry; False if the remote had it already (and not ``overwrite``).
+    def state(self, digest: str, raw: bytes | None) -> RecordState:
+        """What the record ``raw`` of ``digest`` is to this node (see :data:`RecordState`)."""
+        if raw is None:
+            return "absent"
+        try:
+            rec = parse_record(raw, digest)
+            body, sig = rec.body, rec.sig
+        except errors.ManifestError:
+            # Not a record this version reads (garbage, or a newer format): signed is
+            # still signed, and only a key that verifies it may replace it.
+            body, sig = _lenient_signed(raw, digest)
+            if not sig:
+                return "malformed"
+        if not sig:
+            return "unsigned"
+        return "ours" if self.trust.verifies(body, sig) else "foreign"
 
-        Order is the atomicity: chunks, then each blob's marker, then the record.
+    def may_replace(self, found: RecordState, *, overwrite: bool, repair: bool) -> bool:
+        """Whether our upload may take the place of a record in state ``found``.
+
+        The record is what every node loads, so a node that cannot vouch for a signed
+        record never replaces it: without a key ours would be unsigned, and keyed nodes
+        refuse that fleet-wide; with another key we cannot tell whose key is the wrong
+        one, unless the caller says ours is right (``repair``: ``cachectl push``).
+        """
+        if found in ("absent", "malformed"):
+            return True  # nobody can load it: anything well-formed is better
+        if found == "ours":
+            return overwrite  # same signer: only to replace damaged blobs, or --force
+        if self.trust.key is None:
+            return found == "unsigned" and overwrite
+        if found == "unsigned":
+            return True  # signing it only adds trust: keyed nodes refuse it as it is
+        return repair
+
+    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               progress: Callable[[int], None] | None = None) -> Uploaded:
+        """Publish a local entry unless the remote record should stay (:meth:`may_replace`).
+
+        Order is the atomicity: pins, chunks, then each blob's marker, then the record,
+        and that only if the record is still the one judged at the start.
         """
         self._refuse_ro()
         digest = entry.key
-        if not overwrite and self.contains(digest):
-            return False
+        raw = self._raw_record(digest)
+        found = self.state(digest, raw)
+        if not self.may_replace(found, overwrite=overwrite, repair=repair):
+            self._kept(digest, found)
+            return Uploaded(False, found)
         names = sorted(entry.manifest["files"])
         sha = {n: sha256_file(entry.files[n]) for n in names}
+        executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
         blobs = sorted(set(sha.values()))
+        # Pinned before we look for them: a purge then either deleted a blob before this
+        # (we see no marker and upload it whole) or leaves it alone.
+        pinned = self._pin(blobs)
         markers = self._cmd("mget", "MGET", *[self._blob_k + s for s in blobs]) if blobs else []
         chunks: dict[str, int] = {}
         for s, m in zip(blobs, markers, strict=True):
@@ -389,39 +486,107 @@ class RedisRemote:
                     self._cmd("set chunk", "SET", f"{self._chunk_k}{s}:{i}", data)
                     if progress is not None:
                         progress(len(data))
+                    if time.monotonic() - pinned > self.config.lease / 4:
+                        pinned = self._pin(blobs)
             self._cmd("set marker", "SET", self._blob_k + s, chunk)
             self.bad_blobs.discard(s)
             chunks[s] = chunk
-        rec = make_record(entry.manifest, sha, {s: chunks[s] for s in blobs}, self.trust)
-        self._call("set record", lambda r: r.set(self.key_of(digest), rec.to_bytes()))
-        logger.debug("uploaded %s (%d files)", digest, len(names))
-        return True
+        rec = make_record(entry.manifest, sha, {s: chunks[s] for s in blobs}, self.trust,
+                          executable)
+        data = rec.to_bytes()
+        for _ in range(_CAS_TRIES):
+            if self._cmd("set record", "EVAL", _SET_IF, 1, self.key_of(digest),
+                         raw or b"", data):
+                logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
+                return Uploaded(True, found)
+            # Another node wrote the record since we looked: judge what is there now.
+            raw = self._raw_record(digest)
+            found = self.state(digest, raw)
+            if not self.may_replace(found, overwrite=overwrite, repair=repair):
+                self._kept(digest, found)
+                return Uploaded(False, found)
+        raise errors.RemoteError(f"remote cache {self.config.display}: the record of {digest} "
+                                 f"changed {_CAS_TRIES} times while we wrote it")
+
+    def _raw_record(self, digest: str) -> bytes | None:
+        raw = self._cmd("get record", "GET", self.key_of(digest))
+        return None if raw is None else bytes(raw)
+
+    def _kept(self, digest: str, found: RecordState) -> None:
+        if found == "foreign":
+            logger.info("not replacing remote entry %s: it is signed, and not with %s", digest,
+                        "our key" if self.trust.key else "a key we have")
+        else:
+            logger.debug("remote has %s already (%s)", digest, found)
+
+    def _pin(self, blobs: list[str]) -> float:
+        """(Re)pin ``blobs`` for ``lease`` seconds; the time it was done."""
+        now = time.monotonic()
+        if not blobs:
+            return now
+        ttl = max(1, math.ceil(self.config.lease))
+
+        def pin(r: Any) -> None:
+            pipe = r.pipeline(transaction=False)
+            for s in blobs:
+                pipe.set(self._pin_k + s, b"1", ex=ttl)
+            pipe.execute()
+
+        self._call("pin blobs", pin)
+        return now
 
     def delete(self, digest: str) -> bool:
         """Remove the record; its blobs go with the next :meth:`sweep`."""
         self._refuse_ro()
         return bool(self._call("del", lambda r: r.delete(self.key_of(digest))))
 
-    def sweep(self) -> int:
-        """Delete blobs and chunks no record references (killed uploads, purged entries).
+    def sweep(self, *, batch: int = 200) -> int:
+        """Delete blobs and chunks that no record references and no upload has pinned.
 
-        A blob uploaded by a concurrent writer whose record is not yet written looks
-        unreferenced too: run it when nobody publishes (it is ``cachectl remote purge``).
+        The number of keys deleted. Safe while others upload: an upload pins its blobs
+        before it writes or reuses them and the pin outlives its record by more than
+        ``lease / 2``; each blob is deleted in one script that checks its pin, and only
+        within ``lease / 2`` of starting to read the records (a record written after
+        that start is covered by its pin). A sweep that runs longer stops, and says so.
         """
         self._refuse_ro()
+        chunk_keys = self._scan(self._chunk_k)
+        marker_keys = self._scan(self._blob_k)
+        deadline = time.monotonic() + self.config.lease / 2
         used: set[str] = set()
         for rec in self.records():
             used.update(rec.sha256.values())
-        pattern_keys = self._scan(self._chunk_k)
-        marker_keys = self._scan(self._blob_k)
-        doomed = [k for k in marker_keys if k[len(self._blob_k):] not in used]
-        # Markers first: a blob without its marker is re-uploaded whole, never half-trusted.
-        doomed += [k for k in pattern_keys
-                   if k[len(self._chunk_k):].rsplit(":", 1)[0] not in used]
-        for i in range(0, len(doomed), 500):
-            part = doomed[i:i + 500]
-            self._cmd("del blobs", "DEL", *part)
-        return len(doomed)
+        doomed: dict[str, list[str]] = {}
+        for k in marker_keys:
+            if (s := k[len(self._blob_k):]) not in used:
+                doomed.setdefault(s, []).append(k)
+        for k in chunk_keys:
+            if (s := k[len(self._chunk_k):].rsplit(":", 1)[0]) not in used:
+                doomed.setdefault(s, []).append(k)
+        todo = sorted(doomed)
+        deleted = pinned = 0
+        for i in range(0, len(todo), batch):
+            if time.monotonic() > deadline:
+                logger.warning("remote sweep stopped after %.0f s, with %d unreferenced blobs "
+                               "left: run it again", self.config.lease / 2, len(todo) - i)
+                break
+            part = todo[i:i + batch]
+
+            def drop(r: Any, part: list[str] = part) -> list[int]:
+                pipe = r.pipeline(transaction=False)
+                for s in part:
+                    pipe.eval(_DROP_UNPINNED, 1 + len(doomed[s]), self._pin_k + s, *doomed[s])
+                return list(pipe.execute())
+
+            for n in self._call("sweep blobs", drop):
+                if int(n) < 0:
+                    pinned += 1
+                else:
+                    deleted += int(n)
+        if pinned:
+            logger.info("remote sweep kept %d unreferenced blobs that uploads have pinned",
+                        pinned)
+        return deleted
 
     def close(self) -> None:
         with self._client_lock:
@@ -429,6 +594,23 @@ class RedisRemote:
                 with contextlib.suppress(Exception):
                     self._client.close()
                 self._client = None
+
+
+def _lenient_signed(raw: bytes, digest: str) -> tuple[bytes, str | None]:
+    """(body, signature) of a record we cannot parse, if it has that much shape.
+
+    A body that names another key is no signed record of ``digest`` (a copy moved here).
+    """
+    try:
+        outer = json.loads(raw)
+        body, sig = outer["body"], outer["sig"]
+        doc = json.loads(body)
+    except (ValueError, KeyError, TypeError):
+        return b"", None
+    if (not isinstance(sig, str) or not sig or not isinstance(doc, dict)
+            or doc.get("key") != digest):
+        return b"", None
+    return body.encode("utf-8"), sig
 
 
 def env_remote() -> str | None:

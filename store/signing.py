@@ -6,7 +6,8 @@ bundle) must prove where it came from. A *record* is::
     {"body": "<canonical JSON text>", "sig": "<hex HMAC-SHA256>" | null}
 
 and its body is ``{"format": 1, "key": <digest>, "manifest": {...}, "sha256": {name: hex},
-"chunks": {sha256: chunk size}}``. The manifest already holds each file's size and
+"chunks": {sha256: chunk size}, "exec": [name, ...]}`` ("exec", the files that are
+executable, is left out when there are none, so older records read the same). The manifest already holds each file's size and
 XXH3-128, but XXH3 is not collision resistant, so the body adds a SHA-256 per file: the
 HMAC covers the body, the body pins every byte of every file.
 
@@ -22,7 +23,7 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,14 +76,20 @@ class Trust:
             return None
         return hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
 
+    def verifies(self, body: bytes, sig: str | None) -> bool:
+        """True if ``sig`` is our own signature of ``body`` (False without a key)."""
+        if self.key is None or not sig:
+            return False
+        want = hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
+        return hmac.compare_digest(want, str(sig))
+
     def check(self, body: bytes, sig: str | None, digest: str) -> None:
         """Raise UntrustedEntryError unless this record may be loaded."""
         if self.key is not None:
             if not sig:
                 raise UntrustedEntryError(digest, "it is not signed and CACHECOMPILE_SIGNING_KEY "
                                                   "is set")
-            want = hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
-            if not hmac.compare_digest(want, str(sig)):
+            if not self.verifies(body, sig):
                 raise UntrustedEntryError(digest, "its signature does not match "
                                                   "CACHECOMPILE_SIGNING_KEY")
             return
@@ -103,6 +110,8 @@ class Record:
     chunks: dict[str, int]
     body: bytes
     sig: str | None
+    # Names of the files to restore executable (a .so or a launcher script must stay one).
+    executable: frozenset[str] = frozenset()
 
     @property
     def size_bytes(self) -> int:
@@ -113,12 +122,17 @@ class Record:
 
 
 def make_record(manifest: Mapping[str, Any], sha256: Mapping[str, str],
-                chunks: Mapping[str, int], trust: Trust) -> Record:
-    doc = {"format": RECORD_FORMAT, "key": manifest["key"], "manifest": dict(manifest),
-           "sha256": dict(sha256), "chunks": dict(chunks)}
+                chunks: Mapping[str, int], trust: Trust,
+                executable: Iterable[str] = ()) -> Record:
+    exe = frozenset(executable)
+    doc: dict[str, Any] = {"format": RECORD_FORMAT, "key": manifest["key"],
+                           "manifest": dict(manifest), "sha256": dict(sha256),
+                           "chunks": dict(chunks)}
+    if exe:
+        doc["exec"] = sorted(exe)
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return Record(key=str(manifest["key"]), manifest=dict(manifest), sha256=dict(sha256),
-                  chunks=dict(chunks), body=body, sig=trust.sign(body))
+                  chunks=dict(chunks), body=body, sig=trust.sign(body), executable=exe)
 
 
 def parse_record(raw: bytes, expect_key: str) -> Record:
@@ -143,7 +157,11 @@ def parse_record(raw: bytes, expect_key: str) -> Record:
     if not isinstance(chunks, dict) or not all(
             isinstance(v, int) and v > 0 for v in chunks.values()):
         raise ManifestError(f"entry record for {expect_key} has malformed chunk sizes")
+    exe = doc.get("exec", [])
+    if (not isinstance(exe, list) or not all(isinstance(n, str) for n in exe)
+            or not set(exe) <= set(manifest["files"])):
+        raise ManifestError(f"entry record for {expect_key} names unknown executable files")
     if sig is not None and not isinstance(sig, str):
         raise ManifestError(f"entry record for {expect_key} has a malformed signature")
     return Record(key=expect_key, manifest=manifest, sha256=dict(sha), chunks=dict(chunks),
-                  body=body, sig=sig)
+                  body=body, sig=sig, executable=frozenset(exe))

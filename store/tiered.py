@@ -12,7 +12,8 @@ upload local publishes in the background.
   published into a private scratch store that lives as long as the process.
 
 Remote faults never reach the caller: the tier logs (once, see store.remote) and the
-lookup is the local miss.
+lookup is the local miss. A remote entry refused (untrusted or damaged) is warned about
+once per process, however many lookups and stores meet it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ __all__ = ["TieredStore", "ReadOnlyTieredStore", "Uploader", "hit_split", "wrap"
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
 REMOTE_HITS = "hits:remote"  # index counter: hits served by a download (cachectl stats)
+
+# (remote, digest, reason) already warned about: one lookup looks an entry up several
+# times (its meta, then its variant, then a free variant slot), and every cache_compile'd
+# function opens its own store, but a refused entry is one fact for the log.
+_refusals: set[tuple[str, str, str]] = set()
+_refusals_lock = threading.Lock()
+
+
+def _warn_refused(remote: RedisRemote, digest: str, message: str) -> None:
+    with _refusals_lock:
+        first = (remote.config.display, digest, message) not in _refusals
+        _refusals.add((remote.config.display, digest, message))
+    if first:
+        logger.warning("%s", message)
+    else:
+        logger.debug("%s (again)", message)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -179,12 +196,13 @@ class _RemoteSide:
         except errors.RemoteError:
             return None  # the breaker logged it
         except errors.UntrustedEntryError as e:
+            # Our own upload may replace it; store.remote decides whether it really may.
             self._replace.add(digest)
-            logger.warning("remote %s", e)
+            _warn_refused(self.remote, digest, f"remote {e}")
             return None
         except errors.StoreError as e:  # corrupt remote entry, or the local put failed
             self._replace.add(digest)
-            logger.warning("remote entry %s refused: %s", digest, e)
+            _warn_refused(self.remote, digest, f"remote entry {digest} refused: {e}")
             return None
         except OSError as e:
             logger.warning("downloading remote entry %s failed: %s", digest, e)

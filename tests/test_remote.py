@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,9 @@ from redis_util import RedisServer, free_port
 
 import store
 from store import Hit, Miss, ReadOnlyStore, Store, make_key
+from store.errors import UntrustedEntryError
 from store.remote import RedisRemote, RemoteConfig
+from store.signing import Trust, make_record, parse_record
 from store.tiered import ReadOnlyTieredStore, TieredStore
 
 KEY_A = "fleet-secret-1"
@@ -271,7 +274,7 @@ def test_killed_server_mid_upload_leaves_no_partial_entry(
     srv = RedisServer(tmp_path / "redis", appendonly=True).start()
     try:
         big = os.urandom(1 << 20)
-        a = tiered(tmp_path / "a", srv.url(chunk="64K"))
+        a = tiered(tmp_path / "a", srv.url(chunk="64K", lease="1"))
         _kill_after(monkeypatch, srv, "set chunk", 5)
         key = make_key({"upload": "killed"})
         with caplog.at_level(logging.WARNING):
@@ -284,7 +287,10 @@ def test_killed_server_mid_upload_leaves_no_partial_entry(
         assert keys_of(srv, "entry") == [] and keys_of(srv, "blob") == []  # ...and invisible
         b = tiered(tmp_path / "b", srv.url())
         assert isinstance(b.get(key), Miss) and local_manifests(tmp_path / "b") == []
-        assert b.remote.sweep() == 4  # cachectl remote purge clears the leftovers
+        # cachectl remote purge clears the leftovers, once the dead upload's pins expired.
+        assert b.remote.sweep() == 0 and len(keys_of(srv, "chunk")) == 4
+        time.sleep(1.2)
+        assert b.remote.sweep() == 4 and keys_of(srv, "chunk") == []
     finally:
         srv.stop()
 
@@ -371,3 +377,226 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     p = cachectl(dict(env, CACHECOMPILE_REMOTE=f"redis://127.0.0.1:{free_port()}/0"),
                  "remote", "ls")
     assert p.returncode == 7 and "Connection refused" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- signed records are never replaced by a node that cannot vouch for them -------------
+def _record_bytes(srv: RedisServer, key: store.Key) -> bytes | None:
+    client: Any = srv.client()
+    raw = client.get(f"cachecompile:v1:entry:{key.digest}")
+    return None if raw is None else bytes(raw)
+
+
+def _verifies(srv: RedisServer, key: store.Key, secret: str) -> bool:
+    raw = _record_bytes(srv, key)
+    assert raw is not None
+    rec = parse_record(raw, key.digest)
+    try:
+        Trust(key=secret.encode()).check(rec.body, rec.sig, key.digest)
+    except UntrustedEntryError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("node", ["no-key", "wrong-key", "no-key-trusting"])
+def test_signed_record_survives_a_node_that_cannot_sign_it(
+        tmp_path: Path, srv: RedisServer, node: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = _publish_signed(tmp_path, srv, KEY_A, monkeypatch)
+    before = _record_bytes(srv, key)
+    monkeypatch.delenv("CACHECOMPILE_SIGNING_KEY")
+    if node == "wrong-key":
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", "not-the-fleet-key")
+    if node == "no-key-trusting":
+        monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    u = tiered(tmp_path / "u", srv.url())
+    got = u.get(key)
+    if node != "no-key-trusting":
+        # Refused, so the node compiles and publishes its own copy: it must not go up.
+        assert isinstance(got, Miss)
+        u.put(key, FILES)
+        assert u.flush(10)
+        assert _record_bytes(srv, key) == before
+    # Even an explicit overwrite (cachectl push --force) cannot replace a signed record
+    # with an unsigned or differently signed one.
+    hit = u.peek(key)
+    assert isinstance(hit, Hit)
+    assert not u.remote.upload(hit.entry, overwrite=True)
+    assert _record_bytes(srv, key) == before
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    assert isinstance(tiered(tmp_path / "b", srv.url()).get(key), Hit)
+
+
+def _pause_after(monkeypatch: pytest.MonkeyPatch, what: str
+                 ) -> tuple[threading.Event, threading.Event]:
+    """Block the first ``what`` command (after it ran) until ``go`` is set."""
+    real = RedisRemote._cmd
+    reached, go = threading.Event(), threading.Event()
+
+    def cmd(self: RedisRemote, w: str, *args: Any) -> Any:
+        out = real(self, w, *args)
+        if w == what and not reached.is_set():
+            reached.set()
+            assert go.wait(30)
+        return out
+
+    monkeypatch.setattr(RedisRemote, "_cmd", cmd)
+    return reached, go
+
+
+def test_unsigned_upload_racing_a_signed_one_does_not_win(
+        tmp_path: Path, srv: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The unkeyed node checks first (nothing there), uploads its blobs, and only then
+    # writes its record: by then the keyed node has published. The check must hold.
+    key = make_key({"race": "sign"})
+    u = tiered(tmp_path / "u", srv.url())
+    reached, go = _pause_after(monkeypatch, "set marker")
+    u.put(key, FILES)
+    assert reached.wait(10)
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    k = tiered(tmp_path / "k", srv.url())
+    k.put(key, FILES)
+    assert k.flush(10)
+    signed = _record_bytes(srv, key)
+    go.set()
+    assert u.flush(10)
+    assert _record_bytes(srv, key) == signed and _verifies(srv, key, KEY_A)
+
+
+def test_keyed_node_replaces_an_unsigned_record(tmp_path: Path, srv: RedisServer,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    key = _publish_signed(tmp_path, srv, None, monkeypatch)
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    k = tiered(tmp_path / "k", srv.url())
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(k.get(key), Miss)
+    k.put(key, FILES)
+    assert k.flush(10)
+    assert _verifies(srv, key, KEY_A)
+    assert isinstance(tiered(tmp_path / "c", srv.url()).get(key), Hit)
+
+
+def test_refusal_is_warned_once_per_entry_per_process(tmp_path: Path, srv: RedisServer,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    key = _publish_signed(tmp_path, srv, None, monkeypatch)
+    other = make_key({"another": "unsigned"})
+    plain = tiered(tmp_path / "p", srv.url())
+    plain.put(other, {"f": b"other"})
+    assert plain.flush(10)
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    with caplog.at_level(logging.WARNING):
+        for root in ("b", "c"):  # two stores, as two cache_compile'd functions open them
+            st = tiered(tmp_path / root, srv.url())
+            for _ in range(3):
+                assert isinstance(st.get(key), Miss)
+                assert isinstance(st.get(other), Miss)
+    warned = remote_warnings(caplog)
+    assert len(warned) == 2, warned
+    assert all("not signed" in w for w in warned)
+    assert {key.digest in w for w in warned} == {True, False}
+
+
+def test_executable_bit_survives_the_remote(tmp_path: Path, srv: RedisServer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "run.sh").write_bytes(b"#!/bin/sh\necho " + os.urandom(8).hex().encode() + b"\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "data.bin").write_bytes(os.urandom(100))
+    (src / "data.bin").chmod(0o644)
+    a = tiered(tmp_path / "a", srv.url(chunk="16"))
+    key = make_key({"exec": 1})
+    entry = a.put(key, {"bin/run.sh": src / "run.sh", "data.bin": src / "data.bin"})
+    assert entry.files["bin/run.sh"].stat().st_mode & 0o777 == 0o500
+    assert a.flush(10)
+    hit = tiered(tmp_path / "b", srv.url()).get(key)
+    assert isinstance(hit, Hit)
+    assert hit.entry.files["bin/run.sh"].stat().st_mode & 0o777 == 0o500
+    assert hit.entry.files["data.bin"].stat().st_mode & 0o777 == 0o400
+    assert os.access(hit.entry.files["bin/run.sh"], os.X_OK)
+
+
+def test_purge_keeps_the_chunks_of_an_upload_in_flight(
+        tmp_path: Path, srv: RedisServer, child_env: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    old = make_key({"purged": "old"})
+    shared = os.urandom(5000)
+    a = tiered(tmp_path / "a", srv.url(chunk="1K"))
+    a.put(old, {"w.bin": shared})
+    assert a.flush(10)
+    # The new upload shares a blob with an entry the purge removes (dedup: no chunks of
+    # its own for it) and writes a blob of its own; it stops before its record.
+    key = make_key({"upload": "in flight"})
+    reached, go = _pause_after(monkeypatch, "set marker")
+    a.put(key, {"own.bin": os.urandom(5000), "shared.bin": shared})
+    assert reached.wait(10)
+    env = dict(child_env, CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_TRUST_REMOTE="1")
+    p = cachectl(env, "remote", "purge", "--all", "--yes")  # a second process
+    assert p.returncode == 0 and "removed 1 entries" in p.stdout, (p.stdout, p.stderr)
+    go.set()
+    assert a.flush(10)
+    hit = tiered(tmp_path / "b", srv.url()).get(key)
+    assert isinstance(hit, Hit)
+    assert hit.entry.files["shared.bin"].read_bytes() == shared
+
+
+def test_push_repairs_with_the_right_key_only(tmp_path: Path, srv: RedisServer,
+                                              child_env: dict[str, str]) -> None:
+    local = store.open_store(tmp_path / "a")
+    unsigned, wrong, good = (make_key({"push": n}) for n in ("unsigned", "wrong", "good"))
+    entries = {k: local.put(k, {"f": k.digest.encode()}) for k in (unsigned, wrong, good)}
+    RedisRemote(srv.url(), trust=Trust()).upload(entries[unsigned])
+    RedisRemote(srv.url(), trust=Trust(key=b"not-the-fleet-key")).upload(entries[wrong])
+    RedisRemote(srv.url(), trust=Trust(key=KEY_A.encode())).upload(entries[good])
+    kept = _record_bytes(srv, good)
+    env = dict(child_env, CACHECOMPILE_REMOTE=srv.url())
+    # Without the key, even --force leaves signed records alone.
+    p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"), "--force")
+    assert p.returncode == 0 and "2 signed records kept" in p.stdout, (p.stdout, p.stderr)
+    assert _verifies(srv, wrong, "not-the-fleet-key") and _record_bytes(srv, good) == kept
+    # With the key, push repairs what does not verify under it, without --force.
+    p = cachectl(dict(env, CACHECOMPILE_SIGNING_KEY=KEY_A), "push", "--cache-dir",
+                 str(tmp_path / "a"))
+    assert p.returncode == 0, p.stderr
+    assert all(_verifies(srv, k, KEY_A) for k in (unsigned, wrong, good))
+    assert _record_bytes(srv, good) == kept
+    assert "pushed 2 entries" in p.stdout and "2 replaced records" in p.stdout, p.stdout
+
+
+def test_record_states_and_who_may_replace_them(tmp_path: Path, srv: RedisServer) -> None:
+    entry = store.open_store(tmp_path / "a").put(make_key({"states": 1}), {"f": b"states"})
+    d = entry.key
+    keyed = RedisRemote(srv.url(), trust=Trust(key=KEY_A.encode()))
+    other = RedisRemote(srv.url(), trust=Trust(key=b"not-the-fleet-key"))
+    plain = RedisRemote(srv.url(), trust=Trust(accept_unsigned=True))
+    signed = make_record(entry.manifest, {"f": "a" * 64}, {}, keyed.trust).to_bytes()
+    unsigned = make_record(entry.manifest, {"f": "a" * 64}, {}, plain.trust).to_bytes()
+    # A newer format we cannot parse is still signed; a signed record moved here from
+    # another key is not a record of this entry.
+    newer = json.loads(signed)
+    newer["body"] = newer["body"].replace('"format":1', '"format":2')
+    newer["sig"] = keyed.trust.sign(newer["body"].encode())
+    moved = json.loads(signed)
+    moved["body"] = moved["body"].replace(d, "f" * 32)
+    moved["sig"] = keyed.trust.sign(moved["body"].encode())
+    cases = {"absent": None, "garbage": b"\x00 not json", "unsigned": unsigned,
+             "signed": signed, "newer": json.dumps(newer).encode(),
+             "moved": json.dumps(moved).encode()}
+    seen = {name: (keyed.state(d, raw), other.state(d, raw), plain.state(d, raw))
+            for name, raw in cases.items()}
+    assert seen == {"absent": ("absent",) * 3, "garbage": ("malformed",) * 3,
+                    "unsigned": ("unsigned",) * 3, "signed": ("ours", "foreign", "foreign"),
+                    "newer": ("ours", "foreign", "foreign"), "moved": ("malformed",) * 3}
+    for r in (keyed, other, plain):
+        assert r.may_replace("absent", overwrite=False, repair=False)
+        assert r.may_replace("malformed", overwrite=False, repair=False)
+        assert not r.may_replace("ours", overwrite=False, repair=True)
+        assert r.may_replace("ours", overwrite=True, repair=False)
+    assert keyed.may_replace("unsigned", overwrite=False, repair=False)
+    assert not plain.may_replace("unsigned", overwrite=False, repair=False)
+    assert plain.may_replace("unsigned", overwrite=True, repair=False)
+    assert not keyed.may_replace("foreign", overwrite=True, repair=False)
+    assert keyed.may_replace("foreign", overwrite=False, repair=True)
+    assert not plain.may_replace("foreign", overwrite=True, repair=True)

@@ -131,3 +131,58 @@ def test_unreachable_remote_at_start_is_one_warning(tmp_path: Path) -> None:
     lines = remote_lines(res.stderr)
     assert len(lines) == 1 and "Connection refused" in lines[0], res.stderr
     assert manifests(tmp_path / "a")  # local-only, but fully working
+
+
+def _all_verify(srv: RedisServer, key: str) -> bool:
+    remote = RedisRemote(srv.url(), trust=Trust(key=key.encode()))
+    recs = list(remote.records())
+    return bool(recs) and all(remote.trust.verifies(r.body, r.sig) for r in recs)
+
+
+def test_nodes_without_the_fleet_key_cannot_spoil_signed_entries(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        box = Sandbox(tmp_path / "box")
+        # A loaded machine must not cut an exiting node's upload short (default 5 s).
+        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_REMOTE_FLUSH_TIMEOUT": "60"}
+        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), **env,
+                    CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
+        assert (a["event"], a["ok"]) == ("miss", True), a.value
+        assert _all_verify(srv, FLEET_KEY)
+        # A node with no key and one with the wrong key refuse the entries, compile,
+        # publish locally and try to upload: the signed records must stay.
+        for name, extra in (("u", {}), ("w", {"CACHECOMPILE_SIGNING_KEY": "wrong-key"})):
+            r = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / name), **env, **extra)
+            assert (r["event"], r["ok"], r.rc) == ("miss", True, 0), r.value
+            assert _all_verify(srv, FLEET_KEY), name
+        b = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "b"), **env,
+                    CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
+        assert (b["event"], b["ok"]) == ("hit", True), b.value
+        assert remote_lines(b.stderr) == [], b.stderr
+    finally:
+        srv.stop()
+
+
+def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        box = Sandbox(tmp_path / "box")
+        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_REMOTE_FLUSH_TIMEOUT": "60"}
+        p = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "p"), **env,
+                    CACHECOMPILE_TRUST_REMOTE="1")
+        assert (p["event"], p["ok"]) == ("miss", True), p.value
+        assert not _all_verify(srv, FLEET_KEY)
+        k = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k"), **env,
+                    CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
+        assert (k["event"], k["ok"]) == ("miss", True), k.value
+        refused = [ln for ln in remote_lines(k.stderr) if "not signed" in ln]
+        # One line per refused entry, however often the process looked it up.
+        n = len(manifests(tmp_path / "p"))
+        assert len(refused) == len(set(refused)) == n, k.stderr
+        assert _all_verify(srv, FLEET_KEY)  # the keyed node's upload signed them
+        k2 = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k2"), **env,
+                     CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
+        assert (k2["event"], k2["ok"]) == ("hit", True), k2.value
+        assert remote_lines(k2.stderr) == [], k2.stderr
+    finally:
+        srv.stop()

@@ -60,3 +60,31 @@ def test_malformed_records_are_manifest_errors() -> None:
     for raw in (b"not json", b'{"body": "{}"}', b'{"body": 3}'):
         with pytest.raises(ManifestError):
             parse_record(raw, DIGEST)
+
+
+def test_executable_names_are_signed() -> None:
+    rec = make_record(_manifest(), {"k.so": SHA}, {SHA: 1024}, Trust(key=b"secret"), ["k.so"])
+    parsed = parse_record(rec.to_bytes(), DIGEST)
+    assert parsed.executable == frozenset({"k.so"})
+    assert Trust(key=b"secret").verifies(parsed.body, parsed.sig)
+    # Dropping the bit (or adding one) is a change to the body: the signature breaks.
+    outer = json.loads(rec.to_bytes())
+    outer["body"] = outer["body"].replace(',"exec":["k.so"]', "")
+    stripped = parse_record(json.dumps(outer).encode(), DIGEST)
+    assert stripped.executable == frozenset()
+    assert not Trust(key=b"secret").verifies(stripped.body, stripped.sig)
+    # Records without executables read as before (no "exec" in the body).
+    plain = make_record(_manifest(), {"k.so": SHA}, {SHA: 1024}, Trust())
+    assert b"exec" not in plain.body
+    outer = json.loads(rec.to_bytes())
+    outer["body"] = outer["body"].replace('"exec":["k.so"]', '"exec":["other"]')
+    with pytest.raises(ManifestError, match="executable"):
+        parse_record(json.dumps(outer).encode(), DIGEST)
+
+
+def test_verifies_needs_our_key_and_signature() -> None:
+    rec = make_record(_manifest(), {"k.so": SHA}, {}, Trust(key=b"secret"))
+    assert Trust(key=b"secret").verifies(rec.body, rec.sig)
+    assert not Trust(key=b"other").verifies(rec.body, rec.sig)
+    assert not Trust().verifies(rec.body, rec.sig)
+    assert not Trust(key=b"secret").verifies(rec.body, None)
