@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from . import errors
-from .disk import DEFAULT_MAX_SIZE, Pin, Store
+from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 from .protocol import Storage
@@ -76,6 +76,14 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
+def _must_exist(path: Path) -> None:
+    if not path.is_dir():
+        problem = "not a directory" if path.exists() else "no such directory (mistyped?)"
+        raise errors.StoreNotFound(path, problem)
+    if not os.path.lexists(path / FORMAT_DIR):
+        raise errors.StoreNotFound(path, f"the directory holds no store (no {FORMAT_DIR}/)")
+
+
 def open_store(
     root: str | os.PathLike[str] | None = None,
     *,
@@ -83,15 +91,20 @@ def open_store(
     readonly: bool = False,
     shared_group: bool | None = None,
     remote: str | None = None,
+    create: bool = True,
 ) -> Store | ReadOnlyStore:
     """Open (creating with mode 0700) the store at ``root``.
 
     Raises InsecureStoreError if the root may be written by someone else. A root that
-    cannot be written gives a :class:`ReadOnlyStore`, with one warning logged.
+    cannot be written gives a :class:`ReadOnlyStore`, with one warning logged; so does
+    ``readonly=True`` or ``$CACHECOMPILE_READONLY=1`` (decided here, so that the cache and
+    ``cachectl`` both honour it). ``create=False`` raises StoreNotFound instead of creating
+    a missing store (a mistyped path must not look like an empty cache).
     With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
     local store gets a remote tier behind it (:mod:`store.tiered`); ``remote=""`` opts out.
     """
-    local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group)
+    local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
+                        create=create)
     url = os.environ.get("CACHECOMPILE_REMOTE", "") if remote is None else remote
     if not url:
         return local
@@ -106,6 +119,7 @@ def _open_local(
     max_size: int | str | None,
     readonly: bool,
     shared_group: bool | None,
+    create: bool,
 ) -> Store | ReadOnlyStore:
     path = Path(root).expanduser() if root is not None else default_root()
     if max_size is None:
@@ -113,9 +127,13 @@ def _open_local(
     if shared_group is None:
         shared_group = os.environ.get("CACHECOMPILE_SHARED_GROUP", "").lower() in _TRUE
     st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
-    if readonly:
+    if not create:
+        st.check_root()  # an insecure root says so, even if it holds no store
+        _must_exist(path)
+    if readonly or os.environ.get("CACHECOMPILE_READONLY", "").lower() in _TRUE:
         st.check_root()
-        return ReadOnlyStore(st, "opened with readonly=True")
+        return ReadOnlyStore(st, "opened with readonly=True" if readonly
+                             else "CACHECOMPILE_READONLY is set")
     try:
         if not path.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """``cachectl``: inspect and maintain a cachecompile store (torch-free).
 
-Exit codes: 0 ok; 1 problems found (verify); 2 usage error, unknown key or
-ambiguous prefix; 3 insecure store; 4 lock timeout; 5 read-only store;
-6 store full; 7 any other store error.
+Exit codes: 0 ok; 1 problems found (verify); 2 usage error, unknown key,
+ambiguous prefix or no store at the cache dir; 3 insecure store; 4 lock timeout;
+5 read-only store; 6 store full; 7 any other store error.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from rich.text import Text
 from . import errors, open_store, parse_size
 from .disk import Store
 from .outcomes import EntryInfo
+from .policy import is_shared_graph
 from .readonly import ReadOnlyStore
 
 EXIT_PROBLEMS = 1
@@ -35,6 +36,7 @@ EXIT_STORE = 7
 
 _ERROR_CODES: list[tuple[type[BaseException], int]] = [
     (errors.KeyNotFound, EXIT_USAGE),  # AmbiguousKey included
+    (errors.StoreNotFound, EXIT_USAGE),  # a mistyped --cache-dir
     (errors.InsecureStoreError, EXIT_INSECURE),
     (errors.LockTimeout, EXIT_LOCK),
     (errors.ReadOnlyStoreError, EXIT_READONLY),
@@ -78,7 +80,9 @@ def cache_dir_option(f: F) -> F:
 
 
 def _open(cache_dir: str | None, **kw: Any) -> AnyStore:
-    return open_store(cache_dir, **kw)
+    # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
+    # "ok" would hide the typo (and leave a stray cache behind).
+    return open_store(cache_dir, create=False, **kw)
 
 
 def _console() -> Console:
@@ -226,7 +230,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     want = _parse_labels(label, model, function)
     everything = list(st.entries())
     infos = [i for i in everything if _match(i, want)
-             and (graphs or want.get("kind") == "graph" or i.labels.get("kind") != "graph")]
+             and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
     infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
     if as_json:
@@ -387,19 +391,28 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
 @label_options
 @click.option("--older-than", default=None, metavar="AGE", help="Not used for AGE (30m, 12h, 7d, 2w).")
 @click.option("--all", "purge_all", is_flag=True, help="Every entry.")
+@click.option("--include-pinned", is_flag=True,
+              help="Also remove entries a live process has pinned (and their groups).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--dry-run", is_flag=True, help="Only show what would go.")
 def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ...],
               model: str | None, function: str | None, older_than: str | None,
-              purge_all: bool, yes: bool, dry_run: bool) -> None:
-    """Remove entries by KEY (prefixes), label, age, or --all."""
+              purge_all: bool, include_pinned: bool, yes: bool, dry_run: bool) -> None:
+    """Remove entries by KEY (prefixes), label, age, or --all (pinned ones stay)."""
     want = _parse_labels(label, model, function)
     age = parse_duration(older_than) if older_than is not None else None
     if not (keys or want or age is not None or purge_all):
         raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
     st = _open(cache_dir)
+    if isinstance(st, ReadOnlyStore) and not dry_run:
+        raise st.refusal("purge entries")  # before showing a list that cannot go
     digests = [st.resolve(k) for k in keys]
-    goes = _purge(st, digests, want, age, purge_all, dry_run=True)
+    goes, kept = st.purge_plan(keys=digests or None, labels=want or None, older_than=age,
+                               all=purge_all, include_pinned=include_pinned)
+    if kept:
+        click.echo(f"kept {len(kept)} pinned entries (a live process uses them or their "
+                   "group; --include-pinned removes them too): "
+                   + ", ".join(i.key[:12] for i in kept))
     if not goes:
         click.echo("nothing to purge")
         return
@@ -410,14 +423,10 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if not yes and not click.confirm(f"remove these {len(goes)} entries?", default=False):
         click.echo("aborted")
         return
-    gone = _purge(st, [i.key for i in goes], {}, None, False, dry_run=False)
-    click.echo(f"removed {len(gone)} entries ({human_size(sum(i.size_bytes for i in gone))})")
-
-
-def _purge(st: AnyStore, keys: list[str], labels: dict[str, str], age: float | None,
-           purge_all: bool, dry_run: bool) -> list[EntryInfo]:
-    return st.purge(keys=keys or None, labels=labels or None, older_than=age, all=purge_all,
-                    dry_run=dry_run)
+    gone = st.purge(keys=[i.key for i in goes], include_pinned=include_pinned)
+    click.echo(f"removed {len(gone)} entries ({human_size(sum(i.size_bytes for i in gone))})"
+               + (f"; {len(goes) - len(gone)} kept (pinned meanwhile)"
+                  if len(gone) < len(goes) else ""))
 
 
 @cli.command("stats")
@@ -441,8 +450,11 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     t.add_column("value", justify="right")
     t.add_row("root", s["root"])
     t.add_row("entries", str(s["entries"]))
+    # Physical: content shared by entries (dedup) counts once, as it does against the cap.
     t.add_row("size", f"{human_size(s['bytes'])} of {human_size(s['cap'])} "
-                      f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)")
+                      f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)"
+                      + (f", {human_size(s['logical_bytes'])} logical"
+                         if s.get("logical_bytes", s["bytes"]) != s["bytes"] else ""))
     total_misses = sum(s["misses"].values())
     lookups = s["hits"] + s["misses"].get("absent", 0)
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
@@ -451,6 +463,11 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     t.add_row("misses", str(total_misses))
     for kind, n in sorted(s["misses"].items()):
         t.add_row(f"  {kind}", str(n))
+    g = s.get("shared_graphs") or {}
+    if g.get("entries") or g.get("hits") or g.get("misses"):
+        # Internal entries (ls --graphs): counted apart so the numbers above match ls.
+        t.add_row("shared graphs", f"{g['entries']} entries, {g['hits']} hits, "
+                                   f"{sum(g['misses'].values())} misses")
     for k in ("publishes", "evictions", "corruptions", "quarantined"):
         t.add_row(k, str(s[k]))
     if s.get("readonly"):

@@ -8,6 +8,10 @@ Layout under ``<root>/v1/`` (see docs/store.md)::
     tmp/                                      staging; swept when stale
     quarantine/                               entries that failed verification
     locks/  pins/  index/                     filelocks, leases, diskcache index
+
+No directory below the root is ever followed if it is a symlink (each level is checked
+with lstat on the way down): a lookup through one is an ``insecure`` miss, a write
+through one raises InsecureStoreError, and ``verify`` reports it.
 """
 
 from __future__ import annotations
@@ -37,13 +41,20 @@ from .fsutil import (
     pid_alive,
     rmtree_quiet,
     temp_name,
+    unreal_dir,
     write_new_file,
 )
-from .index import Index
+from .index import GRAPH_SCOPE, Index
 from .keys import Key, is_digest
 from .manifest import check_names, dump_manifest, parse_manifest, validate_name
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
-from .policy import expand_groups, lru_evictions
+from .policy import (
+    expand_groups,
+    is_shared_graph,
+    lru_evictions,
+    physical_size,
+    split_pinned,
+)
 from .policy import older_than as _older_than
 
 logger = logging.getLogger(__name__)
@@ -55,6 +66,7 @@ DEFAULT_MAX_SIZE = 10 * 1024**3
 TEMP_GRACE_S = 3600.0
 MANIFEST = "manifest.json"
 DATA = "data"
+LAYOUT = ("entries", "blobs", "tmp", "quarantine", "locks", "pins", "index")
 
 # Entries verified in full by this process: entry dir -> (manifest signature, manifest).
 # Later reads in this process check sizes only (issue 2: "full checksums on the first read").
@@ -75,12 +87,38 @@ def _forget(edir: Path) -> None:
 
 
 class _Bad(Exception):
-    """Internal: an entry failed inspection; becomes a Miss."""
+    """Internal: an entry failed inspection; becomes a Miss.
 
-    def __init__(self, kind: str, reason: str) -> None:
+    ``link``: a store directory above the entry is not real; the entry is not ours to
+    quarantine (moving it would pull in whatever the link points at).
+    """
+
+    def __init__(self, kind: str, reason: str, link: tuple[Path, str] | None = None) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
+        self.link = link
+
+
+def _link_error(path: Path, what: str) -> errors.InsecureStoreError:
+    return errors.InsecureStoreError(path, f"it is {what}, not a real directory",
+                                     errors.LINK_HINT)
+
+
+def _blob_map(manifest: Mapping[str, Any]) -> dict[str, int]:
+    """Content checksum -> size of an entry's files: what it holds in blobs/."""
+    return {str(r["xxh3_128"]): int(r["size"]) for r in manifest["files"].values()}
+
+
+def _scope(key: Key | str, labels: Mapping[str, str] | None = None) -> str:
+    """Counter prefix of a lookup: shared graphs are counted apart from the user's entries.
+
+    A hit knows its labels; a miss knows only the key, whose factors say ``kind=graph``
+    for shared graphs (cachecompile/coop.py sets the factor and the label together).
+    """
+    if labels is None:
+        labels = {"kind": str(key.factors.get("kind"))} if isinstance(key, Key) else {}
+    return GRAPH_SCOPE if is_shared_graph(labels) else ""
 
 
 class Pin:
@@ -135,8 +173,9 @@ class Store:
         self._quarantine = self.base / "quarantine"
         self._locks = self.base / "locks"
         self._pins_dir = self.base / "pins"
-        self.index = Index(self.base / "index")
+        self.index = Index(self.base / "index", guard=lambda: self._real("index"))
         self._held_pins: list[Pin] = []
+        self._warned_links: set[str] = set()
         self._dir_mode = 0o2770 if shared_group else 0o700
         self._file_mode = 0o440 if shared_group else 0o400
 
@@ -145,9 +184,15 @@ class Store:
 
     # -- layout ------------------------------------------------------------------
     def create_layout(self) -> None:
-        for d in (self.base, self._entries, self._blobs, self._tmp, self._quarantine,
-                  self._locks, self._pins_dir):
-            if not d.is_dir():
+        if not os.path.lexists(self.base):
+            self.base.mkdir(mode=self._dir_mode, exist_ok=True)
+        found = self._link_on_path()
+        if found is not None:
+            raise _link_error(*found)
+        for name in LAYOUT:
+            d = self.base / name
+            # lexists: a symlink in its place is left alone (and refused where used).
+            if name != "index" and not os.path.lexists(d):
                 d.mkdir(mode=self._dir_mode, exist_ok=True)
 
     def entry_dir(self, digest: str) -> Path:
@@ -162,22 +207,51 @@ class Store:
         raise ValueError(f"not a key or a 32-hex-digit digest: {key!r}")
 
     def check_root(self) -> None:
-        """Raise InsecureStoreError unless root (and v1/) are trusted."""
+        """Raise InsecureStoreError unless root (and v1/) are trusted.
+
+        The root may be a symlink (where the cache lives is the user's choice); nothing
+        below it may be.
+        """
         for p in (self.root, self.base):
             try:
                 st = os.lstat(p)
             except FileNotFoundError:
                 continue
             if stat.S_ISLNK(st.st_mode):
+                if p == self.base:
+                    raise _link_error(p, "a symlink")
                 st = os.stat(p)
             problem = owner_problem(st, self.shared_group)
             if problem:
                 raise errors.InsecureStoreError(p, problem)
 
+    def _link_on_path(self, *parts: str) -> tuple[Path, str] | None:
+        """The first directory from v1/ down to ``v1/<parts>`` that is not real, if any."""
+        return unreal_dir(self.base, parts)
+
+    def _real(self, *parts: str) -> Path:
+        """``v1/<parts>``; InsecureStoreError if a directory on the way is a symlink."""
+        found = self._link_on_path(*parts)
+        if found is not None:
+            raise _link_error(*found)
+        return self.base.joinpath(*parts)
+
+    def _warn_link(self, path: Path, what: str) -> None:
+        """Warn that ``path`` is ``what`` (a symlink...) and is not followed."""
+        # Once per path and store: a link above many entries would otherwise warn per lookup.
+        if str(path) not in self._warned_links:
+            self._warned_links.add(str(path))
+            logger.warning("cache directory %s is %s, not a real directory: not following it "
+                           "(lookups through it miss, writes are refused)", path, what)
+
     # -- lookup --------------------------------------------------------------------
     def _inspect(self, digest: str, *, full: bool | None = None) -> Entry:
         """Load and check one entry; raise _Bad. ``full``: None = first read in process."""
         edir = self.entry_dir(digest)
+        found = self._link_on_path("entries", digest[:2])
+        if found is not None:
+            raise _Bad("insecure", f"{found[0]} is {found[1]}, not a real directory",
+                       link=found)
         try:
             dst = os.lstat(edir)
         except FileNotFoundError:
@@ -227,6 +301,17 @@ class Store:
                 except errors.ManifestError as e:
                     raise _Bad("corrupt", str(e)) from None
         data = edir / DATA
+        # data/ itself too: lstat of data/<name> would follow a symlinked data/.
+        try:
+            data_mode: int | None = os.lstat(data).st_mode
+        except FileNotFoundError:
+            data_mode = None
+        if data_mode is None:
+            if manifest["files"]:
+                raise _Bad("corrupt", "data/ is missing")
+        elif not stat.S_ISDIR(data_mode):
+            what = "a symlink" if stat.S_ISLNK(data_mode) else "not a directory"
+            raise _Bad("insecure", f"{data} is {what}, not a real directory")
         files: dict[str, Path] = {}
         checked_dirs: set[str] = set()
         for name, rec in manifest["files"].items():
@@ -285,20 +370,27 @@ class Store:
         try:
             entry = self._inspect(digest)
         except _Bad as b:
-            if b.kind in ("corrupt", "insecure"):
+            if b.link is not None:
+                self._warn_link(*b.link)
+            elif b.kind in ("corrupt", "insecure"):
                 logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
                 self._index_safely("corruptions", lambda: self.index.incr("corruptions"))
                 self.quarantine(digest, b.reason)
-            self.record_miss(b.kind)
+            self._count_miss(b.kind, _scope(key))
             return Miss(reason=b.reason, kind=b.kind)
+        counter = _scope(key, entry.labels) + "hits"
         self._index_safely(
             "hit",
-            lambda: self.index.record_hit(digest, entry.size_bytes, entry.created, entry.labels),
+            lambda: self.index.record_hit(digest, entry.size_bytes, entry.created, entry.labels,
+                                          counter=counter, blobs=_blob_map(entry.manifest)),
         )
         return Hit(entry)
 
     def contains(self, key: Key | str) -> bool:
-        return (self.entry_dir(self.digest_of(key)) / MANIFEST).is_file()
+        digest = self.digest_of(key)
+        if self._link_on_path("entries", digest[:2]) is not None:
+            return False
+        return (self.entry_dir(digest) / MANIFEST).is_file()
 
     def stat(self, key: Key | str) -> EntryInfo | None:
         """The index record of an entry (built from its manifest if the index lacks it)."""
@@ -324,47 +416,69 @@ class Store:
     def _manifest(self, digest: str, *, remember: bool = False) -> dict[str, Any]:
         # Listings (entries, reindex, stat) read every manifest once: they use the
         # per-process cache but do not fill it, so a big cache is not held in memory.
+        found = self._link_on_path("entries", digest[:2], digest)
+        if found is not None:
+            raise _link_error(*found)
         edir = str(self.entry_dir(digest))
         mpath = os.path.join(edir, MANIFEST)
         try:
-            sig = _sig(os.stat(mpath))
+            sig = _sig(os.lstat(mpath))
             for cache in (_VERIFIED, _PARSED):
                 hit = cache.get(edir)
                 if hit is not None and hit[0] == sig:
                     return hit[1]
-            with open(mpath, "rb") as f:
+            fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as f:
                 sig = _sig(os.fstat(f.fileno()))  # the signature of what is read
                 text = f.read()
         except FileNotFoundError:
             raise errors.KeyNotFound(f"no entry {digest}") from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise errors.UnsafePathError(f"{mpath} is a symlink") from None
         m = parse_manifest(text, expect_key=digest)
         if remember:
             _PARSED[edir] = (sig, m)
         return m
 
     def record_miss(self, kind: str) -> None:
-        self._index_safely("miss", lambda: self.index.incr(f"miss:{kind}"))
+        """Count a miss of the user's (the integration layer's ``stale``, ``unloadable``...)."""
+        self._count_miss(kind, "")
+
+    def _count_miss(self, kind: str, scope: str) -> None:
+        self._index_safely("miss", lambda: self.index.incr(f"{scope}miss:{kind}"))
 
     def _index_safely(self, what: str, fn: Any) -> Any:
         # The index is a cache of the manifests: its failure must not fail a lookup.
         try:
             return fn()
+        except errors.InsecureStoreError as e:  # index/ is a symlink: say so once
+            found = self._link_on_path("index")
+            self._warn_link(*(found or (e.path, "unsafe")))
+            return None
         except Exception as e:  # sqlite3 errors, timeouts, a full disk
             logger.warning("cache index update (%s) failed: %s", what, e)
             return None
 
     # -- publish -------------------------------------------------------------------
-    def _store_blob(self, src: bytes | os.PathLike[str] | str, executable: bool) -> tuple[Path, int, str]:
-        """Put one content into blobs/ (once), return (blob path, size, checksum)."""
+    def _blob_path(self, cs: str) -> Path:
+        # Checked before the blob is looked at: through a symlinked shard, an outside
+        # file of the right size would be hard-linked into the entry as "ours".
+        return self._real("blobs", cs[:2]) / cs
+
+    def _store_blob(self, src: bytes | os.PathLike[str] | str,
+                    executable: bool) -> tuple[Path, int, str, bool]:
+        """Put one content into blobs/ (once); (blob path, size, checksum, newly stored)."""
         # Read-only for everyone who may read: entries are immutable and share inodes.
         mode = self._file_mode | ((self._file_mode >> 2) & 0o111 if executable else 0)
         tmp = self._tmp / temp_name("blob")
         if isinstance(src, (bytes, bytearray, memoryview)):
             data = bytes(src)
             size, cs = len(data), xxhash.xxh3_128_hexdigest(data)
-            blob = self._blobs / cs[:2] / cs
+            blob = self._blob_path(cs)
             if self._blob_ok(blob, size):
-                return blob, size, cs
+                return blob, size, cs, False
             write_new_file(tmp, [data], mode)
         else:
             h = xxhash.xxh3_128()
@@ -380,19 +494,25 @@ class Store:
 
             write_new_file(tmp, chunks(), mode)
             cs = h.hexdigest()
-            blob = self._blobs / cs[:2] / cs
+            try:
+                blob = self._blob_path(cs)
+            except errors.InsecureStoreError:
+                os.unlink(tmp)
+                raise
             if self._blob_ok(blob, size):
                 os.unlink(tmp)
-                return blob, size, cs
+                return blob, size, cs, False
+        fresh = True
         try:
             blob.parent.mkdir(mode=self._dir_mode, exist_ok=True)
+            self._real("blobs", cs[:2])  # a link may have appeared in its place meanwhile
             os.link(tmp, blob)
         except FileExistsError:
-            pass  # another writer stored the same content first: same bytes by construction
+            fresh = False  # another writer stored the same content first: same bytes
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        return blob, size, cs
+        return blob, size, cs, fresh
 
     @staticmethod
     def _blob_ok(blob: Path, size: int) -> bool:
@@ -402,13 +522,15 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == size
 
-    def _link_in(self, src: bytes | os.PathLike[str] | str, dst: Path, executable: bool) -> tuple[int, str]:
+    def _link_in(self, src: bytes | os.PathLike[str] | str, dst: Path,
+                 executable: bool) -> tuple[int, str, int]:
+        """Link one file into a staging entry; (size, checksum, bytes newly stored)."""
         dst.parent.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
         for _ in range(3):
-            blob, size, cs = self._store_blob(src, executable)
+            blob, size, cs, fresh = self._store_blob(src, executable)
             try:
                 os.link(blob, dst)
-                return size, cs
+                return size, cs, size if fresh else 0
             except FileNotFoundError:
                 continue  # gc removed an unreferenced blob between our check and link
             except OSError as e:
@@ -417,7 +539,7 @@ class Store:
                 # Too many links to one inode: give this entry its own copy.
                 with open(blob, "rb") as f:
                     write_new_file(dst, iter(lambda: f.read(1 << 20), b""), os.stat(blob).st_mode & 0o777)
-                return size, cs
+                return size, cs, size
         raise errors.StoreError(f"could not link blob into {dst}")
 
     def put(
@@ -453,7 +575,11 @@ class Store:
         labels: dict[str, str], meta: dict[str, Any],
     ) -> Entry:
         digest = key.digest
-        staging = self._tmp / temp_name("put", digest)
+        # Everything below is written through these: none may lead out of the store.
+        staging = self._real("tmp") / temp_name("put", digest)
+        self._real("blobs")
+        self._real("entries")
+        new_bytes = 0
         try:
             staging.mkdir(mode=self._dir_mode)
             data = staging / DATA
@@ -463,7 +589,8 @@ class Store:
                 executable = False
                 if not isinstance(src, (bytes, bytearray, memoryview)):
                     executable = bool(os.stat(src).st_mode & stat.S_IXUSR)
-                size, cs = self._link_in(src, data / name, executable)
+                size, cs, fresh = self._link_in(src, data / name, executable)
+                new_bytes += fresh
                 recs[name] = {"size": size, "xxh3_128": cs}
             created = time.time()
             body = dump_manifest(key=digest, factors=key.factors, labels=labels, meta=meta,
@@ -473,6 +600,7 @@ class Store:
                 fsync_dir(d)
             target = self.entry_dir(digest)
             target.parent.mkdir(mode=self._dir_mode, exist_ok=True)
+            self._real("entries", digest[:2])
             try:
                 os.rename(staging, target)
             except OSError as e:
@@ -493,9 +621,10 @@ class Store:
         size = sum(r["size"] for r in recs.values())
 
         def index_it() -> None:
-            self.index.add(digest, size, created, labels)
+            self.index.add(digest, size, created, labels, blobs=_blob_map(manifest))
             self.index.incr("publishes")
-            self.index.incr("bytes", size)
+            # Physical: content already in blobs/ (dedup) takes no more room.
+            self.index.incr("bytes", new_bytes)
 
         self._index_safely("publish", index_it)
         entry = Entry(key=digest, path=target, files={n: target / DATA / n for n in recs},
@@ -516,8 +645,10 @@ class Store:
     # -- removal ---------------------------------------------------------------------
     def _take_away(self, digest: str, kind: str) -> Path | None:
         """Atomically move an entry out of entries/ (readers see it whole or absent)."""
-        src = self.entry_dir(digest)
-        dst = self._tmp / temp_name(kind, digest)
+        # Renaming through a symlinked shard would pull an outside tree into tmp/ (and
+        # then delete it): refuse instead.
+        src = self._real("entries", digest[:2]) / digest
+        dst = self._real("tmp") / temp_name(kind, digest)
         try:
             os.rename(src, dst)
         except FileNotFoundError:
@@ -525,15 +656,55 @@ class Store:
         _forget(src)
         return dst
 
+    @staticmethod
+    def _exclusive_bytes(edir: Path) -> int:
+        """Bytes that removing the entry at ``edir`` frees: content no other entry links.
+
+        Each content's inode is linked by its blob and by every entry holding it, so a
+        content is this entry's alone when its links, besides this entry's own, are at most
+        the blob's one.
+        """
+        data = edir / DATA
+        try:
+            if not (stat.S_ISDIR(os.lstat(edir).st_mode) and stat.S_ISDIR(os.lstat(data).st_mode)):
+                return 0
+        except OSError:
+            return 0
+        inodes: dict[int, list[int]] = {}  # inode -> [links from this entry, nlink, size]
+        for dirpath, _, names in os.walk(data):  # never follows links
+            for n in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, n))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    rec = inodes.setdefault(st.st_ino, [0, st.st_nlink, st.st_size])
+                    rec[0] += 1
+        return sum(size for mine, nlink, size in inodes.values() if nlink - mine <= 1)
+
     def delete(self, key: Key | str) -> bool:
-        digest = self.digest_of(key)
-        info = self.stat(digest)
-        gone = self._take_away(digest, "del")
-        self._index_safely("delete", lambda: self.index.remove(digest))
+        return self._remove(self.digest_of(key), respect_pins=False, kind="del")
+
+    def _remove(self, digest: str, *, respect_pins: bool, kind: str) -> bool:
+        """Take an entry away and delete it; with ``respect_pins``, keep it if pinned."""
+        gone = self._take_away(digest, kind)
         if gone is None:
+            self._index_safely("delete", lambda: self.index.remove(digest))
             return False
-        if info is not None:
-            self._index_safely("bytes", lambda: self.index.incr("bytes", -info.size_bytes))
+        if respect_pins and digest in self.pinned():
+            # Someone pinned it between the caller's check and the rename: put it back.
+            try:
+                os.rename(gone, self.entry_dir(digest))
+                return False
+            except OSError:
+                pass  # a fresh copy was published meanwhile; ours can go
+        freed = self._exclusive_bytes(gone)
+
+        def unindex() -> None:
+            self.index.remove(digest)
+            self.index.incr("bytes", -freed)
+
+        self._index_safely("delete", unindex)
         # Readers with open files keep them: unlink does not touch open descriptors.
         rmtree_quiet(gone)
         return True
@@ -541,8 +712,13 @@ class Store:
     def quarantine(self, digest: str, reason: str) -> Path | None:
         """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs."""
         src = self.entry_dir(digest)
+        found = self._link_on_path("entries", digest[:2]) or self._link_on_path("quarantine")
+        if found is not None:
+            # Moving it would pull in (or push out) whatever the link points at.
+            self._warn_link(*found)
+            return None
         dst = self._quarantine / f"{digest}.{time.time_ns()}"
-        info = self._index_safely("stat", lambda: self.index.get(digest))
+        freed = self._exclusive_bytes(src)
         try:
             self._quarantine.mkdir(mode=self._dir_mode, exist_ok=True)
             os.rename(src, dst)
@@ -561,16 +737,28 @@ class Store:
                 cs = str(rec.get("xxh3_128", ""))
                 blob = self._blobs / cs[:2] / cs
                 with contextlib.suppress(OSError):
-                    if len(cs) == 32 and os.path.samefile(blob, dst / DATA / validate_name(name)):
+                    if (len(cs) == 32 and self._link_on_path("blobs", cs[:2]) is None
+                            and os.path.samefile(blob, dst / DATA / validate_name(name))):
                         os.unlink(blob)
-        self._index_safely("quarantine", lambda: self.index.remove(digest))
-        if info is not None:
-            self._index_safely("bytes", lambda: self.index.incr("bytes", -info.size_bytes))
+
+        def unindex() -> None:
+            self.index.remove(digest)
+            self.index.incr("bytes", -freed)
+
+        self._index_safely("quarantine", unindex)
         return dst
 
     # -- listing ---------------------------------------------------------------------
     def digests(self) -> Iterator[str]:
-        """Digests of the entries on disk (the truth), unverified."""
+        """Digests of the entries on disk (the truth), unverified; never through a link."""
+        return self._digests(warn=True)
+
+    def _digests(self, *, warn: bool) -> Iterator[str]:
+        found = self._link_on_path("entries")
+        if found is not None:
+            if warn:
+                self._warn_link(*found)
+            return
         try:
             shards = os.scandir(self._entries)
         except FileNotFoundError:
@@ -578,6 +766,10 @@ class Store:
         with shards:
             for shard in shards:
                 if len(shard.name) != 2:
+                    continue
+                if not shard.is_dir(follow_symlinks=False):
+                    if warn and shard.is_symlink():
+                        self._warn_link(Path(shard.path), "a symlink")
                     continue
                 with os.scandir(shard.path) as it:
                     for e in it:
@@ -592,18 +784,43 @@ class Store:
 
     def entries(self) -> Iterator[EntryInfo]:
         """One EntryInfo per entry on disk; usage data from the index."""
+        yield from self._listing(with_blobs=False)[0]
+
+    def _listing(self, *, with_blobs: bool) -> tuple[list[EntryInfo], dict[str, dict[str, int]]]:
+        """The entries on disk and, with ``with_blobs``, what each holds in blobs/.
+
+        Blob maps come from the index; a record without one (written before blob maps, or
+        not indexed) reads its manifest, and the index is filled in for next time.
+        """
         on_disk = set(self.digests())
-        indexed = {i.key: i for i in (self._index_safely("list", lambda: list(self.index.records())) or [])}
+        items = self._index_safely("list", lambda: list(self.index.items())) or []
+        indexed = {i.key: (i, b) for i, b in items}
+        infos: list[EntryInfo] = []
+        blobs: dict[str, dict[str, int]] = {}
+        healed: dict[str, dict[str, int]] = {}
         for d in sorted(on_disk):
-            info = indexed.get(d)
-            if info is not None:
-                yield info
-                continue
+            rec = indexed.get(d)
+            if rec is not None:
+                infos.append(rec[0])
+                if rec[1] is not None:
+                    blobs[d] = rec[1]
+                if rec[1] is not None or not with_blobs:
+                    continue
             try:
-                yield self._info_from_manifest(d, self._manifest(d), state="unindexed")
+                m = self._manifest(d)
             except (errors.StoreError, OSError):
-                yield EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0, hits=0,
-                                state="bad-manifest")
+                if rec is None:
+                    infos.append(EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0,
+                                           hits=0, state="bad-manifest"))
+                continue
+            if rec is None:
+                infos.append(self._info_from_manifest(d, m, state="unindexed"))
+            else:
+                healed[d] = _blob_map(m)
+            blobs[d] = _blob_map(m)
+        if healed:
+            self._index_safely("blobs", lambda: self.index.set_blobs(healed))
+        return infos, blobs
 
     def find(self, **labels: Any) -> list[EntryInfo]:
         want = {k: str(v) for k, v in labels.items()}
@@ -615,6 +832,9 @@ class Store:
         if not p or any(c not in "0123456789abcdef" for c in p):
             raise errors.KeyNotFound(f"{prefix!r} is not a hex key prefix")
         if len(p) >= 2:
+            found = self._link_on_path("entries", p[:2])
+            if found is not None:
+                raise _link_error(*found)
             try:
                 names = [n for n in os.listdir(self._entries / p[:2]) if is_digest(n)]
             except FileNotFoundError:
@@ -630,20 +850,31 @@ class Store:
 
     # -- stats -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        infos = list(self.entries())
+        """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
+        graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
+        the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes."""
+        infos, blobs = self._listing(with_blobs=True)
         counters = self._index_safely("counters", self.index.counters) or {}
         misses = {k[5:]: v for k, v in counters.items() if k.startswith("miss:")}
+        graph_miss = GRAPH_SCOPE + "miss:"
+        graph_misses = {k[len(graph_miss):]: v for k, v in counters.items()
+                        if k.startswith(graph_miss)}
         try:
             quarantined = sum(1 for n in os.listdir(self._quarantine) if not n.endswith(".reason"))
         except FileNotFoundError:
             quarantined = 0
+        graphs = sum(1 for i in infos if is_shared_graph(i.labels))
         return {
             "root": str(self.root),
-            "entries": len(infos),
-            "bytes": sum(i.size_bytes for i in infos),
+            "entries": len(infos) - graphs,
+            "bytes": physical_size(infos, blobs),
+            "logical_bytes": sum(i.size_bytes for i in infos),
             "cap": self.max_size,
             "hits": int(counters.get("hits", 0)),
             "misses": misses,
+            "shared_graphs": {"entries": graphs,
+                              "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
+                              "misses": graph_misses},
             "publishes": int(counters.get("publishes", 0)),
             "evictions": int(counters.get("evictions", 0)),
             "corruptions": int(counters.get("corruptions", 0)),
@@ -665,7 +896,7 @@ class Store:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100]
         if safe != name:
             safe += "-" + xxhash.xxh3_64_hexdigest(name.encode())
-        path = self._locks / f"{safe}.lock"
+        path = self._real("locks") / f"{safe}.lock"
         lk = filelock.FileLock(str(path), timeout=timeout, mode=0o660 if self.shared_group else 0o600)
         try:
             lk.acquire()
@@ -684,9 +915,10 @@ class Store:
         lifetime unless released. Raises KeyNotFound if the entry went away meanwhile.
         """
         digest = entry.key if isinstance(entry, Entry) else self.digest_of(entry)
-        pdir = self._pins_dir / digest
+        pdir = self._real("pins") / digest
         pdir.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
-        tmp = self._tmp / temp_name("pin", digest)
+        self._real("pins", digest)
+        tmp = self._real("tmp") / temp_name("pin", digest)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         # Locked before it becomes visible, so gc never mistakes a new pin for a dead one.
@@ -703,11 +935,15 @@ class Store:
     def pinned(self) -> set[str]:
         """Digests with a live pin; pins of dead processes are removed on the way."""
         out: set[str] = set()
+        # Raises for a symlinked pins/: gc must not take "no pins readable" for "none".
+        pins_dir = self._real("pins")
         try:
-            dirs = list(os.scandir(self._pins_dir))
+            dirs = list(os.scandir(pins_dir))
         except FileNotFoundError:
             return out
         for d in dirs:
+            if not d.is_dir(follow_symlinks=False):
+                continue  # never unlink "dead pins" through a link
             live = False
             try:
                 names = os.listdir(d.path)
@@ -740,6 +976,10 @@ class Store:
         """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
         n = 0
         now = time.time()
+        found = self._link_on_path("tmp")
+        if found is not None:
+            self._warn_link(*found)  # sweeping through it would delete outside files
+            return 0
         try:
             items = list(os.scandir(self._tmp))
         except FileNotFoundError:
@@ -764,11 +1004,19 @@ class Store:
     def sweep_blobs(self) -> int:
         """Remove blobs no entry links to any more (link count 1)."""
         n = 0
+        found = self._link_on_path("blobs")
+        if found is not None:
+            self._warn_link(*found)  # sweeping through it would delete outside files
+            return 0
         try:
             shards = list(os.scandir(self._blobs))
         except FileNotFoundError:
             return 0
         for shard in shards:
+            if not shard.is_dir(follow_symlinks=False):
+                if shard.is_symlink():
+                    self._warn_link(Path(shard.path), "a symlink")
+                continue
             with os.scandir(shard.path) as it:
                 for b in it:
                     try:
@@ -780,21 +1028,26 @@ class Store:
         return n
 
     def gc(self, max_size: int | None = None, *, lock_timeout: float = 60.0) -> GcReport:
-        """Enforce the size cap (LRU, pinned entries skipped) and sweep leftovers."""
+        """Enforce the size cap (LRU, pinned entries skipped) and sweep leftovers.
+
+        Sizes are physical: content shared by several entries counts once, and evicting
+        an entry frees only what no remaining entry holds.
+        """
         cap = self.max_size if max_size is None else int(max_size)
         report = GcReport(max_size=cap)
         with self.lock("gc", timeout=lock_timeout):
             report.temp_swept = self.sweep_temp()
-            infos = list(self.entries())
-            report.bytes_before = sum(i.size_bytes for i in infos)
+            infos, blobs = self._listing(with_blobs=True)
+            report.bytes_before = physical_size(infos, blobs)
             pinned = self.pinned()
             report.pinned_skipped = sorted(pinned & {i.key for i in infos})
-            for victim in lru_evictions(infos, cap, pinned):
-                if self._evict(victim.key):
+            for victim in lru_evictions(infos, cap, pinned, blobs):
+                if self._remove(victim.key, respect_pins=True, kind="evict"):
                     report.evicted.append(victim)
-                    report.freed_bytes += victim.size_bytes
+            gone = {i.key for i in report.evicted}
             report.blobs_removed = self.sweep_blobs()
-            report.bytes_after = report.bytes_before - report.freed_bytes
+            report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
+            report.freed_bytes = report.bytes_before - report.bytes_after
 
             def fix_counters() -> None:
                 c = self.index.counter("bytes")
@@ -804,36 +1057,22 @@ class Store:
             self._index_safely("gc", fix_counters)
         return report
 
-    def _evict(self, digest: str) -> bool:
-        gone = self._take_away(digest, "evict")
-        if gone is None:
-            return False
-        if digest in self.pinned():
-            # Someone pinned it between our check and the rename: put it back.
-            try:
-                os.rename(gone, self.entry_dir(digest))
-                return False
-            except OSError:
-                pass  # a fresh copy was published meanwhile; ours can go
-        self._index_safely("evict", lambda: self.index.remove(digest))
-        rmtree_quiet(gone)
-        return True
-
-    def purge(
+    def purge_plan(
         self,
         *,
         keys: list[str] | None = None,
         labels: Mapping[str, Any] | None = None,
         older_than: float | None = None,
         all: bool = False,
-        dry_run: bool = False,
-    ) -> list[EntryInfo]:
-        """Remove entries by key, by labels, by age (seconds since last use) or all.
+        include_pinned: bool = False,
+    ) -> tuple[list[EntryInfo], list[EntryInfo]]:
+        """(goes, kept): what :meth:`purge` would remove, and what it keeps because a live
+        process pinned it or a member of its group (as gc does), unless ``include_pinned``.
 
         Criteria combine with AND; with none given and ``all`` false, nothing goes.
         """
         if not (keys or labels or older_than is not None or all):
-            return []
+            return [], []
         universe = list(self.entries())
         infos = universe
         if keys:
@@ -848,27 +1087,85 @@ class Store:
             infos = [i for i in infos if i.key in old]
         # Never one rank of a group: whatever is selected takes its whole group along.
         infos = expand_groups(infos, universe)
+        if include_pinned:
+            return infos, []
+        return split_pinned(infos, self.pinned())
+
+    def purge(
+        self,
+        *,
+        keys: list[str] | None = None,
+        labels: Mapping[str, Any] | None = None,
+        older_than: float | None = None,
+        all: bool = False,
+        include_pinned: bool = False,
+        dry_run: bool = False,
+    ) -> list[EntryInfo]:
+        """Remove entries by key, by labels, by age (seconds since last use) or all.
+
+        Pinned entries and their groups stay unless ``include_pinned`` (see
+        :meth:`purge_plan`, which also says what was kept). Returns what was removed.
+        """
+        goes, _ = self.purge_plan(keys=keys, labels=labels, older_than=older_than, all=all,
+                                  include_pinned=include_pinned)
         if dry_run:
-            return infos
-        return [i for i in infos if self.delete(i.key)]
+            return goes
+        return [i for i in goes
+                if self._remove(i.key, respect_pins=not include_pinned, kind="del")]
 
     def reindex(self) -> int:
         """Rebuild the index from the manifests on disk (the manifests are the truth)."""
         infos = []
+        blobs: dict[str, dict[str, int]] = {}
         for d in self.digests():
             try:
-                infos.append(self._info_from_manifest(d, self._manifest(d)))
+                m = self._manifest(d)
+                infos.append(self._info_from_manifest(d, m))
+                blobs[d] = _blob_map(m)
             except (errors.StoreError, OSError):
                 continue
-        self.index.replace_all(infos)
-        total = sum(i.size_bytes for i in infos)
+        self.index.replace_all(infos, blobs)
+        total = physical_size(infos, blobs)
         self.index.incr("bytes", total - self.index.counter("bytes"))
         return len(infos)
 
+    def _layout_problems(self) -> list[tuple[str, str]]:
+        """Store directories (layout, fan-out shards, pin dirs) that are not real."""
+        out: list[tuple[str, str]] = []
+
+        def report(path: Path, what: str) -> None:
+            out.append((str(path), f"insecure: {what}, not a real directory; never followed "
+                                   "(remove it: the store recreates what it needs)"))
+
+        found = self._link_on_path()
+        if found is not None:
+            report(*found)
+            return out
+        for name in LAYOUT:
+            found = self._link_on_path(name)
+            if found is not None:
+                report(*found)
+                continue
+            if name not in ("entries", "blobs", "pins"):
+                continue
+            try:
+                subs = list(os.scandir(self.base / name))
+            except FileNotFoundError:
+                continue
+            for sub in subs:
+                if sub.is_symlink():
+                    report(Path(sub.path), "a symlink")
+        return out
+
     def verify(self, fix: bool = False) -> VerifyReport:
-        """Check every entry in full and the index against the disk."""
+        """Check every entry in full, the store's directories, and the index against the disk.
+
+        A directory that is a symlink is a problem (named by its path, not a digest);
+        ``fix`` leaves it alone (whatever it points at is not the store's to move).
+        """
         report = VerifyReport()
-        on_disk = set(self.digests())
+        report.problems.extend(self._layout_problems())
+        on_disk = set(self._digests(warn=False))
         for d in sorted(on_disk):
             report.checked += 1
             try:
@@ -880,7 +1177,7 @@ class Store:
         report.index_stale = sorted(indexed - on_disk)
         if fix:
             for d, reason in report.problems:
-                if self.quarantine(d, reason) is not None:
+                if is_digest(d) and self.quarantine(d, reason) is not None:
                     report.quarantined.append(d)
                     self._index_safely("corruptions", lambda: self.index.incr("corruptions"))
             self.reindex()

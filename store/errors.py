@@ -7,7 +7,9 @@ into a warning and a recompile, and so that ``cachectl`` can map it to an exit c
 ::
 
     StoreError                      base of every store fault
-    ├── InsecureStoreError          root/entry owned by someone else, or group/world-writable
+    ├── StoreNotFound               no store at the given root (cachectl never creates one)
+    ├── InsecureStoreError          root/entry owned by someone else, group/world-writable,
+    │                               or a directory inside the root that is a symlink
     ├── ReadOnlyStoreError          a write on a read-only store
     ├── StoreFullError              ENOSPC / EDQUOT while publishing (nothing half-written is left)
     ├── LockTimeout                 a lock was not acquired in time (carries ``path``)
@@ -32,6 +34,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "StoreError",
     "StoreFullError",
+    "StoreNotFound",
     "UnsafePathError",
 ]
 
@@ -42,17 +45,32 @@ SHARED_HINT = (
 )
 
 
+LINK_HINT = (
+    "the store never follows a symlink below its root (it could lead to files anyone can "
+    "write); remove the link and let cachecompile recreate the directory"
+)
+
+
 class StoreError(Exception):
     """Base class of every fault raised by the store."""
+
+
+class StoreNotFound(StoreError):
+    """The root holds no store: a mistyped path must not be created and reported empty."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"no cache at {self.path}: {problem}")
 
 
 class InsecureStoreError(StoreError):
     """The root or an entry could be written by someone other than this user."""
 
-    def __init__(self, path: Path | str, problem: str) -> None:
+    def __init__(self, path: Path | str, problem: str, hint: str = SHARED_HINT) -> None:
         self.path = Path(path)
         self.problem = problem
-        super().__init__(f"refusing insecure cache path {self.path}: {problem}; {SHARED_HINT}")
+        super().__init__(f"refusing insecure cache path {self.path}: {problem}; {hint}")
 
 
 class ReadOnlyStoreError(StoreError):

@@ -23,6 +23,7 @@ __all__ = [
     "rmtree_quiet",
     "temp_name",
     "parse_temp_name",
+    "unreal_dir",
     "write_new_file",
 ]
 
@@ -143,4 +144,29 @@ def owner_problem(st: os.stat_result, shared_group: bool) -> str | None:
         return f"it is owned by uid {st.st_uid}, not by this user (uid {uid})"
     if mode & stat.S_IWGRP:
         return f"it is group-writable (mode {mode:o})"
+    return None
+
+
+def unreal_dir(base: Path, parts: Iterable[str] = ()) -> tuple[Path, str] | None:
+    """The first of ``base``, ``base/p0``, ``base/p0/p1``... that is not a real directory,
+    with what it is instead (``"a symlink"``, ``"not a directory"``); None if all are real.
+
+    Checked with lstat, so nothing is followed: a symlinked directory inside the store
+    would let lookups load (and gc delete) files outside it. A missing level ends the
+    walk: the caller finds the thing absent and creates it or reports a miss.
+    """
+    p = base
+    for part in ("", *parts):
+        if part:
+            p = p / part
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None  # reported at the level above, which is not a directory
+        if stat.S_ISLNK(mode):
+            return p, "a symlink"
+        if not stat.S_ISDIR(mode):
+            return p, "not a directory"
     return None

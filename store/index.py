@@ -2,14 +2,21 @@
 
 It is a cache of what the manifests say plus usage data (last use, hits), and can
 always be rebuilt from the manifests on disk. Records are ``"e:<digest>"`` ->
-dict; counters are ``"c:<name>"`` -> int.
+dict (size, dates, hits, labels, and ``blobs``: content checksum -> size, so that gc
+counts shared content once without reading every manifest); counters are
+``"c:<name>"`` -> int.
+
+Counters: ``hits``, ``miss:<kind>``, ``publishes``, ``evictions``, ``corruptions`` and
+``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
+(see store.policy) count under ``graph:hits`` and ``graph:miss:<kind>`` instead, so
+``hits`` and ``miss:*`` are what the user's own methods did.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ __all__ = ["Index"]
 _E = "e:"
 _C = "c:"
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
+GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 
 
 def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
@@ -39,13 +47,18 @@ def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
 class Index:
     """Lazily opened diskcache. Opening is deferred so that ``open_store()`` stays cheap."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, guard: Callable[[], object] | None = None) -> None:
         self.path = path
         self._cache: Any = None
+        # Called before the database is opened (the store checks that no directory on
+        # the way is a symlink); once open, the handle no longer depends on the path.
+        self._guard = guard
 
     @property
     def cache(self) -> Any:
         if self._cache is None:
+            if self._guard is not None:
+                self._guard()
             import diskcache  # deferred: ~15 ms of imports not needed by every caller
 
             # Eviction inside diskcache is off: the store owns eviction policy.
@@ -60,22 +73,24 @@ class Index:
             self._cache = None
 
     # -- records ---------------------------------------------------------------
-    def add(self, digest: str, size_bytes: int, created: float, labels: dict[str, str]) -> None:
+    def add(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
+            blobs: Mapping[str, int] | None = None) -> None:
         c = self.cache
         with c.transact():
             if c.get(_E + digest) is None:
-                c.set(
-                    _E + digest,
-                    {
-                        "size_bytes": size_bytes,
-                        "created": created,
-                        "last_used": created,
-                        "hits": 0,
-                        "labels": labels,
-                    },
-                )
+                rec: dict[str, Any] = {
+                    "size_bytes": size_bytes,
+                    "created": created,
+                    "last_used": created,
+                    "hits": 0,
+                    "labels": labels,
+                }
+                if blobs is not None:
+                    rec["blobs"] = dict(blobs)
+                c.set(_E + digest, rec)
 
-    def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str]) -> None:
+    def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
+                   counter: str = "hits", blobs: Mapping[str, int] | None = None) -> None:
         c = self.cache
         now = time.time()
         with c.transact():
@@ -83,10 +98,12 @@ class Index:
             if rec is None:
                 # Published by a process that died before indexing: heal the index here.
                 rec = {"size_bytes": size_bytes, "created": created, "hits": 0, "labels": labels}
+                if blobs is not None:
+                    rec["blobs"] = dict(blobs)
             rec["hits"] = int(rec.get("hits", 0)) + 1
             rec["last_used"] = now
             c.set(_E + digest, rec)
-            c.incr(_C + "hits")
+            c.incr(_C + counter)
 
     def remove(self, digest: str) -> None:
         self.cache.delete(_E + digest)
@@ -96,19 +113,36 @@ class Index:
         return None if rec is None else _info(digest, rec)
 
     def records(self) -> Iterator[EntryInfo]:
+        for info, _ in self.items():
+            yield info
+
+    def items(self) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
+        """Each record with its blob map (None for records written before blob maps)."""
         c = self.cache
         for k in list(c.iterkeys()):
             if isinstance(k, str) and k.startswith(_E):
                 rec = c.get(k)
                 if rec is not None:
-                    yield _info(k[len(_E) :], rec)
+                    blobs = rec.get("blobs")
+                    yield _info(k[len(_E) :], rec), (None if blobs is None else dict(blobs))
+
+    def set_blobs(self, blobs: Mapping[str, Mapping[str, int]]) -> None:
+        """Fill in the blob maps of existing records (read from their manifests)."""
+        c = self.cache
+        with c.transact():
+            for digest, held in blobs.items():
+                rec = c.get(_E + digest)
+                if rec is not None:
+                    rec["blobs"] = dict(held)
+                    c.set(_E + digest, rec)
 
     def digests(self) -> set[str]:
         return {
             k[len(_E) :] for k in self.cache.iterkeys() if isinstance(k, str) and k.startswith(_E)
         }
 
-    def replace_all(self, infos: list[EntryInfo]) -> None:
+    def replace_all(self, infos: list[EntryInfo],
+                    blobs: Mapping[str, Mapping[str, int]] | None = None) -> None:
         """Rebuild records from ``infos`` (from manifests), keeping known usage data."""
         c = self.cache
         with c.transact():
@@ -117,16 +151,16 @@ class Index:
                 c.delete(k)
             for i in infos:
                 prev = old.get(i.key)
-                c.set(
-                    _E + i.key,
-                    {
-                        "size_bytes": i.size_bytes,
-                        "created": i.created,
-                        "last_used": prev.last_used if prev else i.created,
-                        "hits": prev.hits if prev else 0,
-                        "labels": i.labels,
-                    },
-                )
+                rec: dict[str, Any] = {
+                    "size_bytes": i.size_bytes,
+                    "created": i.created,
+                    "last_used": prev.last_used if prev else i.created,
+                    "hits": prev.hits if prev else 0,
+                    "labels": i.labels,
+                }
+                if blobs is not None and i.key in blobs:
+                    rec["blobs"] = dict(blobs[i.key])
+                c.set(_E + i.key, rec)
 
     # -- counters --------------------------------------------------------------
     def incr(self, name: str, delta: int = 1) -> None:

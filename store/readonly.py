@@ -41,8 +41,11 @@ class ReadOnlyStore:
     def max_size(self) -> int:
         return self.inner.max_size
 
-    def _refuse(self, what: str) -> ReadOnlyStoreError:
+    def refusal(self, what: str) -> ReadOnlyStoreError:
+        """The error a write ``what`` ("purge entries"...) raises; says why it is read-only."""
         return ReadOnlyStoreError(f"cannot {what}: cache {self.root} is read-only ({self.why})")
+
+    _refuse = refusal
 
     # -- reads: no hit recording, no quarantine (both would write) --------------------
     def get(self, key: Key | str) -> Hit | Miss:
@@ -120,6 +123,9 @@ class ReadOnlyStore:
 
     def purge(self, **_: Any) -> list[EntryInfo]:
         raise self._refuse("purge entries")
+
+    def purge_plan(self, **kw: Any) -> tuple[list[EntryInfo], list[EntryInfo]]:
+        return self.inner.purge_plan(**kw)  # only lists: what a purge would do
 
     def zero_stats(self) -> None:
         raise self._refuse("zero statistics")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import store.disk
+import store.fsutil
 from store import Store, make_key, open_store
 
 
@@ -201,3 +202,86 @@ def test_explain_names_the_guards_two_variants_differ_in(tmp_path: Path,
                  a.key[:12], b.key[:12])
     assert json.loads(j.stdout)["guards"] == [["self.cfg.act == 'relu'",
                                                "self.cfg.act == 'silu'"]]
+
+
+@pytest.mark.parametrize("verb", [("ls",), ("ls", "--json"), ("verify",), ("stats",),
+                                  ("stats", "--json"), ("show", "abcd"), ("explain", "abcd"),
+                                  ("gc",), ("purge", "--all", "--yes")])
+def test_a_missing_cache_dir_is_an_error_and_not_created(
+        tmp_path: Path, child_env: dict[str, str], verb: tuple[str, ...]) -> None:
+    typo = tmp_path / "cahce"
+    p = cachectl(child_env, *verb, "--cache-dir", str(typo))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "no cache" in p.stderr and str(typo) in p.stderr and "Traceback" not in p.stderr
+    assert not typo.exists()
+
+
+def test_verify_reports_a_symlinked_fan_out_dir(cache: Store, tmp_path: Path,
+                                                child_env: dict[str, str]) -> None:
+    import shutil
+
+    k = _key(cache, model="mlp")
+    shard = cache.entry_dir(k).parent
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(shard, outside)
+    store.fsutil.rmtree_quiet(shard)
+    shard.symlink_to(outside, target_is_directory=True)
+    p = cachectl(child_env, "verify", "--cache-dir", str(cache.root))
+    assert p.returncode == 1 and str(shard) in p.stdout and "symlink" in p.stdout, p.stdout
+    rows = json.loads(cachectl(child_env, "ls", "--json", "--cache-dir", str(cache.root)).stdout)
+    assert k not in {r["key"] for r in rows}
+    p = cachectl(child_env, "show", k, "--cache-dir", str(cache.root))
+    assert p.returncode != 0 and k not in p.stdout
+
+
+def test_stats_count_what_ls_lists(tmp_path: Path, child_env: dict[str, str]) -> None:
+    # A cache_compile'd method publishes its entry; with a sharing backend it also
+    # publishes the graph's program as an internal entry (labels kind=graph), looked up
+    # by every rank. stats must count the user's entries and lookups, as ls shows them.
+    st = open_store(tmp_path / "cache")
+    user = make_key({"model": "M", "fn": "forward"})
+    graph = make_key({"kind": "graph", "graph": "g" * 32})
+    st.put(user, {"a": b"user"}, labels={"model": "M", "function": "forward"})
+    st.put(graph, {"p": b"graph"}, labels={"kind": "graph", "function": "(shared graph)"})
+    st.get(user)
+    st.get(graph)
+    st.get(graph)
+    st.get(make_key({"kind": "graph", "graph": "h" * 32}))  # a graph nobody compiled yet
+    st.get(make_key({"model": "M", "fn": "other"}))
+    d = str(st.root)
+    rows = json.loads(cachectl(child_env, "ls", "--json", "--cache-dir", d).stdout)
+    s = json.loads(cachectl(child_env, "stats", "--json", "--cache-dir", d).stdout)
+    assert s["entries"] == len(rows) == 1
+    assert (s["hits"], s["misses"]) == (1, {"absent": 1})
+    assert s["shared_graphs"] == {"entries": 1, "hits": 2, "misses": {"absent": 1}}
+    assert s["bytes"] == len(b"user") + len(b"graph")  # disk use and the cap: everything
+    p = cachectl(child_env, "stats", "--cache-dir", d)
+    assert p.returncode == 0 and "50.0%" in p.stdout and "shared graphs" in p.stdout
+
+
+def test_purge_keeps_pinned_entries(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    k = _key(cache, model="mlp")
+    pin = cache.pin(k)  # a live process holds it
+    p = cachectl(child_env, "purge", "--all", "--yes", "--cache-dir", d)
+    assert p.returncode == 0, p.stderr
+    assert "removed 2 entries" in p.stdout and "kept 1 pinned" in p.stdout
+    assert list(cache.digests()) == [k]
+    p = cachectl(child_env, "purge", "--all", "--dry-run", "--cache-dir", d)
+    assert "nothing to purge" in p.stdout and "kept 1 pinned" in p.stdout
+    p = cachectl(child_env, "purge", "--all", "--yes", "--include-pinned", "--cache-dir", d)
+    assert p.returncode == 0 and "removed 1 entries" in p.stdout
+    assert list(cache.digests()) == []
+    pin.release()
+
+
+def test_readonly_env_makes_write_verbs_fail(cache: Store, child_env: dict[str, str]) -> None:
+    d = str(cache.root)
+    env = dict(child_env, CACHECOMPILE_READONLY="1")
+    assert cachectl(env, "ls", "--cache-dir", d).returncode == 0
+    assert cachectl(env, "verify", "--cache-dir", d).returncode == 0
+    for verb in (("gc",), ("purge", "--all", "--yes"), ("stats", "--zero"), ("verify", "--fix")):
+        p = cachectl(env, *verb, "--cache-dir", d)
+        assert p.returncode == 5, (verb, p.stdout, p.stderr)
+        assert "read-only" in p.stderr and "CACHECOMPILE_READONLY" in p.stderr
+    assert len(list(cache.digests())) == 3

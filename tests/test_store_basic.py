@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import store.disk
+import store.fsutil
 from store import Hit, Miss, ReadOnlyStore, Store, errors, make_key, open_store
 
 
@@ -344,3 +345,111 @@ def test_sweep_removes_dead_and_old_temp_dirs(st: Store) -> None:
     young_foreign.mkdir()
     assert st.sweep_temp() == 2
     assert sorted(p.name for p in tmp.iterdir()) == sorted([mine.name, young_foreign.name])
+
+
+# -- symlinked directories inside the root -------------------------------------------
+def _swap_for_link(real: Path, outside: Path) -> None:
+    """Move ``real`` out of the cache (a whole, valid copy) and leave a symlink to it."""
+    import shutil
+
+    shutil.copytree(real, outside, symlinks=True)
+    store.fsutil.rmtree_quiet(real)
+    real.symlink_to(outside, target_is_directory=True)
+
+
+@pytest.mark.parametrize("where", ["data", "shard", "entries"])
+def test_lookup_through_a_symlinked_parent_is_refused(
+        st: Store, tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture) -> None:
+    key = make_key({"link": where})
+    e = st.put(key, {"a": b"inside", "sub/b": b"more"})
+    link = {"data": e.path / "data", "shard": e.path.parent,
+            "entries": st.root / "v1" / "entries"}[where]
+    outside = tmp_path / "elsewhere" / link.name
+    outside.parent.mkdir()
+    _swap_for_link(link, outside)
+    # verify first (a fresh handle, as cachectl would be): a lookup quarantines a bad entry.
+    report = open_store(st.root).verify()
+    assert not report.ok and any("symlink" in why for _, why in report.problems)
+    _forget_verification()
+    with caplog.at_level(logging.WARNING, logger="store"):
+        r = st.get(key)
+        assert isinstance(r, Miss) and r.kind == "insecure" and "symlink" in r.reason
+        assert isinstance(st.peek(key), Miss)
+    warned = [rec.getMessage() for rec in caplog.records]
+    assert len(warned) == 1 and str(link) in warned[0], warned
+    # Whatever lies behind the link is never moved, opened as an entry, or deleted.
+    assert outside.is_dir() and any(p.is_file() for p in outside.rglob("*"))
+    if where != "data":  # a link above the entry: the entry is not listed at all
+        assert key.digest not in {i.key for i in st.entries()}
+
+
+def test_a_symlinked_layout_dir_is_never_written_through(st: Store, tmp_path: Path) -> None:
+    blobs = st.root / "v1" / "blobs"
+    outside = tmp_path / "elsewhere"
+    _swap_for_link(blobs, outside)
+    with pytest.raises(errors.InsecureStoreError, match="symlink"):
+        st.put(make_key({"w": 1}), {"a": b"never written outside"})
+    assert list(outside.rglob("*")) == []
+    (outside / "zz").mkdir()
+    (outside / "zz" / "victim").write_bytes(b"not ours")
+    st.gc(max_size=0)  # gc sweeps blobs: never through the link
+    assert (outside / "zz" / "victim").exists()
+    assert not st.verify().ok
+
+
+def test_a_symlinked_v1_is_refused_at_open(st: Store, tmp_path: Path) -> None:
+    _swap_for_link(st.root / "v1", tmp_path / "elsewhere")
+    with pytest.raises(errors.InsecureStoreError, match="symlink"):
+        open_store(st.root)
+
+
+# -- physical sizes under dedup ------------------------------------------------------
+def test_cap_counts_shared_blobs_once(st: Store) -> None:
+    shared = os.urandom(10_000)
+    a = st.put(make_key({"i": 1}), {"w.bin": shared, "own": b"a" * 100})
+    b = st.put(make_key({"i": 2}), {"w.bin": shared, "own": b"b" * 100})
+    s = st.stats()
+    assert (s["bytes"], s["logical_bytes"]) == (10_200, 20_200)
+    # Both fit in 12 kB on disk: nothing is evicted, although the logical sum is 20 kB.
+    r = st.gc(max_size=12_000)
+    assert r.evicted == [] and r.bytes_before == r.bytes_after == 10_200
+    assert {i.key for i in st.entries()} == {a.key, b.key}
+    # Below that, one goes, and only its own bytes are freed (the shared blob stays).
+    r = st.gc(max_size=10_150)
+    assert len(r.evicted) == 1 and r.freed_bytes == 100 and r.bytes_after == 10_100
+    assert st.stats()["bytes"] == 10_100
+
+
+def test_byte_counter_is_physical(st: Store) -> None:
+    shared = os.urandom(5_000)
+    st.put(make_key({"i": 1}), {"w.bin": shared})
+    e2 = st.put(make_key({"i": 2}), {"w.bin": shared})
+    assert st.index.counter("bytes") == 5_000
+    st.delete(e2.key)
+    assert st.index.counter("bytes") == 5_000  # the first entry still holds the blob
+
+
+# -- CACHECOMPILE_READONLY -----------------------------------------------------------
+def test_readonly_env_is_decided_by_open_store(st: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_key({"i": 1})
+    st.put(key, {"a": b"x"})
+    monkeypatch.setenv("CACHECOMPILE_READONLY", "1")
+    ro = open_store(st.root)
+    assert isinstance(ro, ReadOnlyStore) and "CACHECOMPILE_READONLY" in ro.why
+    assert isinstance(ro.get(key), Hit)
+    with pytest.raises(errors.ReadOnlyStoreError):
+        ro.put(make_key({"i": 2}), {"a": b"y"})
+    monkeypatch.setenv("CACHECOMPILE_READONLY", "0")
+    assert isinstance(open_store(st.root), Store)
+
+
+def test_missing_root_is_not_created_when_asked(tmp_path: Path) -> None:
+    with pytest.raises(errors.StoreNotFound, match="no cache"):
+        open_store(tmp_path / "typo", create=False)
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(errors.StoreNotFound):
+        open_store(tmp_path / "empty", create=False)
+    assert list((tmp_path / "empty").iterdir()) == []
+    open_store(tmp_path / "real")
+    assert isinstance(open_store(tmp_path / "real", create=False), Store)

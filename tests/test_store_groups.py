@@ -10,7 +10,7 @@ from pathlib import Path
 import store
 from store.cli import group_status
 from store.outcomes import EntryInfo
-from store.policy import expand_groups, lru_evictions, older_than
+from store.policy import expand_groups, lru_evictions, older_than, physical_size, split_pinned
 
 
 def info(key: str, group: str | None, last_used: float, size: int = 10,
@@ -75,3 +75,42 @@ def test_cachectl_ls_shows_groups(tmp_path: Path) -> None:
                                     "--cache-dir", str(tmp_path / "s")], capture_output=True,
                                    text=True, timeout=60).stdout)
     assert js[0]["labels"]["group"] == "G" * 16
+
+
+def test_physical_sizes_count_each_shared_blob_once() -> None:
+    a, b, c = info("a", None, 1.0, size=110), info("b", None, 2.0, size=110), info("c", None, 3.0, size=5)
+    blobs = {"a": {"w": 100, "x": 10}, "b": {"w": 100, "y": 10}, "c": {"z": 5}}
+    assert physical_size([a, b, c], blobs) == 125
+    assert physical_size([a, b, c]) == 225  # without blob maps: logical
+    # Logically 225 > 200 would evict a; physically everything fits.
+    assert lru_evictions([a, b, c], max_size=200, blobs=blobs) == []
+    # Evicting a frees only its own 10 bytes: that is enough for a cap of 115.
+    assert [e.key for e in lru_evictions([a, b, c], max_size=115, blobs=blobs)] == ["a"]
+    assert [e.key for e in lru_evictions([a, b, c], max_size=100, blobs=blobs)] == ["a", "b"]
+
+
+def test_split_pinned_keeps_whole_groups() -> None:
+    a0, a1 = info("a0", "A", 1.0), info("a1", "A", 2.0, rank="1")
+    b0 = info("b0", "B", 3.0)
+    goes, kept = split_pinned([a0, a1, b0], pinned={"a1"})
+    assert [e.key for e in goes] == ["b0"] and [e.key for e in kept] == ["a0", "a1"]
+
+
+def test_purge_keeps_pinned_entries_and_their_group(tmp_path: Path) -> None:
+    st = store.open_store(tmp_path / "s")
+    assert isinstance(st, store.Store)
+    ranks = [st.put(store.make_key({"f": "x", "rank": r}), {"k.bin": r.encode()},
+                    labels={"group": "G" * 16, "group_size": "2", "global_rank": r})
+             for r in ("0", "1")]
+    other = st.put(store.make_key({"f": "y"}), {"k.bin": b"other"}, labels={"model": "other"})
+    pin = st.pin(ranks[1])
+    goes, kept = st.purge_plan(all=True)
+    assert [i.key for i in goes] == [other.key]
+    assert sorted(i.key for i in kept) == sorted(e.key for e in ranks)
+    gone = st.purge(all=True)
+    assert [i.key for i in gone] == [other.key]
+    assert sorted(i.key for i in st.entries()) == sorted(e.key for e in ranks)
+    gone = st.purge(keys=[ranks[0].key], include_pinned=True)
+    assert sorted(i.key for i in gone) == sorted(e.key for e in ranks)
+    assert list(st.entries()) == []
+    pin.release()
