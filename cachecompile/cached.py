@@ -50,20 +50,19 @@ from .signature import Signature, describe, requires_grad, signature, to_json, v
 logger = logging.getLogger(__name__)
 
 BYTECODE_FILE = "bytecode.bin"
-_stores: dict[tuple[str | None, bool], Any] = {}
+_stores: dict[str, Any] = {}
 _stores_lock = threading.Lock()
 
 
 def _open_store(cache_dir: str | None) -> Any:
-    """One store object per root and process (opening sweeps temp dirs: do it once)."""
-    readonly = os.environ.get("CACHECOMPILE_READONLY", "").lower() in ("1", "true", "yes")
+    """One store object per root and process (opening sweeps temp dirs: do it once).
+    ``open_store`` decides read-only (``CACHECOMPILE_READONLY``), as it does for cachectl."""
     root = cache_dir if cache_dir is not None else str(store_pkg.default_root())
     with _stores_lock:
-        k = (root, readonly)
-        st = _stores.get(k)
+        st = _stores.get(root)
         if st is None:
-            st = store_pkg.open_store(root, readonly=readonly)
-            _stores[k] = st
+            st = store_pkg.open_store(root)
+            _stores[root] = st
         return st
 
 
