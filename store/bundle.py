@@ -405,8 +405,8 @@ def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
         trust = Trust(key=env.key, accept_unsigned=True)
     report = BundleReport()
     t0 = time.perf_counter()
-    staging = Path(st.root) / "v1" / "tmp" / temp_name("import")
-    staging.mkdir(mode=0o700, parents=True)
+    # Through the store's check: a symlinked tmp/ would stage the archive outside it.
+    staging = st.staging_dir("import", mode=0o700)
     try:
         with open(src, "rb") as raw:
             head = raw.read(4)

@@ -62,9 +62,11 @@ def _remote(url: str | None) -> RedisRemote:
     return r
 
 
-def _local(cache_dir: str | None) -> Any:
+def _local(cache_dir: str | None, *, create: bool) -> Any:
     # The local store alone: these verbs move entries between the tiers explicitly.
-    return open_store(cache_dir, remote="")
+    # Verbs that only read it never create it (as store.cli does): on a mistyped
+    # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
+    return open_store(cache_dir, remote="", create=create)
 
 
 @contextlib.contextmanager
@@ -202,7 +204,7 @@ def register(cli: click.Group) -> None:
         fleet's key to repair such records. Without a key, signed records stay as they are.
         """
         r = _remote(remote_url)
-        st = _local(cache_dir)
+        st = _local(cache_dir, create=False)
         infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                           st.resolve)
         sent = have = repaired = kept = 0
@@ -239,7 +241,7 @@ def register(cli: click.Group) -> None:
                  label: tuple[str, ...], model: str | None, function: str | None) -> None:
         """Download remote entries (verified, then published): all, or those selected."""
         r = _remote(remote_url)
-        local = _local(cache_dir)
+        local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
         if local.readonly:
             raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
         st = TieredStore(local, r)
@@ -268,7 +270,7 @@ def register(cli: click.Group) -> None:
     def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
                    label: tuple[str, ...], model: str | None, function: str | None) -> None:
         """Write entries to a bundle OUT: .tar.zst, .tar.gz or .tar; all, or those selected."""
-        st = _local(cache_dir)
+        st = _local(cache_dir, create=False)
         infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                           st.resolve)
         if not infos:
@@ -283,7 +285,7 @@ def register(cli: click.Group) -> None:
     @click.argument("src", type=click.Path(dir_okay=False, exists=True))
     def import_cmd(cache_dir: str | None, src: str) -> None:
         """Verify every entry of SRC, then publish them all (nothing if anything fails)."""
-        st = _local(cache_dir)
+        st = _local(cache_dir, create=True)  # importing into a new cache makes it
         with _progress("import", Path(src).stat().st_size) as advance:
             rep = import_bundle(st, src, progress=advance)
         click.echo(f"imported {len(rep.entries)} entries ({human_size(rep.bytes)}) into "

@@ -4,7 +4,7 @@ Layout under ``<root>/v1/`` (see docs/store.md)::
 
     entries/<d[:2]>/<digest>/manifest.json    the truth about an entry
     entries/<d[:2]>/<digest>/data/<name>      hard links into blobs/
-    blobs/<c[:2]>/<xxh3>                      one inode per distinct file content
+    blobs/<c[:2]>/<xxh3>[.x]                  one inode per distinct content and mode
     tmp/                                      staging; swept when stale
     quarantine/                               entries that failed verification
     locks/  pins/  index/                     filelocks, leases, diskcache index
@@ -59,7 +59,7 @@ from .policy import older_than as _older_than
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Store", "Pin", "FORMAT_DIR", "DEFAULT_MAX_SIZE", "TEMP_GRACE_S"]
+__all__ = ["Store", "Pin", "FORMAT_DIR", "DEFAULT_MAX_SIZE", "TEMP_GRACE_S", "counter_scope"]
 
 FORMAT_DIR = "v1"
 DEFAULT_MAX_SIZE = 10 * 1024**3
@@ -105,16 +105,23 @@ def _link_error(path: Path, what: str) -> errors.InsecureStoreError:
                                      errors.LINK_HINT)
 
 
+def _blob_name(cs: str, executable: bool) -> str:
+    """The blob file of content ``cs``: executable content has its own, ``<cs>.x``."""
+    return f"{cs}.x" if executable else cs
+
+
 def _blob_map(manifest: Mapping[str, Any]) -> dict[str, int]:
     """Content checksum -> size of an entry's files: what it holds in blobs/."""
     return {str(r["xxh3_128"]): int(r["size"]) for r in manifest["files"].values()}
 
 
-def _scope(key: Key | str, labels: Mapping[str, str] | None = None) -> str:
+def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> str:
     """Counter prefix of a lookup: shared graphs are counted apart from the user's entries.
 
     A hit knows its labels; a miss knows only the key, whose factors say ``kind=graph``
     for shared graphs (cachecompile/coop.py sets the factor and the label together).
+    Whoever adjusts a lookup's counters later (store.tiered) asks here too, so that it
+    undoes exactly the counter the lookup moved.
     """
     if labels is None:
         labels = {"kind": str(key.factors.get("kind"))} if isinstance(key, Key) else {}
@@ -235,6 +242,17 @@ class Store:
         if found is not None:
             raise _link_error(*found)
         return self.base.joinpath(*parts)
+
+    def staging_dir(self, kind: str, tag: str = "", *, mode: int | None = None) -> Path:
+        """Create a fresh directory under ``tmp/`` to stage a write in (swept when stale).
+
+        Raises InsecureStoreError if ``v1/`` or ``tmp/`` is not a real directory: what is
+        staged is then linked and renamed into the store, and through a link it would be
+        written (and later swept) outside it. ``mode`` defaults to the store's dir mode.
+        """
+        path = self._real("tmp") / temp_name(kind, tag)
+        path.mkdir(mode=self._dir_mode if mode is None else mode)
+        return path
 
     def _warn_link(self, path: Path, what: str) -> None:
         """Warn that ``path`` is ``what`` (a symlink...) and is not followed."""
@@ -376,9 +394,9 @@ class Store:
                 logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
                 self._index_safely("corruptions", lambda: self.index.incr("corruptions"))
                 self.quarantine(digest, b.reason)
-            self._count_miss(b.kind, _scope(key))
+            self._count_miss(b.kind, counter_scope(key))
             return Miss(reason=b.reason, kind=b.kind)
-        counter = _scope(key, entry.labels) + "hits"
+        counter = counter_scope(key, entry.labels) + "hits"
         self._index_safely(
             "hit",
             lambda: self.index.record_hit(digest, entry.size_bytes, entry.created, entry.labels,
@@ -462,10 +480,12 @@ class Store:
             return None
 
     # -- publish -------------------------------------------------------------------
-    def _blob_path(self, cs: str) -> Path:
+    def _blob_path(self, cs: str, executable: bool) -> Path:
+        # The mode is part of the blob's identity: entries share the blob's inode, and so
+        # its mode, so an executable file and a plain one with the same bytes need two.
         # Checked before the blob is looked at: through a symlinked shard, an outside
         # file of the right size would be hard-linked into the entry as "ours".
-        return self._real("blobs", cs[:2]) / cs
+        return self._real("blobs", cs[:2]) / _blob_name(cs, executable)
 
     def _store_blob(self, src: bytes | os.PathLike[str] | str,
                     executable: bool) -> tuple[Path, int, str, bool]:
@@ -476,8 +496,8 @@ class Store:
         if isinstance(src, (bytes, bytearray, memoryview)):
             data = bytes(src)
             size, cs = len(data), xxhash.xxh3_128_hexdigest(data)
-            blob = self._blob_path(cs)
-            if self._blob_ok(blob, size):
+            blob = self._blob_path(cs, executable)
+            if self._blob_ok(blob, size, executable):
                 return blob, size, cs, False
             write_new_file(tmp, [data], mode)
         else:
@@ -495,32 +515,40 @@ class Store:
             write_new_file(tmp, chunks(), mode)
             cs = h.hexdigest()
             try:
-                blob = self._blob_path(cs)
+                blob = self._blob_path(cs, executable)
             except errors.InsecureStoreError:
                 os.unlink(tmp)
                 raise
-            if self._blob_ok(blob, size):
+            if self._blob_ok(blob, size, executable):
                 os.unlink(tmp)
                 return blob, size, cs, False
         fresh = True
         try:
             blob.parent.mkdir(mode=self._dir_mode, exist_ok=True)
             self._real("blobs", cs[:2])  # a link may have appeared in its place meanwhile
-            os.link(tmp, blob)
-        except FileExistsError:
-            fresh = False  # another writer stored the same content first: same bytes
+            try:
+                os.link(tmp, blob)
+            except FileExistsError:
+                if self._blob_ok(blob, size, executable):
+                    fresh = False  # another writer stored the same content first
+                else:
+                    # Stores written before the mode was in the name hold plain names
+                    # of either mode. Entries keep their links to the old inode; the
+                    # name now gives this mode, for this entry and those after it.
+                    os.replace(tmp, blob)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         return blob, size, cs, fresh
 
     @staticmethod
-    def _blob_ok(blob: Path, size: int) -> bool:
+    def _blob_ok(blob: Path, size: int, executable: bool) -> bool:
         try:
             st = os.lstat(blob)
         except FileNotFoundError:
             return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == size
+        return (stat.S_ISREG(st.st_mode) and st.st_size == size
+                and bool(st.st_mode & stat.S_IXUSR) == executable)
 
     def _link_in(self, src: bytes | os.PathLike[str] | str, dst: Path,
                  executable: bool) -> tuple[int, str, int]:
@@ -576,12 +604,11 @@ class Store:
     ) -> Entry:
         digest = key.digest
         # Everything below is written through these: none may lead out of the store.
-        staging = self._real("tmp") / temp_name("put", digest)
         self._real("blobs")
         self._real("entries")
+        staging = self.staging_dir("put", digest)
         new_bytes = 0
         try:
-            staging.mkdir(mode=self._dir_mode)
             data = staging / DATA
             data.mkdir(mode=self._dir_mode)
             recs: dict[str, dict[str, Any]] = {}
@@ -735,11 +762,13 @@ class Store:
             m = json.loads((dst / MANIFEST).read_bytes())
             for name, rec in m.get("files", {}).items():
                 cs = str(rec.get("xxh3_128", ""))
-                blob = self._blobs / cs[:2] / cs
-                with contextlib.suppress(OSError):
-                    if (len(cs) == 32 and self._link_on_path("blobs", cs[:2]) is None
-                            and os.path.samefile(blob, dst / DATA / validate_name(name))):
-                        os.unlink(blob)
+                if len(cs) != 32 or self._link_on_path("blobs", cs[:2]) is not None:
+                    continue
+                for executable in (False, True):
+                    blob = self._blobs / cs[:2] / _blob_name(cs, executable)
+                    with contextlib.suppress(OSError):
+                        if os.path.samefile(blob, dst / DATA / validate_name(name)):
+                            os.unlink(blob)
 
         def unindex() -> None:
             self.index.remove(digest)

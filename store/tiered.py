@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
-from .disk import Store
-from .fsutil import rmtree_quiet, temp_name
+from .disk import Store, counter_scope
+from .fsutil import rmtree_quiet
 from .keys import Key
 from .outcomes import Entry, Hit, Miss
 from .readonly import ReadOnlyStore
@@ -45,19 +45,22 @@ __all__ = ["TieredStore", "ReadOnlyTieredStore", "Uploader", "hit_split", "wrap"
 
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
-REMOTE_HITS = "hits:remote"  # index counter: hits served by a download (cachectl stats)
+# Index counter: hits served by a download (cachectl stats); a shared graph's goes under
+# the graph scope, as its hits do (store.disk.counter_scope).
+REMOTE_HITS = "hits:remote"
 
-# (remote, digest, reason) already warned about: one lookup looks an entry up several
+# (remote, subject, message) already warned about: one lookup looks an entry up several
 # times (its meta, then its variant, then a free variant slot), and every cache_compile'd
 # function opens its own store, but a refused entry is one fact for the log.
 _refusals: set[tuple[str, str, str]] = set()
 _refusals_lock = threading.Lock()
 
 
-def _warn_refused(remote: RedisRemote, digest: str, message: str) -> None:
+def _warn_once(remote: RedisRemote, subject: str, message: str) -> None:
+    """Warn ``message`` about ``subject`` (an entry's digest, a local path) once per process."""
     with _refusals_lock:
-        first = (remote.config.display, digest, message) not in _refusals
-        _refusals.add((remote.config.display, digest, message))
+        first = (remote.config.display, subject, message) not in _refusals
+        _refusals.add((remote.config.display, subject, message))
     if first:
         logger.warning("%s", message)
     else:
@@ -173,10 +176,11 @@ class _RemoteSide:
         """Download ``digest`` into ``target`` and return its local Hit; None on any failure."""
         if not self.remote.available:
             return None
-        staging = target.base / "tmp" / temp_name("remote", digest)
+        staging: Path | None = None
         t0 = time.perf_counter()
         try:
-            staging.mkdir(mode=0o700, parents=True)
+            # Private (0700) even in a shared cache: the files are checked, then put.
+            staging = target.staging_dir("remote", digest, mode=0o700)
             rec = self.remote.download(digest, staging)
             if rec is None:
                 return None
@@ -195,20 +199,26 @@ class _RemoteSide:
                                                            "manifest's XXH3-128")
         except errors.RemoteError:
             return None  # the breaker logged it
+        except errors.InsecureStoreError as e:
+            # Our own store refuses the write (a symlinked tmp/, blobs/...): the remote
+            # entry is not at fault, so it is neither refused nor ours to replace.
+            _warn_once(self.remote, str(e.path), f"not downloading remote entries: {e}")
+            return None
         except errors.UntrustedEntryError as e:
             # Our own upload may replace it; store.remote decides whether it really may.
             self._replace.add(digest)
-            _warn_refused(self.remote, digest, f"remote {e}")
+            _warn_once(self.remote, digest, f"remote {e}")
             return None
         except errors.StoreError as e:  # corrupt remote entry, or the local put failed
             self._replace.add(digest)
-            _warn_refused(self.remote, digest, f"remote entry {digest} refused: {e}")
+            _warn_once(self.remote, digest, f"remote entry {digest} refused: {e}")
             return None
         except OSError as e:
             logger.warning("downloading remote entry %s failed: %s", digest, e)
             return None
         finally:
-            rmtree_quiet(staging)
+            if staging is not None:
+                rmtree_quiet(staging)
         self.remote_hits += 1
         logger.info("remote hit %s: downloaded %d bytes in %.1f ms", digest[:12],
                     rec.size_bytes, (time.perf_counter() - t0) * 1e3)
@@ -242,10 +252,13 @@ class TieredStore(_RemoteSide, Store):
         hit = self._fetch_into(self, key, digest)
         if hit is None:
             return local
+
         def count() -> None:
-            self.index.incr(REMOTE_HITS)
+            self.index.incr(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
             if local.kind == "absent":
-                self.index.incr("miss:absent", -1)  # it was a hit after all, one tier down
+                # It was a hit after all, one tier down: take back the very counter that
+                # Store.get moved (a shared graph's miss is not the user's).
+                self.index.incr(counter_scope(key) + "miss:absent", -1)
 
         self._index_safely("remote hit", count)
         return hit

@@ -285,3 +285,24 @@ def test_readonly_env_makes_write_verbs_fail(cache: Store, child_env: dict[str, 
         assert p.returncode == 5, (verb, p.stdout, p.stderr)
         assert "read-only" in p.stderr and "CACHECOMPILE_READONLY" in p.stderr
     assert len(list(cache.digests())) == 3
+
+
+def test_import_refuses_a_symlinked_tmp_before_staging(cache: Store, tmp_path: Path,
+                                                       child_env: dict[str, str]) -> None:
+    bundle = tmp_path / "warm.tar"
+    p = cachectl(child_env, "export", str(bundle), "--cache-dir", str(cache.root))
+    assert p.returncode == 0, p.stderr
+    dst = open_store(tmp_path / "dst")
+    tmp = dst.root / "v1" / "tmp"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    tmp.rmdir()
+    tmp.symlink_to(outside, target_is_directory=True)
+    before = os.stat(outside).st_mtime_ns
+    p = cachectl(child_env, "import", str(bundle), "--cache-dir", str(dst.root))
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    assert str(tmp) in p.stderr and "symlink" in p.stderr and "Traceback" not in p.stderr
+    # Refused before the archive is staged: nothing was ever created (even briefly)
+    # in the directory the link points at.
+    assert list(outside.iterdir()) == [] and os.stat(outside).st_mtime_ns == before
+    assert list(dst.digests()) == []

@@ -379,6 +379,18 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     assert p.returncode == 7 and "Connection refused" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("verb", [("push",), ("export", "out.tar")])
+def test_cachectl_verbs_that_read_the_local_store_never_create_it(
+        tmp_path: Path, srv: RedisServer, child_env: dict[str, str], verb: tuple[str, ...]) -> None:
+    env = dict(child_env, CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_SIGNING_KEY=KEY_A)
+    typo = tmp_path / "cahce"
+    args = [str(tmp_path / a) if a.endswith(".tar") else a for a in verb]
+    p = cachectl(env, *args, "--cache-dir", str(typo))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"no cache at {typo}" in p.stderr and "Traceback" not in p.stderr
+    assert not typo.exists() and not (tmp_path / "out.tar").exists()
+
+
 # -- signed records are never replaced by a node that cannot vouch for them -------------
 def _record_bytes(srv: RedisServer, key: store.Key) -> bytes | None:
     client: Any = srv.client()
@@ -515,6 +527,68 @@ def test_executable_bit_survives_the_remote(tmp_path: Path, srv: RedisServer,
     assert hit.entry.files["bin/run.sh"].stat().st_mode & 0o777 == 0o500
     assert hit.entry.files["data.bin"].stat().st_mode & 0o777 == 0o400
     assert os.access(hit.entry.files["bin/run.sh"], os.X_OK)
+
+
+def test_a_remote_hit_on_a_shared_graph_moves_the_graph_counters(
+        tmp_path: Path, srv: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shared graphs (key factor and label kind=graph) are counted apart from the user's
+    # entries; a hit one tier down must take back the graph's miss, not the user's.
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    a = tiered(tmp_path / "a", srv.url())
+    user = make_key({"model": "M", "fn": "forward"})
+    graph = make_key({"kind": "graph", "graph": "g" * 32})
+    a.put(user, {"a": b"user"}, labels={"model": "M", "function": "forward"})
+    a.put(graph, {"p": b"graph"}, labels={"kind": "graph", "function": "(shared graph)"})
+    assert a.flush(10)
+    b = tiered(tmp_path / "b", srv.url())
+    assert isinstance(b.get(graph), Hit)
+    s = b.stats()
+    assert s["misses"].get("absent", 0) == 0, s
+    assert s["shared_graphs"]["misses"].get("absent", 0) == 0, s
+    assert s["shared_graphs"]["hits"] == 1
+    # Nor is the download one of the user's remote hits (hits_local = hits - remote).
+    assert (s["hits"], s["hits_local"], s["hits_remote"]) == (0, 0, 0), s
+    assert isinstance(b.get(user), Hit)
+    s = b.stats()
+    assert (s["hits"], s["hits_local"], s["hits_remote"]) == (1, 0, 1), s
+    assert s["misses"].get("absent", 0) == 0, s
+
+
+def test_a_symlinked_local_tmp_refuses_downloads(tmp_path: Path, srv: RedisServer,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY_A)
+    key = make_key({"staged": 1})
+    a = tiered(tmp_path / "a", srv.url())
+    a.put(key, FILES)
+    assert a.flush(10)
+    b = tiered(tmp_path / "b", srv.url())
+    tmp = b.root / "v1" / "tmp"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    tmp.rmdir()
+    tmp.symlink_to(outside, target_is_directory=True)
+    downloads: list[str] = []
+    real_download = b.remote.download
+
+    def spy(digest: str, dest: Path, *args: Any, **kw: Any) -> Any:
+        downloads.append(str(dest))
+        return real_download(digest, dest, *args, **kw)
+
+    monkeypatch.setattr(b.remote, "download", spy)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            r = b.get(key)
+            assert isinstance(r, Miss) and r.kind == "absent"
+    # Refused before anything is fetched or written through the link...
+    assert downloads == [] and list(outside.iterdir()) == []
+    # ... said once, naming the link; the remote entry is not at fault, so this node
+    # does not take it as refused (its own upload gets no right to replace it).
+    warned = remote_warnings(caplog)
+    assert len(warned) == 1 and str(tmp) in warned[0] and "symlink" in warned[0], warned
+    assert "not downloading" in warned[0]
+    assert key.digest not in b._replace
+    assert b.stats()["misses"] == {"absent": 3}
 
 
 def test_purge_keeps_the_chunks_of_an_upload_in_flight(

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -427,6 +429,66 @@ def test_byte_counter_is_physical(st: Store) -> None:
     assert st.index.counter("bytes") == 5_000
     st.delete(e2.key)
     assert st.index.counter("bytes") == 5_000  # the first entry still holds the blob
+
+
+# -- the executable bit under dedup ------------------------------------------------------
+def _source(tmp_path: Path, name: str, data: bytes, mode: int) -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    p.chmod(mode)
+    return p
+
+
+def _cachectl_verify(root: Path, child_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "store.cli", "verify", "--cache-dir", str(root)],
+                          env=child_env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("first_executable", [False, True])
+def test_same_bytes_keep_each_entrys_mode(st: Store, tmp_path: Path, child_env: dict[str, str],
+                                          first_executable: bool) -> None:
+    # A launcher script and a plain copy of it: entries share a blob's inode and so its
+    # mode, so the second must not get the first one's.
+    data = b"#!/bin/sh\necho " + os.urandom(8).hex().encode() + b"\n"
+    mode_a, mode_b = (0o755, 0o644) if first_executable else (0o644, 0o755)
+    ka, kb = make_key({"exec": "a"}), make_key({"exec": "b"})
+    st.put(ka, {"run.sh": _source(tmp_path, "a.sh", data, mode_a)})
+    st.put(kb, {"run.sh": _source(tmp_path, "b.sh", data, mode_b)})
+    _forget_verification()
+    for key, mode in ((kb, mode_b), (ka, mode_a)):
+        r = st.get(key)
+        assert isinstance(r, Hit)
+        f = r.entry.files["run.sh"]
+        assert f.read_bytes() == data
+        assert os.access(f, os.X_OK) == bool(mode & 0o100), (key.factors, oct(f.stat().st_mode))
+        assert stat.S_IMODE(f.stat().st_mode) == (0o500 if mode & 0o100 else 0o400)
+    p = _cachectl_verify(st.root, child_env)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    # Same content in both modes is two inodes; each mode still dedups on its own.
+    kc = make_key({"exec": "c"})
+    c = st.put(kc, {"again.sh": _source(tmp_path, "c.sh", data, mode_b)})
+    assert os.path.samefile(c.files["again.sh"], st.entry_dir(kb.digest) / "data" / "run.sh")
+
+
+def test_a_blob_from_before_the_mode_was_its_identity(st: Store, tmp_path: Path,
+                                                      child_env: dict[str, str]) -> None:
+    # Stores written before held one blob per content under its plain name, in the
+    # mode of whichever entry stored it first: here an executable one.
+    data = os.urandom(300)
+    old = st.put(make_key({"old": 1}), {"tool": _source(tmp_path, "t", data, 0o755)})
+    blob_dir = st.root / "v1" / "blobs"
+    (blob,) = [b for b in blob_dir.rglob("*") if b.is_file()
+               and os.path.samefile(b, old.files["tool"])]
+    plain = blob.parent / blob.name.split(".")[0]
+    os.rename(blob, plain)
+    new = st.put(make_key({"new": 1}), {"tool": _source(tmp_path, "u", data, 0o644)})
+    assert not os.access(new.files["tool"], os.X_OK)
+    assert os.access(old.files["tool"], os.X_OK)  # the old entry keeps its own file
+    _forget_verification()
+    assert isinstance(st.get(make_key({"old": 1})), Hit)
+    assert isinstance(st.get(make_key({"new": 1})), Hit)
+    p = _cachectl_verify(st.root, child_env)
+    assert p.returncode == 0, (p.stdout, p.stderr)
 
 
 # -- CACHECOMPILE_READONLY -----------------------------------------------------------
