@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._torch import dynamo, runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program
 
@@ -41,11 +42,7 @@ def _globals_for(names: Sequence[str]) -> dict[str, Any]:
     g: dict[str, Any] = {"torch": torch, "inf": math.inf, "nan": math.nan,
                          "NoneType": type(None), "device": torch.device}
     if "fx_pytree" in names or "pytree" in names:
-        import torch.fx._pytree as fx_pytree
-        import torch.utils._pytree as pytree
-
-        g["fx_pytree"] = fx_pytree
-        g["pytree"] = pytree
+        g.update(runtime.pytree_modules())
     return g
 
 
@@ -74,21 +71,10 @@ class AotEagerAdapter:
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-
         if options:
             raise UnsupportedProgramError(f"aot_eager takes no options, got {sorted(options)}")
         captured: list[torch.fx.GraphModule] = []
-
-        def fw_compiler(fx_gm: torch.fx.GraphModule, ex: Sequence[Any]) -> Any:
-            captured.append(fx_gm)
-            return make_boxed_func(fx_gm.forward)
-
-        backend = aot_autograd(fw_compiler=fw_compiler,
-                               decompositions=dict(decompositions) if decompositions else {},
-                               keep_inference_input_mutations=True)
-        live = backend(gm, example_inputs)
+        live = dynamo.aot_inference(captured.append, decompositions)(gm, example_inputs)
         n_inputs = len(example_inputs)
 
         def program() -> Program:

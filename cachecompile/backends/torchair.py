@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from .._torch import dynamo
 from ..errors import UnsupportedProgramError
 from ..factors import canonical
 from .base import JSON, Compiled, GraphCallable, Program, package_version
@@ -416,12 +417,8 @@ def _input_sources(gm: Any) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        src = getattr(node.meta.get("grapharg"), "source", None) or getattr(node, "_dynamo_source",
-                                                                            None)
-        label = getattr(src, "name", None)
-        if callable(label):
-            label = label()
-        out.append(str(label) if label is not None else node.name)
+        label = dynamo.placeholder_source(node)
+        out.append(label if label is not None else node.name)
     return out
 
 
