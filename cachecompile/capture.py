@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import codeobj, guard_capture
+from . import _torch, codeobj, guard_capture
 from . import guards as guards_mod
 from ._torch import dynamo, runtime
 from .backends.base import Adapter, Compiled, Program
@@ -100,7 +100,13 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBrea
 
 
 class TraceSession:
-    """One signature of one cached method, compiled live by Dynamo."""
+    """One signature of one cached method, compiled live by Dynamo.
+
+    With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
+    or this call not cached): through the adapter's compile while torch's internals are
+    what :mod:`cachecompile._torch` expects, else through the adapter's public backend,
+    which needs none of them.
+    """
 
     def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
                  decompositions: Mapping[Any, Any] | None, dynamic: bool,
@@ -128,9 +134,13 @@ class TraceSession:
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
+        backend: Any = self._backend
+        compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
+        if not capture and _torch.probe(adapter.torch_parts) is not None:
+            backend, compile_options = adapter.plain_backend(self._options, decompositions)
         self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=self._backend, fullgraph=True, dynamic=dynamic,
-                                   options={"guard_filter_fn": self._on_guards})
+                                   backend=backend, fullgraph=True, dynamic=dynamic,
+                                   options=compile_options)
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:

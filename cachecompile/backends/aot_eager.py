@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from .._torch import dynamo, runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program
@@ -65,6 +66,7 @@ class AotEagerAdapter:
     # taken from another process's trace (a DynamicCache's empty meta placeholders
     # tripped the device check): every process traces its own.
     shares_graphs = False
+    torch_parts = (_torch.DYNAMO,)
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         return {}
@@ -122,6 +124,11 @@ class AotEagerAdapter:
             constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
         src = files[PROGRAM_FILE].read_text(encoding="utf-8")
         return _make_callable(src, str(files[PROGRAM_FILE]), constants, meta.get("globals", []))
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        # torch.compile's aot_eager takes no decompositions: custom ones are not applied.
+        return "aot_eager", None
 
 
 ADAPTER = AotEagerAdapter()

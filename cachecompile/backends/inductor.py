@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from .._torch import inductor, inductor_runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program, package_version
@@ -97,6 +98,7 @@ def _env_factors() -> dict[str, str]:
 class InductorAdapter:
     name = "inductor"
     shares_graphs = True
+    torch_parts = (_torch.DYNAMO, _torch.INDUCTOR)
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         f: dict[str, JSON] = {
@@ -132,6 +134,11 @@ class InductorAdapter:
         src = files[PROGRAM_FILE].read_text(encoding="utf-8")
         return _exec_program(src, str(files[PROGRAM_FILE]), async_compile, constants,
                              meta.get("inputs_to_check", []))
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        # torch.compile's Inductor takes no decompositions: custom ones are not applied.
+        return "inductor", dict(options) or None
 
 
 def _exec_program(src: str, filename: str, async_compile: Callable[[], Any],

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from .._torch import dynamo
 from ..errors import UnsupportedProgramError
 from ..factors import canonical
@@ -429,6 +430,7 @@ def _no_backward(gm: Any, example_inputs: Sequence[Any]) -> Any:
 class TorchairAdapter:
     name = "torchair"
     shares_graphs = True
+    torch_parts = (_torch.DYNAMO,)
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         torch_npu, _ = _import_quiet()
@@ -559,6 +561,12 @@ class TorchairAdapter:
         _point_dirs(mod, ge_dir, static_dir)
         kernel: Callable[..., Any] = mod.kernel
         return _with_gear_check(kernel, meta.get("gears") or {})
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        _, torchair = _import()
+        return torchair.get_npu_backend(compiler_config=options["compiler_config"].config,
+                                        custom_decompositions=dict(decompositions or {})), None
 
 
 def _static_kernel_options(build_dir: Path) -> dict[str, str]:
