@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     InferenceOnlyError,
     RecompileWarning,
     SignatureLimitWarning,
+    UnsupportedTorchWarning,
 )
 from .node import node_once, prepare_node  # noqa: E402
 
@@ -30,6 +31,7 @@ __all__ = [
     "InferenceOnlyError",
     "RecompileWarning",
     "SignatureLimitWarning",
+    "UnsupportedTorchWarning",
     "__version__",
     "cache_compile",
     "node_once",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import backends
-from .cached import CachedFunction
+from .cached import CachedFunction, cache_off
 from .errors import ContractError
 from .ranks import detect
 
@@ -127,6 +127,10 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
     if guards is not None and guards not in ("first", "always"):
         raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got {guards!r}")
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
+    if enabled:
+        # A torch the cache cannot run on: warn here, where the user asked for caching;
+        # calls then run as plain torch.compile (CachedFunction checks again).
+        cache_off(stacklevel=2)
     return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
                           cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                           ranks=ranks, decompositions=custom_decompositions,

@@ -10,7 +10,10 @@ First call of a signature:
    Dynamo can still notice a recompile (then the entry is withdrawn, as TorchAir does).
 
 Any cache fault (store error, unloadable entry, non-replayable program) is one
-``CacheFaultWarning`` and a live compile: never a crash, never a wrong result.
+``CacheFaultWarning`` and a live compile: never a crash, never a wrong result. A torch
+the cache cannot run on (an untested release, a private name missing: see
+:func:`cachecompile._torch.probe`) turns caching off for the process, with one
+``UnsupportedTorchWarning``; every method then runs as plain ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import store as store_pkg
 from store import Hit, Key, make_key
 from store.errors import KeyNotFound, StoreError
 
-from . import coop, replay
+from . import _torch, coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
 from . import guards as guards_mod
@@ -43,6 +46,7 @@ from .errors import (
     InferenceOnlyError,
     SignatureLimitWarning,
     UnsupportedProgramError,
+    UnsupportedTorchWarning,
 )
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
@@ -64,6 +68,33 @@ def _open_store(cache_dir: str | None) -> Any:
             st = store_pkg.open_store(root)
             _stores[root] = st
         return st
+
+
+_off: str | None = None      # why caching is off in this process; once set, it stays
+_off_lock = threading.Lock()
+
+
+def cache_off(parts: tuple[str, ...] = (), *, stacklevel: int = 2) -> str | None:
+    """Why caching is off in this process, or None while it is on.
+
+    Probes torch (:func:`cachecompile._torch.probe`: its release, the warm path's private
+    names, and the cold-path ``parts``). The first failure turns caching off for the rest
+    of the process, with one ``UnsupportedTorchWarning``.
+    """
+    global _off
+    if _off is None:
+        why = _torch.probe(parts)
+        if why is None:
+            return None
+        with _off_lock:
+            first = _off is None
+            if first:
+                _off = why
+        if first:
+            warnings.warn(why, UnsupportedTorchWarning,
+                          stacklevel=stacklevel + 1)
+            logger.debug("cachecompile is off for this process: %s", why)
+    return _off
 
 
 class _Absent(Exception):
@@ -178,6 +209,8 @@ class CachedFunction:
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._enabled:
             return self._run_live(sig, args, kwargs, "disabled")
+        if cache_off(stacklevel=4) is not None:
+            return self._run_live(sig, args, kwargs, "cache off for this torch")
         if not self._dynamic and self._n_variants() >= self._max_signatures:
             if not self._limit_warned:
                 self._limit_warned = True
@@ -211,6 +244,9 @@ class CachedFunction:
                else "no entry" + self._nearest(st, frame))
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
+        # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss.
+        if cache_off(self._adapter.torch_parts, stacklevel=4) is not None:
+            return self._run_live(sig, args, kwargs, "cache off for this torch")
         return self._compile(st, frame, sig, args, kwargs)
 
     def _variant_key(self, frame: Key, i: int) -> Key:

@@ -12,8 +12,8 @@ for the same reason). After the first call it hands out a :class:`Trace`:
 * the adapter's :class:`Program` for the graph, verified against the live compile;
 * the user files Dynamo traced (dependency hashes, checked again on every hit).
 
-Everything that imports ``torch._dynamo`` lives here and in the adapters: a warm process
-never imports this module.
+Dynamo is reached through :mod:`cachecompile._torch.dynamo` (only this module, the guard
+capture and the adapters call it): a warm process never imports this module.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from . import codeobj, guard_capture
+from . import _torch, codeobj, guard_capture
 from . import guards as guards_mod
+from ._torch import dynamo, runtime
 from .backends.base import Adapter, Compiled, Program
 from .deps import by_module as deps_by_module
 from .deps import hash_file
@@ -71,13 +72,6 @@ def clone_function(func: types.FunctionType) -> types.FunctionType:
     return fn
 
 
-def _traced_paths() -> list[str]:
-    """The files of every code object Dynamo traced (inside the tracing context only)."""
-    from torch._dynamo.utils import get_traced_code
-
-    return [code.co_filename for code in get_traced_code() or ()]
-
-
 def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     files: dict[str, str] = {}
     for path in paths:
@@ -93,12 +87,7 @@ def _user_file_hashes(paths: list[str]) -> dict[str, str]:
 
 def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
     """Turn Dynamo's fullgraph failure into an error naming file, line and reason."""
-    frames = list(getattr(exc, "real_stack", None) or [])
-    filename: str | None = None
-    lineno: int | None = None
-    if frames:
-        filename, lineno = frames[-1].filename, frames[-1].lineno
-    reason = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
+    filename, lineno, reason = dynamo.graph_break_site(exc)
     where = f"{filename}:{lineno}" if filename else getattr(func, "__qualname__", repr(func))
     message = (
         f"cache_compile needs {getattr(func, '__qualname__', func)} to compile as ONE graph "
@@ -111,7 +100,13 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBrea
 
 
 class TraceSession:
-    """One signature of one cached method, compiled live by Dynamo."""
+    """One signature of one cached method, compiled live by Dynamo.
+
+    With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
+    or this call not cached): through the adapter's compile while torch's internals are
+    what :mod:`cachecompile._torch` expects, else through the adapter's public backend,
+    which needs none of them.
+    """
 
     def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
                  decompositions: Mapping[Any, Any] | None, dynamic: bool,
@@ -139,9 +134,13 @@ class TraceSession:
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
+        backend: Any = self._backend
+        compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
+        if not capture and _torch.probe(adapter.torch_parts) is not None:
+            backend, compile_options = adapter.plain_backend(self._options, decompositions)
         self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=self._backend, fullgraph=True, dynamic=dynamic,
-                                   options={"guard_filter_fn": self._on_guards})
+                                   backend=backend, fullgraph=True, dynamic=dynamic,
+                                   options=compile_options)
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:
@@ -194,7 +193,7 @@ class TraceSession:
             return compiled.live
         t0 = time.perf_counter()
         self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
-        self._traced = _traced_paths() if self._capture else []
+        self._traced = dynamo.traced_code_files() if self._capture else []
 
         def compile_here() -> Compiled:
             return self._adapter.compile(gm, example_inputs, self._options,
@@ -246,10 +245,7 @@ class TraceSession:
         return run
 
     def _on_second_trace(self) -> None:
-        from torch._dynamo.utils import guard_failures
-
-        reasons = guard_failures.get(self._fn.__code__) or []
-        reason = str(reasons[-1]) if reasons else "unknown guard failure"
+        reason = dynamo.last_guard_failure(self._fn.__code__) or "unknown guard failure"
         self.recompile_reason = reason
         if self.on_recompile is not None:
             self.on_recompile(reason)
@@ -291,8 +287,6 @@ class TraceSession:
 
     # -- calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.exc import Unsupported, UserError
-
         first = not self._called
         self._called = True
         if first and self._capture:
@@ -301,7 +295,7 @@ class TraceSession:
             self._state = guard_capture.state_snapshot()
         try:
             return self._live(*args, **kwargs)
-        except (Unsupported, UserError) as e:
+        except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
         finally:
             if first and self._capture:
@@ -320,10 +314,10 @@ class TraceSession:
             raise UnsupportedProgramError("the program was never run")
         if self._guards is None:
             raise UnsupportedProgramError("Dynamo's guards were not recorded")
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._fn.__code__)
-        if len(entries) != 1:
-            raise UnsupportedProgramError(f"Dynamo holds {len(entries)} cache entries, expected 1")
-        code: types.CodeType = entries[0].code
+        codes = dynamo.transformed_code(self._fn.__code__)
+        if len(codes) != 1:
+            raise UnsupportedProgramError(f"Dynamo holds {len(codes)} cache entries, expected 1")
+        code = codes[0]
         if code.co_freevars != self._fn.__code__.co_freevars:
             raise UnsupportedProgramError("transformed bytecode changed the closure variables")
         imports: dict[str, str] = {}
@@ -366,12 +360,9 @@ def has_collectives(gm: torch.fx.GraphModule) -> bool:
         if node.op != "call_function":
             continue
         target = node.target
-        # OpOverload has .namespace; an OpOverloadPacket only its module torch._ops.<ns>.
-        ns = getattr(target, "namespace", None)
         module = getattr(target, "__module__", "") or ""
-        if ns is None and module.startswith("torch._ops."):
-            ns = module[len("torch._ops."):]
-        if ns in _COLLECTIVE_NAMESPACES or module.startswith("torch.distributed"):
+        if (runtime.operator_namespace(target) in _COLLECTIVE_NAMESPACES
+                or module.startswith("torch.distributed")):
             return True
     return False
 

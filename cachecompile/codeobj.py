@@ -18,7 +18,8 @@ written, naming its type and the user's ``file:line``, so the method compiles li
 instead of failing in a later process.
 
 This module is imported on the warm path: torch and the standard library only, and
-nothing from ``torch._dynamo`` or ``torch._inductor``.
+nothing from ``torch._dynamo`` or ``torch._inductor`` (SDPBackend through
+:mod:`cachecompile._torch.runtime`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from . import values
+from ._torch import runtime
 from .errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
@@ -141,8 +143,9 @@ def _encode_leaf(v: Any) -> JSON:
         return {"$": "finfo", "v": str(v.dtype)}
     if isinstance(v, torch.iinfo):
         return {"$": "iinfo", "v": str(v.dtype)}
-    if isinstance(v, torch._C._SDPBackend):
-        return {"$": "sdpbackend", "v": v.name}
+    sdp = runtime.sdp_backend_name(v)
+    if sdp is not None:
+        return {"$": "sdpbackend", "v": sdp}
     if isinstance(v, enum.Enum):
         # Here, not in values: values writes a StrEnum/IntEnum member as its plain value.
         cls = type(v)
@@ -371,10 +374,7 @@ def _decode(spec: JSON) -> Any:
             raise ValueError(f"torch.iinfo of a non-integer dtype {v!r}")
         return torch.iinfo(dtype)
     if kind == "sdpbackend":
-        members = torch._C._SDPBackend.__members__
-        if not isinstance(v, str) or v not in members:
-            raise ValueError(f"unknown SDPBackend {v!r}")
-        return members[v]
+        return runtime.sdp_backend(v)
     return values.decode_value(spec)
 
 

@@ -28,6 +28,8 @@ import xxhash
 
 from store.errors import LockTimeout, StoreError
 
+from ._torch import dynamo
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 900.0
@@ -143,13 +145,13 @@ class CompileSlots:
 def _meta(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         def dim(s: Any) -> str:
-            hint = getattr(getattr(s, "node", None), "hint", None)
+            hint = dynamo.size_hint(s)
             return f"{s}~{hint}" if hint is not None else str(s)
 
         return (f"T({','.join(dim(s) for s in x.shape)};{','.join(dim(s) for s in x.stride())};"
                 f"{x.dtype};{x.device};{x.requires_grad})")
     if isinstance(x, torch.SymInt):
-        return f"S({x}~{getattr(x.node, 'hint', None)})"
+        return f"S({x}~{dynamo.size_hint(x)})"
     return f"V({x!r})"
 
 

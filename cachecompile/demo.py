@@ -34,6 +34,7 @@ def _child(mode: str, calls: int) -> None:
     import torch
 
     from cachecompile import cache_compile, models
+    from cachecompile._torch import runtime
 
     class Served(torch.nn.Module):
         """How a serving stack uses cache_compile: cached prefill and decode methods."""
@@ -90,7 +91,7 @@ def _child(mode: str, calls: int) -> None:
                   "events": {n: [e[0] for e in getattr(model, n).events]
                              for n in ("cached_prefill", "cached_decode")
                              if hasattr(getattr(model, n), "events")},
-                  "dynamo_imported": "torch._dynamo" in sys.modules}
+                  "dynamo_imported": runtime.dynamo_imported()}
     print(DONE + json.dumps(result), flush=True)
 
 

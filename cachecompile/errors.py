@@ -12,6 +12,9 @@ Hierarchy::
     └── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
 
     CacheFaultWarning (UserWarning)        a cache fault; the call went on with a live compile
+    └── UnsupportedTorchWarning            this torch is a release cachecompile is not tested
+                                           on, or lacks a private name it needs: caching is
+                                           off for the process (plain torch.compile)
     RecompileWarning (UserWarning)         kept for compatibility; no longer emitted (entries
                                            carry Dynamo's guards: a recompile is a variant)
     SignatureLimitWarning (UserWarning)    dynamic=False saw more signatures than the limit
@@ -56,6 +59,11 @@ class RankConfigError(CacheCompileError, ValueError):
 
 class CacheFaultWarning(UserWarning):
     """A cache fault; the call continued with a live torch.compile."""
+
+
+class UnsupportedTorchWarning(CacheFaultWarning):
+    """Caching is off for the process: torch is outside the tested releases or lacks a
+    private name cachecompile needs. cache_compile runs as plain torch.compile."""
 
 
 class RecompileWarning(UserWarning):

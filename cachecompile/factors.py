@@ -19,13 +19,15 @@ import torch
 import xxhash
 
 from . import guards
+from ._torch import versions as torch_versions
 from .backends.base import Adapter
 from .ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
 # 2: Dynamo's guards carried per entry; variants per frame key; rebuilt constants.
-FORMAT_VERSION = 2
+# 3: Inductor programs import their stand-ins from cachecompile._torch.inductor_runtime.
+FORMAT_VERSION = 3
 JSON = Any
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -130,7 +132,7 @@ def device_factors(devices: list[str]) -> dict[str, JSON]:
         idx = torch.cuda.current_device()
         f["cuda"] = {"name": torch.cuda.get_device_name(idx),
                      "capability": list(torch.cuda.get_device_capability(idx)),
-                     "runtime": torch.version.cuda}
+                     "runtime": torch_versions.cuda()}
     return f
 
 
@@ -151,8 +153,10 @@ def versions() -> dict[str, JSON]:
     return {
         # The replayed bytecode is CPython-version specific; keep the full version.
         "python": f"{platform.python_implementation()} {sys.version.split()[0]}",
-        "torch": torch.__version__,
-        "torch_git": getattr(torch.version, "git_version", None),
+        # The full version with its local build tag (+cpu, +cu128) and the commit: two
+        # builds of one release may generate different code.
+        "torch": torch_versions.version(),
+        "torch_git": torch_versions.git_version(),
         "cachecompile": __version__,
         "format": FORMAT_VERSION,
     }

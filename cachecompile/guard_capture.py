@@ -1,7 +1,9 @@
 """Cold side of the guards: Dynamo's guard list for one frame, made portable.
 
 Dynamo hands every guard it installs for a frame to ``guard_filter_fn`` as a
-``GuardFilterEntry`` (the source expression, the guard type, the value at trace time).
+``GuardFilterEntry``; :func:`cachecompile._torch.dynamo.guard_entries` reads each into a
+:class:`~cachecompile._torch.dynamo.GuardEntry` (the source expression, the guard type,
+the value at trace time).
 :func:`translate` turns each into a portable guard (see :mod:`cachecompile.guards`);
 :class:`GuardRecorder` is the ``guard_filter_fn``: it translates, compiles the result
 into a checker and checks it against the call being traced *before* the graph runs.
@@ -24,6 +26,8 @@ import torch
 
 from . import guards as g
 from . import values
+from ._torch import dynamo, runtime
+from ._torch.dynamo import GuardEntry
 from .errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
@@ -36,15 +40,6 @@ _IN_GLOBAL_STATE = {"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "FSDP_TRAINING_STAT
 _AUTOGRAD_ONLY = {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
 _IDENTITY = {"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH",
              "NN_MODULE"}
-
-
-def _partial_kw(guard: Any, name: str) -> Any:
-    fn = getattr(guard, "create_fn", None)
-    kw = getattr(fn, "keywords", None) or {}
-    if name in kw:
-        return kw[name]
-    args = getattr(fn, "args", ()) or ()
-    return args[-1] if args else None
 
 
 def reads_args(expr: str, arg_names: set[str]) -> bool:
@@ -83,12 +78,11 @@ class _Builder:
             self.classes.add(value)
         self.add("ident", expr, ident, f"{g.user_text(expr, self.module_name)} is {_short(ident)}")
 
-    def entry(self, e: Any) -> None:
-        gt: str = e.guard_type
-        guard = e.orig_guard
-        expr: str = guard.name
+    def entry(self, e: GuardEntry) -> None:
+        gt = e.guard_type
+        expr = e.expr
         value = e.value
-        derived = set(e.derived_guard_types or ())
+        derived = e.derived_types
         if gt in _IN_GLOBAL_STATE or gt in _AUTOGRAD_ONLY:
             return
         if gt == "GLOBAL_STATE":
@@ -104,7 +98,7 @@ class _Builder:
                      f"torch default device == {self.state['default_device']!r}")
             return
         if gt == "SHAPE_ENV":
-            for part in guard.code_list or ():
+            for part in e.code_parts:
                 self.add("expr", part, None)
             return
         if not e.has_value:
@@ -161,7 +155,7 @@ class _Builder:
                      f"{g.user_text(expr, self.module_name)} "
                      f"{'has' if present else 'has no'} attribute {attr!r}")
         elif gt in ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"):
-            key = _partial_kw(guard, "key")
+            key = e.keyword("key")
             present = "NOT" not in gt
             self.add("contains", expr, {"key": values.encode_value(key), "present": present},
                      f"{key!r} {'in' if present else 'not in'} "
@@ -177,9 +171,9 @@ class _Builder:
         else:
             self.fallback(e, "cachecompile has no portable form for this guard type")
 
-    def attr_of(self, e: Any) -> str:
+    def attr_of(self, e: GuardEntry) -> str:
         """The attribute name an attribute guard (HASATTR, NOT_PRESENT...) was built with."""
-        attr = _partial_kw(e.orig_guard, "attr")
+        attr = e.keyword("attr")
         if not isinstance(attr, str):
             self.fallback(e, "its attribute name is unknown")
         return str(attr)
@@ -203,9 +197,9 @@ class _Builder:
                  f"{facts['dtype']}[{shape}] {facts['type']['qual'].rsplit('.', 1)[-1]} on "
                  f"{facts['device']}")
 
-    def fallback(self, e: Any, why: str) -> NoReturn:
+    def fallback(self, e: GuardEntry, why: str) -> NoReturn:
         raise UnsupportedProgramError(
-            f"Dynamo's {e.guard_type} guard on {g.user_text(e.orig_guard.name, self.module_name) or 'global state'} "
+            f"Dynamo's {e.guard_type} guard on {g.user_text(e.expr, self.module_name) or 'global state'} "
             f"cannot be carried across processes ({why})")
 
     def aliasing(self) -> None:
@@ -234,35 +228,26 @@ def tensor_dims_from_graph(gm: Any) -> dict[str, tuple[list[Any], list[Any]]]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        ga = node.meta.get("grapharg")
-        ex = node.meta.get("example_value")
-        source = getattr(ga, "source", None)
-        if source is None or not isinstance(ex, torch.Tensor):
+        name = dynamo.placeholder_source(node)
+        ex = dynamo.example_value(node)
+        if name is None or not isinstance(ex, torch.Tensor):
             continue
-        name = source.name() if callable(getattr(source, "name", None)) else source.name
         # Symbolic sizes stay symbolic here: Dynamo and Inductor may still specialise
         # them (a replacement s0 -> 2); :func:`concrete` reads them when guards are built.
-        out[str(name)] = (list(ex.size()), list(ex.stride()))
+        out[name] = (list(ex.size()), list(ex.stride()))
     return out
 
 
 def concrete(dims: Sequence[Any]) -> list[int | None]:
     """Static sizes as ints, dynamic ones as None (as Dynamo's TENSOR_MATCH sees them)."""
-    out: list[int | None] = []
-    for d in dims:
-        if type(d) is int:
-            out.append(d)
-        else:
-            node = getattr(d, "node", None)
-            out.append(node.maybe_as_int() if node is not None else None)
-    return out
+    return [dynamo.known_int(d) for d in dims]
 
 
 def translate(entries: Sequence[Any], *, arg_names: set[str],
               tensor_dims: Mapping[str, tuple[list[Any], list[Any]]], module_name: str,
               state: Mapping[str, JSON]) -> tuple[list[g.GuardDict], set[type]]:
     b = _Builder(arg_names, tensor_dims, module_name, state)
-    for e in entries:
+    for e in dynamo.guard_entries(entries):
         b.entry(e)
     b.aliasing()
     return b.out, b.classes
@@ -270,8 +255,8 @@ def translate(entries: Sequence[Any], *, arg_names: set[str],
 
 def state_snapshot() -> dict[str, JSON]:
     """The global state Dynamo sees at frame entry (taken just before the traced call)."""
-    return {"global_state": g.global_state(), "modes": g.function_modes(),
-            "default_device": g.current_device()}
+    return {"global_state": runtime.global_state(), "modes": g.function_modes(),
+            "default_device": runtime.default_device()}
 
 
 def class_files(classes: set[type]) -> set[str]:

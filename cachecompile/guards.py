@@ -20,7 +20,8 @@ match, ``text`` the guard in the user's terms for logs and ``cachectl explain``,
 (functions, classes, modules) is compared through :func:`identity`: a qualified name
 plus a code digest, with closure cells, defaults and partial arguments as values.
 
-This module is on the warm path: it imports ``torch`` only.
+This module is on the warm path: it imports ``torch`` only (private names through
+:mod:`cachecompile._torch.runtime`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import xxhash
 
 from . import values
+from ._torch import runtime
 from .errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
@@ -198,8 +200,7 @@ def identity(obj: Any, depth: int = 0) -> str | None:
                         types.GetSetDescriptorType, types.MemberDescriptorType)):
         objclass = getattr(obj, "__objclass__", None) or type(getattr(obj, "__self__", None))
         return f"descriptor:{qualified_name(objclass)}.{getattr(obj, '__name__', '?')}"
-    tmod = type(obj).__module__ or ""
-    if tmod == "torch._ops":
+    if runtime.is_operator(obj):
         # OpOverload / OpOverloadPacket / HigherOrderOperator: named by the registry.
         return f"op:{type(obj).__name__}:{obj}"
     if type(obj).__name__ == "ProcessGroup" and hasattr(obj, "group_name"):
@@ -291,28 +292,9 @@ def _tensor_check(facts: Mapping[str, JSON]) -> Callable[[Any], bool]:
 
 
 # -- global state ---------------------------------------------------------------------------
-def global_state() -> str:
-    """Dynamo's own global-state snapshot (grad mode, autocast, default dtype, ...)."""
-    return str(torch._C._dynamo.guards.GlobalStateGuard().__getstate__())  # type: ignore[attr-defined]
-
-
-def _global_state_check(state: str) -> Callable[[], bool]:
-    g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
-    g.__setstate__(state)  # type: ignore[attr-defined]
-    return g.check  # type: ignore[no-any-return]
-
-
 def function_modes() -> list[str]:
     """The active torch function modes, innermost last, by class."""
-    n = torch._C._len_torch_function_stack()
-    return [qualified_name(type(torch._C._get_function_stack_at(i))) for i in range(n)]
-
-
-def current_device() -> str | None:
-    from torch.utils import _device
-
-    dev = _device.CURRENT_DEVICE
-    return None if dev is None else str(dev)
+    return [qualified_name(type(mode)) for mode in runtime.function_modes()]
 
 
 # -- rendering in the user's terms ----------------------------------------------------------
@@ -406,11 +388,11 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         per_call = bool(g.get("args"))
         e = rewrite(g.get("expr", "")) if g.get("expr") else ""
         if kind == "global_state":
-            cond = f"{const(_global_state_check(value))}()"
+            cond = f"{const(runtime.global_state_check(value))}()"
         elif kind == "modes":
             cond = f"{const(function_modes)}() == {const(list(value))}"
         elif kind == "default_device":
-            cond = f"{const(current_device)}() == {const(value)}"
+            cond = f"{const(runtime.default_device)}() == {const(value)}"
         elif kind == "type":
             cond = f"{const(_TypeRef(value))}.matches(type({e}))"
         elif kind == "eq":

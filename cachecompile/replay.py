@@ -9,7 +9,8 @@ meets our stand-ins where Dynamo expects its own objects. The function reads the
 parameters and the call's inputs from the live frame on every call, exactly as in the
 compiling process.
 
-Only ``torch`` is imported here; ``torch._dynamo.utils`` is served by a shim.
+Only ``torch`` is imported here; Dynamo's helper module is served by a light stand-in
+(:mod:`cachecompile._torch.dynamo_shim`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _dynamo_shim, codeobj
+from . import codeobj
+from ._torch import dynamo_shim
 from .errors import UnsupportedProgramError
 
 BUILTINS_DICT = "builtins.__dict__"
@@ -45,8 +47,9 @@ class ReplayGlobals(dict[str, Any]):
 def _resolve_module(name: str) -> Any:
     if name == BUILTINS_DICT:
         return vars(builtins)
-    if name == "torch._dynamo.utils":
-        return _dynamo_shim.utils
+    standin = dynamo_shim.standin(name)
+    if standin is not None:
+        return standin
     return importlib.import_module(name)
 
 

@@ -1,7 +1,10 @@
-"""ruff and mypy over the repository, with the configuration in pyproject.toml."""
+"""ruff and mypy over the repository, with the configuration in pyproject.toml; torch's
+private names only in cachecompile/_torch."""
 
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -32,3 +35,112 @@ def test_mypy() -> None:
     # Packages to check come from [tool.mypy] in pyproject.toml.
     p = subprocess.run(_tool("mypy"), cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+# -- torch's private names stay in cachecompile/_torch ----------------------------------------
+LAYER = REPO / "cachecompile" / "_torch"
+# A string that is a dotted name with a private part under torch: a module name the code
+# imports or compares with ("torch._dynamo.utils", "torch._ops").
+_PRIVATE_MODULE_STRING = re.compile(r"(?:torch|functorch)(?:\.\w+)*\._\w+(?:\.\w+)*")
+
+
+def _private(parts: list[str]) -> bool:
+    """torch.x._y (any private, non-dunder part under torch), or functorch itself."""
+    if not parts or parts[0] not in ("torch", "functorch"):
+        return False
+    return parts[0] == "functorch" or any(
+        p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> list[str]:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return parts[::-1]
+    return []
+
+
+def private_torch_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Every use of a private torch name in ``source``: imports, attributes, module strings.
+
+    The backstop to ruff's TID251 list (which names modules one by one): any ``torch._x``,
+    ``torch.a._b`` or ``x._C._y`` outside the layer, however it is spelled.
+    """
+    found: list[str] = []
+    tree = ast.parse(source, filename)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                    ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)
+                  and isinstance(n.body[0].value, ast.Constant)}
+    # An attribute chain is reported once, at its outermost attribute.
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        where = f"{filename}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names
+                      if _private(a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [f"{where} from {node.module} import {a.name}" for a in node.names
+                      if _private([*node.module.split("."), a.name])]
+        elif isinstance(node, ast.Attribute):
+            parts = _dotted(node)
+            if id(node) not in inner and (_private(parts) or "_C" in parts[1:]):
+                found.append(f"{where} {'.'.join(parts)}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in docstrings
+              and _PRIVATE_MODULE_STRING.fullmatch(node.value)):
+            found.append(f"{where} {node.value!r}")
+    return sorted(found, key=lambda f: int(f.split(" ", 1)[0].rsplit(":", 1)[1]))
+
+
+def test_private_torch_names_only_in_the_layer() -> None:
+    found: list[str] = []
+    for path in sorted((REPO / "cachecompile").rglob("*.py")):
+        if LAYER in path.parents:
+            continue
+        found += private_torch_uses(path.read_text(encoding="utf-8"),
+                                    str(path.relative_to(REPO)))
+    assert found == [], "private torch names outside cachecompile/_torch:\n" + "\n".join(found)
+
+
+_LEAKS = """\
+import torch
+import torch._inductor.config
+from torch._dynamo.utils import get_traced_code
+from torch.utils import _device
+
+state = torch._C._dynamo.guards.GlobalStateGuard()
+utils = "torch._dynamo.utils"
+"""
+
+
+def test_private_name_check_catches_each_spelling() -> None:
+    found = private_torch_uses(_LEAKS)
+    assert [f.split(" ", 1)[0] for f in found] == [
+        "<source>:2", "<source>:3", "<source>:4", "<source>:6", "<source>:7"], found
+    # Public names, dunders and prose about private ones are fine.
+    assert private_torch_uses('"""Not ``torch._dynamo``."""\nimport torch\n'
+                              "v = torch.__version__\nx = torch.nn.functional.relu\n"
+                              'msg = "run torch._dynamo.explain() on it"\n') == []
+
+
+def test_ruff_bans_private_names_outside_the_layer(tmp_path: Path) -> None:
+    # The repository's own ruff configuration, over a copy holding a leaking module
+    # outside the layer and the same module inside it.
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    for rel in ("cachecompile/leak.py", "cachecompile/_torch/ok.py", "tests/ok.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(_LEAKS)
+    p = subprocess.run([*_tool("ruff"), "check", "--no-cache", "--select", "TID251",
+                        "--output-format", "concise", "."],
+                       cwd=tmp_path, capture_output=True, text=True)
+    flagged = sorted({":".join(line.split(":")[:2])
+                      for line in p.stdout.splitlines() if "TID251" in line})
+    assert p.returncode == 1, p.stdout + p.stderr
+    # Lines 2-4 (imports) and 6 (attribute access); the string on line 7 is the AST check's.
+    assert flagged == ["cachecompile/leak.py:2", "cachecompile/leak.py:3",
+                       "cachecompile/leak.py:4", "cachecompile/leak.py:6"], p.stdout

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .. import _torch
+from .._torch import dynamo, runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program
 
@@ -41,11 +43,7 @@ def _globals_for(names: Sequence[str]) -> dict[str, Any]:
     g: dict[str, Any] = {"torch": torch, "inf": math.inf, "nan": math.nan,
                          "NoneType": type(None), "device": torch.device}
     if "fx_pytree" in names or "pytree" in names:
-        import torch.fx._pytree as fx_pytree
-        import torch.utils._pytree as pytree
-
-        g["fx_pytree"] = fx_pytree
-        g["pytree"] = pytree
+        g.update(runtime.pytree_modules())
     return g
 
 
@@ -68,27 +66,17 @@ class AotEagerAdapter:
     # taken from another process's trace (a DynamicCache's empty meta placeholders
     # tripped the device check): every process traces its own.
     shares_graphs = False
+    torch_parts = (_torch.DYNAMO,)
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         return {}
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-
         if options:
             raise UnsupportedProgramError(f"aot_eager takes no options, got {sorted(options)}")
         captured: list[torch.fx.GraphModule] = []
-
-        def fw_compiler(fx_gm: torch.fx.GraphModule, ex: Sequence[Any]) -> Any:
-            captured.append(fx_gm)
-            return make_boxed_func(fx_gm.forward)
-
-        backend = aot_autograd(fw_compiler=fw_compiler,
-                               decompositions=dict(decompositions) if decompositions else {},
-                               keep_inference_input_mutations=True)
-        live = backend(gm, example_inputs)
+        live = dynamo.aot_inference(captured.append, decompositions)(gm, example_inputs)
         n_inputs = len(example_inputs)
 
         def program() -> Program:
@@ -136,6 +124,11 @@ class AotEagerAdapter:
             constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
         src = files[PROGRAM_FILE].read_text(encoding="utf-8")
         return _make_callable(src, str(files[PROGRAM_FILE]), constants, meta.get("globals", []))
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        # torch.compile's aot_eager takes no decompositions: custom ones are not applied.
+        return "aot_eager", None
 
 
 ADAPTER = AotEagerAdapter()

@@ -59,6 +59,9 @@ class Adapter(Protocol):
     # Whether ranks share one compile of an identical graph (coop.GraphShare). Worth it
     # where compiling costs seconds; a cheap backend compiles its own.
     shares_graphs: bool
+    # The parts of torch's internals (cachecompile._torch.DYNAMO, INDUCTOR) its compile
+    # uses: probed before a cold compile; a missing name turns the cache off.
+    torch_parts: tuple[str, ...]
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         """Key factors that decide whether this backend's artifacts fit this machine."""
@@ -71,4 +74,10 @@ class Adapter(Protocol):
 
     def load(self, files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
         """Rebuild the graph callable from a stored program, in a fresh process."""
+        ...
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        """``(backend, options)`` for plain ``torch.compile`` through public API only: the
+        path when torch's internals are not what cachecompile expects."""
         ...

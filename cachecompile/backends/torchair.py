@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from .. import _torch
+from .._torch import dynamo
 from ..errors import UnsupportedProgramError
 from ..factors import canonical
 from .base import JSON, Compiled, GraphCallable, Program, package_version
@@ -416,12 +418,8 @@ def _input_sources(gm: Any) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        src = getattr(node.meta.get("grapharg"), "source", None) or getattr(node, "_dynamo_source",
-                                                                            None)
-        label = getattr(src, "name", None)
-        if callable(label):
-            label = label()
-        out.append(str(label) if label is not None else node.name)
+        label = dynamo.placeholder_source(node)
+        out.append(label if label is not None else node.name)
     return out
 
 
@@ -432,6 +430,7 @@ def _no_backward(gm: Any, example_inputs: Sequence[Any]) -> Any:
 class TorchairAdapter:
     name = "torchair"
     shares_graphs = True
+    torch_parts = (_torch.DYNAMO,)
 
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         torch_npu, _ = _import_quiet()
@@ -562,6 +561,12 @@ class TorchairAdapter:
         _point_dirs(mod, ge_dir, static_dir)
         kernel: Callable[..., Any] = mod.kernel
         return _with_gear_check(kernel, meta.get("gears") or {})
+
+    def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
+                      ) -> tuple[Any, dict[str, Any] | None]:
+        _, torchair = _import()
+        return torchair.get_npu_backend(compiler_config=options["compiler_config"].config,
+                                        custom_decompositions=dict(decompositions or {})), None
 
 
 def _static_kernel_options(build_dir: Path) -> dict[str, str]:

@@ -15,6 +15,14 @@ from typing import Any
 
 import torch
 
+# (module, attribute path) for every private name below: checked by cachecompile._torch.probe.
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("torch", "_C._profiler._RecordFunctionFast"),
+    ("torch.autograd.profiler", "_is_profiler_enabled"),
+)
+
+DYNAMO_UTILS = "torch._dynamo.utils"
+
 
 def call_size(x: Any, i: int) -> int:
     return x.size(i)  # type: ignore[no-any-return]
@@ -44,10 +52,17 @@ def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -
 
 class _UtilsShim(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
-        return getattr(importlib.import_module("torch._dynamo.utils"), name)
+        return getattr(importlib.import_module(DYNAMO_UTILS), name)
 
 
-utils = _UtilsShim("torch._dynamo.utils")
+utils = _UtilsShim(DYNAMO_UTILS)
 for _name in ("call_size", "call_stride", "call_storage_offset",
               "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
     setattr(utils, _name, globals()[_name])
+
+_STANDINS: dict[str, types.ModuleType] = {DYNAMO_UTILS: utils}
+
+
+def standin(module_name: str) -> types.ModuleType | None:
+    """The light module replayed bytecode gets for ``module_name``, if there is one."""
+    return _STANDINS.get(module_name)

@@ -4,10 +4,12 @@ Why: importing ``torch._inductor`` (which pulls in ``torch._dynamo``) costs 1.5-
 its ``AsyncCompile`` runs the CPU ISA probe and g++ before it looks for a built kernel.
 A warm process needs neither. Each stand-in here is a faithful copy of the behaviour the
 generated code relies on for inference (see ../shared/anchors.md, "A measured route").
-The Inductor adapter only rewrites an import when it has a stand-in for exactly that
-name; anything else keeps the real import (slow but correct).
+The import rewriting (:func:`cachecompile._torch.inductor.rewrite_imports`) only swaps
+an import when this module has a stand-in for exactly that name; anything else keeps the
+real import (slow but correct).
 
-This module must stay cheap to import: ``torch`` only.
+This module must stay cheap to import: ``torch`` only. Stored programs import it by its
+full name (``cachecompile._torch.inductor_runtime``), so moving it is a format change.
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedProgramError
+from ..errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
+
+# (module, attribute path) for every private name below: checked by cachecompile._torch.probe.
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("torch", "_C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr"),
+)
 
 ALIGN_BYTES = 64
 

@@ -1,0 +1,152 @@
+"""Dynamo's private names, for the cold path (tracing, capture, AOTAutograd).
+
+Importing this module is cheap: each function imports the part of ``torch._dynamo`` it
+needs when it is called, so warm-path modules may import it for a type or a constant
+without pulling Dynamo in. Only a compiling process calls these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+# (module, attribute path) for every private name below: checked by cachecompile._torch.probe
+# when a cold compile starts.
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("torch._dynamo.utils", "get_traced_code"),
+    ("torch._dynamo.utils", "guard_failures"),
+    ("torch._dynamo.exc", "Unsupported"),
+    ("torch._dynamo.exc", "UserError"),
+    ("torch._dynamo.backends.common", "aot_autograd"),
+    ("functorch.compile", "make_boxed_func"),
+    ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
+)
+
+
+# -- tracing -------------------------------------------------------------------------------
+def traced_code_files() -> list[str]:
+    """The files of every code object Dynamo traced (inside the tracing context only)."""
+    from torch._dynamo.utils import get_traced_code
+
+    return [code.co_filename for code in get_traced_code() or ()]
+
+
+def last_guard_failure(code: types.CodeType) -> str | None:
+    """Why Dynamo's last guard check on ``code``'s cache failed (it recompiled), if known."""
+    from torch._dynamo.utils import guard_failures
+
+    reasons = guard_failures.get(code) or []
+    return str(reasons[-1]) if reasons else None
+
+
+def graph_break_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when a fullgraph compile breaks; () if this torch has no such names."""
+    try:
+        from torch._dynamo.exc import Unsupported, UserError
+    except ImportError:
+        return ()
+    return (Unsupported, UserError)
+
+
+def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
+    """(file, line, reason) of a graph break, from one of :func:`graph_break_errors`."""
+    frames = list(getattr(exc, "real_stack", None) or [])
+    filename: str | None = None
+    lineno: int | None = None
+    if frames:
+        filename, lineno = frames[-1].filename, frames[-1].lineno
+    reason = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
+    return filename, lineno, reason
+
+
+def transformed_code(code: types.CodeType) -> list[types.CodeType]:
+    """The transformed code object of each entry in Dynamo's cache for ``code``."""
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)  # type: ignore[attr-defined]
+    return [entry.code for entry in entries]
+
+
+def aot_inference(on_forward: Callable[[torch.fx.GraphModule], None],
+                  decompositions: Mapping[Any, Any] | None) -> Callable[..., Any]:
+    """A Dynamo backend: AOTAutograd, the forward graph run by the eager kernels.
+
+    ``on_forward`` sees each forward graph AOTAutograd produces (inputs mutated in place
+    are kept in the graph, as an inference graph does).
+    """
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw_compiler(fx_gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        on_forward(fx_gm)
+        return make_boxed_func(fx_gm.forward)
+
+    return aot_autograd(fw_compiler=fw_compiler,  # type: ignore[no-any-return]
+                        decompositions=dict(decompositions) if decompositions else {},
+                        keep_inference_input_mutations=True)
+
+
+# -- guards handed to guard_filter_fn ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GuardEntry:
+    """One guard Dynamo hands ``guard_filter_fn`` (a ``GuardFilterEntry``), as read here."""
+
+    guard_type: str                  # Dynamo's name for it: TENSOR_MATCH, HASATTR, ...
+    expr: str                        # the guarded source expression: L['self'].cfg.act
+    value: Any                       # its value at trace time (if has_value)
+    has_value: bool
+    derived_types: frozenset[str]    # guard types this one implies (TYPE_MATCH)
+    code_parts: tuple[str, ...]      # SHAPE_ENV: the shape relations as Python expressions
+    _guard: Any = dataclasses.field(repr=False, compare=False)
+
+    def keyword(self, name: str) -> Any:
+        """An argument the guard was built with: ``attr`` of HASATTR, ``key`` of DICT_CONTAINS."""
+        fn = getattr(self._guard, "create_fn", None)
+        kw = getattr(fn, "keywords", None) or {}
+        if name in kw:
+            return kw[name]
+        args = getattr(fn, "args", ()) or ()
+        return args[-1] if args else None
+
+
+def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
+    out: list[GuardEntry] = []
+    for e in entries:
+        guard = e.orig_guard
+        out.append(GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
+                              has_value=bool(e.has_value),
+                              derived_types=frozenset(e.derived_guard_types or ()),
+                              code_parts=tuple(getattr(guard, "code_list", None) or ()),
+                              _guard=guard))
+    return out
+
+
+# -- the graph Dynamo hands a backend ------------------------------------------------------
+def placeholder_source(node: Any) -> str | None:
+    """The source expression Dynamo recorded for a placeholder (``L['x']``), if any."""
+    src = (getattr(node.meta.get("grapharg"), "source", None)
+           or getattr(node, "_dynamo_source", None))
+    label = getattr(src, "name", None)
+    if callable(label):
+        label = label()
+    return None if label is None else str(label)
+
+
+def example_value(node: Any) -> Any:
+    """The fake value Dynamo traced a node with (a FakeTensor, a SymInt), if recorded."""
+    return node.meta.get("example_value")
+
+
+def known_int(d: Any) -> int | None:
+    """A size as an int if it is one or its symbol is specialised; None while symbolic."""
+    if type(d) is int:
+        return d
+    node = getattr(d, "node", None)
+    return node.maybe_as_int() if node is not None else None
+
+
+def size_hint(d: Any) -> Any:
+    """The example value a symbolic size was traced with (None if it has none)."""
+    return getattr(getattr(d, "node", None), "hint", None)

@@ -1,0 +1,171 @@
+"""Inductor's private names, for the cold path: compile, output code, kernels, import rewriting.
+
+Importing this module is cheap: each function imports the part of ``torch._inductor`` it
+needs when it is called (a warm process of a C++ program never calls one; a Triton
+program's warm path calls :func:`async_compile_class`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import inductor_runtime
+
+# (module, attribute path) for every private name below: checked by cachecompile._torch.probe
+# when a cold compile with Inductor starts.
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("torch._inductor.compile_fx", "compile_fx"),
+    ("torch._inductor.compile_fx", "compile_fx_inner"),
+    ("torch._functorch.config", "patch"),
+    ("torch._functorch.config", "enable_autograd_cache"),
+    ("torch._inductor.config", "get_config_copy"),
+    ("torch._inductor.output_code", "CompiledFxGraph"),
+    ("torch._inductor.async_compile", "AsyncCompile"),
+    ("torch._inductor.codecache", "CppPythonBindingsCodeCache.load_pybinding"),
+    ("torch._inductor.select_algorithm", "extern_kernels"),
+)
+
+
+# -- compiling -----------------------------------------------------------------------------
+def compile_capturing(gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
+                      decompositions: Mapping[Any, Any] | None) -> tuple[Any, list[Any]]:
+    """``compile_fx`` as torch.compile runs it, keeping what ``compile_fx_inner`` returned.
+
+    Returns the live callable and a list that fills, as graphs compile, with
+    ``(compiled graph, AOTAutograd's graph module)`` pairs.
+    """
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    captured: list[Any] = []
+
+    def inner(gm2: Any, ex2: Sequence[Any], **kwargs: Any) -> Any:
+        out = compile_fx_inner(gm2, ex2, **kwargs)
+        captured.append((out, gm2))
+        return out
+
+    # AOTAutograd's cache would hand back a compiled graph without calling
+    # inner_compile, so there would be nothing to capture. Inductor's FX graph
+    # cache below it stays on: a cache hit still yields a CompiledFxGraph.
+    with functorch_config.patch(enable_autograd_cache=False):
+        live = compile_fx(gm, example_inputs, inner_compile=inner,
+                          config_patches=dict(options) or None,
+                          decompositions=dict(decompositions) if decompositions else None)
+    return live, captured
+
+
+def config_value(name: str) -> Any:
+    """The current value of an Inductor config option (``cpp_wrapper``, ``triton.cudagraphs``)."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.get_config_copy().get(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputCode:
+    """What a ``CompiledFxGraph`` holds that a replayed program needs."""
+
+    source_code: str                 # the Python output code Inductor itself executes
+    constants: dict[str, Any]
+    torchbind_constants: dict[str, Any]
+    inputs_to_check: tuple[int, ...]  # inputs the program assumes are aligned
+    mutated_inputs: tuple[int, ...]
+
+
+def output_code(compiled: Any) -> OutputCode | None:
+    """The output code of what ``compile_fx_inner`` returned; None if it is no CompiledFxGraph."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    if not isinstance(compiled, CompiledFxGraph):
+        return None
+    return OutputCode(source_code=compiled.source_code or "",
+                      constants=dict(compiled.constants or {}),
+                      torchbind_constants=dict(compiled.torchbind_constants or {}),
+                      inputs_to_check=tuple(int(i) for i in (compiled.inputs_to_check or ())),
+                      mutated_inputs=tuple(int(i) for i in (compiled.mutated_input_idxs or ())))
+
+
+# -- kernels -------------------------------------------------------------------------------
+def async_compile_class() -> type:
+    """Inductor's own ``AsyncCompile`` (Triton, CUDA, Halide kernels: builds what it must)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    return AsyncCompile
+
+
+def load_cpp_kernel(argtypes: list[str], source_code: str) -> tuple[Callable[..., Any], str | None]:
+    """A C++ kernel from Inductor's code cache (built if missing) and its library's path."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    fn = CppPythonBindingsCodeCache.load_pybinding(argtypes, source_code)
+    path = getattr(getattr(fn, "__self__", None), "__file__", None)
+    return fn, path
+
+
+def real_extern_kernel(name: str) -> Any:
+    """``extern_kernels.<name>`` as Inductor's own namespace has it (None if it has none)."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    return getattr(extern_kernels, name, None)
+
+
+# -- the output code's imports -------------------------------------------------------------
+_LIGHT = inductor_runtime.__name__
+# Top-level imports of Inductor's output code that have a light stand-in.
+# (module, name) -> the line that replaces the import (alias substituted).
+_STANDINS: dict[tuple[str, str], str] = {
+    ("torch._inductor.hooks", "run_intermediate_hooks"):
+        f"from {_LIGHT} import run_intermediate_hooks as {{alias}}",
+    ("torch._inductor.utils", "maybe_profile"):
+        f"from {_LIGHT} import maybe_profile as {{alias}}",
+    ("torch._inductor.codegen.memory_planning", "_align"):
+        f"from {_LIGHT} import align as {{alias}}",
+    ("torch._inductor.utils", "_align"):
+        f"from {_LIGHT} import align as {{alias}}",
+    ("torch._inductor.select_algorithm", "extern_kernels"):
+        f"from {_LIGHT} import extern_kernels as {{alias}}",
+    ("torch._inductor.async_compile", "AsyncCompile"):
+        "{alias} = __cachecompile_async_compile__",
+}
+_IMPORT_RE = re.compile(r"^from (torch\._(?:inductor|dynamo)[\w.]*) import (\w+)(?: as (\w+))?$")
+_EXTERN_RE = re.compile(r"\bextern_kernels\.(\w+)\b")
+
+
+def rewrite_imports(src: str) -> tuple[str, list[str]]:
+    """Swap top-level ``torch._inductor`` imports of output code for light stand-ins.
+
+    A stand-in replaces an import only where :mod:`.inductor_runtime` has exactly that
+    name (``extern_kernels`` only if every kernel the code uses is the very same function
+    as in Inductor's namespace). The program calls ``AsyncCompile`` through the name
+    ``__cachecompile_async_compile__``, which its loader provides. Returns the new source
+    and the imports that stay real (each costs Inductor's import in a warm process).
+    """
+    used_extern = set(_EXTERN_RE.findall(src))
+    extern_ok = True
+    for n in sorted(used_extern):
+        try:
+            light = getattr(inductor_runtime.extern_kernels, n)
+        except AttributeError:
+            extern_ok = False
+            break
+        if real_extern_kernel(n) is not light:
+            extern_ok = False
+            break
+    out: list[str] = []
+    heavy: list[str] = []
+    for line in src.splitlines():
+        m = _IMPORT_RE.match(line)
+        if m:
+            module, imported, alias = m.group(1), m.group(2), m.group(3) or m.group(2)
+            template = _STANDINS.get((module, imported))
+            if imported == "extern_kernels" and not extern_ok:
+                template = None
+            if template is not None:
+                out.append(template.format(alias=alias))
+                continue
+            heavy.append(f"{module}.{imported}")
+        out.append(line)
+    return "\n".join(out) + "\n", heavy
