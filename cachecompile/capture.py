@@ -19,6 +19,7 @@ capture and the adapters call it): a warm process never imports this module.
 from __future__ import annotations
 
 import builtins
+import contextvars
 import dataclasses
 import inspect
 import logging
@@ -196,8 +197,13 @@ class TraceSession:
         self._traced = dynamo.traced_code_files() if self._capture else []
 
         def compile_here() -> Compiled:
-            return self._adapter.compile(gm, example_inputs, self._options,
-                                         self._decompositions)
+            # In a copy of the context: Dynamo builds the guards after the backend
+            # returns, and a context variable the compiler sets and leaves set (torch
+            # 2.15's compiler config overrides) would be guarded at the compiler's value,
+            # which a warm process that loads the program instead never has.
+            return contextvars.copy_context().run(
+                self._adapter.compile, gm, example_inputs, self._options,
+                self._decompositions)
 
         collective = has_collectives(gm)
         if self.share is not None:

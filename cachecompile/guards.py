@@ -27,6 +27,7 @@ This module is on the warm path: it imports ``torch`` only (private names throug
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -207,6 +208,11 @@ def identity(obj: Any, depth: int = 0) -> str | None:
         # A collective's group: the compiled graph refers to it by name, so a process
         # group of the same name, size and rank is the same group to the program.
         return f"process_group:{obj.group_name}:{obj.rank()}/{obj.size()}"
+    if isinstance(obj, contextvars.ContextVar):
+        # Reached by a path the guard names (torch 2.15's config overrides hold one per
+        # option, created at import): the same name there is the same variable. Its value
+        # is guarded on its own.
+        return f"contextvar:{obj.name}"
     if isinstance(obj, (staticmethod, classmethod)):
         return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1)}"
     if isinstance(obj, property):

@@ -119,6 +119,9 @@ _LIGHT = inductor_runtime.__name__
 _STANDINS: dict[tuple[str, str], str] = {
     ("torch._inductor.hooks", "run_intermediate_hooks"):
         f"from {_LIGHT} import run_intermediate_hooks as {{alias}}",
+    # torch 2.15's output code imports it; 2.13 and 2.14 emit no such line.
+    ("torch._inductor.runtime.runtime_utils", "assert_tensor_metadata"):
+        f"from {_LIGHT} import assert_tensor_metadata as {{alias}}",
     ("torch._inductor.utils", "maybe_profile"):
         f"from {_LIGHT} import maybe_profile as {{alias}}",
     ("torch._inductor.codegen.memory_planning", "_align"):

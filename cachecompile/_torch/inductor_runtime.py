@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe.
 NEEDS: tuple[tuple[str, str], ...] = (
     ("torch", "_C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr"),
+    ("torch", "_C._dynamo.guards.assert_size_stride"),
 )
 
 ALIGN_BYTES = 64
@@ -42,6 +43,20 @@ ALIGN_BYTES = 64
 def align(nbytes: int) -> int:
     """``torch._inductor.utils._align``: round up to a multiple of ALIGN_BYTES."""
     return (nbytes + ALIGN_BYTES - 1) & -ALIGN_BYTES
+
+
+def assert_tensor_metadata(tensor: torch.Tensor | None, expected_size: tuple[Any, ...],
+                           expected_stride: tuple[Any, ...], expected_dtype: torch.dtype,
+                           op_name: str | None = None) -> None:
+    """``torch._inductor.runtime.runtime_utils.assert_tensor_metadata`` (output code of
+    torch 2.15 imports it): the same dtype check and the same C++ size/stride check."""
+    if tensor is None:
+        return
+    if tensor.dtype != expected_dtype:
+        op_msg = f"\nError in op: {op_name}" if op_name else ""
+        raise RuntimeError(f"expected dtype {expected_dtype} but got {tensor.dtype}{op_msg}")
+    torch._C._dynamo.guards.assert_size_stride(  # type: ignore[attr-defined]
+        tensor, expected_size, expected_stride, op_name)
 
 
 def run_intermediate_hooks(name: str, val: Any) -> None:
