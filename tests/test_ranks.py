@@ -151,12 +151,15 @@ def _assert_one_complete_group(box: Sandbox, world: int) -> None:
 
 
 def _unique_file_bytes(root: Path) -> int:
-    """Bytes on disk under root, counting each inode once (hard links are dedup)."""
+    """Bytes of entry data on disk under root, each inode once (hard links are dedup).
+    Manifests are left out: each rank's entry has its own (its guards; on torch 2.15 about
+    25 KB each), and dedup is about the program and kernels."""
     seen: set[int] = set()
     total = 0
     for p in root.rglob("*"):
         st = p.lstat()
-        if p.is_file() and st.st_ino not in seen and "index" not in p.parts:
+        if (p.is_file() and st.st_ino not in seen and "index" not in p.parts
+                and p.name != "manifest.json"):
             seen.add(st.st_ino)
             total += st.st_size
     return total
