@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
 # The Ascend tier: cachecompile's torchair adapter against the REAL torchair Python
-# bundled in torch-npu 2.13.0, on CPU. torchair's 4 native modules are stood in by
+# bundled in torch-npu, on CPU, for each supported torch-npu release (2.13.0 and 2.14.0;
+# each pins its own torch). torchair's 4 native modules are stood in by
 # tests_npu/npu_standins.py (no CANN here); tests marked `npu` need Ascend hardware and
-# are skipped with a reason. Own venv: installing torch-npu must not touch .venv.
-# pytest's exit code 5 (no tests collected) is passed on: .ci/run fails on it.
+# are skipped with a reason. Own venv per release: installing torch-npu must not touch
+# .venv, and each venv is removed after its run to keep the disk small.
+# pytest's exit code 5 is passed on: .ci/run fails on it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # torch-npu registers an entry point that makes plain `import torch` load libhccl.so.
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+# torch-npu 2.14.0 pins torch 2.14.0; a machine-wide pip cap on torch must not refuse it
+# (see .ci/torch-matrix.sh).
+export PIP_CONSTRAINT=/dev/null
 
-python3 -m venv .venv-npu || exit 1
-. .venv-npu/bin/activate
-pip install -q torch==2.13.0 torch-npu==2.13.0 packaging protobuf || exit 1
-pip install -q -e '.[test]' || exit 1
-
-python -m pytest tests_npu -p no:cacheprovider -W ignore::DeprecationWarning
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "Ascend tier collected no tests" >&2
-fi
-exit "$rc"
+for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
+  echo "== torch-npu $nv"
+  venv=".venv-npu-$nv"
+  python3 -m venv "$venv" || exit 1
+  . "$venv/bin/activate"
+  pip install -q "torch-npu==$nv" packaging protobuf || exit 1
+  pip install -q -e '.[test]' || exit 1
+  python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "torch-npu", m.version("torch-npu"))'
+  python -m pytest tests_npu -q -p no:cacheprovider -W ignore::DeprecationWarning
+  rc=$?
+  deactivate
+  rm -rf "$venv"
+  if [ "$rc" -eq 5 ]; then
+    echo "Ascend tier (torch-npu $nv) collected no tests" >&2
+    exit 5
+  fi
+  [ "$rc" -eq 0 ] || exit "$rc"
+done

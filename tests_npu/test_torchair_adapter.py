@@ -7,6 +7,7 @@ Every cross-process claim runs in fresh child processes.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import warnings
 from pathlib import Path
@@ -172,7 +173,7 @@ def test_machine_factors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     f = adapter_mod.ADAPTER.factors(opts)
     assert f["cann"] is None and f["torch_npu_imported"] is False
     assert f["soc"] == npu_standins.STANDIN_SOC
-    assert f["torch_npu"] == "2.13.0"
+    assert f["torch_npu"] == importlib.metadata.version("torch-npu")
     assert f["torchair"]["files"] > 100 and f["ge_cache"] is True
     assert f["npu"]["deterministic_level"] is None
     (tmp_path / "version.info").write_text("Version=8.3.RC1\n")
@@ -284,7 +285,11 @@ def test_a_torn_ge_file_is_a_miss_for_that_entry_only(sb: NpuSandbox) -> None:
     assert len(_method_entries(sb.store)) == 2
 
 
-def test_recompile_withdraws_the_entry(sb: NpuSandbox) -> None:
+def test_recompile_keeps_the_entry_and_its_guards_decide(sb: NpuSandbox) -> None:
+    """A global changed after the first call: the compiling process's live compile
+    recompiles (Dynamo's own guard) and stays right; the entry is kept, since it carries
+    its guards. A fresh process that starts with the changed global misses it by that
+    guard, publishes a second variant, and each state then hits its own."""
     after = """
     npu_model.SHIFT_DOWN = False
     with torch.no_grad():
@@ -293,8 +298,15 @@ def test_recompile_withdraws_the_entry(sb: NpuSandbox) -> None:
     """
     r = run_model(sb, after=after)
     assert r["recompiled_ok"]
-    assert "RecompileWarning" in r.stderr
-    assert not _method_entries(sb.store), "the entry of a recompiled signature must go"
+    assert len(_method_entries(sb.store)) == 1, "the entry keeps its own guards"
+    flipped = "npu_model.SHIFT_DOWN = False"
+    log = "import logging; logging.basicConfig(level=logging.INFO)\n"
+    changed = run_model(sb, setup=log + flipped)
+    assert changed["ok"] and changed["events"][0][0] == "miss", changed.value
+    assert "guard failed: npu_model.SHIFT_DOWN" in changed.stderr, changed.stderr[-3000:]
+    assert len(_method_entries(sb.store)) == 2
+    assert run_model(sb, setup=flipped)["events"][0][0] == "hit"
+    assert run_model(sb)["events"][0][0] == "hit"
 
 
 def test_rank_layout_each_rank_its_own_entry(sb: NpuSandbox) -> None:

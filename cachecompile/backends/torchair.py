@@ -31,7 +31,8 @@ Entry files are read-only hard links in the store: GE never gets the entry direc
 itself. :meth:`load` gives it a private directory of symlinks to them instead.
 
 Everything here that touches torchair's private API (``_compile_graph_with_aot``,
-``_compile_py_code``, ``_update_ge_cache_dir``) is version specific to torch-npu 2.13.
+``_compile_py_code``, ``_update_ge_cache_dir``) is checked on import; it is the same in the
+torchair bundled with torch-npu 2.13.0 and 2.14.0, the releases the Ascend tier runs.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _import() -> tuple[Any, Any]:
                      "_process_send_recv", "get_npu_backend"):
             if not hasattr(fx, attr):
                 raise ImportError(f"torchair.npu_fx_compiler has no {attr} (this adapter "
-                                  "supports the torchair bundled with torch-npu 2.13)")
+                                  "supports the torchair bundled with torch-npu 2.13 and 2.14)")
     except _IMPORT_ERRORS as e:
         why = f"import torchair failed: {type(e).__name__}: {e}"
         if npu_error is not None:
