@@ -26,6 +26,7 @@ This module is on the warm path: it imports ``torch`` only (private names throug
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextvars
 import dataclasses
@@ -228,6 +229,38 @@ def _cell_full(cell: types.CellType) -> bool:
     return True
 
 
+class _IdentMatch:
+    """An identity guard: ``identity(obj) == value``, remembered per object.
+
+    Dynamo's ID_MATCH / FUNCTION_MATCH compare ``id(obj)`` in its process; once an object
+    has matched the portable identity, the same object matches again (what it reads, such
+    as closure cells, is guarded on its own), so later checks are one ``is``. Bound methods
+    are new objects on every attribute access: they are remembered by function and self.
+    """
+
+    __slots__ = ("value", "_last", "_last_self")
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+        self._last: Any = self      # nothing matched yet (self is never a guarded object)
+        self._last_self: Any = self
+
+    def __call__(self, obj: Any) -> bool:
+        if type(obj) is types.MethodType:
+            if obj.__func__ is self._last and obj.__self__ is self._last_self:
+                return True
+            if identity(obj) != self.value:
+                return False
+            self._last, self._last_self = obj.__func__, obj.__self__
+            return True
+        if obj is self._last:
+            return True
+        if identity(obj) != self.value:
+            return False
+        self._last = obj
+        return True
+
+
 # -- tensors ------------------------------------------------------------------------------
 def tensor_facts(t: torch.Tensor, sizes: Sequence[int | None] | None = None,
                  strides: Sequence[int | None] | None = None) -> JSON:
@@ -419,7 +452,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         elif kind == "not_in_dict":
             cond = f"{const(value)} not in {e}.__dict__"
         elif kind == "ident":
-            cond = f"{const(identity)}({e}) == {const(value)}"
+            cond = f"{const(_IdentMatch(value))}({e})"
         elif kind == "tensor":
             cond = f"{const(_tensor_check(value))}({e})"
         elif kind == "alias":
@@ -440,13 +473,20 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
                        for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
 
     def fn(name: str, selected: list[str]) -> str:
-        body = " and ".join(selected) if selected else "True"
-        # A guard that raises (a missing attribute, a wrong type) is a failed guard.
-        return (f"def {name}({params}):\n    try:\n{_indent(prologue)}        return bool({body})\n"
-                "    except Exception:\n        return False\n")
+        # Guards run in order and stop at the first that fails; each object path they read
+        # (``self.m._modules['h']...``) is evaluated once, where a guard first needs it,
+        # as Dynamo's guard tree shares its accessors. A guard that raises (a missing
+        # attribute, a wrong type) is a failed guard.
+        body = _shared_paths(selected)
+        return (f"def {name}({params}):\n    try:\n{_indent(prologue)}{_indent(_indent(body))}"
+                "        return True\n    except Exception:\n        return False\n")
 
     per = [c for c, p, _ in conds if p]
-    lines = [f"        if not ({c}): return {i}\n" for i, (c, _, _) in enumerate(conds)]
+    # Only on a miss: which guard failed first. A guard that raises (it reads an attribute
+    # that is gone) is that guard failing, named as such, not an anonymous error.
+    lines = [f"        try:\n            if not ({c}): return {i}\n"
+             f"        except Exception:\n            return {i}\n"
+             for i, (c, _, _) in enumerate(conds)]
     src = (fn("__cc_per_call", per) + fn("__cc_full", [c for c, _, _ in conds])
            + f"def __cc_first_failure({params}):\n    try:\n{_indent(prologue)}" + "".join(lines)
            + "    except Exception:\n        return -2\n    return -1\n")
@@ -488,6 +528,61 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
 
     return Checker(per_call=out["__cc_per_call"], full=out["__cc_full"], explain=explain,
                    n_guards=len(conds), n_per_call=len(per))
+
+
+class _PathSharer(ast.NodeTransformer):
+    """Replaces each object path (attribute, constant subscript, ``___odict_getitem``) with
+    a local bound the first time the path is seen; the bindings are emitted in order."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, str] = {}
+        self.lines: list[str] = []
+
+    @staticmethod
+    def _base_ok(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name)
+
+    def _path(self, node: ast.expr) -> ast.expr:
+        key = ast.unparse(node)
+        name = self.bound.get(key)
+        if name is None:
+            name = f"__cc_p{len(self.bound)}"
+            self.bound[key] = name
+            self.lines.append(f"{name} = {key}")
+        return ast.Name(id=name, ctx=ast.Load())
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.expr:
+        node = self.generic_visit(node)  # type: ignore[assignment]
+        return self._path(node) if self._base_ok(node.value) else node
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.expr:
+        node = self.generic_visit(node)  # type: ignore[assignment]
+        if self._base_ok(node.value) and isinstance(node.slice, ast.Constant):
+            return self._path(node)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        node = self.generic_visit(node)  # type: ignore[assignment]
+        if (isinstance(node.func, ast.Name) and node.func.id == "___odict_getitem"
+                and len(node.args) == 2 and not node.keywords
+                and self._base_ok(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            return self._path(node)
+        return node
+
+    def visit_Lambda(self, node: ast.Lambda) -> ast.Lambda:
+        return node  # its names are its own parameters: nothing to share
+
+
+def _shared_paths(conds: Sequence[str]) -> str:
+    """``if not (cond): return False`` per guard, with shared object paths bound once."""
+    sharer = _PathSharer()
+    out: list[str] = []
+    for cond in conds:
+        tree = sharer.visit(ast.parse(cond, mode="eval"))
+        out.extend(sharer.lines)
+        sharer.lines = []
+        out.append(f"if not ({ast.unparse(tree)}): return False")
+    return "\n".join(out) + ("\n" if out else "")
 
 
 def describe(v: Any, kind: str, expected: Any = None) -> str:

@@ -1,0 +1,139 @@
+"""The warm-path guard checker on its own: compiled guards over live objects, no Dynamo.
+
+The cross-process cases (one per kind of fact Dynamo guards) are in test_guard_matrix.py;
+these pin what the checker itself promises: object paths shared between guards give the
+same verdicts as evaluating each guard alone, a guard that raises is a failed guard, and
+an identity guard that remembers the object it matched still sees a swap.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cachecompile import guards as g
+from cachecompile import values
+
+
+class Cfg:
+    def __init__(self) -> None:
+        self.act = "relu"
+        self.width = 3
+        self.table = [[1, 2], [3, 4]]
+
+
+class M(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cfg = Cfg()
+        self.fn = F.relu
+        self.opts = {"mode": "a"}
+
+    def helper(self, y: torch.Tensor) -> torch.Tensor:
+        return y * 2
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _guard(kind: str, expr: str, value: Any, args: bool = False) -> dict[str, Any]:
+    return {"kind": kind, "expr": expr, "value": value, "text": g.user_text(expr), "args": args}
+
+
+def _guards(m: M, x: torch.Tensor) -> list[dict[str, Any]]:
+    lin = "___odict_getitem(L['self']._modules, 'lin')"
+    return [
+        _guard("eq", "L['self'].cfg.act", values.encode_value("relu")),
+        _guard("eq", "L['self'].cfg.width", values.encode_value(3)),
+        _guard("len", "L['self'].cfg.table", 2),
+        _guard("eq", "L['self'].cfg.table[1][1]", values.encode_value(4)),
+        _guard("eq", "L['self'].opts['mode']", values.encode_value("a")),
+        _guard("ident", "L['self'].fn", g.identity(F.relu)),
+        _guard("ident", "L['self'].helper", g.identity(m.helper)),
+        _guard("tensor", f"{lin}._parameters['weight']", g.tensor_facts(m.lin.weight)),
+        _guard("tensor", f"{lin}._parameters['bias']", g.tensor_facts(m.lin.bias)),
+        _guard("tensor", "L['x']", g.tensor_facts(x), args=True),
+        _guard("expr", "L['x'].size()[0] == 3", None, args=True),
+    ]
+
+
+def _checker(m: M, x: torch.Tensor) -> g.Checker:
+    return g.build_checker(M.run, _guards(m, x), {})  # type: ignore[arg-type]
+
+
+def _one_by_one(m: M, x: torch.Tensor) -> bool:
+    """The reference: each guard compiled alone, no shared paths, no memo."""
+    return all(g.build_checker(M.run, [gd], {}).full(m, x)  # type: ignore[arg-type]
+               for gd in _guards(M(), x))
+
+
+def test_every_change_fails_the_guard_that_reads_it() -> None:
+    x = torch.randn(3, 4)
+    m = M()
+    c = _checker(m, x)
+    assert c.full(m, x) and c.per_call(m, x)
+    changes = {
+        "cfg.act": lambda m: setattr(m.cfg, "act", "silu"),
+        "cfg.width": lambda m: setattr(m.cfg, "width", 2),
+        "table": lambda m: m.cfg.table[1].__setitem__(1, 5),
+        "table len": lambda m: m.cfg.table.append([0]),
+        "dict value": lambda m: m.opts.__setitem__("mode", "b"),
+        "function attr": lambda m: setattr(m, "fn", F.silu),
+        "partial attr": lambda m: setattr(m, "fn", functools.partial(F.relu)),
+        "instance method": lambda m: setattr(m, "helper", types.MethodType(lambda s, y: y, m)),
+        "weight dtype": lambda m: setattr(m.lin, "weight", nn.Parameter(m.lin.weight.double())),
+        "missing attr": lambda m: delattr(m, "cfg"),
+        "cfg replaced": lambda m: setattr(m, "cfg", object()),
+    }
+    for what, change in changes.items():
+        m2 = M()
+        assert c.full(m2, x), what  # the memo saw m's objects; a new module still fits
+        change(m2)
+        assert not c.full(m2, x), what
+        assert c.full(m2, x) is _one_by_one(m2, x), what
+        assert c.explain(m2, x), what
+        assert c.per_call(m2, x), f"{what}: only argument guards run per call"
+
+
+def test_argument_guards_run_per_call() -> None:
+    x = torch.randn(3, 4)
+    m = M()
+    c = _checker(m, x)
+    for bad in (torch.randn(5, 4), torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, 1)):
+        assert not c.per_call(m, bad) and not c.full(m, bad)
+    assert c.per_call(m, torch.randn(3, 4))
+
+
+def test_identity_memo_sees_a_swap_back_and_forth() -> None:
+    x = torch.randn(3, 4)
+    m = M()
+    c = _checker(m, x)
+    for _ in range(3):
+        assert c.full(m, x)
+        m.fn = F.silu
+        assert not c.full(m, x)
+        m.fn = F.relu
+    # A bound method of another instance is not this instance's method.
+    other = M()
+    m.helper = other.helper  # type: ignore[method-assign]
+    assert c.full(m, x) is _one_by_one(m, x)
+
+
+def test_shared_paths_keep_guard_order() -> None:
+    """A path read by a later guard is not evaluated when an earlier guard fails on a
+    missing object; the verdict is False, never an exception."""
+    x = torch.randn(3, 4)
+    m = M()
+    guards = [_guard("hasattr", "L['self']", {"attr": "cfg", "present": True}),
+              _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
+    c = g.build_checker(M.run, guards, {})  # type: ignore[arg-type]
+    assert c.full(m, x)
+    del m.cfg
+    assert c.full(m, x) is False
+    assert "cfg" in (c.explain(m, x) or "")
