@@ -32,14 +32,11 @@ from typing import Any
 
 import torch
 
-import store as store_pkg
-from store import Hit, Key, make_key
-from store.errors import KeyNotFound, StoreError
-
 from . import _torch, coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
 from . import guards as guards_mod
+from . import store as store_pkg
 from .backends.base import Adapter
 from .errors import (
     CacheFaultWarning,
@@ -50,6 +47,8 @@ from .errors import (
 )
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
+from .store import Hit, Key, make_key
+from .store.errors import KeyNotFound, StoreError
 
 logger = logging.getLogger(__name__)
 

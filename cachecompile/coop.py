@@ -26,9 +26,8 @@ from typing import Any
 import torch
 import xxhash
 
-from store.errors import LockTimeout, StoreError
-
 from ._torch import dynamo
+from .store.errors import LockTimeout, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +204,8 @@ class GraphShare:
         the lock before the first call (graphs with collectives: a rank holding the
         lock through a call would wait in the collective for ranks waiting on the lock).
         """
-        from store import Hit, make_key
-
         from .backends.base import Compiled, Program
+        from .store import Hit, make_key
 
         digest = graph_digest(gm, example_inputs)
         key = make_key({"kind": "graph", "graph": digest, **self._factors})

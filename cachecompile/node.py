@@ -179,7 +179,7 @@ def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
     """Call once per rank at job start: local rank 0 enforces the cache's size cap and
     sweeps stale temp dirs while the other local ranks wait, so N ranks do not all
     sweep the same directory at once. Needs LOCAL_WORLD_SIZE / LOCAL_RANK."""
-    import store
+    from . import store
 
     st = store.open_store(cache_dir)
     node_once(st.root, "prepare", st.gc, timeout=timeout)

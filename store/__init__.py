@@ -101,7 +101,7 @@ def open_store(
     ``cachectl`` both honour it). ``create=False`` raises StoreNotFound instead of creating
     a missing store (a mistyped path must not look like an empty cache).
     With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
-    local store gets a remote tier behind it (:mod:`store.tiered`); ``remote=""`` opts out.
+    local store gets a remote tier behind it (:mod:`cachecompile.store.tiered`); ``remote=""`` opts out.
     """
     local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
                         create=create)

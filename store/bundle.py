@@ -4,7 +4,7 @@ so that a container image can ship a warm cache.
 Archive layout (members in this order)::
 
     cachecompile-bundle.json          {"format": 1, "entries": [<digest>, ...]}
-    <digest>/record.json              the signed record (store.signing), as the remote keeps it
+    <digest>/record.json              the signed record (cachecompile.store.signing), as the remote keeps it
     <digest>/data/<name>              the entry's files
 
 Every file is a regular member, even where the store shares one blob between entries

@@ -1,4 +1,4 @@
-"""``cachectl`` verbs of the remote tier and of bundles (loaded by store.cli as a plugin).
+"""``cachectl`` verbs of the remote tier and of bundles (loaded by cachecompile.store.cli as a plugin).
 
     cachectl remote ls | stats | purge        the Redis tier itself
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
@@ -64,7 +64,7 @@ def _remote(url: str | None) -> RedisRemote:
 
 def _local(cache_dir: str | None, *, create: bool) -> Any:
     # The local store alone: these verbs move entries between the tiers explicitly.
-    # Verbs that only read it never create it (as store.cli does): on a mistyped
+    # Verbs that only read it never create it (as cachecompile.store.cli does): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
     return open_store(cache_dir, remote="", create=create)
 
@@ -256,7 +256,7 @@ def register(cli: click.Group) -> None:
             if st.get(i.key):
                 got += 1
             else:
-                failed += 1  # store.tiered logged why
+                failed += 1  # cachecompile.store.tiered logged why
         click.echo(f"pulled {got} entries from {r.config.display}; {have} were here already"
                    + (f"; {failed} refused or failed" if failed else ""))
         if failed:

@@ -120,7 +120,7 @@ def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> st
 
     A hit knows its labels; a miss knows only the key, whose factors say ``kind=graph``
     for shared graphs (cachecompile/coop.py sets the factor and the label together).
-    Whoever adjusts a lookup's counters later (store.tiered) asks here too, so that it
+    Whoever adjusts a lookup's counters later (cachecompile.store.tiered) asks here too, so that it
     undoes exactly the counter the lookup moved.
     """
     if labels is None:
@@ -165,7 +165,7 @@ class Pin:
 
 
 class Store:
-    """A local, content-addressed artifact store. Build it with :func:`store.open_store`."""
+    """A local, content-addressed artifact store. Build it with :func:`cachecompile.store.open_store`."""
 
     readonly = False
 

@@ -8,7 +8,7 @@ counts shared content once without reading every manifest); counters are
 
 Counters: ``hits``, ``miss:<kind>``, ``publishes``, ``evictions``, ``corruptions`` and
 ``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
-(see store.policy) count under ``graph:hits`` and ``graph:miss:<kind>`` instead, so
+(see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>`` instead, so
 ``hits`` and ``miss:*`` are what the user's own methods did.
 """
 

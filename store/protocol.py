@@ -2,7 +2,7 @@
 
 get / put / contains / delete / iterate (``entries``) / stat. A remote tier (e.g.
 Redis) or a tiered store with backfill implements this and wraps another Storage;
-read-only is such a wrapper already (:class:`store.readonly.ReadOnlyStore`).
+read-only is such a wrapper already (:class:`cachecompile.store.readonly.ReadOnlyStore`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Read-only access as a wrapper: lookups pass through without side effects;
-every write raises :class:`~store.errors.ReadOnlyStoreError`, and publishing logs
+every write raises :class:`~cachecompile.store.errors.ReadOnlyStoreError`, and publishing logs
 one warning per store so that a read-only cache never floods the log."""
 
 from __future__ import annotations

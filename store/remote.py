@@ -2,7 +2,7 @@
 
 Layout under a key prefix (default ``cachecompile:v1``)::
 
-    <p>:entry:<digest>        the record (store.signing): manifest, SHA-256s, signature
+    <p>:entry:<digest>        the record (cachecompile.store.signing): manifest, SHA-256s, signature
     <p>:blob:<sha256>         blob marker, value = its chunk size; written after the chunks
     <p>:chunk:<sha256>:<i>    the i-th chunk of a file's bytes (at most 64 MiB each)
     <p>:pin:<sha256>          "an upload needs this blob"; expires ``lease`` s after its
@@ -219,7 +219,7 @@ class _Breaker:
 
 
 class RedisRemote:
-    """One Redis remote. Every method raises :class:`~store.errors.RemoteError` on failure."""
+    """One Redis remote. Every method raises :class:`~cachecompile.store.errors.RemoteError` on failure."""
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None,
                  client: Any = None) -> None:

@@ -3,7 +3,7 @@ upload local publishes in the background.
 
 ``open_store()`` builds one when ``$CACHECOMPILE_REMOTE`` (or ``remote=``) is set:
 
-* :class:`TieredStore` is the local :class:`~store.disk.Store` (it *is* one, so every local
+* :class:`TieredStore` is the local :class:`~cachecompile.store.disk.Store` (it *is* one, so every local
   operation, lock and pin works unchanged) with ``get``/``put``/``delete`` wrapped: a local
   miss asks the remote; a remote hit is downloaded, verified (signature, SHA-256), published
   locally through the normal ``put`` and returned as a Hit of that LOCAL entry.
@@ -11,7 +11,7 @@ upload local publishes in the background.
 * :class:`ReadOnlyTieredStore` is the same over a read-only local root: a remote hit is
   published into a private scratch store that lives as long as the process.
 
-Remote faults never reach the caller: the tier logs (once, see store.remote) and the
+Remote faults never reach the caller: the tier logs (once, see cachecompile.store.remote) and the
 lookup is the local miss. A remote entry refused (untrusted or damaged) is warned about
 once per process, however many lookups and stores meet it.
 """
@@ -46,7 +46,7 @@ __all__ = ["TieredStore", "ReadOnlyTieredStore", "Uploader", "hit_split", "wrap"
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
 # Index counter: hits served by a download (cachectl stats); a shared graph's goes under
-# the graph scope, as its hits do (store.disk.counter_scope).
+# the graph scope, as its hits do (cachecompile.store.disk.counter_scope).
 REMOTE_HITS = "hits:remote"
 
 # (remote, subject, message) already warned about: one lookup looks an entry up several
@@ -205,7 +205,7 @@ class _RemoteSide:
             _warn_once(self.remote, str(e.path), f"not downloading remote entries: {e}")
             return None
         except errors.UntrustedEntryError as e:
-            # Our own upload may replace it; store.remote decides whether it really may.
+            # Our own upload may replace it; cachecompile.store.remote decides whether it really may.
             self._replace.add(digest)
             _warn_once(self.remote, digest, f"remote {e}")
             return None
