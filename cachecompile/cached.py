@@ -47,7 +47,7 @@ from .errors import (
 )
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
-from .store import Hit, Key, make_key
+from .store import Hit, Key, explain, make_key
 from .store.errors import KeyNotFound, StoreError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,10 @@ class _Vacated(Exception):
 # A frame key (the method, its settings and the call signature) holds up to this many
 # entries, each with its own guards; past it, new variants run with live torch.compile.
 MAX_VARIANTS = 16
+# The miss log line compares with at most this many entries of the method (manifests
+# only), and names at most this many of the factors the nearest one differs in.
+NEAREST_CANDIDATES = 50
+NEAREST_NAMES = 8
 
 
 def guard_mode() -> str:
@@ -533,28 +537,21 @@ class CachedFunction:
         return make_key(self.factors(sig))
 
     def _nearest(self, st: Any, key: Key) -> str:
-        """' (differs from nearest entry in: a, b)' for the miss log line."""
+        """' (nearest entry differs in: a, b)' for the miss log line."""
         try:
-            candidates = st.find(model=type(self._method.__self__).__qualname__,
-                                 function=self._method.__name__)
-            best: tuple[int, list[str]] | None = None
-            for info in candidates[:50]:
-                # The manifest alone: a get() would hash every file of every candidate
-                # and count a hit on each, just to word a log line.
-                try:
-                    factors = dict(st.manifest(info.key)["factors"])
-                except (StoreError, OSError, KeyError):
-                    continue
-                factors.pop("variant", None)
-                diff = _diff(key.factors, factors)
-                if best is None or len(diff) < best[0]:
-                    best = (len(diff), diff)
-            if best is None:
-                return ""
-            return f" (nearest entry differs in: {', '.join(best[1]) or 'nothing?'})"
+            near = explain.nearest(st, key.factors,
+                                   {"model": type(self._method.__self__).__qualname__,
+                                    "function": self._method.__name__},
+                                   limit=NEAREST_CANDIDATES)
         except Exception:  # noqa: BLE001 - explaining a miss must never fail the call
             logger.debug("explaining a miss failed", exc_info=True)
             return ""
+        if near is None:
+            return ""
+        names = near.differ[:NEAREST_NAMES]
+        more = len(near.differ) - len(names)
+        return (f" (nearest entry differs in: {', '.join(names) or 'nothing?'}"
+                f"{f' and {more} more' if more > 0 else ''})")
 
     # -- helpers ----------------------------------------------------------------------
     def _fault(self, message: str) -> None:
@@ -571,16 +568,3 @@ class CachedFunction:
     def __repr__(self) -> str:
         return (f"<cache_compile {self.__qualname__} backend={self._adapter.name} "
                 f"dynamic={self._dynamic} signatures={len(self._runners)}>")
-
-
-def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
-    out: list[str] = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if va == vb:
-            continue
-        if isinstance(va, Mapping) and isinstance(vb, Mapping) and not prefix:
-            out.extend(_diff(va, vb, f"{k}."))
-        else:
-            out.append(prefix + k)
-    return out

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 import xxhash
 
 from ._torch import dynamo
+from .poll import poll
+from .store.config import env_float, env_int
 from .store.errors import LockTimeout, StoreError
 
 logger = logging.getLogger(__name__)
@@ -38,20 +41,12 @@ _REPORT_EVERY = 30.0
 
 def default_slots() -> int:
     """Compiles allowed at once on this node: ``CACHECOMPILE_COMPILE_SLOTS`` or cores / 2."""
-    raw = os.environ.get("CACHECOMPILE_COMPILE_SLOTS")
-    if raw:
-        try:
-            return max(1, int(raw))
-        except ValueError:
-            logger.warning("ignoring CACHECOMPILE_COMPILE_SLOTS=%r (not an int)", raw)
-    return max(1, (os.cpu_count() or 2) // 2)
+    n = env_int("CACHECOMPILE_COMPILE_SLOTS", lenient=True)
+    return max(1, n if n is not None else (os.cpu_count() or 2) // 2)
 
 
 def lock_timeout() -> float:
-    try:
-        return float(os.environ.get("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT))
-    except ValueError:
-        return DEFAULT_TIMEOUT
+    return env_float("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT)
 
 
 def _owner_path(lock_path: Path) -> Path:
@@ -83,22 +78,22 @@ def held(st: Any, name: str, *, who: str, purpose: str,
          timeout: float | None = None) -> Iterator[Path]:
     """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout."""
     limit = lock_timeout() if timeout is None else timeout
-    start = time.monotonic()
-    last_report = -_REPORT_EVERY
-    while True:
-        remaining = limit - (time.monotonic() - start)
+    waiting_on: list[Path] = []  # the lock file, once an attempt timed out on it
+
+    def attempt(left: float) -> tuple[AbstractContextManager[Path], Path] | None:
+        # Short tries, not one long one: between them, say who holds the lock.
         try:
-            cm = st.lock(name, timeout=max(0.0, min(_POLL * 5, remaining)))
-            path = cm.__enter__()
+            cm = st.lock(name, timeout=min(_POLL * 5, left))
+            return cm, cm.__enter__()
         except LockTimeout as e:
-            waited = time.monotonic() - start
-            if waited >= limit:
-                raise LockTimeout(e.path, limit) from None
-            if waited - last_report >= _REPORT_EVERY:
-                last_report = waited
-                logger.info("%s waits for %s held by %s", who, purpose, describe_owner(e.path))
-            continue
-        break
+            waiting_on[:] = [e.path]
+            return None
+
+    cm, path = poll(
+        attempt, timeout=limit, interval=0, report_every=_REPORT_EVERY,
+        expired=lambda _: LockTimeout(waiting_on[0], limit),
+        report=lambda _: logger.info("%s waits for %s held by %s", who, purpose,
+                                     describe_owner(waiting_on[0])))
     try:
         _write_owner(path, who, purpose)
         yield path
@@ -116,29 +111,27 @@ class CompileSlots:
     @contextlib.contextmanager
     def slot(self, who: str, timeout: float | None = None) -> Iterator[int]:
         limit = lock_timeout() if timeout is None else timeout
-        start = time.monotonic()
-        last_report = -_REPORT_EVERY
-        while True:
+
+        def attempt(_: float) -> tuple[int, AbstractContextManager[Path], Path] | None:
             for i in range(self.n):
                 try:
                     cm = self._st.lock(f"compile-slot-{i}", timeout=0)
-                    path = cm.__enter__()
+                    return i, cm, cm.__enter__()
                 except LockTimeout:
                     continue
-                try:
-                    _write_owner(path, who, "a compile slot")
-                    yield i
-                finally:
-                    cm.__exit__(None, None, None)
-                return
-            waited = time.monotonic() - start
-            if waited >= limit:
-                raise StoreError(f"{who} waited {limit:g}s for one of {self.n} compile slots "
-                                 "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout")
-            if waited - last_report >= _REPORT_EVERY:
-                last_report = waited
-                logger.info("%s waits for one of %d compile slots", who, self.n)
-            time.sleep(_POLL)
+            return None
+
+        i, cm, path = poll(
+            attempt, timeout=limit, interval=_POLL, report_every=_REPORT_EVERY,
+            expired=lambda _: StoreError(
+                f"{who} waited {limit:g}s for one of {self.n} compile slots "
+                "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout"),
+            report=lambda _: logger.info("%s waits for one of %d compile slots", who, self.n))
+        try:
+            _write_owner(path, who, "a compile slot")
+            yield i
+        finally:
+            cm.__exit__(None, None, None)
 
 
 def _meta(x: Any) -> str:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 from pathlib import Path
 
 from . import errors
+from .config import env_flag, parse_size
 from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
@@ -46,20 +46,6 @@ __all__ = [
     "open_store",
     "parse_size",
 ]
-
-_TRUE = {"1", "true", "yes", "on"}
-_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
-def parse_size(text: str | int) -> int:
-    """``"10G"``, ``"512M"``, ``"1.5GiB"`` or a byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (try 10G, 512M, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
 
 def default_root() -> Path:
     """``$CACHECOMPILE_DIR``, else ``$XDG_CACHE_HOME/cachecompile``, else ``~/.cache/cachecompile``."""
@@ -125,12 +111,12 @@ def _open_local(
     if max_size is None:
         max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE
     if shared_group is None:
-        shared_group = os.environ.get("CACHECOMPILE_SHARED_GROUP", "").lower() in _TRUE
+        shared_group = env_flag("CACHECOMPILE_SHARED_GROUP")
     st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
     if not create:
         st.check_root()  # an insecure root says so, even if it holds no store
         _must_exist(path)
-    if readonly or os.environ.get("CACHECOMPILE_READONLY", "").lower() in _TRUE:
+    if readonly or env_flag("CACHECOMPILE_READONLY"):
         st.check_root()
         return ReadOnlyStore(st, "opened with readonly=True" if readonly
                              else "CACHECOMPILE_READONLY is set")

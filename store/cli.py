@@ -22,8 +22,9 @@ from rich.text import Text
 
 from . import errors, open_store, parse_size
 from .disk import Store
+from .explain import differing, flatten, guard_diff, nearest
 from .outcomes import EntryInfo
-from .policy import is_shared_graph
+from .policy import has_labels, is_shared_graph
 from .readonly import ReadOnlyStore
 
 EXIT_PROBLEMS = 1
@@ -135,10 +136,6 @@ def label_options(f: F) -> F:
     return f
 
 
-def _match(info: EntryInfo, want: dict[str, str]) -> bool:
-    return all(info.labels.get(k) == v for k, v in want.items())
-
-
 _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
     "key": lambda i: i.key,
     "size": lambda i: i.size_bytes,
@@ -229,7 +226,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
     everything = list(st.entries())
-    infos = [i for i in everything if _match(i, want)
+    infos = [i for i in everything if has_labels(i.labels, want)
              and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
     infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
@@ -282,57 +279,6 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
     con.print(fl)
 
 
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested factors as dotted paths, so two keys can be compared leaf by leaf."""
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for k in sorted(obj):
-            out.update(flatten(obj[k], f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix or "<root>": obj}
-
-
-def nearest(st: AnyStore, digest: str, factors: dict[str, Any], labels: dict[str, str]) -> str | None:
-    """The entry most like ``digest``: same function/model labels, most equal factors."""
-    mine = flatten(factors)
-    same: dict[str, str] = {k: labels[k] for k in ("function", "model") if k in labels}
-    best: tuple[int, str] | None = None
-    for info in st.entries():
-        if info.key == digest or not _match(info, same):
-            continue
-        try:
-            other = flatten(st.manifest(info.key)["factors"])
-        except (errors.StoreError, OSError):
-            continue
-        score = sum(1 for k, v in mine.items() if k in other and other[k] == v)
-        score -= sum(1 for k in other if k not in mine)
-        if best is None or score > best[0]:
-            best = (score, info.key)
-    return best[1] if best else None
-
-
-def guard_diff(ma: dict[str, Any], mb: dict[str, Any]) -> list[tuple[str, str]]:
-    """The guards two entries of one method disagree on, in the user's terms.
-
-    Variants of one frame share every factor; what tells them apart is the state each was
-    compiled for, which Dynamo's guards (carried in ``meta.guards``) record.
-    """
-    def by_expr(m: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-        gs = m.get("meta", {}).get("guards") or []
-        return {(str(g.get("kind")), str(g.get("expr", ""))): g for g in gs
-                if isinstance(g, dict)}
-
-    ga, gb = by_expr(ma), by_expr(mb)
-    rows: list[tuple[str, str]] = []
-    for k in sorted(set(ga) | set(gb)):
-        a, b = ga.get(k), gb.get(k)
-        if a is not None and b is not None and a.get("value") == b.get("value"):
-            continue
-        rows.append((str(a.get("text")) if a else "(not guarded)",
-                     str(b.get("text")) if b else "(not guarded)"))
-    return rows
-
-
 @cli.command("explain")
 @cache_dir_option
 @click.argument("key")
@@ -346,16 +292,18 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
     a = st.resolve(key)
     ma = st.manifest(a)
     if key2 is None:
-        b = nearest(st, a, ma["factors"], ma["labels"])
-        if b is None:
+        # Same function and model (where the entry has them), fewest factors apart.
+        same = {k: ma["labels"][k] for k in ("function", "model") if k in ma["labels"]}
+        near = nearest(st, ma["factors"], same, exclude=a)
+        if near is None:
             raise CliError(f"no other entry to compare {a[:12]} with", EXIT_USAGE)
+        b = near.key
     else:
         b = st.resolve(key2)
     mb = st.manifest(b)
     fa, fb = flatten(ma["factors"]), flatten(mb["factors"])
-    missing = object()
     names = sorted(set(fa) | set(fb))
-    diff = [n for n in names if fa.get(n, missing) != fb.get(n, missing)]
+    diff = differing(ma["factors"], mb["factors"])
     guards = guard_diff(ma, mb)
     if as_json:
         click.echo(json.dumps({"a": a, "b": b, "differ": {

@@ -33,13 +33,13 @@ from .cli import (
     CliError,
     _console,
     _entries_table,
-    _match,
     _parse_labels,
     cache_dir_option,
     human_size,
     label_options,
 )
 from .outcomes import EntryInfo, Hit
+from .policy import has_labels
 from .remote import RedisRemote
 from .signing import Record
 from .tiered import TieredStore
@@ -105,7 +105,7 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
     if keys:
         chosen = {resolve(k) for k in keys}
         infos = [i for i in infos if i.key in chosen]
-    return [i for i in infos if _match(i, want)]
+    return [i for i in infos if has_labels(i.labels, want)]
 
 
 def register(cli: click.Group) -> None:
@@ -124,7 +124,7 @@ def register(cli: click.Group) -> None:
         want = _parse_labels(label, model, function)
         infos = sorted((_info(rec) for rec in r.records()), key=lambda i: i.created,
                        reverse=True)
-        infos = [i for i in infos if _match(i, want)]
+        infos = [i for i in infos if has_labels(i.labels, want)]
         if as_json:
             click.echo(json.dumps([i.to_json() for i in infos], indent=1))
         elif not infos:

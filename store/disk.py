@@ -50,6 +50,7 @@ from .manifest import check_names, dump_manifest, parse_manifest, validate_name
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 from .policy import (
     expand_groups,
+    has_labels,
     is_shared_graph,
     lru_evictions,
     physical_size,
@@ -852,8 +853,7 @@ class Store:
         return infos, blobs
 
     def find(self, **labels: Any) -> list[EntryInfo]:
-        want = {k: str(v) for k, v in labels.items()}
-        return [i for i in self.entries() if all(i.labels.get(k) == v for k, v in want.items())]
+        return [i for i in self.entries() if has_labels(i.labels, labels)]
 
     def resolve(self, prefix: str) -> str:
         """The full digest of the one entry whose digest starts with ``prefix``."""
@@ -1108,8 +1108,7 @@ class Store:
             want = {self.digest_of(k) for k in keys}
             infos = [i for i in infos if i.key in want]
         if labels:
-            lab = {k: str(v) for k, v in labels.items()}
-            infos = [i for i in infos if all_match(i.labels, lab)]
+            infos = [i for i in infos if has_labels(i.labels, labels)]
         if older_than is not None:
             # Age of a group is its latest use over ALL members, not the selected ones.
             old = {i.key for i in _older_than(universe, time.time() - older_than)}
@@ -1215,7 +1214,3 @@ class Store:
 
     def close(self) -> None:
         self.index.close()
-
-
-def all_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
-    return all(have.get(k) == v for k, v in want.items())

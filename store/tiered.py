@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
+from .config import env_float, env_int
 from .disk import Store, counter_scope
 from .fsutil import rmtree_quiet
 from .keys import Key
@@ -67,14 +68,6 @@ def _warn_once(remote: RedisRemote, subject: str, message: str) -> None:
         logger.debug("%s (again)", message)
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
-    except ValueError:
-        logger.warning("%s=%r is not a number; using %s", name, os.environ.get(name), default)
-        return default
-
-
 class Uploader:
     """One daemon thread draining a bounded queue of local entries to the remote.
 
@@ -85,7 +78,7 @@ class Uploader:
 
     def __init__(self, remote: RedisRemote, maxsize: int | None = None) -> None:
         self.remote = remote
-        size = maxsize or int(_env_float("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE))
+        size = maxsize or env_int("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE, lenient=True) or 1
         self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -146,7 +139,7 @@ class Uploader:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained; False if ``timeout`` ran out first."""
         if timeout is None:
-            timeout = _env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
+            timeout = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
         deadline = time.monotonic() + timeout
         with self._q.all_tasks_done:
             while self._q.unfinished_tasks:
