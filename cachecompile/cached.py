@@ -47,17 +47,17 @@ from .errors import (
 )
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
-from .store import Hit, Key, explain, make_key
+from .store import Hit, Key, LocalStorage, explain, make_key
 from .store.errors import KeyNotFound, StoreError
 
 logger = logging.getLogger(__name__)
 
 BYTECODE_FILE = "bytecode.bin"
-_stores: dict[str, Any] = {}
+_stores: dict[str, LocalStorage] = {}
 _stores_lock = threading.Lock()
 
 
-def _open_store(cache_dir: str | None) -> Any:
+def _open_store(cache_dir: str | None) -> LocalStorage:
     """One store object per root and process (opening sweeps temp dirs: do it once).
     ``open_store`` decides read-only (``CACHECOMPILE_READONLY``), as it does for cachectl."""
     root = cache_dir if cache_dir is not None else str(store_pkg.default_root())
@@ -255,7 +255,7 @@ class CachedFunction:
     def _variant_key(self, frame: Key, i: int) -> Key:
         return make_key({**frame.factors, "variant": i})
 
-    def _probe(self, st: Any, frame: Key, args: tuple[Any, ...],
+    def _probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> _Probe:
         """Walk the frame's variants in order; load the first whose guards hold."""
         out = _Probe()
@@ -296,19 +296,17 @@ class CachedFunction:
                 return out
         return out
 
-    def _variant_meta(self, st: Any, key: Key) -> dict[str, Any] | None:
+    def _variant_meta(self, st: LocalStorage, key: Key) -> dict[str, Any] | None:
         """An entry's meta, from its manifest when the local store has it (no file hashing,
         no hit counted); else through ``get`` (a remote tier downloads and backfills)."""
-        manifest = getattr(st, "manifest", None)
-        if manifest is not None:
-            try:
-                return dict(manifest(key)["meta"])
-            except KeyNotFound:
-                pass
-            except StoreError:
-                # A manifest that fails its digest: ``get`` verifies it again and
-                # quarantines it, so it is warned about once, not on every run.
-                pass
+        try:
+            return dict(st.manifest(key)["meta"])
+        except KeyNotFound:
+            pass
+        except StoreError:
+            # A manifest that fails its digest: ``get`` verifies it again and
+            # quarantines it, so it is warned about once, not on every run.
+            pass
         outcome = st.get(key)
         if isinstance(outcome, Hit):
             return dict(outcome.entry.meta)
@@ -319,7 +317,7 @@ class CachedFunction:
         self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
 
-    def _try_variant(self, st: Any, key: Key, meta: dict[str, Any], args: tuple[Any, ...],
+    def _try_variant(self, st: LocalStorage, key: Key, meta: dict[str, Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any], out: _Probe) -> _Variant | None:
         name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
         if meta.get("format") != factors_mod.FORMAT_VERSION or meta.get("adapter") != self._adapter.name:
@@ -365,12 +363,12 @@ class CachedFunction:
             return None
         return types.MethodType(fn, self._module)
 
-    def _compile(self, st: Any, frame: Key, sig: Signature, args: tuple[Any, ...],
+    def _compile(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         from .capture import TraceSession
 
         lock: Any = None
-        readonly = isinstance(st, store_pkg.ReadOnlyStore)
+        readonly = st.readonly
         who = f"{self.__qualname__} [{self._ranks.label()}, pid {os.getpid()}]"
         if not readonly:
             try:
@@ -425,7 +423,7 @@ class CachedFunction:
             if lock is not None:
                 lock.__exit__(None, None, None)
 
-    def _publish(self, st: Any, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
+    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
         files: dict[str, Any] = dict(trace.program.files)
         files[BYTECODE_FILE] = trace.bytecode
         meta = {
@@ -483,7 +481,7 @@ class CachedFunction:
                     "(%d guards)", self.__qualname__, key.digest[:12], describe(sig), elapsed,
                     (time.perf_counter() - t0) * 1e3, len(trace.guards))
 
-    def _free_variant(self, st: Any, frame: Key) -> int | None:
+    def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
         """The lowest variant index with no entry (locally or in a remote tier); when
         every index is taken, the first one whose source files changed (it is removed)."""
         stale: Key | None = None
@@ -536,7 +534,7 @@ class CachedFunction:
     def _key(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))
 
-    def _nearest(self, st: Any, key: Key) -> str:
+    def _nearest(self, st: LocalStorage, key: Key) -> str:
         """' (nearest entry differs in: a, b)' for the miss log line."""
         try:
             near = explain.nearest(st, key.factors,

@@ -31,6 +31,7 @@ from ._torch import dynamo
 from .poll import poll
 from .store.config import env_float, env_int
 from .store.errors import LockTimeout, StoreError
+from .store.protocol import LocalStorage, Locking
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,14 @@ def _write_owner(lock_path: Path, who: str, purpose: str) -> None:
 
 
 @contextlib.contextmanager
-def held(st: Any, name: str, *, who: str, purpose: str,
-         timeout: float | None = None) -> Iterator[Path]:
-    """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout."""
+def held(st: Locking, name: str, *, who: str, purpose: str,
+         timeout: float | None = None) -> Iterator[Path | None]:
+    """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout.
+    Gives the lock file, or None from a store with nothing to lock (a read-only one)."""
     limit = lock_timeout() if timeout is None else timeout
     waiting_on: list[Path] = []  # the lock file, once an attempt timed out on it
 
-    def attempt(left: float) -> tuple[AbstractContextManager[Path], Path] | None:
+    def attempt(left: float) -> tuple[AbstractContextManager[Path | None], Path | None] | None:
         # Short tries, not one long one: between them, say who holds the lock.
         try:
             cm = st.lock(name, timeout=min(_POLL * 5, left))
@@ -95,7 +97,8 @@ def held(st: Any, name: str, *, who: str, purpose: str,
         report=lambda _: logger.info("%s waits for %s held by %s", who, purpose,
                                      describe_owner(waiting_on[0])))
     try:
-        _write_owner(path, who, purpose)
+        if path is not None:
+            _write_owner(path, who, purpose)
         yield path
     finally:
         cm.__exit__(None, None, None)
@@ -104,7 +107,7 @@ def held(st: Any, name: str, *, who: str, purpose: str,
 class CompileSlots:
     """At most ``n`` compiles at once per store root (per node, for a local store)."""
 
-    def __init__(self, st: Any, n: int | None = None) -> None:
+    def __init__(self, st: Locking, n: int | None = None) -> None:
         self._st = st
         self.n = n if n is not None else default_slots()
 
@@ -112,7 +115,7 @@ class CompileSlots:
     def slot(self, who: str, timeout: float | None = None) -> Iterator[int]:
         limit = lock_timeout() if timeout is None else timeout
 
-        def attempt(_: float) -> tuple[int, AbstractContextManager[Path], Path] | None:
+        def attempt(_: float) -> tuple[int, AbstractContextManager[Path | None], Path | None] | None:
             for i in range(self.n):
                 try:
                     cm = self._st.lock(f"compile-slot-{i}", timeout=0)
@@ -128,7 +131,8 @@ class CompileSlots:
                 "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout"),
             report=lambda _: logger.info("%s waits for one of %d compile slots", who, self.n))
         try:
-            _write_owner(path, who, "a compile slot")
+            if path is not None:
+                _write_owner(path, who, "a compile slot")
             yield i
         finally:
             cm.__exit__(None, None, None)
@@ -179,7 +183,7 @@ class GraphShare:
     unverified one.
     """
 
-    def __init__(self, st: Any, factors: dict[str, Any], adapter: Any, who: str,
+    def __init__(self, st: LocalStorage, factors: dict[str, Any], adapter: Any, who: str,
                  format_version: int = 1) -> None:
         self._st = st
         self._format = format_version

@@ -15,24 +15,36 @@ import errno
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 from . import errors
 from .config import env_flag, parse_size
 from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
-from .protocol import Storage
+from .protocol import Catalog, DiskStorage, LocalStorage, Locking, Storage
 from .readonly import ReadOnlyStore
+
+if TYPE_CHECKING:
+    from .tiered import TieredStore
+
+    # What open_store returns (a read-only node with a remote is a ReadOnlyStore too);
+    # ``.local`` of any of them is the Store or ReadOnlyStore that maintenance works on.
+    OpenStore: TypeAlias = Store | ReadOnlyStore | TieredStore[Store]
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MAX_SIZE",
+    "Catalog",
+    "DiskStorage",
     "Entry",
     "EntryInfo",
     "GcReport",
     "Hit",
     "Key",
+    "LocalStorage",
+    "Locking",
     "Miss",
     "Pin",
     "ReadOnlyStore",
@@ -78,7 +90,7 @@ def open_store(
     shared_group: bool | None = None,
     remote: str | None = None,
     create: bool = True,
-) -> Store | ReadOnlyStore:
+) -> OpenStore:
     """Open (creating with mode 0700) the store at ``root``.
 
     Raises InsecureStoreError if the root may be written by someone else. A root that

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
@@ -45,8 +45,13 @@ _ERROR_CODES: list[tuple[type[BaseException], int]] = [
     (errors.StoreError, EXIT_STORE),
 ]
 
+if TYPE_CHECKING:
+    from . import OpenStore
+
 F = TypeVar("F", bound=Callable[..., Any])
-AnyStore = Store | ReadOnlyStore
+# The local store the verbs read and maintain (``.local`` of what open_store returns: a
+# remote tier behind it is the remote verbs' business, cachecompile.store.cli_remote).
+LocalStore = Store | ReadOnlyStore
 
 
 class CliError(click.ClickException):
@@ -80,10 +85,14 @@ def cache_dir_option(f: F) -> F:
     )(f)
 
 
-def _open(cache_dir: str | None, **kw: Any) -> AnyStore:
+def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
     # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
     # "ok" would hide the typo (and leave a stray cache behind).
     return open_store(cache_dir, create=False, **kw)
+
+
+def _open_local(cache_dir: str | None) -> LocalStore:
+    return _open(cache_dir).local
 
 
 def _console() -> Console:
@@ -249,7 +258,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
     """Show an entry's manifest, factors and files (KEY may be a unique prefix)."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     digest = st.resolve(key)
     m = st.manifest(digest)
     if as_json:
@@ -288,7 +297,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
 def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
                 as_json: bool) -> None:
     """Compare the factors of two entries; with one KEY, against its nearest entry."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     a = st.resolve(key)
     ma = st.manifest(a)
     if key2 is None:
@@ -351,7 +360,7 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     age = parse_duration(older_than) if older_than is not None else None
     if not (keys or want or age is not None or purge_all):
         raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     if isinstance(st, ReadOnlyStore) and not dry_run:
         raise st.refusal("purge entries")  # before showing a list that cannot go
     digests = [st.resolve(k) for k in keys]
@@ -385,11 +394,8 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
     st = _open(cache_dir)
     if zero:
-        st.zero_stats()
-    s = st.stats()
-    from .tiered import hit_split  # hits served locally vs downloaded from the remote tier
-
-    s.update(hit_split(st, s["hits"]))
+        st.local.zero_stats()
+    s = st.stats()  # with a remote tier behind the store, it names the remote too
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
         return
@@ -428,7 +434,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
 @click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
 def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
     """Enforce the size cap now (LRU; pinned entries skipped); sweep stale temp dirs."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     cap = parse_size(max_size) if max_size is not None else None
     r = st.gc(cap)
     click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
@@ -443,7 +449,7 @@ def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
     """Check every entry's checksums and the index against the disk (exit 1 on problems)."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     r = st.verify(fix=fix)
     if as_json:
         click.echo(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems],

@@ -31,6 +31,7 @@ from .bundle import export_bundle, import_bundle
 from .cli import (
     EXIT_STORE,
     CliError,
+    LocalStore,
     _console,
     _entries_table,
     _parse_labels,
@@ -40,6 +41,7 @@ from .cli import (
 )
 from .outcomes import EntryInfo, Hit
 from .policy import has_labels
+from .readonly import ReadOnlyStore
 from .remote import RedisRemote
 from .signing import Record
 from .tiered import TieredStore
@@ -62,11 +64,11 @@ def _remote(url: str | None) -> RedisRemote:
     return r
 
 
-def _local(cache_dir: str | None, *, create: bool) -> Any:
+def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
     # The local store alone: these verbs move entries between the tiers explicitly.
     # Verbs that only read it never create it (as cachecompile.store.cli does): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
-    return open_store(cache_dir, remote="", create=create)
+    return open_store(cache_dir, remote="", create=create).local
 
 
 @contextlib.contextmanager
@@ -242,7 +244,7 @@ def register(cli: click.Group) -> None:
         """Download remote entries (verified, then published): all, or those selected."""
         r = _remote(remote_url)
         local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
-        if local.readonly:
+        if isinstance(local, ReadOnlyStore):
             raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
         st = TieredStore(local, r)
         infos = [_info(rec) for rec in r.records()]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecompile.store import Store, disk, fsutil, make_key, open_store
+from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_verify_reports_and_fixes(cache: Store, child_env: dict[str, str]) -> No
     assert p.returncode == 1 and "quarantined" in p.stdout
     p = cachectl(child_env, "verify", "--cache-dir", d)
     assert p.returncode == 0 and "checked 2 entries: ok" in p.stdout
-    disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
 
 
 def test_insecure_store_exit_code(tmp_path: Path, child_env: dict[str, str]) -> None:

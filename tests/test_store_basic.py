@@ -18,11 +18,11 @@ from cachecompile.store import (
     Miss,
     ReadOnlyStore,
     Store,
-    disk,
     errors,
     fsutil,
     make_key,
     open_store,
+    verification,
 )
 
 
@@ -35,7 +35,7 @@ def st(tmp_path: Path) -> Store:
 
 def _forget_verification() -> None:
     # As if a new process: the next get re-verifies checksums in full.
-    disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
 
 
 def test_open_creates_private_versioned_root(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, disk, make_key, open_store
+from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store, verification
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import ManifestError, UnsafeArchiveError, UntrustedEntryError
 from cachecompile.store.manifest import manifest_digest, parse_manifest
@@ -248,14 +248,14 @@ def test_an_edit_after_the_first_read_in_a_process(tmp_path: Path,
 
 PARSES = """
 import json, sys
-from cachecompile.store import disk, manifest
+from cachecompile.store import manifest, verification
 from cachecompile.store import open_store, make_key, Hit
 calls = []
 real = manifest.parse_manifest
 def counting(*a, **k):
     calls.append(1)
     return real(*a, **k)
-disk.parse_manifest = counting
+verification.parse_manifest = counting
 st = open_store(sys.argv[1])
 key = make_key(json.loads(sys.argv[2]))
 m1 = st.manifest(key)
@@ -280,11 +280,11 @@ def test_the_digest_is_checked_once_per_process(tmp_path: Path,
 
 def test_listings_do_not_hold_every_manifest(tmp_path: Path) -> None:
     st, e, other = _publish(tmp_path / "cache")
-    disk._VERIFIED.clear()
-    disk._PARSED.clear()
+    verification._VERIFIED.clear()
+    verification._PARSED.clear()
     assert st.reindex() == 2
     assert [i.state for i in st.entries()] == ["ok", "ok"]
-    assert disk._PARSED == {}
+    assert verification._PARSED == {}
 
 
 # -- signed records (the remote tier) and bundles carry the same manifest, digest included.

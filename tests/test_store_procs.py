@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecompile.store import Hit, Miss, Store, disk, make_key, open_store
+from cachecompile.store import Hit, Miss, Store, make_key, open_store, verification
 
 
 def _spawn(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
@@ -50,7 +50,7 @@ def test_eight_writers_same_key_one_winner(tmp_path: Path, child_env: dict[str, 
     st = open_store(root)
     assert len(list(st.digests())) == 1
     assert list((root / "v1" / "tmp").iterdir()) == []
-    disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     r = st.get(make_key({"race": 1}))
     assert isinstance(r, Hit)
     assert st.verify().ok
@@ -88,7 +88,7 @@ def test_writers_with_concurrent_gc(tmp_path: Path, child_env: dict[str, str]) -
         assert _finish(w, timeout=120).strip() == "ok"
     assert int(_finish(gc)) >= 1
     st = open_store(root)
-    disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     rep = st.verify()
     assert rep.problems == [], rep.problems  # gc never left a half entry behind
     # Whatever survived is whole and loadable.
@@ -128,7 +128,7 @@ def test_sigkilled_writers_leave_nothing_loadable_broken(tmp_path: Path, child_e
     assert mid_publish >= 3  # the kills really landed inside publishes
     st = open_store(root)  # sweeps temp dirs of dead writers on open
     assert list((root / "v1" / "tmp").iterdir()) == []
-    disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     n = 0
     for d in st.digests():
         r = st.get(d)
