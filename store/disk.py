@@ -36,7 +36,7 @@ from .protocol import FileSource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_SIZE", "FORMAT_DIR", "Pin", "Store", "TEMP_GRACE_S", "counter_scope"]
+__all__ = ["DEFAULT_MAX_SIZE", "FORMAT_DIR", "Pin", "Store", "TEMP_GRACE_S"]
 
 DEFAULT_MAX_SIZE = 10 * 1024**3
 TEMP_GRACE_S = maintenance.TEMP_GRACE_S

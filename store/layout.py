@@ -178,6 +178,18 @@ class Layout:
         return out
 
     # -- what is on disk ---------------------------------------------------------------
+    def scan(self, name: str) -> list[os.DirEntry[str]]:
+        """What ``v1/<name>`` holds: nothing when it is missing, or when it is not a real
+        directory (warned once: sweeping through a link would delete outside files)."""
+        found = self.unreal(name)
+        if found is not None:
+            self.warn_link(*found)
+            return []
+        try:
+            return list(os.scandir(self.base / name))
+        except FileNotFoundError:
+            return []
+
     def digests(self, *, warn: bool = True) -> Iterator[str]:
         """Digests of the entries on disk (the truth), unverified; never through a link."""
         found = self.unreal("entries")

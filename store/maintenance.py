@@ -91,16 +91,8 @@ def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
     """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
     n = 0
     now = time.time()
-    found = layout.unreal("tmp")
-    if found is not None:
-        layout.warn_link(*found)  # sweeping through it would delete outside files
-        return 0
-    try:
-        items = list(os.scandir(layout.tmp))
-    except FileNotFoundError:
-        return 0
     me = os.getpid()
-    for it in items:
+    for it in layout.scan("tmp"):
         parsed = parse_temp_name(it.name)
         try:
             age = now - it.stat(follow_symlinks=False).st_mtime
@@ -120,15 +112,7 @@ def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
 def sweep_blobs(layout: Layout) -> int:
     """Remove blobs no entry links to any more (link count 1)."""
     n = 0
-    found = layout.unreal("blobs")
-    if found is not None:
-        layout.warn_link(*found)  # sweeping through it would delete outside files
-        return 0
-    try:
-        shards = list(os.scandir(layout.blobs))
-    except FileNotFoundError:
-        return 0
-    for shard in shards:
+    for shard in layout.scan("blobs"):
         if not shard.is_dir(follow_symlinks=False):
             if shard.is_symlink():
                 layout.warn_link(Path(shard.path), "a symlink")

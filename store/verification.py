@@ -68,30 +68,31 @@ class Bad(Exception):
         self.link = link
 
 
+def _lstat(path: Path, missing: tuple[str, str], what: str) -> os.stat_result:
+    """lstat ``path``; Bad(*missing) when it is not there, ``unreadable`` when it may not
+    be looked at."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        raise Bad(*missing) from None
+    except PermissionError as e:
+        raise Bad("unreadable", f"cannot stat {what}: {e}") from None
+
+
 def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
     """Load and check one entry; raise Bad. ``full``: None = first read in process."""
     edir = layout.entry_dir(digest)
     found = layout.unreal("entries", digest[:2])
     if found is not None:
         raise Bad("insecure", f"{found[0]} is {found[1]}, not a real directory", link=found)
-    try:
-        dst = os.lstat(edir)
-    except FileNotFoundError:
-        raise Bad("absent", "no entry for this key") from None
-    except PermissionError as e:
-        raise Bad("unreadable", f"cannot stat entry: {e}") from None
+    dst = _lstat(edir, ("absent", "no entry for this key"), "entry")
     if not stat.S_ISDIR(dst.st_mode):
         raise Bad("insecure", "entry is not a real directory (symlink?)")
     problem = owner_problem(dst, layout.shared_group)
     if problem:
         raise Bad("insecure", f"entry {problem}")
     mpath = edir / MANIFEST
-    try:
-        mst = os.lstat(mpath)
-    except FileNotFoundError:
-        raise Bad("corrupt", "manifest.json is missing") from None
-    except PermissionError as e:
-        raise Bad("unreadable", f"cannot stat manifest: {e}") from None
+    mst = _lstat(mpath, ("corrupt", "manifest.json is missing"), "manifest")
     if not stat.S_ISREG(mst.st_mode):
         raise Bad("insecure", "manifest.json is not a regular file")
     key = str(edir)
@@ -150,12 +151,7 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
                 if not stat.S_ISDIR(sst.st_mode):
                     raise Bad("insecure", f"{sub!r} is not a real directory")
                 checked_dirs.add(sub)
-        try:
-            fst = os.lstat(p)
-        except FileNotFoundError:
-            raise Bad("corrupt", f"file {name!r} is missing") from None
-        except PermissionError as e:
-            raise Bad("unreadable", f"cannot stat {name!r}: {e}") from None
+        fst = _lstat(p, ("corrupt", f"file {name!r} is missing"), repr(name))
         if not stat.S_ISREG(fst.st_mode):
             raise Bad("insecure", f"file {name!r} is not a regular file (symlink?)")
         problem = owner_problem(fst, layout.shared_group)
