@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import StoreError
-from .outcomes import EntryInfo
+from .protocol import Catalog
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +22,6 @@ __all__ = ["Nearest", "differing", "flatten", "guard_diff", "nearest"]
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.
 NOT_COMPARED = ("variant",)
-
-
-class _Listing(Protocol):
-    """What :func:`nearest` reads of a store (any store of this package has both)."""
-
-    def find(self, **labels: Any) -> list[EntryInfo]: ...
-
-    def manifest(self, key: str) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ def differing(a: Mapping[str, Any], b: Mapping[str, Any], *,
     return [n for n in sorted(set(fa) | set(fb)) if fa.get(n, missing) != fb.get(n, missing)]
 
 
-def nearest(st: _Listing, factors: Mapping[str, Any], labels: Mapping[str, str], *,
+def nearest(st: Catalog, factors: Mapping[str, Any], labels: Mapping[str, str], *,
             exclude: str | None = None, limit: int | None = None) -> Nearest | None:
     """The entry most like ``factors``: among those with ``labels`` (e.g. the same
     function and model), the one with the fewest differing factors; the first on a tie.
