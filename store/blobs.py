@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 from collections.abc import Iterator, Mapping
@@ -18,6 +19,8 @@ from . import errors
 from .fsutil import temp_name, write_new_file
 from .layout import DATA, Layout
 from .protocol import FileSource
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["blob_map", "exclusive_bytes", "link_in"]
 

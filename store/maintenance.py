@@ -7,6 +7,7 @@ functions of :mod:`cachecompile.store.policy`, and applied here.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from .policy import (
 )
 from .publishing import remove
 from .verification import Bad, inspect, quarantine, read_manifest
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TEMP_GRACE_S", "gc", "info_from_manifest", "listing", "purge", "purge_plan",
            "reindex", "stats", "sweep_blobs", "sweep_temp", "verify"]

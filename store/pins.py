@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ import xxhash
 from . import errors
 from .fsutil import HOST_TAG, temp_name
 from .layout import Layout
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Pin", "lock", "pin", "pinned"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import stat
 import time
@@ -28,6 +29,8 @@ from .outcomes import Entry, Hit, Miss
 from .pins import pinned
 from .protocol import FileSource
 from .verification import forget, remember
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["publish", "remove"]
 

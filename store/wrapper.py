@@ -5,6 +5,7 @@ feature changes, so reading a feature's class shows exactly what it does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any, Generic, TypeVar
 from .keys import Key
 from .outcomes import Entry, EntryInfo, Hit, Miss
 from .protocol import DiskStorage, FileSource
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Wrapper"]
 
