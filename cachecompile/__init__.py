@@ -2,25 +2,34 @@
 
 ``cache_compile(self.method)`` makes a fresh process skip Dynamo tracing and kernel
 compilation for methods it has compiled before. See README.md and docs/usage.md.
+
+The names below are imported on first use (PEP 562), not here: ``cachecompile.store`` and
+``cachectl`` live in this package and must never import torch, and importing a
+subpackage runs this file first.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .api import cache_compile  # noqa: E402
-from .cached import CachedFunction  # noqa: E402
-from .errors import (  # noqa: E402
-    CacheCompileError,
-    CacheFaultWarning,
-    ContractError,
-    GraphBreakError,
-    InferenceOnlyError,
-    RecompileWarning,
-    SignatureLimitWarning,
-    UnsupportedTorchWarning,
-)
-from .node import node_once, prepare_node  # noqa: E402
+# name -> the submodule that defines it.
+_LAZY = {
+    "cache_compile": ".api",
+    "CachedFunction": ".cached",
+    "CacheCompileError": ".errors",
+    "CacheFaultWarning": ".errors",
+    "ContractError": ".errors",
+    "GraphBreakError": ".errors",
+    "InferenceOnlyError": ".errors",
+    "RecompileWarning": ".errors",
+    "SignatureLimitWarning": ".errors",
+    "UnsupportedTorchWarning": ".errors",
+    "node_once": ".node",
+    "prepare_node": ".node",
+}
 
 __all__ = [
     "CacheCompileError",
@@ -37,3 +46,31 @@ __all__ = [
     "node_once",
     "prepare_node",
 ]
+
+if TYPE_CHECKING:
+    from .api import cache_compile
+    from .cached import CachedFunction
+    from .errors import (
+        CacheCompileError,
+        CacheFaultWarning,
+        ContractError,
+        GraphBreakError,
+        InferenceOnlyError,
+        RecompileWarning,
+        SignatureLimitWarning,
+        UnsupportedTorchWarning,
+    )
+    from .node import node_once, prepare_node
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain module attributes: no hook per call
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

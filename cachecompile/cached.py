@@ -32,14 +32,11 @@ from typing import Any
 
 import torch
 
-import store as store_pkg
-from store import Hit, Key, make_key
-from store.errors import KeyNotFound, StoreError
-
 from . import _torch, coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
 from . import guards as guards_mod
+from . import store as store_pkg
 from .backends.base import Adapter
 from .errors import (
     CacheFaultWarning,
@@ -50,15 +47,17 @@ from .errors import (
 )
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
+from .store import Hit, Key, LocalStorage, explain, make_key
+from .store.errors import KeyNotFound, StoreError
 
 logger = logging.getLogger(__name__)
 
 BYTECODE_FILE = "bytecode.bin"
-_stores: dict[str, Any] = {}
+_stores: dict[str, LocalStorage] = {}
 _stores_lock = threading.Lock()
 
 
-def _open_store(cache_dir: str | None) -> Any:
+def _open_store(cache_dir: str | None) -> LocalStorage:
     """One store object per root and process (opening sweeps temp dirs: do it once).
     ``open_store`` decides read-only (``CACHECOMPILE_READONLY``), as it does for cachectl."""
     root = cache_dir if cache_dir is not None else str(store_pkg.default_root())
@@ -108,6 +107,10 @@ class _Vacated(Exception):
 # A frame key (the method, its settings and the call signature) holds up to this many
 # entries, each with its own guards; past it, new variants run with live torch.compile.
 MAX_VARIANTS = 16
+# The miss log line compares with at most this many entries of the method (manifests
+# only), and names at most this many of the factors the nearest one differs in.
+NEAREST_CANDIDATES = 50
+NEAREST_NAMES = 8
 
 
 def guard_mode() -> str:
@@ -252,7 +255,7 @@ class CachedFunction:
     def _variant_key(self, frame: Key, i: int) -> Key:
         return make_key({**frame.factors, "variant": i})
 
-    def _probe(self, st: Any, frame: Key, args: tuple[Any, ...],
+    def _probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> _Probe:
         """Walk the frame's variants in order; load the first whose guards hold."""
         out = _Probe()
@@ -293,19 +296,17 @@ class CachedFunction:
                 return out
         return out
 
-    def _variant_meta(self, st: Any, key: Key) -> dict[str, Any] | None:
+    def _variant_meta(self, st: LocalStorage, key: Key) -> dict[str, Any] | None:
         """An entry's meta, from its manifest when the local store has it (no file hashing,
         no hit counted); else through ``get`` (a remote tier downloads and backfills)."""
-        manifest = getattr(st, "manifest", None)
-        if manifest is not None:
-            try:
-                return dict(manifest(key)["meta"])
-            except KeyNotFound:
-                pass
-            except StoreError:
-                # A manifest that fails its digest: ``get`` verifies it again and
-                # quarantines it, so it is warned about once, not on every run.
-                pass
+        try:
+            return dict(st.manifest(key)["meta"])
+        except KeyNotFound:
+            pass
+        except StoreError:
+            # A manifest that fails its digest: ``get`` verifies it again and
+            # quarantines it, so it is warned about once, not on every run.
+            pass
         outcome = st.get(key)
         if isinstance(outcome, Hit):
             return dict(outcome.entry.meta)
@@ -316,7 +317,7 @@ class CachedFunction:
         self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
 
-    def _try_variant(self, st: Any, key: Key, meta: dict[str, Any], args: tuple[Any, ...],
+    def _try_variant(self, st: LocalStorage, key: Key, meta: dict[str, Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any], out: _Probe) -> _Variant | None:
         name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
         if meta.get("format") != factors_mod.FORMAT_VERSION or meta.get("adapter") != self._adapter.name:
@@ -362,12 +363,12 @@ class CachedFunction:
             return None
         return types.MethodType(fn, self._module)
 
-    def _compile(self, st: Any, frame: Key, sig: Signature, args: tuple[Any, ...],
+    def _compile(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         from .capture import TraceSession
 
         lock: Any = None
-        readonly = isinstance(st, store_pkg.ReadOnlyStore)
+        readonly = st.readonly
         who = f"{self.__qualname__} [{self._ranks.label()}, pid {os.getpid()}]"
         if not readonly:
             try:
@@ -422,7 +423,7 @@ class CachedFunction:
             if lock is not None:
                 lock.__exit__(None, None, None)
 
-    def _publish(self, st: Any, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
+    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
         files: dict[str, Any] = dict(trace.program.files)
         files[BYTECODE_FILE] = trace.bytecode
         meta = {
@@ -480,7 +481,7 @@ class CachedFunction:
                     "(%d guards)", self.__qualname__, key.digest[:12], describe(sig), elapsed,
                     (time.perf_counter() - t0) * 1e3, len(trace.guards))
 
-    def _free_variant(self, st: Any, frame: Key) -> int | None:
+    def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
         """The lowest variant index with no entry (locally or in a remote tier); when
         every index is taken, the first one whose source files changed (it is removed)."""
         stale: Key | None = None
@@ -533,29 +534,22 @@ class CachedFunction:
     def _key(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))
 
-    def _nearest(self, st: Any, key: Key) -> str:
-        """' (differs from nearest entry in: a, b)' for the miss log line."""
+    def _nearest(self, st: LocalStorage, key: Key) -> str:
+        """' (nearest entry differs in: a, b)' for the miss log line."""
         try:
-            candidates = st.find(model=type(self._method.__self__).__qualname__,
-                                 function=self._method.__name__)
-            best: tuple[int, list[str]] | None = None
-            for info in candidates[:50]:
-                # The manifest alone: a get() would hash every file of every candidate
-                # and count a hit on each, just to word a log line.
-                try:
-                    factors = dict(st.manifest(info.key)["factors"])
-                except (StoreError, OSError, KeyError):
-                    continue
-                factors.pop("variant", None)
-                diff = _diff(key.factors, factors)
-                if best is None or len(diff) < best[0]:
-                    best = (len(diff), diff)
-            if best is None:
-                return ""
-            return f" (nearest entry differs in: {', '.join(best[1]) or 'nothing?'})"
+            near = explain.nearest(st, key.factors,
+                                   {"model": type(self._method.__self__).__qualname__,
+                                    "function": self._method.__name__},
+                                   limit=NEAREST_CANDIDATES)
         except Exception:  # noqa: BLE001 - explaining a miss must never fail the call
             logger.debug("explaining a miss failed", exc_info=True)
             return ""
+        if near is None:
+            return ""
+        names = near.differ[:NEAREST_NAMES]
+        more = len(near.differ) - len(names)
+        return (f" (nearest entry differs in: {', '.join(names) or 'nothing?'}"
+                f"{f' and {more} more' if more > 0 else ''})")
 
     # -- helpers ----------------------------------------------------------------------
     def _fault(self, message: str) -> None:
@@ -572,16 +566,3 @@ class CachedFunction:
     def __repr__(self) -> str:
         return (f"<cache_compile {self.__qualname__} backend={self._adapter.name} "
                 f"dynamic={self._dynamic} signatures={len(self._runners)}>")
-
-
-def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
-    out: list[str] = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if va == vb:
-            continue
-        if isinstance(va, Mapping) and isinstance(vb, Mapping) and not prefix:
-            out.extend(_diff(va, vb, f"{k}."))
-        else:
-            out.append(prefix + k)
-    return out

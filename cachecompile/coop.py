@@ -20,15 +20,18 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
-from store.errors import LockTimeout, StoreError
-
 from ._torch import dynamo
+from .poll import poll
+from .store.config import env_float, env_int
+from .store.errors import LockTimeout, StoreError
+from .store.protocol import LocalStorage, Locking
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +42,12 @@ _REPORT_EVERY = 30.0
 
 def default_slots() -> int:
     """Compiles allowed at once on this node: ``CACHECOMPILE_COMPILE_SLOTS`` or cores / 2."""
-    raw = os.environ.get("CACHECOMPILE_COMPILE_SLOTS")
-    if raw:
-        try:
-            return max(1, int(raw))
-        except ValueError:
-            logger.warning("ignoring CACHECOMPILE_COMPILE_SLOTS=%r (not an int)", raw)
-    return max(1, (os.cpu_count() or 2) // 2)
+    n = env_int("CACHECOMPILE_COMPILE_SLOTS", lenient=True)
+    return max(1, n if n is not None else (os.cpu_count() or 2) // 2)
 
 
 def lock_timeout() -> float:
-    try:
-        return float(os.environ.get("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT))
-    except ValueError:
-        return DEFAULT_TIMEOUT
+    return env_float("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT)
 
 
 def _owner_path(lock_path: Path) -> Path:
@@ -80,28 +75,30 @@ def _write_owner(lock_path: Path, who: str, purpose: str) -> None:
 
 
 @contextlib.contextmanager
-def held(st: Any, name: str, *, who: str, purpose: str,
-         timeout: float | None = None) -> Iterator[Path]:
-    """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout."""
+def held(st: Locking, name: str, *, who: str, purpose: str,
+         timeout: float | None = None) -> Iterator[Path | None]:
+    """Hold store lock ``name``; while waiting, log who holds it. LockTimeout after timeout.
+    Gives the lock file, or None from a store with nothing to lock (a read-only one)."""
     limit = lock_timeout() if timeout is None else timeout
-    start = time.monotonic()
-    last_report = -_REPORT_EVERY
-    while True:
-        remaining = limit - (time.monotonic() - start)
+    waiting_on: list[Path] = []  # the lock file, once an attempt timed out on it
+
+    def attempt(left: float) -> tuple[AbstractContextManager[Path | None], Path | None] | None:
+        # Short tries, not one long one: between them, say who holds the lock.
         try:
-            cm = st.lock(name, timeout=max(0.0, min(_POLL * 5, remaining)))
-            path = cm.__enter__()
+            cm = st.lock(name, timeout=min(_POLL * 5, left))
+            return cm, cm.__enter__()
         except LockTimeout as e:
-            waited = time.monotonic() - start
-            if waited >= limit:
-                raise LockTimeout(e.path, limit) from None
-            if waited - last_report >= _REPORT_EVERY:
-                last_report = waited
-                logger.info("%s waits for %s held by %s", who, purpose, describe_owner(e.path))
-            continue
-        break
+            waiting_on[:] = [e.path]
+            return None
+
+    cm, path = poll(
+        attempt, timeout=limit, interval=0, report_every=_REPORT_EVERY,
+        expired=lambda _: LockTimeout(waiting_on[0], limit),
+        report=lambda _: logger.info("%s waits for %s held by %s", who, purpose,
+                                     describe_owner(waiting_on[0])))
     try:
-        _write_owner(path, who, purpose)
+        if path is not None:
+            _write_owner(path, who, purpose)
         yield path
     finally:
         cm.__exit__(None, None, None)
@@ -110,36 +107,35 @@ def held(st: Any, name: str, *, who: str, purpose: str,
 class CompileSlots:
     """At most ``n`` compiles at once per store root (per node, for a local store)."""
 
-    def __init__(self, st: Any, n: int | None = None) -> None:
+    def __init__(self, st: Locking, n: int | None = None) -> None:
         self._st = st
         self.n = n if n is not None else default_slots()
 
     @contextlib.contextmanager
     def slot(self, who: str, timeout: float | None = None) -> Iterator[int]:
         limit = lock_timeout() if timeout is None else timeout
-        start = time.monotonic()
-        last_report = -_REPORT_EVERY
-        while True:
+
+        def attempt(_: float) -> tuple[int, AbstractContextManager[Path | None], Path | None] | None:
             for i in range(self.n):
                 try:
                     cm = self._st.lock(f"compile-slot-{i}", timeout=0)
-                    path = cm.__enter__()
+                    return i, cm, cm.__enter__()
                 except LockTimeout:
                     continue
-                try:
-                    _write_owner(path, who, "a compile slot")
-                    yield i
-                finally:
-                    cm.__exit__(None, None, None)
-                return
-            waited = time.monotonic() - start
-            if waited >= limit:
-                raise StoreError(f"{who} waited {limit:g}s for one of {self.n} compile slots "
-                                 "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout")
-            if waited - last_report >= _REPORT_EVERY:
-                last_report = waited
-                logger.info("%s waits for one of %d compile slots", who, self.n)
-            time.sleep(_POLL)
+            return None
+
+        i, cm, path = poll(
+            attempt, timeout=limit, interval=_POLL, report_every=_REPORT_EVERY,
+            expired=lambda _: StoreError(
+                f"{who} waited {limit:g}s for one of {self.n} compile slots "
+                "(CACHECOMPILE_COMPILE_SLOTS); raise it or the lock timeout"),
+            report=lambda _: logger.info("%s waits for one of %d compile slots", who, self.n))
+        try:
+            if path is not None:
+                _write_owner(path, who, "a compile slot")
+            yield i
+        finally:
+            cm.__exit__(None, None, None)
 
 
 def _meta(x: Any) -> str:
@@ -187,7 +183,7 @@ class GraphShare:
     unverified one.
     """
 
-    def __init__(self, st: Any, factors: dict[str, Any], adapter: Any, who: str,
+    def __init__(self, st: LocalStorage, factors: dict[str, Any], adapter: Any, who: str,
                  format_version: int = 1) -> None:
         self._st = st
         self._format = format_version
@@ -205,9 +201,8 @@ class GraphShare:
         the lock before the first call (graphs with collectives: a rank holding the
         lock through a call would wait in the collective for ranks waiting on the lock).
         """
-        from store import Hit, make_key
-
         from .backends.base import Compiled, Program
+        from .store import Hit, make_key
 
         digest = graph_digest(gm, example_inputs)
         key = make_key({"kind": "graph", "graph": digest, **self._factors})

@@ -19,7 +19,7 @@ Hierarchy::
                                            carry Dynamo's guards: a recompile is a variant)
     SignatureLimitWarning (UserWarning)    dynamic=False saw more signatures than the limit
 
-Store faults are ``store.errors.StoreError`` subclasses; the integration layer turns them
+Store faults are ``cachecompile.store.errors.StoreError`` subclasses; the integration layer turns them
 into a ``CacheFaultWarning`` and a live compile, never a crash.
 """
 

@@ -32,21 +32,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import RankConfigError
+from .poll import poll
+from .ranks import env_int
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _POLL = 0.05
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        return int(raw)  # type: ignore[arg-type]
-    except ValueError:
-        raise RankConfigError(f"{name}={raw!r} is not an integer") from None
 
 
 def job_id() -> str:
@@ -85,8 +77,8 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
     if ``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK`` is missing, if the ranks disagree on
     ``LOCAL_WORLD_SIZE``, if local rank 0 failed the step, or after ``timeout``.
     """
-    lws = _env_int("LOCAL_WORLD_SIZE")
-    local = _env_int("LOCAL_RANK")
+    lws = env_int("LOCAL_WORLD_SIZE")
+    local = env_int("LOCAL_RANK")
     if lws is None or local is None:
         raise RankConfigError(
             f"node step {step!r} needs LOCAL_WORLD_SIZE and LOCAL_RANK (torchrun sets both; "
@@ -98,7 +90,6 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
     registered = time.time()
     _write_json(d / f"rank{local}.json", {"local_world_size": lws, "pid": os.getpid(),
                                           "pidns": _pid_namespace(), "at": registered})
-    deadline = time.monotonic() + timeout
 
     def check_agreement() -> int:
         seen = 0
@@ -123,12 +114,11 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
 
     if local == 0:
         try:
-            while check_agreement() < lws:
-                if time.monotonic() > deadline:
-                    raise RankConfigError(
-                        f"node step {step!r}: only {check_agreement()} of LOCAL_WORLD_SIZE="
-                        f"{lws} local ranks arrived within {timeout:g}s")
-                time.sleep(_POLL)
+            poll(lambda _: True if check_agreement() >= lws else None,
+                 timeout=timeout, interval=_POLL,
+                 expired=lambda _: RankConfigError(
+                     f"node step {step!r}: only {check_agreement()} of LOCAL_WORLD_SIZE="
+                     f"{lws} local ranks arrived within {timeout:g}s"))
             logger.info("node step %s: local rank 0 runs it for %d local ranks", step, lws)
             result = fn()
         except BaseException as e:
@@ -138,18 +128,21 @@ def node_once(root: str | os.PathLike[str], step: str, fn: Callable[[], T], *,
         _write_json(d / "done.json", {"pid": os.getpid(), "at": time.time()})
         return result
     logger.info("node step %s: local rank %d waits for local rank 0", step, local)
-    while True:
+
+    def finished(_: float) -> bool | None:
         check_agreement()
         if ours("done.json") is not None:
-            return None
+            return True
         failed = ours("failed.json")
         if failed is not None:
             raise RankConfigError(f"node step {step!r} failed on local rank 0: "
                                   f"{failed.get('reason')}")
-        if time.monotonic() > deadline:
-            raise RankConfigError(f"node step {step!r}: local rank 0 did not finish within "
-                                  f"{timeout:g}s")
-        time.sleep(_POLL)
+        return None
+
+    poll(finished, timeout=timeout, interval=_POLL,
+         expired=lambda _: RankConfigError(f"node step {step!r}: local rank 0 did not finish "
+                                           f"within {timeout:g}s"))
+    return None
 
 
 def _pid_namespace() -> str:
@@ -179,7 +172,7 @@ def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
     """Call once per rank at job start: local rank 0 enforces the cache's size cap and
     sweeps stale temp dirs while the other local ranks wait, so N ranks do not all
     sweep the same directory at once. Needs LOCAL_WORLD_SIZE / LOCAL_RANK."""
-    import store
+    from . import store
 
-    st = store.open_store(cache_dir)
+    st = store.open_store(cache_dir).local  # the cap is the local store's
     node_once(st.root, "prepare", st.gc, timeout=timeout)

@@ -8,10 +8,10 @@ arguments, then an initialised ``torch.distributed``, then torchrun's environmen
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 from .errors import RankConfigError
+from .store import config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +37,13 @@ class Ranks:
         return " ".join(parts)
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
+def env_int(name: str) -> int | None:
+    """A launcher's integer variable (``RANK``, ``LOCAL_WORLD_SIZE``...); None when unset.
+    A value that is not an integer is a RankConfigError: ranks must never be guessed."""
     try:
-        return int(raw)
-    except ValueError:
-        raise RankConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+        return config.env_int(name)
+    except ValueError as e:
+        raise RankConfigError(str(e)) from None
 
 
 def _check_rank(kind: str, value: int | None) -> None:
@@ -63,7 +62,7 @@ def detect(global_rank: int | None = None, tp_rank: int | None = None,
     if dist is not None and dist.is_available() and dist.is_initialized():  # type: ignore[attr-defined]
         world = dist.get_world_size()  # type: ignore[attr-defined]
         rank = dist.get_rank()  # type: ignore[attr-defined]
-    env_world, env_rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    env_world, env_rank = env_int("WORLD_SIZE"), env_int("RANK")
     if world is None:
         world, rank = env_world, env_rank
     world = world if world is not None else 1
@@ -80,7 +79,7 @@ def detect(global_rank: int | None = None, tp_rank: int | None = None,
         rank = global_rank
         world = max(world, global_rank + 1)
     rank = rank if rank is not None else 0
-    local_rank = _env_int("LOCAL_RANK")
+    local_rank = env_int("LOCAL_RANK")
     return Ranks(world_size=world, global_rank=rank, tp_rank=tp_rank, pp_rank=pp_rank,
                  local_rank=local_rank if local_rank is not None else 0,
-                 local_world_size=_env_int("LOCAL_WORLD_SIZE"))
+                 local_world_size=env_int("LOCAL_WORLD_SIZE"))

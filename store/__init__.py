@@ -14,25 +14,37 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 from . import errors
+from .config import env_flag, parse_size
 from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
-from .protocol import Storage
+from .protocol import Catalog, DiskStorage, LocalStorage, Locking, Storage
 from .readonly import ReadOnlyStore
+
+if TYPE_CHECKING:
+    from .tiered import TieredStore
+
+    # What open_store returns (a read-only node with a remote is a ReadOnlyStore too);
+    # ``.local`` of any of them is the Store or ReadOnlyStore that maintenance works on.
+    OpenStore: TypeAlias = Store | ReadOnlyStore | TieredStore[Store]
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MAX_SIZE",
+    "Catalog",
+    "DiskStorage",
     "Entry",
     "EntryInfo",
     "GcReport",
     "Hit",
     "Key",
+    "LocalStorage",
+    "Locking",
     "Miss",
     "Pin",
     "ReadOnlyStore",
@@ -46,20 +58,6 @@ __all__ = [
     "open_store",
     "parse_size",
 ]
-
-_TRUE = {"1", "true", "yes", "on"}
-_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
-def parse_size(text: str | int) -> int:
-    """``"10G"``, ``"512M"``, ``"1.5GiB"`` or a byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (try 10G, 512M, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
 
 def default_root() -> Path:
     """``$CACHECOMPILE_DIR``, else ``$XDG_CACHE_HOME/cachecompile``, else ``~/.cache/cachecompile``."""
@@ -92,7 +90,7 @@ def open_store(
     shared_group: bool | None = None,
     remote: str | None = None,
     create: bool = True,
-) -> Store | ReadOnlyStore:
+) -> OpenStore:
     """Open (creating with mode 0700) the store at ``root``.
 
     Raises InsecureStoreError if the root may be written by someone else. A root that
@@ -101,7 +99,7 @@ def open_store(
     ``cachectl`` both honour it). ``create=False`` raises StoreNotFound instead of creating
     a missing store (a mistyped path must not look like an empty cache).
     With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
-    local store gets a remote tier behind it (:mod:`store.tiered`); ``remote=""`` opts out.
+    local store gets a remote tier behind it (:mod:`cachecompile.store.tiered`); ``remote=""`` opts out.
     """
     local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
                         create=create)
@@ -125,12 +123,12 @@ def _open_local(
     if max_size is None:
         max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE
     if shared_group is None:
-        shared_group = os.environ.get("CACHECOMPILE_SHARED_GROUP", "").lower() in _TRUE
+        shared_group = env_flag("CACHECOMPILE_SHARED_GROUP")
     st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
     if not create:
         st.check_root()  # an insecure root says so, even if it holds no store
         _must_exist(path)
-    if readonly or os.environ.get("CACHECOMPILE_READONLY", "").lower() in _TRUE:
+    if readonly or env_flag("CACHECOMPILE_READONLY"):
         st.check_root()
         return ReadOnlyStore(st, "opened with readonly=True" if readonly
                              else "CACHECOMPILE_READONLY is set")

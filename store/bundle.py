@@ -4,7 +4,7 @@ so that a container image can ship a warm cache.
 Archive layout (members in this order)::
 
     cachecompile-bundle.json          {"format": 1, "entries": [<digest>, ...]}
-    <digest>/record.json              the signed record (store.signing), as the remote keeps it
+    <digest>/record.json              the signed record (cachecompile.store.signing), as the remote keeps it
     <digest>/data/<name>              the entry's files
 
 Every file is a regular member, even where the store shares one blob between entries
@@ -49,6 +49,8 @@ from . import errors
 from .fsutil import rmtree_quiet, temp_name, write_new_file
 from .keys import Key, is_digest
 from .manifest import validate_name
+from .outcomes import Hit
+from .protocol import DiskStorage
 from .signing import Record, Trust, make_record, parse_record, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class _Counting(io.RawIOBase):
 
 
 # -- export ----------------------------------------------------------------------------
-def export_bundle(st: Any, out: Path | str, digests: Iterable[str], *,
+def export_bundle(st: DiskStorage, out: Path | str, digests: Iterable[str], *,
                   trust: Trust | None = None, progress: Progress | None = None,
                   level: int = 3) -> BundleReport:
     """Write the entries ``digests`` of ``st`` to ``out`` (atomically: temp file, rename).
@@ -124,7 +126,7 @@ def export_bundle(st: Any, out: Path | str, digests: Iterable[str], *,
                     {"format": BUNDLE_FORMAT, "entries": todo}, indent=1).encode())
                 for d in todo:
                     hit = st.peek(d)
-                    if not hit:
+                    if not isinstance(hit, Hit):
                         raise errors.KeyNotFound(f"cannot export {d}: {hit.reason}")
                     entry = hit.entry
                     names = sorted(entry.files)
@@ -389,7 +391,7 @@ def _verify(digest: str, s: _Staged) -> Record:
     return rec
 
 
-def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
+def import_bundle(st: DiskStorage, src: Path | str, *, trust: Trust | None = None,
                   progress: Progress | None = None) -> BundleReport:
     """Verify every entry of the bundle ``src``, then publish them all into ``st``.
 
@@ -398,7 +400,7 @@ def import_bundle(st: Any, src: Path | str, *, trust: Trust | None = None,
     (you chose the file); with it, every entry must carry a valid signature.
     ``progress`` gets compressed bytes read.
     """
-    if getattr(st, "readonly", False):
+    if st.readonly:
         raise errors.ReadOnlyStoreError(f"cannot import into {st.root}: it is read-only")
     if trust is None:
         env = Trust.from_env()

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
@@ -22,8 +22,9 @@ from rich.text import Text
 
 from . import errors, open_store, parse_size
 from .disk import Store
+from .explain import differing, flatten, guard_diff, nearest
 from .outcomes import EntryInfo
-from .policy import is_shared_graph
+from .policy import has_labels, is_shared_graph
 from .readonly import ReadOnlyStore
 
 EXIT_PROBLEMS = 1
@@ -44,8 +45,13 @@ _ERROR_CODES: list[tuple[type[BaseException], int]] = [
     (errors.StoreError, EXIT_STORE),
 ]
 
+if TYPE_CHECKING:
+    from . import OpenStore
+
 F = TypeVar("F", bound=Callable[..., Any])
-AnyStore = Store | ReadOnlyStore
+# The local store the verbs read and maintain (``.local`` of what open_store returns: a
+# remote tier behind it is the remote verbs' business, cachecompile.store.cli_remote).
+LocalStore = Store | ReadOnlyStore
 
 
 class CliError(click.ClickException):
@@ -79,10 +85,14 @@ def cache_dir_option(f: F) -> F:
     )(f)
 
 
-def _open(cache_dir: str | None, **kw: Any) -> AnyStore:
+def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
     # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
     # "ok" would hide the typo (and leave a stray cache behind).
     return open_store(cache_dir, create=False, **kw)
+
+
+def _open_local(cache_dir: str | None) -> LocalStore:
+    return _open(cache_dir).local
 
 
 def _console() -> Console:
@@ -133,10 +143,6 @@ def label_options(f: F) -> F:
     f = click.option("--label", "label", multiple=True, metavar="K=V",
                      help="Only entries with this label (repeatable).")(f)
     return f
-
-
-def _match(info: EntryInfo, want: dict[str, str]) -> bool:
-    return all(info.labels.get(k) == v for k, v in want.items())
 
 
 _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
@@ -229,7 +235,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
     everything = list(st.entries())
-    infos = [i for i in everything if _match(i, want)
+    infos = [i for i in everything if has_labels(i.labels, want)
              and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
     infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
@@ -252,7 +258,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
     """Show an entry's manifest, factors and files (KEY may be a unique prefix)."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     digest = st.resolve(key)
     m = st.manifest(digest)
     if as_json:
@@ -282,57 +288,6 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
     con.print(fl)
 
 
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested factors as dotted paths, so two keys can be compared leaf by leaf."""
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for k in sorted(obj):
-            out.update(flatten(obj[k], f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix or "<root>": obj}
-
-
-def nearest(st: AnyStore, digest: str, factors: dict[str, Any], labels: dict[str, str]) -> str | None:
-    """The entry most like ``digest``: same function/model labels, most equal factors."""
-    mine = flatten(factors)
-    same: dict[str, str] = {k: labels[k] for k in ("function", "model") if k in labels}
-    best: tuple[int, str] | None = None
-    for info in st.entries():
-        if info.key == digest or not _match(info, same):
-            continue
-        try:
-            other = flatten(st.manifest(info.key)["factors"])
-        except (errors.StoreError, OSError):
-            continue
-        score = sum(1 for k, v in mine.items() if k in other and other[k] == v)
-        score -= sum(1 for k in other if k not in mine)
-        if best is None or score > best[0]:
-            best = (score, info.key)
-    return best[1] if best else None
-
-
-def guard_diff(ma: dict[str, Any], mb: dict[str, Any]) -> list[tuple[str, str]]:
-    """The guards two entries of one method disagree on, in the user's terms.
-
-    Variants of one frame share every factor; what tells them apart is the state each was
-    compiled for, which Dynamo's guards (carried in ``meta.guards``) record.
-    """
-    def by_expr(m: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-        gs = m.get("meta", {}).get("guards") or []
-        return {(str(g.get("kind")), str(g.get("expr", ""))): g for g in gs
-                if isinstance(g, dict)}
-
-    ga, gb = by_expr(ma), by_expr(mb)
-    rows: list[tuple[str, str]] = []
-    for k in sorted(set(ga) | set(gb)):
-        a, b = ga.get(k), gb.get(k)
-        if a is not None and b is not None and a.get("value") == b.get("value"):
-            continue
-        rows.append((str(a.get("text")) if a else "(not guarded)",
-                     str(b.get("text")) if b else "(not guarded)"))
-    return rows
-
-
 @cli.command("explain")
 @cache_dir_option
 @click.argument("key")
@@ -342,20 +297,22 @@ def guard_diff(ma: dict[str, Any], mb: dict[str, Any]) -> list[tuple[str, str]]:
 def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
                 as_json: bool) -> None:
     """Compare the factors of two entries; with one KEY, against its nearest entry."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     a = st.resolve(key)
     ma = st.manifest(a)
     if key2 is None:
-        b = nearest(st, a, ma["factors"], ma["labels"])
-        if b is None:
+        # Same function and model (where the entry has them), fewest factors apart.
+        same = {k: ma["labels"][k] for k in ("function", "model") if k in ma["labels"]}
+        near = nearest(st, ma["factors"], same, exclude=a)
+        if near is None:
             raise CliError(f"no other entry to compare {a[:12]} with", EXIT_USAGE)
+        b = near.key
     else:
         b = st.resolve(key2)
     mb = st.manifest(b)
     fa, fb = flatten(ma["factors"]), flatten(mb["factors"])
-    missing = object()
     names = sorted(set(fa) | set(fb))
-    diff = [n for n in names if fa.get(n, missing) != fb.get(n, missing)]
+    diff = differing(ma["factors"], mb["factors"])
     guards = guard_diff(ma, mb)
     if as_json:
         click.echo(json.dumps({"a": a, "b": b, "differ": {
@@ -403,7 +360,7 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     age = parse_duration(older_than) if older_than is not None else None
     if not (keys or want or age is not None or purge_all):
         raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     if isinstance(st, ReadOnlyStore) and not dry_run:
         raise st.refusal("purge entries")  # before showing a list that cannot go
     digests = [st.resolve(k) for k in keys]
@@ -437,11 +394,8 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
     st = _open(cache_dir)
     if zero:
-        st.zero_stats()
-    s = st.stats()
-    from .tiered import hit_split  # hits served locally vs downloaded from the remote tier
-
-    s.update(hit_split(st, s["hits"]))
+        st.local.zero_stats()
+    s = st.stats()  # with a remote tier behind the store, it names the remote too
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
         return
@@ -480,7 +434,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
 @click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
 def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
     """Enforce the size cap now (LRU; pinned entries skipped); sweep stale temp dirs."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     cap = parse_size(max_size) if max_size is not None else None
     r = st.gc(cap)
     click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
@@ -495,7 +449,7 @@ def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
     """Check every entry's checksums and the index against the disk (exit 1 on problems)."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     r = st.verify(fix=fix)
     if as_json:
         click.echo(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems],
@@ -517,7 +471,7 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
 
 # Verbs of optional features live in their own modules (store/cli_<feature>.py), each
 # with ``register(cli)``; a feature whose module is absent simply has no verbs.
-_PLUGINS = ("store.cli_remote", "store.cli_torchair")
+_PLUGINS = (f"{__package__}.cli_remote", f"{__package__}.cli_torchair")
 
 
 def _load_plugins() -> None:

@@ -1,4 +1,4 @@
-"""``cachectl`` verbs of the remote tier and of bundles (loaded by store.cli as a plugin).
+"""``cachectl`` verbs of the remote tier and of bundles (loaded by cachecompile.store.cli as a plugin).
 
     cachectl remote ls | stats | purge        the Redis tier itself
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
@@ -31,15 +31,17 @@ from .bundle import export_bundle, import_bundle
 from .cli import (
     EXIT_STORE,
     CliError,
+    LocalStore,
     _console,
     _entries_table,
-    _match,
     _parse_labels,
     cache_dir_option,
     human_size,
     label_options,
 )
 from .outcomes import EntryInfo, Hit
+from .policy import has_labels
+from .readonly import ReadOnlyStore
 from .remote import RedisRemote
 from .signing import Record
 from .tiered import TieredStore
@@ -62,11 +64,11 @@ def _remote(url: str | None) -> RedisRemote:
     return r
 
 
-def _local(cache_dir: str | None, *, create: bool) -> Any:
+def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
     # The local store alone: these verbs move entries between the tiers explicitly.
-    # Verbs that only read it never create it (as store.cli does): on a mistyped
+    # Verbs that only read it never create it (as cachecompile.store.cli does): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
-    return open_store(cache_dir, remote="", create=create)
+    return open_store(cache_dir, remote="", create=create).local
 
 
 @contextlib.contextmanager
@@ -105,7 +107,7 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
     if keys:
         chosen = {resolve(k) for k in keys}
         infos = [i for i in infos if i.key in chosen]
-    return [i for i in infos if _match(i, want)]
+    return [i for i in infos if has_labels(i.labels, want)]
 
 
 def register(cli: click.Group) -> None:
@@ -124,7 +126,7 @@ def register(cli: click.Group) -> None:
         want = _parse_labels(label, model, function)
         infos = sorted((_info(rec) for rec in r.records()), key=lambda i: i.created,
                        reverse=True)
-        infos = [i for i in infos if _match(i, want)]
+        infos = [i for i in infos if has_labels(i.labels, want)]
         if as_json:
             click.echo(json.dumps([i.to_json() for i in infos], indent=1))
         elif not infos:
@@ -242,7 +244,7 @@ def register(cli: click.Group) -> None:
         """Download remote entries (verified, then published): all, or those selected."""
         r = _remote(remote_url)
         local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
-        if local.readonly:
+        if isinstance(local, ReadOnlyStore):
             raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
         st = TieredStore(local, r)
         infos = [_info(rec) for rec in r.records()]
@@ -256,7 +258,7 @@ def register(cli: click.Group) -> None:
             if st.get(i.key):
                 got += 1
             else:
-                failed += 1  # store.tiered logged why
+                failed += 1  # cachecompile.store.tiered logged why
         click.echo(f"pulled {got} entries from {r.config.display}; {have} were here already"
                    + (f"; {failed} refused or failed" if failed else ""))
         if failed:

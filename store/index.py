@@ -6,10 +6,15 @@ dict (size, dates, hits, labels, and ``blobs``: content checksum -> size, so tha
 counts shared content once without reading every manifest); counters are
 ``"c:<name>"`` -> int.
 
-Counters: ``hits``, ``miss:<kind>``, ``publishes``, ``evictions``, ``corruptions`` and
+Counters: ``hits``, ``miss:<kind>``, ``publishes``, ``evictions``, ``corruptions``,
+``hits:remote`` (hits a remote tier served by a download, counted in ``hits`` too) and
 ``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
-(see store.policy) count under ``graph:hits`` and ``graph:miss:<kind>`` instead, so
-``hits`` and ``miss:*`` are what the user's own methods did.
+(see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
+instead, so ``hits`` and ``miss:*`` are what the user's own methods did.
+
+The index is a cache: :meth:`Index.safely` runs an index operation so that its failure
+(a locked or damaged database, a full disk, a symlinked ``index/``) is logged and never
+fails the lookup or publish around it.
 """
 
 from __future__ import annotations
@@ -18,18 +23,37 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from . import errors
+from .keys import Key
 from .outcomes import EntryInfo
+from .policy import is_shared_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Index"]
+__all__ = ["GRAPH_SCOPE", "Index", "REMOTE_HITS", "counter_scope"]
+
+T = TypeVar("T")
 
 _E = "e:"
 _C = "c:"
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
+REMOTE_HITS = "hits:remote"
+
+
+def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> str:
+    """Counter prefix of a lookup: shared graphs are counted apart from the user's entries.
+
+    A hit knows its labels; a miss knows only the key, whose factors say ``kind=graph``
+    for shared graphs (cachecompile/coop.py sets the factor and the label together).
+    Whoever adjusts a lookup's counters later (cachecompile.store.tiered) asks here too,
+    so that it undoes exactly the counter the lookup moved.
+    """
+    if labels is None:
+        labels = {"kind": str(key.factors.get("kind"))} if isinstance(key, Key) else {}
+    return GRAPH_SCOPE if is_shared_graph(labels) else ""
 
 
 def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
@@ -47,12 +71,15 @@ def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
 class Index:
     """Lazily opened diskcache. Opening is deferred so that ``open_store()`` stays cheap."""
 
-    def __init__(self, path: Path, guard: Callable[[], object] | None = None) -> None:
+    def __init__(self, path: Path, guard: Callable[[], object] | None = None,
+                 on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None) -> None:
         self.path = path
         self._cache: Any = None
         # Called before the database is opened (the store checks that no directory on
         # the way is a symlink); once open, the handle no longer depends on the path.
         self._guard = guard
+        # Told when the guard refused (the store warns once per link, not per lookup).
+        self._on_unsafe = on_unsafe
 
     @property
     def cache(self) -> Any:
@@ -71,6 +98,18 @@ class Index:
         if self._cache is not None:
             self._cache.close()
             self._cache = None
+
+    def safely(self, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None when it fails: logged, never raised (see the module doc)."""
+        try:
+            return fn()
+        except errors.InsecureStoreError as e:  # index/ is a symlink: the store says so once
+            if self._on_unsafe is not None:
+                self._on_unsafe(e)
+            return None
+        except Exception as e:  # sqlite3 errors, timeouts, a full disk
+            logger.warning("cache index update (%s) failed: %s", what, e)
+            return None
 
     # -- records ---------------------------------------------------------------
     def add(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],

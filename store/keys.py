@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["Key", "canonical_json", "make_key", "is_digest"]
+__all__ = ["Key", "canonical_json", "digest_of", "is_digest", "make_key"]
 
 DIGEST_LEN = 32
 _HEX = frozenset("0123456789abcdef")
@@ -77,3 +77,12 @@ def make_key(factors: Mapping[str, Any]) -> Key:
 
 def is_digest(text: str) -> bool:
     return len(text) == DIGEST_LEN and all(c in _HEX for c in text)
+
+
+def digest_of(key: Key | str) -> str:
+    """The digest of a key, or a string that is a full digest already; ValueError else."""
+    if isinstance(key, Key):
+        return key.digest
+    if isinstance(key, str) and is_digest(key):
+        return key
+    raise ValueError(f"not a key or a 32-hex-digit digest: {key!r}")

@@ -21,12 +21,18 @@ from collections.abc import Collection, Mapping, Sequence
 
 from .outcomes import EntryInfo
 
-__all__ = ["Blobs", "expand_groups", "group_of", "is_shared_graph", "lru_evictions",
-           "older_than", "physical_size", "split_pinned"]
+__all__ = ["Blobs", "expand_groups", "group_of", "has_labels", "is_shared_graph",
+           "lru_evictions", "older_than", "physical_size", "split_pinned"]
 
 # Entry key -> {content checksum: size}. Entries missing from it count at their logical size.
 Blobs = Mapping[str, Mapping[str, int]]
 SHARED_GRAPH_KIND = "graph"
+
+
+def has_labels(labels: Mapping[str, str], want: Mapping[str, object]) -> bool:
+    """Whether ``labels`` hold every ``want`` pair (values compared as strings, as labels
+    are stored): the one selection by labels of ``find``, ``purge``, ``ls`` and ``push``."""
+    return all(labels.get(k) == str(v) for k, v in want.items())
 
 
 def is_shared_graph(labels: Mapping[str, str]) -> bool:

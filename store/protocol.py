@@ -1,27 +1,43 @@
-"""The one small storage protocol every tier implements and every feature wraps.
+"""The storage protocols: one small one every tier implements, and the parts a cache
+needs beyond it. Callers type against these, never against a concrete store.
 
-get / put / contains / delete / iterate (``entries``) / stat. A remote tier (e.g.
-Redis) or a tiered store with backfill implements this and wraps another Storage;
-read-only is such a wrapper already (:class:`store.readonly.ReadOnlyStore`).
+::
+
+    Storage          get / put / contains / delete / entries / stat: bytes and files only
+    Catalog          where it is and whether it may be written; an entry's manifest
+                     without its files; entries by labels; a miss of the caller's counted
+    Locking          inter-process locks, and pins that keep gc off an entry in use
+    LocalStorage     Storage + Catalog + Locking: what cachecompile uses (cached, coop)
+    DiskStorage      LocalStorage + side-effect-free lookups, staging under its own
+                     tmp/, counters, stats: what a tier wraps (tiered, bundle)
+
+:class:`~cachecompile.store.disk.Store` implements all of them. The features wrap one:
+:class:`~cachecompile.store.readonly.ReadOnlyStore` (lookups only) and
+:class:`~cachecompile.store.tiered.TieredStore` (a remote behind a local store), both
+through :class:`~cachecompile.store.wrapper.Wrapper`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .keys import Key
 from .outcomes import Entry, EntryInfo, Hit, Miss
 
-__all__ = ["Storage", "FileSource"]
+__all__ = ["Catalog", "DiskStorage", "FileSource", "LocalStorage", "Locking", "Storage"]
 
 FileSource = bytes | os.PathLike[str] | str
 
 
 @runtime_checkable
 class Storage(Protocol):
-    def get(self, key: Key | str) -> Hit | Miss: ...
+    def get(self, key: Key | str) -> Hit | Miss:
+        """Look up and verify an entry: ``Hit(entry)`` or ``Miss(reason, kind)``."""
+        ...
 
     def put(
         self,
@@ -30,7 +46,9 @@ class Storage(Protocol):
         *,
         labels: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
-    ) -> Entry: ...
+    ) -> Entry:
+        """Publish ``files`` under ``key`` atomically; an existing entry wins."""
+        ...
 
     def contains(self, key: Key | str) -> bool: ...
 
@@ -39,3 +57,62 @@ class Storage(Protocol):
     def entries(self) -> Iterator[EntryInfo]: ...
 
     def stat(self, key: Key | str) -> EntryInfo | None: ...
+
+
+@runtime_checkable
+class Catalog(Protocol):
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def readonly(self) -> bool:
+        """True when every write is refused (ReadOnlyStoreError)."""
+        ...
+
+    def manifest(self, key: Key | str) -> dict[str, Any]:
+        """An entry's parsed, digest-checked manifest, its files unchecked (no side effects)."""
+        ...
+
+    def find(self, **labels: Any) -> list[EntryInfo]: ...
+
+    def record_miss(self, kind: str) -> None:
+        """Count a miss the caller decided on (``stale``, ``unloadable``...)."""
+        ...
+
+
+@runtime_checkable
+class Locking(Protocol):
+    def lock(self, name: str, timeout: float = 600.0) -> AbstractContextManager[Path | None]:
+        """Hold an inter-process lock; LockTimeout (with the lock's path) after ``timeout``.
+        Entering gives the lock file, or None where there is nothing to lock."""
+        ...
+
+    def pin(self, entry: Entry | Key | str) -> AbstractContextManager[object]:
+        """Lease an entry so that gc keeps it while the lease is held."""
+        ...
+
+
+@runtime_checkable
+class LocalStorage(Storage, Catalog, Locking, Protocol):
+    """Everything cachecompile asks of a store."""
+
+
+@runtime_checkable
+class DiskStorage(LocalStorage, Protocol):
+    """A store on this node's disk, as a tier wraps it."""
+
+    def peek(self, key: Key | str) -> Hit | Miss:
+        """Look up without side effects: no hit recorded, nothing quarantined."""
+        ...
+
+    def staging_dir(self, kind: str, tag: str = "", *, mode: int | None = None) -> Path:
+        """A fresh private directory on the store's file system to stage files in."""
+        ...
+
+    def count(self, counter: str, delta: int = 1) -> None:
+        """Move one of the store's counters (cachecompile.store.index); never raises."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...

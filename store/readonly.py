@@ -1,6 +1,6 @@
 """Read-only access as a wrapper: lookups pass through without side effects;
-every write raises :class:`~store.errors.ReadOnlyStoreError`, and publishing logs
-one warning per store so that a read-only cache never floods the log."""
+every write raises :class:`~cachecompile.store.errors.ReadOnlyStoreError`, and publishing
+logs one warning per store so that a read-only cache never floods the log."""
 
 from __future__ import annotations
 
@@ -14,19 +14,25 @@ from .disk import Store
 from .errors import ReadOnlyStoreError
 from .keys import Key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
+from .protocol import FileSource
+from .wrapper import Wrapper
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ReadOnlyStore"]
 
 
-class ReadOnlyStore:
-    """Wraps a :class:`Store`; lookups only. ``why`` says why it is read-only."""
+class ReadOnlyStore(Wrapper[Store]):
+    """Wraps a :class:`Store`; lookups only. ``why`` says why it is read-only.
 
-    readonly = True
+    What it changes: ``get`` is the inner store's ``peek`` (recording a hit or
+    quarantining a bad entry would write); counters, locks and pins do nothing; every
+    write is refused. ``cachectl``'s reads (``stats``, ``verify``, a purge's plan) pass
+    through; its writes are refused.
+    """
 
     def __init__(self, inner: Store, why: str = "opened read-only") -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.why = why
         self._warned = False
 
@@ -34,8 +40,13 @@ class ReadOnlyStore:
         return f"ReadOnlyStore({self.inner!r}, why={self.why!r})"
 
     @property
-    def root(self) -> Path:
-        return self.inner.root
+    def readonly(self) -> bool:
+        return True
+
+    @property
+    def local(self) -> ReadOnlyStore:
+        """The store maintenance works on: this view (its writes are refused)."""
+        return self
 
     @property
     def max_size(self) -> int:
@@ -45,51 +56,15 @@ class ReadOnlyStore:
         """The error a write ``what`` ("purge entries"...) raises; says why it is read-only."""
         return ReadOnlyStoreError(f"cannot {what}: cache {self.root} is read-only ({self.why})")
 
-    _refuse = refusal
-
-    # -- reads: no hit recording, no quarantine (both would write) --------------------
+    # -- reads: no hit recording, no quarantine, no counters (all would write) -----------
     def get(self, key: Key | str) -> Hit | Miss:
         return self.inner.peek(key)
 
-    def peek(self, key: Key | str) -> Hit | Miss:
-        return self.inner.peek(key)
-
-    def contains(self, key: Key | str) -> bool:
-        return self.inner.contains(key)
-
-    def stat(self, key: Key | str) -> EntryInfo | None:
-        return self.inner.stat(key)
-
-    def entry_dir(self, digest: str) -> Path:
-        return self.inner.entry_dir(digest)
-
-    def manifest(self, key: Key | str) -> dict[str, Any]:
-        return self.inner.manifest(key)
-
-    def entries(self) -> Iterator[EntryInfo]:
-        return self.inner.entries()
-
-    def digests(self) -> Iterator[str]:
-        return self.inner.digests()
-
-    def find(self, **labels: Any) -> list[EntryInfo]:
-        return self.inner.find(**labels)
-
-    def resolve(self, prefix: str) -> str:
-        return self.inner.resolve(prefix)
-
-    def stats(self) -> dict[str, Any]:
-        s = self.inner.stats()
-        s["readonly"] = True
-        return s
-
-    def verify(self, fix: bool = False) -> VerifyReport:
-        if fix:
-            raise self._refuse("fix entries")
-        return self.inner.verify(fix=False)
-
     def record_miss(self, kind: str) -> None:
         pass  # counters live in the index, which we may not write
+
+    def count(self, counter: str, delta: int = 1) -> None:
+        pass  # as record_miss
 
     @contextlib.contextmanager
     def lock(self, name: str, timeout: float = 600.0) -> Iterator[None]:
@@ -101,37 +76,50 @@ class ReadOnlyStore:
         # Pins are files under the root; eviction needs write access we lack anyway.
         yield None
 
-    # -- writes ---------------------------------------------------------------------
-    def put(
-        self,
-        key: Key,
-        files: Mapping[str, Any],
-        *,
-        labels: Mapping[str, Any] | None = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> Entry:
+    # -- writes --------------------------------------------------------------------------
+    def put(self, key: Key, files: Mapping[str, FileSource], *,
+            labels: Mapping[str, Any] | None = None,
+            meta: Mapping[str, Any] | None = None) -> Entry:
         if not self._warned:
             self._warned = True
             logger.warning("cache %s is read-only (%s): publishing is disabled", self.root, self.why)
-        raise self._refuse("publish")
+        raise self.refusal("publish")
 
     def delete(self, key: Key | str) -> bool:
-        raise self._refuse("delete entries")
+        raise self.refusal("delete entries")
 
-    def gc(self, max_size: int | None = None, **_: Any) -> GcReport:
-        raise self._refuse("collect garbage")
+    def staging_dir(self, kind: str, tag: str = "", *, mode: int | None = None) -> Path:
+        raise self.refusal("stage files")
 
-    def purge(self, **_: Any) -> list[EntryInfo]:
-        raise self._refuse("purge entries")
+    # -- maintenance (cachectl): reads pass through, writes are refused ------------------
+    def stats(self) -> dict[str, Any]:
+        return {**self.inner.stats(), "readonly": True}
+
+    def verify(self, fix: bool = False) -> VerifyReport:
+        if fix:
+            raise self.refusal("fix entries")
+        return self.inner.verify(fix=False)
 
     def purge_plan(self, **kw: Any) -> tuple[list[EntryInfo], list[EntryInfo]]:
         return self.inner.purge_plan(**kw)  # only lists: what a purge would do
 
+    def resolve(self, prefix: str) -> str:
+        return self.inner.resolve(prefix)
+
+    def entry_dir(self, digest: str) -> Path:
+        return self.inner.entry_dir(digest)
+
+    def digests(self) -> Iterator[str]:
+        return self.inner.digests()
+
+    def gc(self, max_size: int | None = None, **_: Any) -> GcReport:
+        raise self.refusal("collect garbage")
+
+    def purge(self, **_: Any) -> list[EntryInfo]:
+        raise self.refusal("purge entries")
+
     def zero_stats(self) -> None:
-        raise self._refuse("zero statistics")
+        raise self.refusal("zero statistics")
 
     def reindex(self) -> int:
-        raise self._refuse("reindex")
-
-    def close(self) -> None:
-        self.inner.close()
+        raise self.refusal("reindex")

@@ -2,7 +2,7 @@
 
 Layout under a key prefix (default ``cachecompile:v1``)::
 
-    <p>:entry:<digest>        the record (store.signing): manifest, SHA-256s, signature
+    <p>:entry:<digest>        the record (cachecompile.store.signing): manifest, SHA-256s, signature
     <p>:blob:<sha256>         blob marker, value = its chunk size; written after the chunks
     <p>:chunk:<sha256>:<i>    the i-th chunk of a file's bytes (at most 64 MiB each)
     <p>:pin:<sha256>          "an upload needs this blob"; expires ``lease`` s after its
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import errors
+from .config import parse_size
 from .fsutil import write_new_file
 from .outcomes import Entry
 from .signing import Record, Trust, make_record, parse_record, sha256_file
@@ -58,7 +59,6 @@ MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the s
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
 # 16 MiB ones 440 (tools/bench_remote.py), and smaller ones add round trips.
 DEFAULT_CHUNK = 4 * 1024**2
-_UNITS = {"": 1, "K": 1024, "M": 1024**2}
 _OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
 # How long an upload's pins keep ``purge`` off its blobs after their last refresh. A
 # killed upload's chunks are swept this long after it died, not before.
@@ -100,12 +100,6 @@ class Uploaded:
         return self.written
 
 
-def _size(text: str) -> int:
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in "KM" else ""
-    return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
-
-
 @dataclass(frozen=True)
 class RemoteConfig:
     """Where the remote is and how to use it, parsed from a ``redis://`` URL.
@@ -144,7 +138,7 @@ class RemoteConfig:
         mode = ours.get("mode", "rw").lower()
         if mode not in ("rw", "ro"):
             raise ValueError(f"remote {url!r}: mode must be rw or ro, not {mode!r}")
-        chunk = _size(ours["chunk"]) if "chunk" in ours else DEFAULT_CHUNK
+        chunk = parse_size(ours["chunk"]) if "chunk" in ours else DEFAULT_CHUNK
         if not 0 < chunk <= MAX_CHUNK:
             raise ValueError(f"remote {url!r}: chunk must be between 1 byte and 64M")
         lease = float(ours.get("lease", DEFAULT_LEASE))
@@ -219,7 +213,7 @@ class _Breaker:
 
 
 class RedisRemote:
-    """One Redis remote. Every method raises :class:`~store.errors.RemoteError` on failure."""
+    """One Redis remote. Every method raises :class:`~cachecompile.store.errors.RemoteError` on failure."""
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None,
                  client: Any = None) -> None:

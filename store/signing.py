@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import env_flag
 from .errors import ManifestError, UntrustedEntryError
 from .manifest import parse_manifest
 
@@ -38,7 +39,6 @@ __all__ = ["RECORD_FORMAT", "Record", "Trust", "make_record", "parse_record", "s
 RECORD_FORMAT = 1
 # Domain separation: an HMAC made for something else with the same key never verifies here.
 _CONTEXT = b"cachecompile-entry-record-v1\n"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def sha256_file(path: Path | str) -> str:
@@ -69,7 +69,7 @@ class Trust:
         raw = env.get("CACHECOMPILE_SIGNING_KEY") or ""
         key = _load_key(raw) if raw else None
         return cls(key=key or None,
-                   accept_unsigned=env.get("CACHECOMPILE_TRUST_REMOTE", "").lower() in _TRUE)
+                   accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env))
 
     def sign(self, body: bytes) -> str | None:
         if self.key is None:

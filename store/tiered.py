@@ -3,51 +3,60 @@ upload local publishes in the background.
 
 ``open_store()`` builds one when ``$CACHECOMPILE_REMOTE`` (or ``remote=``) is set:
 
-* :class:`TieredStore` is the local :class:`~store.disk.Store` (it *is* one, so every local
-  operation, lock and pin works unchanged) with ``get``/``put``/``delete`` wrapped: a local
-  miss asks the remote; a remote hit is downloaded, verified (signature, SHA-256), published
-  locally through the normal ``put`` and returned as a Hit of that LOCAL entry.
-  A local ``put`` queues an upload for the :class:`Uploader` thread.
-* :class:`ReadOnlyTieredStore` is the same over a read-only local root: a remote hit is
+* :class:`TieredStore` wraps the local store (any
+  :class:`~cachecompile.store.protocol.DiskStorage`): a local miss asks the remote; a
+  remote hit is downloaded, verified (signature, SHA-256), published through the local
+  store's own ``put`` (so it is not uploaded back) and returned as a Hit of that LOCAL
+  entry. A ``put`` through the tier publishes locally, then queues an upload for the
+  :class:`Uploader` thread. Everything else is the local store's (:attr:`TieredStore.local`).
+* :class:`ReadOnlyTieredStore` is a :class:`~cachecompile.store.readonly.ReadOnlyStore`
+  whose lookups go through such a tier over the read-only local root: a remote hit is
   published into a private scratch store that lives as long as the process.
 
-Remote faults never reach the caller: the tier logs (once, see store.remote) and the
-lookup is the local miss. A remote entry refused (untrusted or damaged) is warned about
-once per process, however many lookups and stores meet it.
+Remote faults never reach the caller: the tier logs (once, see cachecompile.store.remote)
+and the lookup is the local miss. A remote entry refused (untrusted or damaged) is warned
+about once per process, however many lookups and stores meet it.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import os
 import queue
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from . import errors
-from .disk import Store, counter_scope
+from .config import env_float, env_int
+from .disk import Store
 from .fsutil import rmtree_quiet
-from .keys import Key
+from .index import REMOTE_HITS, counter_scope
+from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
+from .protocol import DiskStorage, FileSource
 from .readonly import ReadOnlyStore
 from .remote import RedisRemote
+from .wrapper import Wrapper
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TieredStore", "ReadOnlyTieredStore", "Uploader", "hit_split", "wrap"]
+__all__ = ["ReadOnlyTieredStore", "TieredStore", "Uploader", "scratch_store", "wrap"]
 
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
-# Index counter: hits served by a download (cachectl stats); a shared graph's goes under
-# the graph scope, as its hits do (store.disk.counter_scope).
-REMOTE_HITS = "hits:remote"
+
+S = TypeVar("S", bound=DiskStorage)
+
+# Operations of the local store alone (maintenance, layout): see TieredStore.__getattr__.
+_LOCAL_ONLY = frozenset({
+    "max_size", "resolve", "entry_dir", "digests", "pinned", "quarantine", "gc", "purge",
+    "purge_plan", "verify", "reindex", "zero_stats", "sweep_temp", "sweep_blobs",
+})
 
 # (remote, subject, message) already warned about: one lookup looks an entry up several
 # times (its meta, then its variant, then a free variant slot), and every cache_compile'd
@@ -67,14 +76,6 @@ def _warn_once(remote: RedisRemote, subject: str, message: str) -> None:
         logger.debug("%s (again)", message)
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
-    except ValueError:
-        logger.warning("%s=%r is not a number; using %s", name, os.environ.get(name), default)
-        return default
-
-
 class Uploader:
     """One daemon thread draining a bounded queue of local entries to the remote.
 
@@ -85,7 +86,7 @@ class Uploader:
 
     def __init__(self, remote: RedisRemote, maxsize: int | None = None) -> None:
         self.remote = remote
-        size = maxsize or int(_env_float("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE))
+        size = maxsize or env_int("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE, lenient=True) or 1
         self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -146,7 +147,7 @@ class Uploader:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained; False if ``timeout`` ran out first."""
         if timeout is None:
-            timeout = _env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
+            timeout = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
         deadline = time.monotonic() + timeout
         with self._q.all_tasks_done:
             while self._q.unfinished_tasks:
@@ -160,19 +161,91 @@ class Uploader:
         return True
 
 
-class _RemoteSide:
-    """What both tiered stores share: download into a local Store, refusals, counters."""
+class TieredStore(Wrapper[S]):
+    """The local store ``local`` plus ``remote`` behind it (see the module docstring).
 
-    remote: RedisRemote
+    ``backfill`` makes the store remote hits are published into (default: ``local``
+    itself); an OSError from it is a local miss.
+    """
 
-    def _init_remote(self, remote: RedisRemote) -> None:
+    def __init__(self, local: S, remote: RedisRemote, *,
+                 backfill: Callable[[], DiskStorage] | None = None) -> None:
+        super().__init__(local)
         self.remote = remote
-        self.uploader: Uploader | None = None if remote.readonly else Uploader(remote)
+        self._backfill = backfill
+        # Nothing is published from a read-only node, nor to a read-only remote.
+        self.uploader: Uploader | None = (None if remote.readonly or local.readonly
+                                          else Uploader(remote))
         # Entries this process found bad or withdrew: its own upload may replace them.
         self._replace: set[str] = set()
         self.remote_hits = 0
 
-    def _fetch_into(self, target: Store, key: Key | str, digest: str) -> Hit | None:
+    def __repr__(self) -> str:
+        return f"TieredStore({self.inner!r}, {self.remote!r})"
+
+    @property
+    def local(self) -> S:
+        """The local store: what maintenance (cachectl gc, verify, purge...) works on."""
+        return self.inner
+
+    def __getattr__(self, name: str) -> Any:
+        # The local store's own operations pass through by name (the tier adds nothing
+        # to them), so open_store's result keeps them whether or not a remote is set;
+        # typed code asks for them on ``.local``.
+        if name in _LOCAL_ONLY:
+            return getattr(self.inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def get(self, key: Key | str) -> Hit | Miss:
+        local = self.inner.get(key)
+        if isinstance(local, Hit):
+            return local
+        digest = digest_of(key)
+        try:
+            target = self.inner if self._backfill is None else self._backfill()
+        except OSError:
+            return local  # the backfill said why
+        if target is not self.inner:
+            kept = target.peek(digest)  # downloaded earlier in this process
+            if isinstance(kept, Hit):
+                return kept
+        hit = self._fetch_into(target, key, digest)
+        if hit is None:
+            return local
+        self.inner.count(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
+        if local.kind == "absent":
+            # It was a hit after all, one tier down: take back the very counter that the
+            # local lookup moved (a shared graph's miss is not the user's).
+            self.inner.count(counter_scope(key) + "miss:absent", -1)
+        return hit
+
+    def put(self, key: Key, files: Mapping[str, FileSource], *,
+            labels: Mapping[str, Any] | None = None,
+            meta: Mapping[str, Any] | None = None) -> Entry:
+        entry = self.inner.put(key, files, labels=labels, meta=meta)
+        if self.uploader is not None:
+            self.uploader.submit(entry, overwrite=entry.key in self._replace)
+        return entry
+
+    def delete(self, key: Key | str) -> bool:
+        # Withdrawn here (stale, unloadable, recompiled): our next publish may replace
+        # the remote copy. The remote record itself stays: another node may load it fine.
+        self._replace.add(digest_of(key))
+        return self.inner.delete(key)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.inner.stats(), "remote": self.remote.config.display}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued uploads (see :meth:`Uploader.flush`); True if none is left."""
+        return True if self.uploader is None else self.uploader.flush(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self.remote.close()
+        self.inner.close()
+
+    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str) -> Hit | None:
         """Download ``digest`` into ``target`` and return its local Hit; None on any failure."""
         if not self.remote.available:
             return None
@@ -187,14 +260,14 @@ class _RemoteSide:
             m = rec.manifest
             files = {n: staging / n for n in m["files"]}
             factors = key.factors if isinstance(key, Key) and key.factors else m["factors"]
-            # Store.put, not target.put: a backfilled entry must not be uploaded back.
-            entry = Store.put(target, Key(digest=digest, factors=factors), files,
-                              labels=m["labels"], meta=m["meta"])
+            # The target's own put: a backfilled entry must not be uploaded back.
+            entry = target.put(Key(digest=digest, factors=factors), files,
+                               labels=m["labels"], meta=m["meta"])
             # put re-hashed every file with XXH3: it must agree with the signed manifest.
             for n, r in m["files"].items():
                 mine = entry.manifest["files"].get(n, {})
                 if (mine.get("size"), mine.get("xxh3_128")) != (r["size"], r["xxh3_128"]):
-                    Store.delete(target, digest)
+                    target.delete(digest)
                     raise errors.CorruptEntryError(digest, f"file {n!r} does not match the "
                                                            "manifest's XXH3-128")
         except errors.RemoteError:
@@ -204,8 +277,14 @@ class _RemoteSide:
             # entry is not at fault, so it is neither refused nor ours to replace.
             _warn_once(self.remote, str(e.path), f"not downloading remote entries: {e}")
             return None
+        except errors.ReadOnlyStoreError as e:
+            # A read-only local store and no backfill to download into (wrap() gives one
+            # a scratch store): again not the remote entry's fault.
+            _warn_once(self.remote, str(target.root), f"not downloading remote entries: {e}")
+            return None
         except errors.UntrustedEntryError as e:
-            # Our own upload may replace it; store.remote decides whether it really may.
+            # Our own upload may replace it; cachecompile.store.remote decides whether it
+            # really may.
             self._replace.add(digest)
             _warn_once(self.remote, digest, f"remote {e}")
             return None
@@ -222,131 +301,62 @@ class _RemoteSide:
         self.remote_hits += 1
         logger.info("remote hit %s: downloaded %d bytes in %.1f ms", digest[:12],
                     rec.size_bytes, (time.perf_counter() - t0) * 1e3)
-        hit = Store.get(target, digest)
+        hit = target.get(digest)
         return hit if isinstance(hit, Hit) else None
 
-    def _submit(self, entry: Entry) -> None:
-        if self.uploader is not None:
-            self.uploader.submit(entry, overwrite=entry.key in self._replace)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        return True if self.uploader is None else self.uploader.flush(timeout)
+def scratch_store(max_size: int) -> Callable[[], Store]:
+    """A backfill for a read-only node: a private store in a temp dir, made on first use
+    and removed at exit (remote hits must land somewhere this process may write)."""
+    made: list[Store] = []
 
+    def get() -> Store:
+        if not made:
+            try:
+                root = Path(tempfile.mkdtemp(prefix="cachecompile-remote-"))
+                st = Store(root, max_size=max_size)
+                st.create_layout()
+            except OSError as e:
+                logger.warning("cannot make a scratch store for remote hits: %s", e)
+                raise
+            atexit.register(rmtree_quiet, root)
+            made.append(st)
+        return made[0]
 
-class TieredStore(_RemoteSide, Store):
-    """The local store at ``local.root`` plus ``remote`` behind it (see module docstring)."""
-
-    def __init__(self, local: Store, remote: RedisRemote) -> None:
-        Store.__init__(self, local.root, max_size=local.max_size,
-                       shared_group=local.shared_group)
-        self._init_remote(remote)
-
-    def __repr__(self) -> str:
-        return f"TieredStore({str(self.root)!r}, {self.remote!r})"
-
-    def get(self, key: Key | str) -> Hit | Miss:
-        local = Store.get(self, key)
-        if isinstance(local, Hit):
-            return local
-        digest = self.digest_of(key)
-        hit = self._fetch_into(self, key, digest)
-        if hit is None:
-            return local
-
-        def count() -> None:
-            self.index.incr(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
-            if local.kind == "absent":
-                # It was a hit after all, one tier down: take back the very counter that
-                # Store.get moved (a shared graph's miss is not the user's).
-                self.index.incr(counter_scope(key) + "miss:absent", -1)
-
-        self._index_safely("remote hit", count)
-        return hit
-
-    def put(self, key: Key, files: Mapping[str, bytes | os.PathLike[str] | str], *,
-            labels: Mapping[str, Any] | None = None,
-            meta: Mapping[str, Any] | None = None) -> Entry:
-        entry = Store.put(self, key, files, labels=labels, meta=meta)
-        self._submit(entry)
-        return entry
-
-    def delete(self, key: Key | str) -> bool:
-        # Withdrawn here (stale, unloadable, recompiled): our next publish may replace
-        # the remote copy. The remote record itself stays: another node may load it fine.
-        self._replace.add(self.digest_of(key))
-        return Store.delete(self, key)
-
-    def stats(self) -> dict[str, Any]:
-        s = Store.stats(self)
-        s.update(hit_split(self, s["hits"]))
-        s["remote"] = self.remote.config.display
-        return s
-
-    def close(self) -> None:
-        self.flush()
-        self.remote.close()
-        Store.close(self)
+    return get
 
 
-class ReadOnlyTieredStore(_RemoteSide, ReadOnlyStore):
-    """A read-only local root plus a remote: remote hits land in a per-process scratch store."""
+class ReadOnlyTieredStore(ReadOnlyStore):
+    """A read-only local root plus a remote: a :class:`ReadOnlyStore` (every write is
+    refused as on any read-only store) whose lookups go through a :class:`TieredStore`
+    over the read-only view, with remote hits landing in a per-process scratch store."""
 
-    def __init__(self, inner: Store, why: str, remote: RedisRemote) -> None:
-        ReadOnlyStore.__init__(self, inner, why)
-        self._init_remote(remote)
-        self.uploader = None  # nothing is published from a read-only node
-        self._scratch: Store | None = None
+    def __init__(self, local: ReadOnlyStore, remote: RedisRemote) -> None:
+        super().__init__(local.inner, local.why)
+        self.tier = TieredStore(local, remote, backfill=scratch_store(local.max_size))
 
     def __repr__(self) -> str:
         return f"ReadOnlyTieredStore({self.inner!r}, {self.remote!r})"
 
-    def _scratch_store(self) -> Store:
-        if self._scratch is None:
-            root = Path(tempfile.mkdtemp(prefix="cachecompile-remote-"))
-            st = Store(root, max_size=self.inner.max_size)
-            st.create_layout()
-            atexit.register(rmtree_quiet, root)
-            self._scratch = st
-        return self._scratch
+    @property
+    def remote(self) -> RedisRemote:
+        return self.tier.remote
 
     def get(self, key: Key | str) -> Hit | Miss:
-        local = self.inner.peek(key)
-        if isinstance(local, Hit):
-            return local
-        digest = self.inner.digest_of(key)
-        if self._scratch is not None:
-            cached = self._scratch.peek(digest)
-            if isinstance(cached, Hit):
-                return cached
-        try:
-            scratch = self._scratch_store()
-        except OSError as e:
-            logger.warning("cannot make a scratch store for remote hits: %s", e)
-            return local
-        hit = self._fetch_into(scratch, key, digest)
-        return local if hit is None else hit
+        return self.tier.get(key)
 
     def close(self) -> None:
-        self.remote.close()
-        ReadOnlyStore.close(self)
+        self.tier.close()
 
 
-def hit_split(st: Any, hits: int | None = None) -> dict[str, int]:
-    """``{"hits_local", "hits_remote"}`` from the index counters of any local store."""
-    inner = st.inner if isinstance(st, ReadOnlyStore) else st
-    remote = 0
-    with contextlib.suppress(Exception):  # an unreadable index: report zero remote hits
-        remote = int(inner.index.counter(REMOTE_HITS))
-    if hits is None:
-        hits = 0
-        with contextlib.suppress(Exception):
-            hits = int(inner.index.counter("hits"))
-    return {"hits_local": max(hits - remote, 0), "hits_remote": remote}
-
-
-def wrap(local: Store | ReadOnlyStore, remote: str | RedisRemote) -> Store | ReadOnlyStore:
+@overload
+def wrap(local: ReadOnlyStore, remote: str | RedisRemote) -> ReadOnlyTieredStore: ...
+@overload
+def wrap(local: Store, remote: str | RedisRemote) -> TieredStore[Store]: ...
+def wrap(local: Store | ReadOnlyStore,
+         remote: str | RedisRemote) -> TieredStore[Store] | ReadOnlyTieredStore:
     """Put ``remote`` behind ``local``; a bad URL raises ValueError."""
     r = remote if isinstance(remote, RedisRemote) else RedisRemote(remote)
     if isinstance(local, ReadOnlyStore):
-        return ReadOnlyTieredStore(local.inner, local.why, r)
+        return ReadOnlyTieredStore(local, r)
     return TieredStore(local, r)

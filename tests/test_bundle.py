@@ -13,11 +13,15 @@ from typing import Any
 
 import pytest
 
-import store.bundle
-from store import Hit, Store, make_key, open_store
-from store.bundle import export_bundle, import_bundle
-from store.errors import CorruptEntryError, StoreError, UnsafeArchiveError, UntrustedEntryError
-from store.signing import Trust
+from cachecompile.store import Hit, Store, bundle, make_key, open_store
+from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.errors import (
+    CorruptEntryError,
+    StoreError,
+    UnsafeArchiveError,
+    UntrustedEntryError,
+)
+from cachecompile.store.signing import Trust
 
 FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 64, "code/program.py": b"x = 1\n"}
 
@@ -158,7 +162,7 @@ def test_not_a_bundle(tmp_path: Path) -> None:
 
 def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str, str]) -> None:
     def cachectl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "store.cli", *args], env=child_env,
+        return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
                               capture_output=True, text=True, timeout=60)
 
     out = tmp_path / "llama.tar.zst"
@@ -248,7 +252,7 @@ def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: st
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     bomb = _bomb(tmp_path, src, how)
     written: list[int] = []
-    real = store.bundle.write_new_file
+    real = bundle.write_new_file
 
     def counting(path: Path, chunks: Any, mode: int) -> None:
         def counted() -> Any:
@@ -257,7 +261,7 @@ def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: st
                 yield c
         real(path, counted(), mode)
 
-    monkeypatch.setattr(store.bundle, "write_new_file", counting)
+    monkeypatch.setattr(bundle, "write_new_file", counting)
     dst = open_store(tmp_path / "dst")
     trust = Trust(key=key, accept_unsigned=key is None)
     with pytest.raises(StoreError) as err:
@@ -274,7 +278,7 @@ def test_import_refuses_when_the_disk_would_fill(tmp_path: Path, src: Store,
     out = tmp_path / "b.tar.zst"
     export_bundle(src, out, digests(src))
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(store.bundle.shutil, "disk_usage",
+    monkeypatch.setattr(bundle.shutil, "disk_usage",
                         lambda p: usage._replace(free=(64 << 20) + 100))
     with pytest.raises(UnsafeArchiveError, match="free"):
         import_bundle(open_store(tmp_path / "dst"), out)

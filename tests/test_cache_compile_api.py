@@ -149,7 +149,7 @@ def test_graph_break_names_file_line_and_reason(cache_dir: Path) -> None:
     assert f"{__file__}:{err.lineno}" in str(err)
     assert "Hint:" in str(err)
     # Nothing was published.
-    import store
+    from cachecompile import store
 
     assert list(store.open_store(cache_dir).entries()) == []
 

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import store.disk
-import store.fsutil
-from store import Store, make_key, open_store
+from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
 
 @pytest.fixture
@@ -30,7 +28,7 @@ def cache(tmp_path: Path) -> Store:
 
 
 def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "store.cli", *args], env=child_env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
                           capture_output=True, text=True, input=input, timeout=60)
 
 
@@ -147,7 +145,7 @@ def test_verify_reports_and_fixes(cache: Store, child_env: dict[str, str]) -> No
     assert p.returncode == 1 and "quarantined" in p.stdout
     p = cachectl(child_env, "verify", "--cache-dir", d)
     assert p.returncode == 0 and "checked 2 entries: ok" in p.stdout
-    store.disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
 
 
 def test_insecure_store_exit_code(tmp_path: Path, child_env: dict[str, str]) -> None:
@@ -161,7 +159,7 @@ def test_insecure_store_exit_code(tmp_path: Path, child_env: dict[str, str]) -> 
 
 
 def test_lock_timeout_exit_code_is_documented() -> None:
-    from store import cli, errors
+    from cachecompile.store import cli, errors
 
     assert cli.EXIT_LOCK == 4
     assert next(c for t, c in cli._ERROR_CODES if isinstance(errors.LockTimeout("/x", 1), t)) == 4
@@ -175,8 +173,8 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
 
 
 def test_large_listing_is_plain_aligned_text() -> None:
-    from store import EntryInfo
-    from store.cli import RICH_MAX_ROWS, _plain_table
+    from cachecompile.store import EntryInfo
+    from cachecompile.store.cli import RICH_MAX_ROWS, _plain_table
 
     infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,
                        labels={"model": "m", "function": "f"}) for i in range(RICH_MAX_ROWS + 1)]
@@ -224,7 +222,7 @@ def test_verify_reports_a_symlinked_fan_out_dir(cache: Store, tmp_path: Path,
     shard = cache.entry_dir(k).parent
     outside = tmp_path / "elsewhere"
     shutil.copytree(shard, outside)
-    store.fsutil.rmtree_quiet(shard)
+    fsutil.rmtree_quiet(shard)
     shard.symlink_to(outside, target_is_directory=True)
     p = cachectl(child_env, "verify", "--cache-dir", str(cache.root))
     assert p.returncode == 1 and str(shard) in p.stdout and "symlink" in p.stdout, p.stdout

@@ -172,7 +172,8 @@ def test_edited_manifest_meta_is_quarantined_once(tmp_path: Path) -> None:
 
 
 FORGE = '''
-import torch, store
+import torch
+from cachecompile import store
 from cachecompile import cache_compile
 import model
 m = model.Net().eval()
@@ -221,7 +222,7 @@ def test_read_only_cache(tmp_path: Path) -> None:
 
 ENOSPC = '''
 import errno, os, torch, warnings
-import store.disk
+from cachecompile.store import disk
 from cachecompile import cache_compile
 import model
 real_rename = os.rename
@@ -287,7 +288,7 @@ def test_cachectl_ls_and_explain_show_signatures(tmp_path: Path) -> None:
     assert box.run(FLAG)["events"] == ["miss", "miss"]
 
     def ctl(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "store.cli", *args, "--cache-dir",
+        proc = subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args, "--cache-dir",
                                str(box.store)], capture_output=True, text=True,
                               env=box.env(), timeout=60)
         assert proc.returncode == 0, proc.stderr

@@ -100,7 +100,7 @@ def test_four_ranks_compile_one_shared_graph_once(tmp_path: Path) -> None:
     assert all(r["events"] == ["hit"] and not r["dynamo"] for r in warm), warm
 
     # One group of four ranks, complete; disk use close to one rank's, not four times.
-    import store
+    from cachecompile import store
 
     st = store.open_store(box.store)
     ranks = [i for i in st.entries() if i.labels.get("kind") != "graph"]
@@ -133,8 +133,8 @@ def test_uneven_shards_form_one_group(tmp_path: Path) -> None:
 
 
 def _assert_one_complete_group(box: Sandbox, world: int) -> None:
-    import store
-    from store.cli import group_status
+    from cachecompile import store
+    from cachecompile.store.cli import group_status
 
     st = store.open_store(box.store)
     ranks = [i for i in st.entries() if i.labels.get("kind") != "graph"]
@@ -210,6 +210,6 @@ def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
     assert b.returncode == 0, err[-4000:]
     res = json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
     assert res == {"events": ["miss"], "ok": True}, res  # B compiled it itself
-    import store
+    from cachecompile import store
 
     assert store.open_store(box.store).verify().ok

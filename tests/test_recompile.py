@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import store
-from cachecompile import cache_compile
+from cachecompile import cache_compile, store
 
 ACT = "tanh"  # a global the method reads: Dynamo guards on it
 

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 from redis_util import RedisServer, free_port
 
-import store
-from store import Hit, Miss, ReadOnlyStore, Store, make_key
-from store.errors import UntrustedEntryError
-from store.remote import RedisRemote, RemoteConfig
-from store.signing import Trust, make_record, parse_record
-from store.tiered import ReadOnlyTieredStore, TieredStore
+from cachecompile import store
+from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key
+from cachecompile.store.errors import UntrustedEntryError
+from cachecompile.store.remote import RedisRemote, RemoteConfig
+from cachecompile.store.signing import Trust, make_record, parse_record
+from cachecompile.store.tiered import ReadOnlyTieredStore, TieredStore
 
 KEY_A = "fleet-secret-1"
 
@@ -61,7 +61,7 @@ def local_manifests(root: Path) -> list[Path]:
 
 def remote_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name.startswith("store.") and r.levelno >= logging.WARNING]
+            if r.name.startswith("cachecompile.store.") and r.levelno >= logging.WARNING]
 
 
 FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 40, "code/out.py": b"x = 1\n",
@@ -338,7 +338,7 @@ def test_plain_store_without_remote(tmp_path: Path) -> None:
 
 # -- cachectl --------------------------------------------------------------------------
 def cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "store.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -11,9 +11,9 @@ import pytest
 from ccutil import Sandbox
 from redis_util import RedisServer, free_port
 
-from store import open_store
-from store.remote import RedisRemote
-from store.signing import Trust
+from cachecompile.store import open_store
+from cachecompile.store.remote import RedisRemote
+from cachecompile.store.signing import Trust
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ FLEET_KEY = "fleet-secret"
 CODE = """
 import os, sys, torch, warnings
 from cachecompile import cache_compile, models
-from store.remote import RedisRemote
+from cachecompile.store.remote import RedisRemote
 
 KILL = os.environ.get("TEST_KILL_REDIS")   # "<pid>:<command>:<n>": SIGKILL redis on the nth
 if KILL:

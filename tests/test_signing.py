@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from store.errors import ManifestError, UntrustedEntryError
-from store.manifest import dump_manifest
-from store.signing import Trust, make_record, parse_record
+from cachecompile.store.errors import ManifestError, UntrustedEntryError
+from cachecompile.store.manifest import dump_manifest
+from cachecompile.store.signing import Trust, make_record, parse_record
 
 DIGEST = "0" * 32
 SHA = "a" * 64

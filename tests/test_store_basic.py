@@ -13,9 +13,17 @@ from pathlib import Path
 
 import pytest
 
-import store.disk
-import store.fsutil
-from store import Hit, Miss, ReadOnlyStore, Store, errors, make_key, open_store
+from cachecompile.store import (
+    Hit,
+    Miss,
+    ReadOnlyStore,
+    Store,
+    errors,
+    fsutil,
+    make_key,
+    open_store,
+    verification,
+)
 
 
 @pytest.fixture
@@ -27,7 +35,7 @@ def st(tmp_path: Path) -> Store:
 
 def _forget_verification() -> None:
     # As if a new process: the next get re-verifies checksums in full.
-    store.disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
 
 
 def test_open_creates_private_versioned_root(tmp_path: Path) -> None:
@@ -266,7 +274,7 @@ def test_readonly_wrapper(st: Store, caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(ro, ReadOnlyStore) and ro.root == st.root
     assert isinstance(ro.get(key), Hit)
     assert isinstance(ro.get(make_key({"no": 1})), Miss)
-    with caplog.at_level(logging.WARNING, logger="store"):
+    with caplog.at_level(logging.WARNING, logger="cachecompile.store"):
         for _ in range(3):
             with pytest.raises(errors.ReadOnlyStoreError):
                 ro.put(make_key({"j": 1}), {"a": b"y"})
@@ -281,7 +289,7 @@ def test_readonly_wrapper(st: Store, caplog: pytest.LogCaptureFixture) -> None:
 
 def test_unwritable_root_opens_read_only(st: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     # Running as root, mode bits do not stop writes; the probe is what decides.
-    import store as store_pkg
+    from cachecompile import store as store_pkg
 
     monkeypatch.setattr(store_pkg, "_writable", lambda p: False)
     ro = open_store(st.root)
@@ -317,7 +325,7 @@ def test_lock_timeout_names_the_path(st: Store) -> None:
         import sys
 
         code = (
-            "import sys; from store import open_store, errors\n"
+            "import sys; from cachecompile.store import open_store, errors\n"
             f"st = open_store({str(st.root)!r})\n"
             "try:\n"
             "    with st.lock('compile:abc', timeout=0.2): sys.exit(0)\n"
@@ -333,7 +341,7 @@ def test_lock_timeout_names_the_path(st: Store) -> None:
 
 def test_sweep_removes_dead_and_old_temp_dirs(st: Store) -> None:
     tmp = st.root / "v1" / "tmp"
-    from store.fsutil import HOST_TAG
+    from cachecompile.store.fsutil import HOST_TAG
 
     dead = tmp / f"put.{'0' * 32}.{HOST_TAG}.999999999.abcd"
     dead.mkdir()
@@ -355,7 +363,7 @@ def _swap_for_link(real: Path, outside: Path) -> None:
     import shutil
 
     shutil.copytree(real, outside, symlinks=True)
-    store.fsutil.rmtree_quiet(real)
+    fsutil.rmtree_quiet(real)
     real.symlink_to(outside, target_is_directory=True)
 
 
@@ -373,7 +381,7 @@ def test_lookup_through_a_symlinked_parent_is_refused(
     report = open_store(st.root).verify()
     assert not report.ok and any("symlink" in why for _, why in report.problems)
     _forget_verification()
-    with caplog.at_level(logging.WARNING, logger="store"):
+    with caplog.at_level(logging.WARNING, logger="cachecompile.store"):
         r = st.get(key)
         assert isinstance(r, Miss) and r.kind == "insecure" and "symlink" in r.reason
         assert isinstance(st.peek(key), Miss)
@@ -440,7 +448,7 @@ def _source(tmp_path: Path, name: str, data: bytes, mode: int) -> Path:
 
 
 def _cachectl_verify(root: Path, child_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "store.cli", "verify", "--cache-dir", str(root)],
+    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", "verify", "--cache-dir", str(root)],
                           env=child_env, capture_output=True, text=True, timeout=60)
 
 

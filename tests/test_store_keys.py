@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from store import EntryInfo, canonical_json, make_key
-from store.errors import ManifestError, UnsafePathError
-from store.manifest import dump_manifest, parse_manifest, validate_name
-from store.policy import lru_evictions, older_than
+from cachecompile.store import EntryInfo, canonical_json, make_key
+from cachecompile.store.errors import ManifestError, UnsafePathError
+from cachecompile.store.manifest import dump_manifest, parse_manifest, validate_name
+from cachecompile.store.policy import lru_evictions, older_than
 
 
 def test_key_is_order_independent_and_canonical() -> None:

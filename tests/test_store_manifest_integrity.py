@@ -23,12 +23,11 @@ from typing import Any
 
 import pytest
 
-import store.disk
-from store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store
-from store.bundle import export_bundle, import_bundle
-from store.errors import ManifestError, UnsafeArchiveError, UntrustedEntryError
-from store.manifest import manifest_digest, parse_manifest
-from store.signing import Trust, make_record, parse_record
+from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store, verification
+from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.errors import ManifestError, UnsafeArchiveError, UntrustedEntryError
+from cachecompile.store.manifest import manifest_digest, parse_manifest
+from cachecompile.store.signing import Trust, make_record, parse_record
 
 KEY = {"model": "m", "fn": "forward"}
 META = {"program": {"kernels": {"abc": "kernels/abc.so"}}, "guards": [{"text": "x == 1"}]}
@@ -83,7 +82,7 @@ ONE_CHAR = {_edit_meta, _edit_meta_guard, _edit_factors, _edit_files, _edit_labe
 
 
 def _dump(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=1, sort_keys=True)  # as store.manifest.dump_manifest
+    return json.dumps(doc, indent=1, sort_keys=True)  # as manifest.dump_manifest
 
 
 def _tamper(mpath: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -110,7 +109,7 @@ def _publish(root: Path) -> tuple[Store, Any, Any]:
 LOOKUP = """
 import json, sys, logging
 logging.basicConfig(level=logging.WARNING)
-from store import open_store, make_key, Hit
+from cachecompile.store import open_store, make_key, Hit
 st = open_store(sys.argv[1])
 out = st.get(make_key(json.loads(sys.argv[2])))
 print(json.dumps({"hit": isinstance(out, Hit), "kind": getattr(out, "kind", None),
@@ -121,7 +120,7 @@ print(json.dumps({"hit": isinstance(out, Hit), "kind": getattr(out, "kind", None
 
 def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("cachectl")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "store.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cachecompile.store.cli"]
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -235,7 +234,7 @@ def test_an_edit_after_the_first_read_in_a_process(tmp_path: Path,
     out = ro.get(make_key(KEY))
     assert isinstance(out, Miss) and out.kind == "corrupt" and e.path.exists()
 
-    with caplog.at_level(logging.WARNING, logger="store"):
+    with caplog.at_level(logging.WARNING, logger="cachecompile.store"):
         out = st.get(make_key(KEY))
     assert isinstance(out, Miss) and out.kind == "corrupt", out
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
@@ -249,14 +248,14 @@ def test_an_edit_after_the_first_read_in_a_process(tmp_path: Path,
 
 PARSES = """
 import json, sys
-import store.disk, store.manifest
-from store import open_store, make_key, Hit
+from cachecompile.store import manifest, verification
+from cachecompile.store import open_store, make_key, Hit
 calls = []
-real = store.manifest.parse_manifest
+real = manifest.parse_manifest
 def counting(*a, **k):
     calls.append(1)
     return real(*a, **k)
-store.disk.parse_manifest = counting
+verification.parse_manifest = counting
 st = open_store(sys.argv[1])
 key = make_key(json.loads(sys.argv[2]))
 m1 = st.manifest(key)
@@ -281,11 +280,11 @@ def test_the_digest_is_checked_once_per_process(tmp_path: Path,
 
 def test_listings_do_not_hold_every_manifest(tmp_path: Path) -> None:
     st, e, other = _publish(tmp_path / "cache")
-    store.disk._VERIFIED.clear()
-    store.disk._PARSED.clear()
+    verification._VERIFIED.clear()
+    verification._PARSED.clear()
     assert st.reindex() == 2
     assert [i.state for i in st.entries()] == ["ok", "ok"]
-    assert store.disk._PARSED == {}
+    assert verification._PARSED == {}
 
 
 # -- signed records (the remote tier) and bundles carry the same manifest, digest included.
@@ -406,7 +405,7 @@ def redis_url(tmp_path: Path) -> Iterator[tuple[str, Any]]:
 def test_a_remote_record_with_edited_meta_is_refused(
         tmp_path: Path, redis_url: tuple[str, Any], signing: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from store.tiered import TieredStore
+    from cachecompile.store.tiered import TieredStore
 
     url, client = redis_url
     if signing == "signed":
@@ -431,7 +430,7 @@ def test_a_remote_record_with_edited_meta_is_refused(
         out = c.get(make_key(KEY))
     assert isinstance(out, Miss), out
     warned = [r.getMessage() for r in caplog.records
-              if r.name.startswith("store.") and r.levelno >= logging.WARNING]
+              if r.name.startswith("cachecompile.store.") and r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "integrity digest" in warned[0], warned
     assert list((tmp_path / "c" / "v1" / "entries").rglob("manifest.json")) == []
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import store.disk
-from store import Hit, Miss, Store, make_key, open_store
+from cachecompile.store import Hit, Miss, Store, make_key, open_store, verification
 
 
 def _spawn(code: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
@@ -29,7 +28,7 @@ def _finish(p: subprocess.Popen[str], timeout: float = 60) -> str:
 
 PUBLISH_SAME = """
 import sys, time, hashlib
-from store import open_store, make_key
+from cachecompile.store import open_store, make_key
 root, go = sys.argv[1], float(sys.argv[2])
 st = open_store(root)
 key = make_key({"race": 1})
@@ -51,7 +50,7 @@ def test_eight_writers_same_key_one_winner(tmp_path: Path, child_env: dict[str, 
     st = open_store(root)
     assert len(list(st.digests())) == 1
     assert list((root / "v1" / "tmp").iterdir()) == []
-    store.disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     r = st.get(make_key({"race": 1}))
     assert isinstance(r, Hit)
     assert st.verify().ok
@@ -59,7 +58,7 @@ def test_eight_writers_same_key_one_winner(tmp_path: Path, child_env: dict[str, 
 
 PUBLISH_MANY = """
 import sys, os
-from store import open_store, make_key
+from cachecompile.store import open_store, make_key
 root, me = sys.argv[1], int(sys.argv[2])
 st = open_store(root, max_size=10**12)
 for i in range(15):
@@ -69,7 +68,7 @@ print("ok")
 
 GC_LOOP = """
 import sys, time
-from store import open_store
+from cachecompile.store import open_store
 st = open_store(sys.argv[1])
 end = time.time() + float(sys.argv[2])
 n = 0
@@ -89,7 +88,7 @@ def test_writers_with_concurrent_gc(tmp_path: Path, child_env: dict[str, str]) -
         assert _finish(w, timeout=120).strip() == "ok"
     assert int(_finish(gc)) >= 1
     st = open_store(root)
-    store.disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     rep = st.verify()
     assert rep.problems == [], rep.problems  # gc never left a half entry behind
     # Whatever survived is whole and loadable.
@@ -102,7 +101,7 @@ def test_writers_with_concurrent_gc(tmp_path: Path, child_env: dict[str, str]) -
 
 CRASH_WRITER = """
 import sys, os
-from store import open_store, make_key
+from cachecompile.store import open_store, make_key
 st = open_store(sys.argv[1])
 payload = os.urandom(4 << 20)
 print("ready", flush=True)
@@ -129,7 +128,7 @@ def test_sigkilled_writers_leave_nothing_loadable_broken(tmp_path: Path, child_e
     assert mid_publish >= 3  # the kills really landed inside publishes
     st = open_store(root)  # sweeps temp dirs of dead writers on open
     assert list((root / "v1" / "tmp").iterdir()) == []
-    store.disk._VERIFIED.clear()
+    verification._VERIFIED.clear()
     n = 0
     for d in st.digests():
         r = st.get(d)
@@ -144,7 +143,7 @@ def test_sigkilled_writers_leave_nothing_loadable_broken(tmp_path: Path, child_e
 
 PIN_HOLDER = """
 import sys, time
-from store import open_store
+from cachecompile.store import open_store
 st = open_store(sys.argv[1])
 r = st.get(sys.argv[2])
 pin = st.pin(r.entry)

@@ -1,4 +1,5 @@
-"""``store`` and ``cachectl`` must work where torch cannot even be imported."""
+"""``cachecompile.store`` and ``cachectl`` must work where torch cannot even be imported
+(``cachecompile/__init__.py`` imports nothing until asked, so the package path is free)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ else:
 """
 
 
-@pytest.mark.parametrize("module", ["store", "store.cli"])
+@pytest.mark.parametrize("module", ["cachecompile.store", "cachecompile.store.cli"])
 def test_import_without_torch(module: str, child_env: dict[str, str]) -> None:
     code = BLOCK_TORCH + f"""
 import {module}
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy"))
 assert not heavy, heavy
-if {module!r} == "store":
+if {module!r} == "cachecompile.store":
     lazy = sorted(m for m in ("click", "rich", "diskcache", "filelock") if m in sys.modules)
     assert not lazy, lazy
 """
@@ -40,8 +41,8 @@ if {module!r} == "store":
 
 def test_store_works_without_torch(tmp_path, child_env: dict[str, str]) -> None:
     code = BLOCK_TORCH + f"""
-from store import open_store, make_key, Hit
-from store.cli import main
+from cachecompile.store import open_store, make_key, Hit
+from cachecompile.store.cli import main
 st = open_store({str(tmp_path / 'c')!r})
 k = make_key({{"a": 1}})
 st.put(k, {{"f": b"x"}})

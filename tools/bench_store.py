@@ -24,8 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import store.disk  # noqa: E402
-from store import Hit, Store, make_key, open_store  # noqa: E402
+from cachecompile.store import (  # noqa: E402
+    Hit,
+    Store,
+    make_key,
+    open_store,
+    publishing,
+    verification,
+)
 
 
 def median_time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -75,7 +81,7 @@ def main() -> None:
             key = make_key({"bench": n, "size": size})
 
             def first_get() -> None:
-                store.disk._VERIFIED.clear()  # as in a fresh process: full checksums
+                verification._VERIFIED.clear()  # as in a fresh process: full checksums
                 assert isinstance(st.get(key), Hit)
 
             t_first = median_time(first_get, args.reps)
@@ -132,7 +138,7 @@ def main() -> None:
         k5 = make_key({"bench": "startup"})
         st.put(k5, {"kernels.so": five})
         code = (
-            "import time; t=time.perf_counter(); from store import open_store;"
+            "import time; t=time.perf_counter(); from cachecompile.store import open_store;"
             f"st=open_store({str(st.root)!r}); r=st.get({k5.digest!r}); assert r;"
             "print(time.perf_counter()-t)"
         )
@@ -159,9 +165,9 @@ def main() -> None:
 
         # `cachectl ls` over many entries, whole process. Filling 10,000 entries with a
         # full fsync each would take minutes and is not what is measured here: skip fsync.
-        real_fsync, real_fsync_dir = os.fsync, store.disk.fsync_dir
+        real_fsync, real_fsync_dir = os.fsync, publishing.fsync_dir
         os.fsync = lambda fd: None  # type: ignore[assignment]
-        store.disk.fsync_dir = lambda p: None  # type: ignore[assignment]
+        publishing.fsync_dir = lambda p: None  # type: ignore[assignment]
         big = open_store(work / "many")
         assert isinstance(big, Store)
         for i in range(args.ls_entries):
@@ -170,8 +176,8 @@ def main() -> None:
                 {"code.py": f"x = {i}\n".encode()},
                 labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)},
             )
-        os.fsync, store.disk.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
-        cmd = [sys.executable, "-m", "store.cli", "ls", "--cache-dir", str(big.root)]
+        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
+        cmd = [sys.executable, "-m", "cachecompile.store.cli", "ls", "--cache-dir", str(big.root)]
         subprocess.run(cmd, env=env, capture_output=True, check=True)
         t_ls = median_time(
             lambda: subprocess.run(cmd, env=env, capture_output=True, check=True), args.reps

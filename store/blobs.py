@@ -1,0 +1,140 @@
+"""Content storage: one inode per distinct content and mode under ``blobs/``, hard-linked
+into every entry that holds it (dedup), and what removing an entry frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from . import errors
+from .fsutil import temp_name, write_new_file
+from .layout import DATA, Layout
+from .protocol import FileSource
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["blob_map", "exclusive_bytes", "link_in"]
+
+
+def blob_map(manifest: Mapping[str, Any]) -> dict[str, int]:
+    """Content checksum -> size of an entry's files: what it holds in blobs/."""
+    return {str(r["xxh3_128"]): int(r["size"]) for r in manifest["files"].values()}
+
+
+def exclusive_bytes(edir: Path) -> int:
+    """Bytes that removing the entry at ``edir`` frees: content no other entry links.
+
+    Each content's inode is linked by its blob and by every entry holding it, so a
+    content is this entry's alone when its links, besides this entry's own, are at most
+    the blob's one.
+    """
+    data = edir / DATA
+    try:
+        if not (stat.S_ISDIR(os.lstat(edir).st_mode) and stat.S_ISDIR(os.lstat(data).st_mode)):
+            return 0
+    except OSError:
+        return 0
+    inodes: dict[int, list[int]] = {}  # inode -> [links from this entry, nlink, size]
+    for dirpath, _, names in os.walk(data):  # never follows links
+        for n in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                rec = inodes.setdefault(st.st_ino, [0, st.st_nlink, st.st_size])
+                rec[0] += 1
+    return sum(size for mine, nlink, size in inodes.values() if nlink - mine <= 1)
+
+
+def _blob_ok(blob: Path, size: int, executable: bool) -> bool:
+    try:
+        st = os.lstat(blob)
+    except FileNotFoundError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_size == size
+            and bool(st.st_mode & stat.S_IXUSR) == executable)
+
+
+def _store_blob(layout: Layout, src: FileSource, executable: bool) -> tuple[Path, int, str, bool]:
+    """Put one content into blobs/ (once); (blob path, size, checksum, newly stored)."""
+    # Read-only for everyone who may read: entries are immutable and share inodes.
+    mode = layout.file_mode | ((layout.file_mode >> 2) & 0o111 if executable else 0)
+    tmp = layout.tmp / temp_name("blob")
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        size, cs = len(data), xxhash.xxh3_128_hexdigest(data)
+        blob = layout.blob_path(cs, executable)
+        if _blob_ok(blob, size, executable):
+            return blob, size, cs, False
+        write_new_file(tmp, [data], mode)
+    else:
+        h = xxhash.xxh3_128()
+        size = 0
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal size
+            with open(src, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                    size += len(chunk)
+                    yield chunk
+
+        write_new_file(tmp, chunks(), mode)
+        cs = h.hexdigest()
+        try:
+            blob = layout.blob_path(cs, executable)
+        except errors.InsecureStoreError:
+            os.unlink(tmp)
+            raise
+        if _blob_ok(blob, size, executable):
+            os.unlink(tmp)
+            return blob, size, cs, False
+    fresh = True
+    try:
+        blob.parent.mkdir(mode=layout.dir_mode, exist_ok=True)
+        layout.real("blobs", cs[:2])  # a link may have appeared in its place meanwhile
+        try:
+            os.link(tmp, blob)
+        except FileExistsError:
+            if _blob_ok(blob, size, executable):
+                fresh = False  # another writer stored the same content first
+            else:
+                # Stores written before the mode was in the name hold plain names
+                # of either mode. Entries keep their links to the old inode; the
+                # name now gives this mode, for this entry and those after it.
+                os.replace(tmp, blob)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return blob, size, cs, fresh
+
+
+def link_in(layout: Layout, src: FileSource, dst: Path, executable: bool) -> tuple[int, str, int]:
+    """Link one file into a staging entry; (size, checksum, bytes newly stored)."""
+    dst.parent.mkdir(mode=layout.dir_mode, parents=True, exist_ok=True)
+    for _ in range(3):
+        blob, size, cs, fresh = _store_blob(layout, src, executable)
+        try:
+            os.link(blob, dst)
+            return size, cs, size if fresh else 0
+        except FileNotFoundError:
+            continue  # gc removed an unreferenced blob between our check and link
+        except OSError as e:
+            if e.errno != errno.EMLINK:
+                raise
+            # Too many links to one inode: give this entry its own copy.
+            with open(blob, "rb") as f:
+                write_new_file(dst, iter(lambda: f.read(1 << 20), b""),
+                               os.stat(blob).st_mode & 0o777)
+            return size, cs, size
+    raise errors.StoreError(f"could not link blob into {dst}")

@@ -1,0 +1,294 @@
+"""Maintenance: listing, the size cap (gc), purge, verify/reindex, statistics, sweeps.
+
+Functions over a store's :class:`~cachecompile.store.layout.Layout` and
+:class:`~cachecompile.store.index.Index`; what to evict or purge is decided by the pure
+functions of :mod:`cachecompile.store.policy`, and applied here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import errors
+from .blobs import blob_map
+from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
+from .index import GRAPH_SCOPE, REMOTE_HITS, Index
+from .keys import digest_of, is_digest
+from .layout import Layout
+from .outcomes import EntryInfo, GcReport, VerifyReport
+from .pins import lock, pinned
+from .policy import (
+    expand_groups,
+    has_labels,
+    is_shared_graph,
+    lru_evictions,
+    older_than,
+    physical_size,
+    split_pinned,
+)
+from .publishing import remove
+from .verification import Bad, inspect, quarantine, read_manifest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TEMP_GRACE_S", "gc", "info_from_manifest", "listing", "purge", "purge_plan",
+           "reindex", "stats", "sweep_blobs", "sweep_temp", "verify"]
+
+TEMP_GRACE_S = 3600.0
+Blobs = dict[str, dict[str, int]]
+
+
+# -- listing ------------------------------------------------------------------------------
+def info_from_manifest(digest: str, m: Mapping[str, Any], state: str = "ok") -> EntryInfo:
+    """An entry's record as the index would hold it, from its manifest (no usage data)."""
+    size = sum(int(r["size"]) for r in m["files"].values())
+    return EntryInfo(key=digest, size_bytes=size, created=float(m["created"]),
+                     last_used=float(m["created"]), hits=0,
+                     labels={str(k): str(v) for k, v in m["labels"].items()}, state=state)
+
+
+def listing(layout: Layout, index: Index, *, with_blobs: bool) -> tuple[list[EntryInfo], Blobs]:
+    """The entries on disk and, with ``with_blobs``, what each holds in blobs/.
+
+    Blob maps come from the index; a record without one (written before blob maps, or
+    not indexed) reads its manifest, and the index is filled in for next time.
+    """
+    on_disk = set(layout.digests())
+    items = index.safely("list", lambda: list(index.items())) or []
+    indexed = {i.key: (i, b) for i, b in items}
+    infos: list[EntryInfo] = []
+    blobs: Blobs = {}
+    healed: Blobs = {}
+    for d in sorted(on_disk):
+        rec = indexed.get(d)
+        if rec is not None:
+            infos.append(rec[0])
+            if rec[1] is not None:
+                blobs[d] = rec[1]
+            if rec[1] is not None or not with_blobs:
+                continue
+        try:
+            m = read_manifest(layout, d)
+        except (errors.StoreError, OSError):
+            if rec is None:
+                infos.append(EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0,
+                                       hits=0, state="bad-manifest"))
+            continue
+        if rec is None:
+            infos.append(info_from_manifest(d, m, state="unindexed"))
+        else:
+            healed[d] = blob_map(m)
+        blobs[d] = blob_map(m)
+    if healed:
+        index.safely("blobs", lambda: index.set_blobs(healed))
+    return infos, blobs
+
+
+# -- sweeps -------------------------------------------------------------------------------
+def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
+    """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
+    n = 0
+    now = time.time()
+    me = os.getpid()
+    for it in layout.scan("tmp"):
+        parsed = parse_temp_name(it.name)
+        try:
+            age = now - it.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue
+        stale = age > grace_s
+        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] != me:
+            stale = stale or not pid_alive(parsed[1])
+        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] == me:
+            stale = False  # our own work in progress
+        if stale:
+            rmtree_quiet(Path(it.path))
+            n += 1
+    return n
+
+
+def sweep_blobs(layout: Layout) -> int:
+    """Remove blobs no entry links to any more (link count 1)."""
+    n = 0
+    for shard in layout.scan("blobs"):
+        if not shard.is_dir(follow_symlinks=False):
+            if shard.is_symlink():
+                layout.warn_link(Path(shard.path), "a symlink")
+            continue
+        with os.scandir(shard.path) as it:
+            for b in it:
+                try:
+                    if b.stat(follow_symlinks=False).st_nlink <= 1:
+                        os.unlink(b.path)
+                        n += 1
+                except FileNotFoundError:
+                    pass
+    return n
+
+
+# -- the cap and purge --------------------------------------------------------------------
+def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) -> GcReport:
+    """Enforce the size cap ``cap`` (LRU, pinned groups skipped) and sweep leftovers.
+
+    Sizes are physical: content shared by several entries counts once, and evicting
+    an entry frees only what no remaining entry holds.
+    """
+    report = GcReport(max_size=cap)
+    with lock(layout, "gc", timeout=lock_timeout):
+        report.temp_swept = sweep_temp(layout)
+        infos, blobs = listing(layout, index, with_blobs=True)
+        report.bytes_before = physical_size(infos, blobs)
+        live = pinned(layout)
+        report.pinned_skipped = sorted(live & {i.key for i in infos})
+        for victim in lru_evictions(infos, cap, live, blobs):
+            if remove(layout, index, victim.key, respect_pins=True, kind="evict"):
+                report.evicted.append(victim)
+        gone = {i.key for i in report.evicted}
+        report.blobs_removed = sweep_blobs(layout)
+        report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
+        report.freed_bytes = report.bytes_before - report.bytes_after
+
+        def fix_counters() -> None:
+            index.incr("bytes", report.bytes_after - index.counter("bytes"))
+            index.incr("evictions", len(report.evicted))
+
+        index.safely("gc", fix_counters)
+    return report
+
+
+def purge_plan(
+    layout: Layout, index: Index, *,
+    keys: list[str] | None = None,
+    labels: Mapping[str, Any] | None = None,
+    older_than_s: float | None = None,
+    all: bool = False,
+    include_pinned: bool = False,
+) -> tuple[list[EntryInfo], list[EntryInfo]]:
+    """(goes, kept): what :func:`purge` would remove, and what it keeps because a live
+    process pinned it or a member of its group (as gc does), unless ``include_pinned``.
+
+    Criteria combine with AND; with none given and ``all`` false, nothing goes.
+    """
+    if not (keys or labels or older_than_s is not None or all):
+        return [], []
+    universe = listing(layout, index, with_blobs=False)[0]
+    infos = universe
+    if keys:
+        want = {digest_of(k) for k in keys}
+        infos = [i for i in infos if i.key in want]
+    if labels:
+        infos = [i for i in infos if has_labels(i.labels, labels)]
+    if older_than_s is not None:
+        # Age of a group is its latest use over ALL members, not the selected ones.
+        old = {i.key for i in older_than(universe, time.time() - older_than_s)}
+        infos = [i for i in infos if i.key in old]
+    # Never one rank of a group: whatever is selected takes its whole group along.
+    infos = expand_groups(infos, universe)
+    if include_pinned:
+        return infos, []
+    return split_pinned(infos, pinned(layout))
+
+
+def purge(layout: Layout, index: Index, goes: list[EntryInfo], *,
+          include_pinned: bool = False) -> list[EntryInfo]:
+    """Remove the entries ``goes`` (a plan's); those pinned meanwhile stay unless
+    ``include_pinned``. Returns what was removed."""
+    return [i for i in goes
+            if remove(layout, index, i.key, respect_pins=not include_pinned, kind="del")]
+
+
+# -- verify and reindex -------------------------------------------------------------------
+def reindex(layout: Layout, index: Index) -> int:
+    """Rebuild the index from the manifests on disk (the manifests are the truth)."""
+    infos = []
+    blobs: Blobs = {}
+    for d in layout.digests():
+        try:
+            m = read_manifest(layout, d)
+            infos.append(info_from_manifest(d, m))
+            blobs[d] = blob_map(m)
+        except (errors.StoreError, OSError):
+            continue
+    index.replace_all(infos, blobs)
+    total = physical_size(infos, blobs)
+    index.incr("bytes", total - index.counter("bytes"))
+    return len(infos)
+
+
+def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
+    """Check every entry in full, the store's directories, and the index against the disk.
+
+    A directory that is a symlink is a problem (named by its path, not a digest);
+    ``fix`` leaves it alone (whatever it points at is not the store's to move).
+    """
+    report = VerifyReport()
+    report.problems.extend(layout.problems())
+    on_disk = set(layout.digests(warn=False))
+    for d in sorted(on_disk):
+        report.checked += 1
+        try:
+            inspect(layout, d, full=True)
+        except Bad as b:
+            report.problems.append((d, f"{b.kind}: {b.reason}"))
+    indexed = index.safely("list", index.digests) or set()
+    report.index_missing = sorted(on_disk - indexed)
+    report.index_stale = sorted(indexed - on_disk)
+    if fix:
+        for d, reason in report.problems:
+            if is_digest(d) and quarantine(layout, index, d, reason) is not None:
+                report.quarantined.append(d)
+                index.safely("corruptions", lambda: index.incr("corruptions"))
+        reindex(layout, index)
+        report.reindexed = True
+    return report
+
+
+# -- statistics ---------------------------------------------------------------------------
+def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
+    """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
+    graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
+    the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
+    ``hits``, ``hits_remote`` were served by a download from a remote tier."""
+    infos, blobs = listing(layout, index, with_blobs=True)
+    counters = index.safely("counters", index.counters) or {}
+    misses = {k[5:]: v for k, v in counters.items() if k.startswith("miss:")}
+    graph_miss = GRAPH_SCOPE + "miss:"
+    graph_misses = {k[len(graph_miss):]: v for k, v in counters.items()
+                    if k.startswith(graph_miss)}
+    try:
+        quarantined = sum(1 for n in os.listdir(layout.quarantine) if not n.endswith(".reason"))
+    except FileNotFoundError:
+        quarantined = 0
+    graphs = sum(1 for i in infos if is_shared_graph(i.labels))
+    hits = int(counters.get("hits", 0))
+    remote = int(counters.get(REMOTE_HITS, 0))
+    return {
+        "root": str(layout.root),
+        "entries": len(infos) - graphs,
+        "bytes": physical_size(infos, blobs),
+        "logical_bytes": sum(i.size_bytes for i in infos),
+        "cap": cap,
+        "hits": hits,
+        "hits_local": max(hits - remote, 0),
+        "hits_remote": remote,
+        "misses": misses,
+        "shared_graphs": {"entries": graphs,
+                          "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
+                          "misses": graph_misses},
+        "publishes": int(counters.get("publishes", 0)),
+        "evictions": int(counters.get("evictions", 0)),
+        "corruptions": int(counters.get("corruptions", 0)),
+        "quarantined": quarantined,
+    }
+
+
+def zero_stats(index: Index) -> None:
+    """Reset the counters, keeping ``bytes`` (the running size gc depends on)."""
+    keep = index.counter("bytes")
+    index.zero()
+    index.incr("bytes", keep)

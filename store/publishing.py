@@ -1,0 +1,138 @@
+"""Publishing and removal: an entry appears whole or not at all, and goes the same way.
+
+Publish: stage the files (hard links into blobs/) and the manifest in a unique temp dir
+under ``tmp/``, fsync, rename the dir into ``entries/``, then index it. The writer that
+loses the rename race hands out the winner's entry. Removal renames the entry out of
+``entries/`` first, so readers see it whole or absent, then deletes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import errors
+from .blobs import blob_map, exclusive_bytes, link_in
+from .fsutil import fsync_dir, rmtree_quiet, temp_name, write_new_file
+from .index import Index
+from .keys import Key
+from .layout import DATA, MANIFEST, Layout
+from .manifest import dump_manifest
+from .outcomes import Entry, Hit, Miss
+from .pins import pinned
+from .protocol import FileSource
+from .verification import forget, remember
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["publish", "remove"]
+
+
+def publish(
+    layout: Layout, index: Index, key: Key, files: Mapping[str, FileSource],
+    labels: dict[str, str], meta: dict[str, Any], *, lookup: Callable[[Key], Hit | Miss],
+) -> tuple[Entry, bool]:
+    """Publish ``files`` under ``key``; (entry, whether this call published it).
+
+    ``lookup`` finds the winner when another writer published the key first.
+    """
+    digest = key.digest
+    # Everything below is written through these: none may lead out of the store.
+    layout.real("blobs")
+    layout.real("entries")
+    staging = layout.staging_dir("put", digest)
+    new_bytes = 0
+    try:
+        data = staging / DATA
+        data.mkdir(mode=layout.dir_mode)
+        recs: dict[str, dict[str, Any]] = {}
+        for name, src in files.items():
+            executable = False
+            if not isinstance(src, (bytes, bytearray, memoryview)):
+                executable = bool(os.stat(src).st_mode & stat.S_IXUSR)
+            size, cs, fresh = link_in(layout, src, data / name, executable)
+            new_bytes += fresh
+            recs[name] = {"size": size, "xxh3_128": cs}
+        created = time.time()
+        body = dump_manifest(key=digest, factors=key.factors, labels=labels, meta=meta,
+                             created=created, files=recs)
+        write_new_file(staging / MANIFEST, [body], layout.file_mode)
+        for d in sorted({(data / n).parent for n in recs} | {data, staging}, reverse=True):
+            fsync_dir(d)
+        target = layout.entry_dir(digest)
+        target.parent.mkdir(mode=layout.dir_mode, exist_ok=True)
+        layout.real("entries", digest[:2])
+        try:
+            os.rename(staging, target)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Lost the race: the other writer's entry is whole; hand it out.
+            rmtree_quiet(staging)
+            won = lookup(key)
+            if isinstance(won, Hit):
+                return won.entry, False
+            raise errors.CorruptEntryError(digest, f"the winning entry is bad: {won.reason}") from None
+        fsync_dir(target.parent)
+    except BaseException:
+        rmtree_quiet(staging)
+        raise
+    manifest = json.loads(body)
+    remember(target, manifest)  # its files were hashed as they were written
+    size = sum(r["size"] for r in recs.values())
+
+    def index_it() -> None:
+        index.add(digest, size, created, labels, blobs=blob_map(manifest))
+        index.incr("publishes")
+        # Physical: content already in blobs/ (dedup) takes no more room.
+        index.incr("bytes", new_bytes)
+
+    index.safely("publish", index_it)
+    return Entry(key=digest, path=target, files={n: target / DATA / n for n in recs},
+                 manifest=manifest), True
+
+
+def _take_away(layout: Layout, digest: str, kind: str) -> Path | None:
+    """Atomically move an entry out of entries/ (readers see it whole or absent)."""
+    # Renaming through a symlinked shard would pull an outside tree into tmp/ (and
+    # then delete it): refuse instead.
+    src = layout.real("entries", digest[:2]) / digest
+    dst = layout.real("tmp") / temp_name(kind, digest)
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return None
+    forget(src)
+    return dst
+
+
+def remove(layout: Layout, index: Index, digest: str, *, respect_pins: bool, kind: str) -> bool:
+    """Take an entry away and delete it; with ``respect_pins``, keep it if pinned."""
+    gone = _take_away(layout, digest, kind)
+    if gone is None:
+        index.safely("delete", lambda: index.remove(digest))
+        return False
+    if respect_pins and digest in pinned(layout):
+        # Someone pinned it between the caller's check and the rename: put it back.
+        try:
+            os.rename(gone, layout.entry_dir(digest))
+            return False
+        except OSError:
+            pass  # a fresh copy was published meanwhile; ours can go
+    freed = exclusive_bytes(gone)
+
+    def unindex() -> None:
+        index.remove(digest)
+        index.incr("bytes", -freed)
+
+    index.safely("delete", unindex)
+    # Readers with open files keep them: unlink does not touch open descriptors.
+    rmtree_quiet(gone)
+    return True
