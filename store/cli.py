@@ -517,7 +517,7 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
 
 # Verbs of optional features live in their own modules (store/cli_<feature>.py), each
 # with ``register(cli)``; a feature whose module is absent simply has no verbs.
-_PLUGINS = ("store.cli_remote", "store.cli_torchair")
+_PLUGINS = ("store.cli_remote", "store.cli_torchair", "store.cli_build", "store.cli_program")
 
 
 def _load_plugins() -> None:
