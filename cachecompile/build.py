@@ -176,11 +176,17 @@ def _targets(made: Any, spec: str) -> list[tuple[str, CachedFunction, Sequence[A
     return out
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """``package.module:factory`` (the attribute may be dotted) -> the callable."""
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``package.module:factory`` -> (module, attribute path); ContractError otherwise."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ContractError(f"{spec!r} is not module:factory (e.g. myapp.serving:build_model)")
+    return module_name, attr
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``package.module:factory`` (the attribute may be dotted) -> the callable."""
+    module_name, attr = parse_spec(spec)
     if "" not in sys.path and os.getcwd() not in sys.path:
         # As `python -m` and servers do: the factory's module is found from the cwd.
         sys.path.insert(0, os.getcwd())
@@ -305,6 +311,9 @@ class _Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self.log.close()
 
 
@@ -314,6 +323,7 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
     worker processes (default: the node's compile slots). Returns one result per
     signature, in the factory's order. Raises :class:`BuildError` if the factory fails in
     a worker, two workers list different tasks, or every worker dies."""
+    parse_spec(spec)  # a usage error before any worker starts
     n = jobs if jobs is not None else coop.default_slots()
     if n < 1:
         raise ContractError(f"jobs must be >= 1, got {n}")
@@ -425,4 +435,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m cachecompile.build`, this file is __main__; the factory's
+    # `from cachecompile import Call` imports it again as cachecompile.build. Hand over to
+    # that module, so that one Call class is checked against.
+    from cachecompile.build import main as _main
+
+    sys.exit(_main())
