@@ -331,6 +331,11 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
         env["CACHECOMPILE_DIR"] = str(Path(cache_dir).resolve())
+    if n > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in env:
+        # The workers are the parallelism: Inductor's own pool of compile processes (one
+        # per core, in every worker) would oversubscribe the cores n times over and cost
+        # each worker the pool's start-up. Not a key factor (it changes no program).
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     emit = on_event or (lambda e: None)
     events: queue.Queue[Any] = queue.Queue()
     workers = [_Worker(i, spec, env, events) for i in range(n)]
