@@ -23,41 +23,59 @@ _LAZY = {
     "CacheFaultWarning": ".errors",
     "ContractError": ".errors",
     "GraphBreakError": ".errors",
+    "IgnoredArgumentWarning": ".errors",
     "InferenceOnlyError": ".errors",
+    "OutOfGearWarning": ".errors",
     "RecompileWarning": ".errors",
     "SignatureLimitWarning": ".errors",
+    "UnidentifiedPassError": ".errors",
     "UnsupportedTorchWarning": ".errors",
     "node_once": ".node",
     "prepare_node": ".node",
+    # Prebuilding is imported on first use too: `python -m cachecompile.build` must not
+    # find its module imported already, and serving processes never need it.
+    "prebuild": ".build",
+    "prebuild_factory": ".build",
+    "Call": ".build",
 }
 
 __all__ = [
     "CacheCompileError",
     "CacheFaultWarning",
     "CachedFunction",
+    "Call",
     "ContractError",
     "GraphBreakError",
+    "IgnoredArgumentWarning",
     "InferenceOnlyError",
+    "OutOfGearWarning",
     "RecompileWarning",
     "SignatureLimitWarning",
+    "UnidentifiedPassError",
     "UnsupportedTorchWarning",
     "__version__",
     "cache_compile",
+    "prebuild",
+    "prebuild_factory",
     "node_once",
     "prepare_node",
 ]
 
 if TYPE_CHECKING:
     from .api import cache_compile
+    from .build import Call, prebuild, prebuild_factory
     from .cached import CachedFunction
     from .errors import (
         CacheCompileError,
         CacheFaultWarning,
         ContractError,
         GraphBreakError,
+        IgnoredArgumentWarning,
         InferenceOnlyError,
+        OutOfGearWarning,
         RecompileWarning,
         SignatureLimitWarning,
+        UnidentifiedPassError,
         UnsupportedTorchWarning,
     )
     from .node import node_once, prepare_node

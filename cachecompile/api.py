@@ -9,14 +9,17 @@ import inspect
 import logging
 import os
 import types
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import backends
+from . import passes as passes_mod
 from .cached import CachedFunction, cache_off
-from .errors import ContractError
+from .errors import ContractError, IgnoredArgumentWarning
+from .gears import Gears
 from .ranks import detect
 
 logger = logging.getLogger(__name__)
@@ -72,13 +75,37 @@ def _int_or_none(name: str, value: Any) -> int | None:
     return value
 
 
+_warned_kwargs: set[str] = set()
+
+
+def _ignore_unknown(kwargs: Mapping[str, Any]) -> None:
+    """TorchAir's cache_compile accepts and ignores keywords it does not know; so do we,
+    with one warning per name and process (a typo still shows up once)."""
+    new = sorted(set(kwargs) - _warned_kwargs)
+    if not new:
+        return
+    _warned_kwargs.update(new)
+    warnings.warn(f"cache_compile() ignores unknown keyword arguments: {', '.join(new)}",
+                  IgnoredArgumentWarning, stacklevel=3)
+
+
+def _torchair_default_dir() -> str | None:
+    """TorchAir's default cache dir, unless cachecompile's own variable names one."""
+    if os.environ.get("CACHECOMPILE_DIR"):
+        return None
+    return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
+
+
 def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any = None,
                   dynamic: bool = True, cache_dir: str | os.PathLike[str] | None = None,
                   global_rank: int | None = None, tp_rank: int | None = None,
                   pp_rank: int | None = None,
                   custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
                   ge_cache: bool = False, max_signatures: int = 8,
-                  guards: str | None = None, **kwargs: Any) -> CachedFunction:
+                  guards: str | None = None, passes: Mapping[str, Any] | None = None,
+                  gears: Mapping[str, Mapping[int, Sequence[int]]] | None = None,
+                  gear_policy: str = "zip", pad: bool = False,
+                  **kwargs: Any) -> CachedFunction:
     """Cache ``torch.compile`` of a module method across processes.
 
     ``func`` must be a bound method of an ``nn.Module`` (``self._forward``). The result is
@@ -87,26 +114,40 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
     See docs/usage.md for the key factors and every warning.
 
     Args:
-        config: backend options (Inductor config options for ``"inductor"``).
-        backend: adapter name: ``"inductor"`` (default) or ``"aot_eager"``.
+        config: backend options (Inductor config options for ``"inductor"``, custom pass
+            hooks included).
+        backend: adapter name: ``"inductor"`` (default), ``"aot_eager"`` or ``"torchair"``.
         dynamic: compile with dynamic shapes (one entry serves all sizes) or static
             shapes (one entry per shape, at most ``max_signatures``).
-        cache_dir: store root; default ``$CACHECOMPILE_DIR`` or ``~/.cache/cachecompile``.
+        cache_dir: store root; default ``$CACHECOMPILE_DIR`` or ``~/.cache/cachecompile``
+            (with the torchair backend: ``$CACHECOMPILE_DIR``, else TorchAir's
+            ``$TORCHAIR_CACHE_HOME`` or ``./.torchair_cache``).
         global_rank, tp_rank, pp_rank: this process's ranks; default from
             torch.distributed or torchrun's environment.
         custom_decompositions: extra decompositions for AOTAutograd (part of the key).
         ge_cache: Ascend GE cache; accepted for TorchAir compatibility, needs the
             torchair adapter.
         max_signatures: static signatures cached per method before falling back to live
-            torch.compile (``dynamic=False`` only).
+            torch.compile (``dynamic=False`` only; at least the number of gears).
         guards: when a loaded entry's guards run: ``"first"`` (default; argument guards
             on every call, state guards on each signature's first call in a process) or
             ``"always"`` (every guard on every call, as torch.compile does). Default
             ``$CACHECOMPILE_GUARDS`` or ``"first"``.
+        passes: Inductor custom passes, ``{hook: pass}`` with hooks
+            ``post_grad_custom_post_pass`` & co. (docs/passes.md); the same as giving
+            them in ``config``. Each pass is keyed by what it does; one that cannot be
+            identified is refused (:class:`UnidentifiedPassError`).
+        gears: the static shapes calls will have, ``{argument: {dim: [sizes]}}``
+            (``dynamic=False``); one entry per gear (docs/usage.md, "Gears").
+        gear_policy: how the sizes of several dims make gears: ``"zip"`` or ``"product"``.
+        pad: pad a call that fits no gear up to the smallest gear that holds it, and slice
+            the outputs back (you assert the method treats padded rows independently);
+            default: such a call compiles live, with one warning.
+
+    Unknown keyword arguments are ignored with one warning, as TorchAir ignores them.
     """
     if kwargs:
-        raise ContractError(f"cache_compile() got unexpected keyword arguments "
-                            f"{', '.join(sorted(kwargs))}")
+        _ignore_unknown(kwargs)
     method = _check_method(func)
     if not isinstance(dynamic, bool):
         raise ContractError(f"cache_compile(): dynamic must be True or False, got {dynamic!r}")
@@ -120,12 +161,30 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         adapter, options = backends.resolve(backend, config, ge_cache=ge_cache)
     except (TypeError, ValueError, KeyError) as e:
         raise ContractError(f"cache_compile(): {e}") from None
+    if passes is not None and adapter.name != "inductor":
+        raise ContractError(f"cache_compile(): passes= are Inductor's custom pass hooks; the "
+                            f"{adapter.name!r} backend does not run them (with torchair, give "
+                            "them in its CompilerConfig)")
+    if adapter.name == "inductor":
+        options = passes_mod.merge(options, passes)
+        passes_mod.check(options)
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
+    if cache_dir is None and adapter.name == "torchair":
+        cache_dir = _torchair_default_dir()
     ranks = detect(_int_or_none("global_rank", global_rank), _int_or_none("tp_rank", tp_rank),
                    _int_or_none("pp_rank", pp_rank))
     if guards is not None and guards not in ("first", "always"):
         raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got {guards!r}")
+    declared: Gears | None = None
+    if gears is not None:
+        if dynamic:
+            raise ContractError("cache_compile(): gears declare static shapes; use them with "
+                                "dynamic=False")
+        declared = Gears(method, gears, gear_policy, pad)
+        max_signatures = max(max_signatures, len(declared))
+    elif pad:
+        raise ContractError("cache_compile(): pad=True pads calls up to a gear; declare gears=")
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;
@@ -134,4 +193,5 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
     return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
                           cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                           ranks=ranks, decompositions=custom_decompositions,
-                          max_signatures=max_signatures, enabled=enabled, guards=guards)
+                          max_signatures=max_signatures, enabled=enabled, guards=guards,
+                          gears=declared)

@@ -36,15 +36,18 @@ from . import _torch, coop, replay
 from . import deps as deps_mod
 from . import factors as factors_mod
 from . import guards as guards_mod
+from . import passes as passes_mod
 from . import store as store_pkg
 from .backends.base import Adapter
 from .errors import (
     CacheFaultWarning,
     InferenceOnlyError,
+    OutOfGearWarning,
     SignatureLimitWarning,
     UnsupportedProgramError,
     UnsupportedTorchWarning,
 )
+from .gears import Gears
 from .ranks import Ranks
 from .signature import Signature, describe, requires_grad, signature, to_json, varying
 from .store import Hit, Key, LocalStorage, explain, make_key
@@ -139,6 +142,8 @@ class _Probe:
     runner: _Variant | None = None
     free: int | None = None            # first unused variant index
     rejected: list[str] = dataclasses.field(default_factory=list)  # why each variant did not fit
+    # Operators an entry's program calls that this process has not registered.
+    missing_ops: list[str] = dataclasses.field(default_factory=list)
 
 
 class CachedFunction:
@@ -148,7 +153,7 @@ class CachedFunction:
                  dynamic: bool, cache_dir: str | None, ranks: Ranks,
                  decompositions: Mapping[Any, Any] | None, max_signatures: int,
                  enabled: bool, extra_factors: Mapping[str, Any] | None = None,
-                 guards: str | None = None) -> None:
+                 guards: str | None = None, gears: Gears | None = None) -> None:
         self._method = method
         self._module = method.__self__
         self._adapter = adapter
@@ -161,6 +166,8 @@ class CachedFunction:
         self._enabled = enabled
         self._extra = extra_factors
         self._guard_mode = guards or guard_mode()
+        self._gears = gears
+        self._gear_warned = False
         self._runners: dict[Signature, list[_Variant]] = {}
         self._base: dict[str, Any] | None = None
         self._fallback: Any = None
@@ -188,7 +195,52 @@ class CachedFunction:
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
 
+    @property
+    def gears(self) -> Gears | None:
+        """The declared gears (``cache_compile(gears=...)``), if any."""
+        return self._gears
+
+    @property
+    def dynamic(self) -> bool:
+        return self._dynamic
+
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._gears is not None:
+            sizes = self._gears.sizes(args, kwargs)
+            if not self._gears.holds(sizes):
+                return self._off_gear(args, kwargs, sizes)
+        return self._dispatch(args, kwargs)
+
+    def _off_gear(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  sizes: tuple[int, ...] | None) -> Any:
+        """A call that fits no declared gear: padded up to one if asked, else live."""
+        gears = self._gears
+        assert gears is not None
+        why = ""
+        if gears.pad:
+            plan, why = gears.pad_plan(args, kwargs, sizes)
+            if plan is not None:
+                return plan.unpad(self._dispatch(plan.args, plan.kwargs))
+        sig = signature(args, kwargs, self._dynamic)
+        variants = self._runners.get(sig)
+        if variants:
+            return variants[0].run(*args, **kwargs)  # this shape's live compile
+        with self._lock:
+            variants = self._runners.get(sig)
+            if variants:
+                return variants[0].run(*args, **kwargs)
+            if not self._gear_warned:
+                self._gear_warned = True
+                shape = gears.describe(sizes) if sizes is not None else \
+                    "a gear argument that is no tensor of the declared rank"
+                warnings.warn(
+                    f"{self.__qualname__}: a call with {shape} fits none of the declared gears "
+                    f"({gears.describe()}){'; not padded: ' + why if gears.pad else ''}. It "
+                    "runs with a live torch.compile and is not cached (this warning is given "
+                    "once; later ones are logged)", OutOfGearWarning, stacklevel=4)
+            return self._run_live(sig, args, kwargs, "outside the declared gears")
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         sig = signature(args, kwargs, self._dynamic)
         variants = self._runners.get(sig)
         if variants is not None:
@@ -243,6 +295,14 @@ class CachedFunction:
             logger.info("cachecompile hit %s %s [%s] loaded in %.1f ms", self.__qualname__,
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
             return probe.runner.run(*args, **kwargs)
+        if probe.missing_ops:
+            # The entry is there; this process lacks what its program calls. Compiling
+            # and publishing another one would not help the next process either.
+            self._fault(f"{self.__qualname__} [{describe(sig)}]: the cached program calls "
+                        f"{', '.join(probe.missing_ops)}, which this process has not "
+                        "registered (import the module that defines it, or load its library, "
+                        "before the first call); it runs with a live compile")
+            return self._run_live(sig, args, kwargs, "custom operator not registered")
         why = ("; ".join(probe.rejected[:3]) if probe.rejected
                else "no entry" + self._nearest(st, frame))
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
@@ -332,6 +392,13 @@ class CachedFunction:
                         name, ", ".join(changed[:3]))
             out.rejected.append(f"{name}: source changed ({', '.join(changed[:3])})")
             self._safe(lambda: st.record_miss("stale"))
+            return None
+        missing = passes_mod.missing_operators((meta.get("program") or {}).get("operators") or ())
+        if missing:
+            logger.info("cachecompile %s %s: its program calls %s, not registered here",
+                        self.__qualname__, name, ", ".join(missing))
+            out.rejected.append(f"{name}: operator {', '.join(missing)} is not registered")
+            out.missing_ops.extend(m for m in missing if m not in out.missing_ops)
             return None
         func = self._method.__func__
         g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]

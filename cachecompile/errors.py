@@ -3,8 +3,9 @@
 Hierarchy::
 
     CacheCompileError (Exception)
-    ├── ContractError (also TypeError)     bad use of cache_compile(): not a bound method of an
-    │                                      nn.Module, unknown keyword, a wrapped function
+    ├── ContractError (also TypeError      bad use of cache_compile(): not a bound method of an
+    │   and ValueError)                    nn.Module, a wrapped function, a bad argument, a
+    │   └── UnidentifiedPassError          custom pass with no identity to key it by
     ├── GraphBreakError                    Dynamo could not capture the method as one graph
     ├── InferenceOnlyError                 a call needs autograd (input requires grad in grad mode)
     ├── UnsupportedProgramError            the compiled program cannot be replayed without
@@ -18,6 +19,9 @@ Hierarchy::
     RecompileWarning (UserWarning)         kept for compatibility; no longer emitted (entries
                                            carry Dynamo's guards: a recompile is a variant)
     SignatureLimitWarning (UserWarning)    dynamic=False saw more signatures than the limit
+    IgnoredArgumentWarning (UserWarning)   keyword arguments cache_compile does not know (TorchAir
+                                           accepts and ignores them; so do we, once warned)
+    OutOfGearWarning (UserWarning)         a call whose shape is none of the declared gears
 
 Store faults are ``cachecompile.store.errors.StoreError`` subclasses; the integration layer turns them
 into a ``CacheFaultWarning`` and a live compile, never a crash.
@@ -30,8 +34,17 @@ class CacheCompileError(Exception):
     """Base class of cachecompile's own errors."""
 
 
-class ContractError(CacheCompileError, TypeError):
-    """cache_compile() was used outside its contract."""
+class ContractError(CacheCompileError, TypeError, ValueError):
+    """cache_compile() was used outside its contract.
+
+    Also a ``ValueError``: TorchAir's ``cache_compile`` raises ``ValueError`` for a
+    non-method, so code written against it (``except ValueError``) keeps working; the
+    ``TypeError`` base is for this package's first releases.
+    """
+
+
+class UnidentifiedPassError(ContractError):
+    """A custom Inductor pass that cannot be keyed by what it does (no ``uuid()``, no code)."""
 
 
 class GraphBreakError(CacheCompileError):
@@ -73,3 +86,11 @@ class RecompileWarning(UserWarning):
 
 class SignatureLimitWarning(UserWarning):
     """More static signatures than the configured limit; live torch.compile from now on."""
+
+
+class IgnoredArgumentWarning(UserWarning):
+    """cache_compile() got keyword arguments it does not know; they are ignored."""
+
+
+class OutOfGearWarning(UserWarning):
+    """A call of a method with declared gears whose shape is none of them."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import xxhash
 
-from . import guards
+from . import guards, passes
 from ._torch import versions as torch_versions
 from .backends.base import Adapter
 from .ranks import Ranks
@@ -58,17 +58,19 @@ def callable_digest(fn: Callable[..., Any]) -> str:
     return _digest(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
 
 
-def canonical(value: Any) -> JSON:
-    """A JSON form for config values (callables by code, others by repr)."""
+def canonical(value: Any, where: str = "config") -> JSON:
+    """A JSON form for config values: passes and other callables by what they do
+    (:func:`cachecompile.passes.identify`, which refuses what it cannot identify), others
+    by repr."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, Mapping):
-        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): canonical(v, f"{where}[{k!r}]")
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):
-        return [canonical(v) for v in value]
-    if callable(value):
-        return {"callable": getattr(value, "__qualname__", type(value).__name__),
-                "code": callable_digest(value)}
+        return [canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if callable(value) or passes.is_pass(value):
+        return passes.identify(value, where)
     return repr(value)
 
 

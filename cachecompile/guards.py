@@ -143,29 +143,40 @@ def type_value(cls: type) -> JSON:
     return {"qual": qualified_name(cls), "code": class_digest(cls)}
 
 
-def _value_token(v: Any, depth: int = 0) -> str:
-    """A process-independent token for a closure cell, default or partial argument."""
+def value_token(v: Any, depth: int = 0, unknown: list[str] | None = None) -> str:
+    """A process-independent token for a closure cell, default or partial argument.
+
+    An object with no identity is keyed by its type alone; ``unknown`` collects the
+    names of such types, for callers that must refuse them (custom passes).
+    """
     if depth > 4:
         return "..."
     if v is None or isinstance(v, (bool, int, float, str, bytes, complex)):
         return f"{type(v).__name__}:{v!r}"
     if isinstance(v, (tuple, list, frozenset, set)):
         items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return f"{type(v).__name__}(" + ",".join(_value_token(x, depth + 1) for x in items) + ")"
+        return (f"{type(v).__name__}("
+                + ",".join(value_token(x, depth + 1, unknown) for x in items) + ")")
     if isinstance(v, dict):
-        return "dict(" + ",".join(f"{k!r}:{_value_token(x, depth + 1)}"
+        return "dict(" + ",".join(f"{k!r}:{value_token(x, depth + 1, unknown)}"
                                   for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + ")"
     if isinstance(v, torch.Tensor):
         # Values are read live (Dynamo guards a closure tensor by TENSOR_MATCH on its own).
         return f"tensor:{v.dtype}{list(v.shape)}@{v.device}"
-    ident = identity(v, depth + 1)
+    ident = identity(v, depth + 1, unknown)
     if ident is not None:
         return ident
+    if unknown is not None:
+        unknown.append(qualified_name(type(v)))
     return f"object:{qualified_name(type(v))}"
 
 
-def identity(obj: Any, depth: int = 0) -> str | None:
-    """A process-independent identity for what Dynamo matches by ``id``; None if none."""
+def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str | None:
+    """A process-independent identity for what Dynamo matches by ``id``; None if none.
+
+    ``unknown`` (optional) collects the types of values inside it (closure cells,
+    defaults, partial arguments) that have no identity and are keyed by type only.
+    """
     if obj is None or obj is True or obj is False or obj is Ellipsis or obj is NotImplemented:
         return repr(obj)
     if isinstance(obj, types.ModuleType):
@@ -176,14 +187,19 @@ def identity(obj: Any, depth: int = 0) -> str | None:
         code = class_digest(obj)
         return f"class:{qualified_name(obj)}" + (f":{code}" if code else "")
     if isinstance(obj, types.FunctionType):
-        cells = tuple(_value_token(c.cell_contents, depth) if _cell_full(c) else "<empty>"
+        cells = tuple(value_token(c.cell_contents, depth, unknown) if _cell_full(c) else "<empty>"
                       for c in (obj.__closure__ or ()))
         return (f"function:{qualified_name(obj)}:{code_digest(obj.__code__)}"
-                f":{_value_token(obj.__defaults__, depth)}:{_value_token(obj.__kwdefaults__, depth)}"
+                f":{value_token(obj.__defaults__, depth, unknown)}"
+                f":{value_token(obj.__kwdefaults__, depth, unknown)}"
                 f":{','.join(cells)}")
     if isinstance(obj, types.MethodType):
-        bound = identity(obj.__self__, depth + 1) or f"object:{qualified_name(type(obj.__self__))}"
-        return f"method:{identity(obj.__func__, depth + 1)}@{bound}"
+        bound = identity(obj.__self__, depth + 1, unknown)
+        if bound is None:
+            bound = f"object:{qualified_name(type(obj.__self__))}"
+            if unknown is not None:
+                unknown.append(qualified_name(type(obj.__self__)))
+        return f"method:{identity(obj.__func__, depth + 1, unknown)}@{bound}"
     if isinstance(obj, types.BuiltinFunctionType):
         holder = obj.__self__
         if holder is None or isinstance(holder, types.ModuleType):
@@ -191,8 +207,9 @@ def identity(obj: Any, depth: int = 0) -> str | None:
         return (f"builtin:{obj.__qualname__}@"
                 f"{identity(holder, depth + 1) or qualified_name(type(holder))}")
     if isinstance(obj, functools.partial):
-        return (f"partial:{identity(obj.func, depth + 1)}:{_value_token(obj.args, depth)}"
-                f":{_value_token(obj.keywords, depth)}")
+        return (f"partial:{identity(obj.func, depth + 1, unknown)}"
+                f":{value_token(obj.args, depth, unknown)}"
+                f":{value_token(obj.keywords, depth, unknown)}")
     if isinstance(obj, enum.Enum):
         return f"enum:{qualified_name(type(obj))}.{obj.name}"
     if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
@@ -215,9 +232,9 @@ def identity(obj: Any, depth: int = 0) -> str | None:
         # is guarded on its own.
         return f"contextvar:{obj.name}"
     if isinstance(obj, (staticmethod, classmethod)):
-        return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1)}"
+        return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1, unknown)}"
     if isinstance(obj, property):
-        return f"property:{identity(obj.fget, depth + 1)}"
+        return f"property:{identity(obj.fget, depth + 1, unknown)}"
     return None
 
 

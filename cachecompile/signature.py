@@ -8,7 +8,10 @@ groups calls that can share entries and names the group in logs and labels.
   flag, contiguity, and either the exact shape (``dynamic=False``) or each dimension's
   size class 0 / 1 / many (``dynamic=True``: Dynamo specialises sizes 0 and 1 even for
   dynamic dims). Storage offset and strides are left to the guards (and to Inductor's
-  own alignment copy), as Dynamo does.
+  own alignment copy), as Dynamo does. Dynamo's marks on the tensor (``mark_dynamic``,
+  ``maybe_mark_dynamic``, ``mark_static``, ``mark_unbacked``, ``mark_static_address``)
+  are part of it, and decide per dim between exact size and size class as they decide
+  between static and symbolic in Dynamo.
 * ints: with ``dynamic=True`` their class 0 / 1 / many (Dynamo makes other ints
   symbolic); with ``dynamic=False`` their value. floats: their value only with
   ``dynamic=False``. bools, strings, None, dtypes, devices: their value.
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ._torch import runtime
+
 Signature = tuple[Any, ...]
 
 _VALUE_SCALARS = (bool, str, type(None), torch.dtype, torch.device)
@@ -39,10 +44,23 @@ def _size_class(n: int) -> int:
 
 def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
     shape = t.shape
-    sizes = tuple(_size_class(s) for s in shape) if dynamic else tuple(shape)
+    marks = runtime.dim_marks(t)
+    if marks is None:
+        sizes = tuple(_size_class(s) for s in shape) if dynamic else tuple(shape)
+    else:
+        # Dynamo honours the marks over dynamic=: a dim marked dynamic is symbolic even
+        # with dynamic=False (one entry for its sizes), one marked static is specialised
+        # even with dynamic=True (mark_dynamic wins where both are set, as in Dynamo).
+        marked = dict(marks)
+        dyn = {i for label in runtime.DYNAMIC_MARKS for i in marked.get(label, ())}
+        static = set(marked.get("static", ()))
+        sizes = tuple(_size_class(s) if i in dyn or (dynamic and i not in static) else s
+                      for i, s in enumerate(shape))
     cls = type(t)
-    return ("T", t.dtype, t.device, sizes, t.is_contiguous(), t.is_inference(),
-            None if cls in _PLAIN_TENSORS else f"{cls.__module__}.{cls.__qualname__}")
+    sig = ("T", t.dtype, t.device, sizes, t.is_contiguous(), t.is_inference(),
+           None if cls in _PLAIN_TENSORS else f"{cls.__module__}.{cls.__qualname__}")
+    # The marks are an 8th item only when present: unmarked tensors keep their keys.
+    return sig if marks is None else (*sig, marks)
 
 
 def _qual(v: Any) -> str:
@@ -119,10 +137,13 @@ def describe(sig: Signature) -> str:
 
 def _describe_one(v: Any) -> str:
     if isinstance(v, tuple) and v and v[0] == "T":
-        _, dtype, device, sizes, contiguous, _inf, cls = v
+        _, dtype, device, sizes, contiguous, _inf, cls = v[:7]
         dims = ",".join("n" if s == -1 else str(s) for s in sizes)
         extra = "" if contiguous else " strided"
         extra += f" {cls.rsplit('.', 1)[-1]}" if cls else ""
+        if len(v) > 7:
+            extra += " marked " + ",".join(f"{label}{list(val) if isinstance(val, tuple) else val}"
+                                           for label, val in v[7])
         return f"{str(dtype).replace('torch.', '')}[{dims}]@{device}{extra}"
     if isinstance(v, tuple) and v and v[0] in ("nt", "dc") and len(v) == 3:
         name = v[1].rsplit(".", 1)[-1]

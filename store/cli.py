@@ -471,7 +471,9 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
 
 # Verbs of optional features live in their own modules (store/cli_<feature>.py), each
 # with ``register(cli)``; a feature whose module is absent simply has no verbs.
-_PLUGINS = (f"{__package__}.cli_remote", f"{__package__}.cli_torchair")
+_PLUGINS = tuple(
+    f"{__package__}.cli_{name}" for name in ("remote", "torchair", "build", "program")
+)
 
 
 def _load_plugins() -> None:

@@ -89,6 +89,8 @@ def test_non_method_is_a_type_error_with_the_pattern(bad: Any, needle: str) -> N
     assert needle in msg
     assert "self.cached_forward = cache_compile(self._forward)" in msg
     assert isinstance(info.value, ContractError)
+    # TorchAir raises ValueError here: handlers written for it still catch ours.
+    assert isinstance(info.value, ValueError)
 
 
 def test_unbound_method_through_the_class_is_refused() -> None:
@@ -97,7 +99,6 @@ def test_unbound_method_through_the_class_is_refused() -> None:
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"fullgraf": True}, "unexpected keyword arguments fullgraf"),
     ({"backend": "tensorrt"}, "unknown backend 'tensorrt'"),
     ({"backend": object()}, "backend must be an adapter name"),
     ({"config": ["max_autotune"]}, "must be a dict of options"),

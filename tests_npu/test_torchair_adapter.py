@@ -338,6 +338,28 @@ def test_gears_mismatch_on_a_hit_is_an_error_not_a_wrong_graph(sb: NpuSandbox) -
     assert r["gear"] == "GearMismatchError"
 
 
+def test_default_cache_dir_is_torchairs(sb: NpuSandbox) -> None:
+    """With the torchair adapter and no cache_dir (and no $CACHECOMPILE_DIR), entries go
+    where TorchAir's would: $TORCHAIR_CACHE_HOME, else ./.torchair_cache."""
+    home = sb.root / "torchair-home"
+    r = run_model(sb, CACHECOMPILE_DIR="", TORCHAIR_CACHE_HOME=str(home))
+    assert r["ok"]
+    assert _method_entries(home), "no entry under $TORCHAIR_CACHE_HOME"
+    assert not _method_entries(sb.store)
+    r = run_model(sb, CACHECOMPILE_DIR="", TORCHAIR_CACHE_HOME="")
+    assert r["ok"]
+    assert _method_entries(sb.root / ".torchair_cache"), "no entry under ./.torchair_cache"
+    # A second process finds it there.
+    again = run_model(sb, CACHECOMPILE_DIR="", TORCHAIR_CACHE_HOME="")
+    assert again["events"][0][0] == "hit"
+
+
+def test_unknown_keywords_are_ignored_like_torchair(sb: NpuSandbox) -> None:
+    r = run_model(sb, {"backend": "torchair", "zz_torchair_only_option": 1})
+    assert r["ok"]
+    assert "IgnoredArgumentWarning" in r.stderr and "zz_torchair_only_option" in r.stderr
+
+
 # -- real hardware ------------------------------------------------------------------------
 @pytest.mark.npu
 def test_npu_round_trip_on_hardware(sb: NpuSandbox) -> None:

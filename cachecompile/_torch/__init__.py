@@ -11,6 +11,7 @@ banned-api rule, TID251, keeps it so; see pyproject.toml), one module per concer
 * :mod:`.inductor_runtime` the stand-ins for the Inductor names that output code imports
 * :mod:`.dynamo`           cold path: tracing, guards, transformed bytecode, AOTAutograd
 * :mod:`.inductor`         cold path: compile_fx, output code, kernels, import rewriting
+* :mod:`.passes`           custom Inductor passes as data (pattern rules), Inductor not imported
 
 Each module lists the private names it uses in ``NEEDS``. :func:`probe` checks them, so
 a torch that renamed or dropped one turns the cache off for the process (one warning,
@@ -27,7 +28,7 @@ import importlib.util
 import logging
 from collections.abc import Iterable
 
-from . import dynamo, dynamo_shim, inductor, inductor_runtime, runtime, versions
+from . import dynamo, dynamo_shim, inductor, inductor_runtime, passes, runtime, versions
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ INDUCTOR = "inductor"
 _NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "warm": runtime.NEEDS + dynamo_shim.NEEDS + inductor_runtime.NEEDS,
     DYNAMO: dynamo.NEEDS,
-    INDUCTOR: inductor.NEEDS,
+    INDUCTOR: inductor.NEEDS + passes.NEEDS,
 }
 
 

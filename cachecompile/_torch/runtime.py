@@ -7,6 +7,7 @@ looked up when a function is called, so a torch that lacks one fails :func:`prob
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import types
@@ -93,6 +94,51 @@ def pytree_modules() -> dict[str, types.ModuleType]:
     """The pytree modules FX code generation refers to as ``pytree`` and ``fx_pytree``."""
     return {"pytree": importlib.import_module("torch.utils._pytree"),
             "fx_pytree": importlib.import_module("torch.fx._pytree")}
+
+
+# -- Dynamo's marks on input tensors ------------------------------------------------------
+# torch._dynamo.mark_dynamic / maybe_mark_dynamic / mark_static / mark_unbacked /
+# mark_static_address store what they mark as attributes of the tensor, which Dynamo reads
+# when it traces (torch/_dynamo/decorators.py). Setting one never imports Dynamo, and
+# reading them does not either. (attribute, label) in the order they are reported.
+_MARKS: tuple[tuple[str, str], ...] = (
+    ("_dynamo_dynamic_indices", "dynamic"),
+    ("_dynamo_dynamic_range", "range"),
+    ("_dynamo_weak_dynamic_indices", "maybe_dynamic"),
+    ("_dynamo_unbacked_indices", "unbacked"),
+    ("_dynamo_strict_unbacked_indices", "strict_unbacked"),
+    ("_dynamo_unbacked_bounds", "unbacked_bounds"),
+    ("_dynamo_hint_overrides", "hints"),
+    ("_dynamo_static_indices", "static"),
+    ("_dynamo_static_input_type", "static_address"),
+)
+# Marks that make a dim dynamic (Dynamo: mark_dynamic wins over mark_static).
+DYNAMIC_MARKS = ("dynamic", "maybe_dynamic", "unbacked", "strict_unbacked")
+
+
+def _mark_value(v: Any) -> Any:
+    if isinstance(v, (set, frozenset, list, tuple)):
+        return tuple(sorted((_mark_value(x) for x in v), key=repr))
+    if isinstance(v, dict):
+        return tuple(sorted(((k, _mark_value(x)) for k, x in v.items()), key=repr))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # _DimRange(dim, min, max)
+        return tuple(_mark_value(getattr(v, f.name)) for f in dataclasses.fields(v))
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def dim_marks(t: Any) -> tuple[tuple[str, Any], ...] | None:
+    """The Dynamo marks on tensor ``t`` as ``((label, value), ...)``; None if it has none.
+
+    Cheap on an unmarked tensor (one look at its ``__dict__``): it runs on every call.
+    """
+    d = t.__dict__
+    if not d:
+        return None
+    out = tuple((label, _mark_value(d[attr])) for attr, label in _MARKS if d.get(attr))
+    return out or None
 
 
 # -- what this process has imported ------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch
+from .. import _torch, passes
 from .._torch import dynamo, runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program
@@ -112,8 +112,10 @@ class AotEagerAdapter:
                 files[CONSTANTS_FILE] = buf.getvalue()
             names = sorted(code.globals)
             light = _make_callable(code.src, "<cachecompile capture>", constants, names)
+            operators = passes.operators_in(code.src)
             meta: dict[str, JSON] = {"globals": names, "n_inputs": n_inputs,
-                                     "mutated_inputs": list(mutated)}
+                                     "mutated_inputs": list(mutated), "operators": operators,
+                                     "op_namespaces": passes.namespaces(operators)}
             return Program(files=files, meta=meta, light=light, mutated_inputs=mutated)
 
         return Compiled(live=live, program=program)

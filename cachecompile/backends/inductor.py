@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch
+from .. import _torch, passes
 from .._torch import inductor, inductor_runtime
 from ..errors import UnsupportedProgramError
 from .base import JSON, Compiled, GraphCallable, Program, package_version
@@ -225,6 +225,7 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
                           inputs_to_check)
 
     files: dict[str, bytes | Path] = {PROGRAM_FILE: src.encode("utf-8")}
+    operators = passes.operators_in(src)
     kernels: dict[str, str] = {}
     for digest, path in sorted(recorder.kernels.items()):
         rel = f"kernels/{digest}.so"
@@ -245,6 +246,10 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
         "mutated_inputs": sorted(code.mutated_inputs),
         "n_inputs": n_inputs,
         "python": sys.version_info[:2],
+        # Custom operators (a fusion pass's, torch.library's) the program calls by name: a
+        # warm process that has not registered one gets a miss that names it.
+        "operators": operators,
+        "op_namespaces": passes.namespaces(operators),
     }
     return Program(files=files, meta=meta, light=light,
                    mutated_inputs=tuple(meta["mutated_inputs"]))
