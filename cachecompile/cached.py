@@ -49,7 +49,15 @@ from .errors import (
 )
 from .gears import Gears
 from .ranks import Ranks
-from .signature import Signature, describe, requires_grad, signature, to_json, varying
+from .signature import (
+    Signature,
+    describe,
+    input_marks,
+    requires_grad,
+    signature,
+    to_json,
+    varying,
+)
 from .store import Hit, Key, LocalStorage, explain, make_key
 from .store.errors import KeyNotFound, StoreError
 
@@ -446,7 +454,7 @@ class CachedFunction:
                 self._fault(f"could not take the compile lock for {frame.digest[:12]} ({e}); "
                             "compiling without it")
                 lock = None
-        share = (coop.GraphShare(st, self.factors(sig), self._adapter, who,
+        share = (coop.GraphShare(st, self._graph_factors(sig), self._adapter, who,
                                  factors_mod.FORMAT_VERSION)
                  if not readonly and self._adapter.shares_graphs else None)
         try:
@@ -585,6 +593,12 @@ class CachedFunction:
                 dynamic=self._dynamic, decompositions=self._decompositions, ranks=self._ranks,
                 extra=self._extra)
         return {**self._base, "signature": to_json(sig)}
+
+    def _graph_factors(self, sig: Signature) -> dict[str, Any]:
+        """What a shared graph's program depends on beyond the graph (coop.GRAPH_FACTORS)."""
+        f = self.factors(sig)
+        marks = input_marks(sig)
+        return {**f, "input_marks": to_json(tuple(marks))} if marks else f
 
     def _group(self, sig: Signature) -> str:
         """The rank group: every factor but this process's own ranks (world size stays)

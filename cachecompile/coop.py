@@ -169,8 +169,10 @@ def graph_digest(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str
     return h.hexdigest()
 
 
+# "input_marks" is present only when an input is marked (see signature.input_marks), so
+# unmarked graphs keep their keys.
 GRAPH_FACTORS = ("backend", "config", "dynamic", "decompositions", "versions", "device",
-                 "torch_flags")
+                 "torch_flags", "input_marks")
 
 
 class GraphShare:

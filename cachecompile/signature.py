@@ -188,6 +188,26 @@ def varying(old: list[Signature], new: Signature, names: tuple[str, ...] = ()) -
     return "; ".join(diffs)
 
 
+def input_marks(sig: Signature) -> list[Any]:
+    """``[(position, marks), ...]`` for the marked tensors of a signature, in order; empty
+    when none is marked. Graph sharing keys them: most marks change the traced graph's code
+    anyway, but TorchAir's gears do not, and a program is built for exactly its gears."""
+    out: list[Any] = []
+
+    def walk(v: Any, path: tuple[int, ...]) -> None:
+        if not isinstance(v, tuple):
+            return
+        if v and v[0] == "T":
+            if len(v) > 7:
+                out.append((path, v[7]))
+            return
+        for i, x in enumerate(v):
+            walk(x, (*path, i))
+
+    walk(sig, ())
+    return out
+
+
 def to_json(sig: Signature) -> Any:
     """A JSON-able, canonical form of a signature (for the key and the manifest)."""
     if isinstance(sig, tuple):

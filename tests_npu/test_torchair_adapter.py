@@ -320,22 +320,32 @@ def test_rank_layout_each_rank_its_own_entry(sb: NpuSandbox) -> None:
         assert r["events"][0][0] == "hit"
 
 
-def test_gears_mismatch_on_a_hit_is_an_error_not_a_wrong_graph(sb: NpuSandbox) -> None:
-    after = """
-    from torchair.inference import set_dim_gears
-    xg = torch.randn(4, 8)
-    set_dim_gears(xg, {0: [2, 4]})
-    with torch.no_grad():
-        try:
-            m.cached(xg)
-            extra = {"gear": "ok"}
-        except Exception as e:
-            extra = {"gear": type(e).__name__}
-    """
+GEARED_CALL = """
+from torchair.inference import set_dim_gears
+xg = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+set_dim_gears(xg, {0: %s})
+with torch.no_grad():
+    try:
+        got = m.cached(xg)
+        want = m._forward(xg)
+        extra = {"gear": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))}
+    except Exception as e:
+        extra = {"gear": type(e).__name__}
+"""
+
+
+def test_gears_are_part_of_the_signature_never_a_wrong_graph(sb: NpuSandbox) -> None:
+    """A GE program is built for its inputs' gears: a call whose inputs carry other gears
+    (set_dim_gears) is another signature, compiled for those gears, never the old graph."""
     run_model(sb)  # the program, built without gears
-    r = run_model(sb, after=after)  # a hit, called with gears it was not built for
+    r = run_model(sb, after=GEARED_CALL % "[2, 4]")
     assert r["events"][0][0] == "hit"
-    assert r["gear"] == "GearMismatchError"
+    assert r["events"][1][0] == "miss" and "gears" in r["events"][1][1], r["events"]
+    assert r["gear"] is True
+    again = run_model(sb, after=GEARED_CALL % "[2, 4]")  # a fresh process: both hit
+    assert [e[0] for e in again["events"]] == ["hit", "hit"] and again["gear"] is True
+    other = run_model(sb, after=GEARED_CALL % "[4, 8]")  # other gears: a miss of its own
+    assert [e[0] for e in other["events"]] == ["hit", "miss"] and other["gear"] is True
 
 
 def test_default_cache_dir_is_torchairs(sb: NpuSandbox) -> None:

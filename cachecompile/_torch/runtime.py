@@ -111,6 +111,9 @@ _MARKS: tuple[tuple[str, str], ...] = (
     ("_dynamo_hint_overrides", "hints"),
     ("_dynamo_static_indices", "static"),
     ("_dynamo_static_input_type", "static_address"),
+    # Not Dynamo's: TorchAir's set_dim_gears stores its gears here (beside mark_dynamic),
+    # and a GE program is built for exactly those gears, so they are part of the signature.
+    ("dim_gears", "gears"),
 )
 # Marks that make a dim dynamic (Dynamo: mark_dynamic wins over mark_static).
 DYNAMIC_MARKS = ("dynamic", "maybe_dynamic", "unbacked", "strict_unbacked")
