@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny
 import torch
 from torch import nn
 
@@ -25,14 +26,7 @@ from cachecompile import (
 )
 
 
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
-
+class Small(tiny.Small):
     def breaks(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         torch._dynamo.graph_break()  # the line the error must name

@@ -8,20 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from ccutil import Sandbox
-from torch import nn
+from tiny import Small
 
 from cachecompile import cache_compile, store
 from cachecompile.signature import describe, signature
-
-
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 4)
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from ccutil import REPO, Sandbox
-from torch import nn
+from tiny import Small
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
@@ -24,15 +24,6 @@ from cachecompile import ContractError, UnidentifiedPassError, cache_compile, st
 from cachecompile.passes import PASS_HOOKS, identify, missing_operators, operators_in
 
 SCALE = 2.0
-
-
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
 
 
 def _make_pass(k: float) -> Any:

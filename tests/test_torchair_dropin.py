@@ -9,20 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
+from tiny import Small
 
 from cachecompile import IgnoredArgumentWarning, cache_compile, store
 from cachecompile.api import _torchair_default_dir
 from cachecompile.store.cli import _load_plugins, cli
-
-
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) * 2
 
 
 def test_unknown_keywords_warn_once_naming_them(tmp_path: Path) -> None:
