@@ -46,6 +46,7 @@ from .errors import (
     SignatureLimitWarning,
     UnsupportedProgramError,
     UnsupportedTorchWarning,
+    user_stacklevel,
 )
 from .gears import Gears
 from .ranks import Ranks
@@ -245,7 +246,7 @@ class CachedFunction:
                     f"{self.__qualname__}: a call with {shape} fits none of the declared gears "
                     f"({gears.describe()}){'; not padded: ' + why if gears.pad else ''}. It "
                     "runs with a live torch.compile and is not cached (this warning is given "
-                    "once; later ones are logged)", OutOfGearWarning, stacklevel=4)
+                    "once; later ones are logged)", OutOfGearWarning, stacklevel=user_stacklevel())
             return self._run_live(sig, args, kwargs, "outside the declared gears")
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -272,7 +273,7 @@ class CachedFunction:
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._enabled:
             return self._run_live(sig, args, kwargs, "disabled")
-        if cache_off(stacklevel=4) is not None:
+        if cache_off(stacklevel=user_stacklevel()) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         if not self._dynamic and self._n_variants() >= self._max_signatures:
             if not self._limit_warned:
@@ -283,7 +284,7 @@ class CachedFunction:
                     f"(dynamic=False){'; what varies: ' + what if what else ''}. New ones run "
                     "with live torch.compile and are not cached. Make that argument dynamic "
                     "(dynamic=True), pad it to a few sizes, or raise max_signatures.",
-                    SignatureLimitWarning, stacklevel=4)
+                    SignatureLimitWarning, stacklevel=user_stacklevel())
             return self._run_live(sig, args, kwargs, "over signature limit")
         t0 = time.perf_counter()
         try:
@@ -316,7 +317,7 @@ class CachedFunction:
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss.
-        if cache_off(self._adapter.torch_parts, stacklevel=4) is not None:
+        if cache_off(self._adapter.torch_parts, stacklevel=user_stacklevel()) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         return self._compile(st, frame, sig, args, kwargs)
 
@@ -410,7 +411,9 @@ class CachedFunction:
             return None
         func = self._method.__func__
         g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
-        checker = guards_mod.build_checker(func, meta["guards"], g)  # type: ignore[arg-type]
+        checker = guards_mod.build_checker(
+            func, meta["guards"], g,  # type: ignore[arg-type]
+            every_call=self._guard_mode == "always")
         if not checker.full(self._module, *args, **kwargs):
             reason = checker.explain(self._module, *args, **kwargs) or "a guard failed"
             out.rejected.append(f"{name}: guard failed: {reason}")
@@ -634,7 +637,7 @@ class CachedFunction:
 
     # -- helpers ----------------------------------------------------------------------
     def _fault(self, message: str) -> None:
-        warnings.warn(f"cachecompile: {message}", CacheFaultWarning, stacklevel=5)
+        warnings.warn(f"cachecompile: {message}", CacheFaultWarning, stacklevel=user_stacklevel())
         logger.debug("cachecompile fault: %s", message)
 
     @staticmethod

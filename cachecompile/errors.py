@@ -29,6 +29,29 @@ into a ``CacheFaultWarning`` and a live compile, never a crash.
 
 from __future__ import annotations
 
+import os
+import sys
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for a warning issued by the caller of this
+    function, that names the first frame outside cachecompile and torch: the user's line,
+    whatever the depth of the call inside the package (gears, dispatch, probe, compile,
+    Dynamo's backend callback)."""
+    skip: tuple[str, ...] = (_PACKAGE_DIR,)
+    torch_mod = sys.modules.get("torch")
+    torch_file = getattr(torch_mod, "__file__", None)
+    if torch_file:
+        skip += (os.path.dirname(os.path.abspath(torch_file)) + os.sep,)
+    level = 1
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
 
 class CacheCompileError(Exception):
     """Base class of cachecompile's own errors."""

@@ -129,10 +129,15 @@ def class_digest(cls: type) -> str | None:
         for name, value in sorted(vars(klass).items(), key=lambda kv: kv[0]):
             fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
             fn = fn.fget if isinstance(fn, property) else fn
-            code = getattr(fn, "__code__", None)
-            if isinstance(code, types.CodeType):
-                h.update(f"{name}:{code_digest(code)};".encode())
-                n += 1
+            # A decorated method (functools.wraps): the wrapper's code and what it wraps.
+            for depth in range(8):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    h.update(f"{name}:{depth}:{code_digest(code)};".encode())
+                    n += 1
+                fn = getattr(fn, "__wrapped__", None)
+                if fn is None:
+                    break
     digest = h.hexdigest() if n else None
     _class_digests[id(cls)] = (cls, digest)
     return digest
@@ -415,8 +420,13 @@ def _params(func: types.FunctionType) -> tuple[str, list[str]]:
 
 
 def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
-                  globals_: Mapping[str, Any]) -> Checker:
-    """Compile ``guards`` into functions that take exactly the method's arguments."""
+                  globals_: Mapping[str, Any], *, every_call: bool = False) -> Checker:
+    """Compile ``guards`` into functions that take exactly the method's arguments.
+
+    ``every_call``: ``full`` will run on every call (``guards="always"``), so its object
+    paths are shared (see ``_shared_paths``). Otherwise it runs once per signature and is
+    compiled as it is: sharing parses every guard, which costs a warm start more than
+    the one check saves (~0.2 s for a decoder's few hundred guards on a slow core)."""
     params, names = _params(func)
     freevars = func.__code__.co_freevars
     env: dict[str, Any] = {"__cc_G": globals_, "__cc_closure": func.__closure__ or (),
@@ -489,37 +499,52 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     prologue = "".join(f"    {n} = __cc_closure[{i}].cell_contents\n"
                        for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
 
-    def fn(name: str, selected: list[str]) -> str:
-        # Guards run in order and stop at the first that fails; each object path they read
-        # (``self.m._modules['h']...``) is evaluated once, where a guard first needs it,
-        # as Dynamo's guard tree shares its accessors. A guard that raises (a missing
-        # attribute, a wrong type) is a failed guard.
-        body = _shared_paths(selected)
+    def fn(name: str, selected: list[str], share: bool) -> str:
+        # Guards run in order and stop at the first that fails; with ``share`` each object
+        # path they read (``self.m._modules['h']...``) is evaluated once, where a guard
+        # first needs it, as Dynamo's guard tree shares its accessors. A guard that raises
+        # (a missing attribute, a wrong type) is a failed guard.
+        body = (_shared_paths(selected) if share
+                else "".join(f"if not ({c}): return False\n" for c in selected))
         return (f"def {name}({params}):\n    try:\n{_indent(prologue)}{_indent(_indent(body))}"
                 "        return True\n    except Exception:\n        return False\n")
 
     per = [c for c, p, _ in conds if p]
-    # Only on a miss: which guard failed first. A guard that raises (it reads an attribute
-    # that is gone) is that guard failing, named as such, not an anonymous error.
-    lines = [f"        try:\n            if not ({c}): return {i}\n"
-             f"        except Exception:\n            return {i}\n"
-             for i, (c, _, _) in enumerate(conds)]
-    src = (fn("__cc_per_call", per) + fn("__cc_full", [c for c, _, _ in conds])
-           + f"def __cc_first_failure({params}):\n    try:\n{_indent(prologue)}" + "".join(lines)
-           + "    except Exception:\n        return -2\n    return -1\n")
-    try:
-        exec(compile(src, f"<cachecompile guards {func.__qualname__}>", "exec"), env)  # noqa: S102
-    except SyntaxError as err:
-        raise UnsupportedProgramError(f"guards do not compile: {err}") from err
+
+    def compiled(src: str, names: Sequence[str], where: str) -> list[Callable[..., Any]]:
+        try:
+            exec(compile(src, f"<cachecompile {where} {func.__qualname__}>", "exec"), env)  # noqa: S102
+        except SyntaxError as err:
+            raise UnsupportedProgramError(f"guards do not compile: {err}") from err
+        out: list[Callable[..., Any]] = []
+        for n in names:
+            f = env[n]
+            f.__defaults__ = func.__defaults__
+            f.__kwdefaults__ = func.__kwdefaults__
+            out.append(f)
+        return out
+
+    per_call_fn, full_fn = compiled(fn("__cc_per_call", per, True)
+                                    + fn("__cc_full", [c for c, _, _ in conds], every_call),
+                                    ("__cc_per_call", "__cc_full"), "guards")
     texts = [t for _, _, t in conds]
     guards_by_index = ordered
-    out: dict[str, Callable[..., Any]] = {}
-    for n in ("__cc_per_call", "__cc_full", "__cc_first_failure"):
-        f = env[n]
-        f.__defaults__ = func.__defaults__
-        f.__kwdefaults__ = func.__kwdefaults__
-        out[n] = f
-    first_failure = out["__cc_first_failure"]
+
+    def first_failure(*args: Any, **kwargs: Any) -> int:
+        # Only on a miss: which guard failed first, compiled when first needed (a warm hit
+        # never pays for it). A guard that raises (it reads an attribute that is gone) is
+        # that guard failing, named as such, not an anonymous error.
+        if "__cc_first_failure" not in env:
+            lines = [f"        try:\n            if not ({c}): return {i}\n"
+                     f"        except Exception:\n            return {i}\n"
+                     for i, (c, _, _) in enumerate(conds)]
+            try:
+                compiled(f"def __cc_first_failure({params}):\n    try:\n{_indent(prologue)}"
+                         + "".join(lines) + "    except Exception:\n        return -2\n"
+                         "    return -1\n", ("__cc_first_failure",), "guard report")
+            except UnsupportedProgramError:  # the same guards compiled as ``full``: unseen
+                return -2
+        return int(env["__cc_first_failure"](*args, **kwargs))
 
     def explain(*args: Any, **kwargs: Any) -> str | None:
         i = first_failure(*args, **kwargs)
@@ -543,7 +568,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             got = "the expression could not be read"
         return f"{text} (got {got})"
 
-    return Checker(per_call=out["__cc_per_call"], full=out["__cc_full"], explain=explain,
+    return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
                    n_guards=len(conds), n_per_call=len(per))
 
 

@@ -12,6 +12,7 @@ import functools
 import types
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,8 +64,9 @@ def _guards(m: M, x: torch.Tensor) -> list[dict[str, Any]]:
     ]
 
 
-def _checker(m: M, x: torch.Tensor) -> g.Checker:
-    return g.build_checker(M.run, _guards(m, x), {})  # type: ignore[arg-type]
+def _checker(m: M, x: torch.Tensor, every_call: bool = True) -> g.Checker:
+    return g.build_checker(M.run, _guards(m, x), {},  # type: ignore[arg-type]
+                           every_call=every_call)
 
 
 def _one_by_one(m: M, x: torch.Tensor) -> bool:
@@ -73,10 +75,11 @@ def _one_by_one(m: M, x: torch.Tensor) -> bool:
                for gd in _guards(M(), x))
 
 
-def test_every_change_fails_the_guard_that_reads_it() -> None:
+@pytest.mark.parametrize("every_call", [True, False], ids=["shared paths", "plain"])
+def test_every_change_fails_the_guard_that_reads_it(every_call: bool) -> None:
     x = torch.randn(3, 4)
     m = M()
-    c = _checker(m, x)
+    c = _checker(m, x, every_call)
     assert c.full(m, x) and c.per_call(m, x)
     changes = {
         "cfg.act": lambda m: setattr(m.cfg, "act", "silu"),
@@ -125,14 +128,15 @@ def test_identity_memo_sees_a_swap_back_and_forth() -> None:
     assert c.full(m, x) is _one_by_one(m, x)
 
 
-def test_shared_paths_keep_guard_order() -> None:
+@pytest.mark.parametrize("every_call", [True, False], ids=["shared paths", "plain"])
+def test_shared_paths_keep_guard_order(every_call: bool) -> None:
     """A path read by a later guard is not evaluated when an earlier guard fails on a
     missing object; the verdict is False, never an exception."""
     x = torch.randn(3, 4)
     m = M()
     guards = [_guard("hasattr", "L['self']", {"attr": "cfg", "present": True}),
               _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
-    c = g.build_checker(M.run, guards, {})  # type: ignore[arg-type]
+    c = g.build_checker(M.run, guards, {}, every_call=every_call)  # type: ignore[arg-type]
     assert c.full(m, x)
     del m.cfg
     assert c.full(m, x) is False

@@ -63,10 +63,12 @@ def _status(row: dict[str, Any]) -> str | None:
     return None
 
 
-def run_release(python: str, model: str, runs: int, timeout: float, out: Path) -> dict[str, Any]:
-    cmd = [python, str(BENCH), "--model", model, "--runs", str(runs), "--micro",
-           "--only", ",".join(dict.fromkeys(STARTUP + MICRO)), "--timeout", str(timeout),
-           "--json", str(out)]
+def run_release(python: str, model: str, runs: int, timeout: float, out: Path,
+                only: tuple[str, ...]) -> dict[str, Any]:
+    micro = any(m in MICRO for m in only)
+    cmd = [python, str(BENCH), "--model", model, "--runs", str(runs),
+           *(["--micro"] if micro else []), "--only", ",".join(only),
+           "--timeout", str(timeout), "--json", str(out)]
     print(f"== {python}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if not out.exists():
@@ -74,7 +76,7 @@ def run_release(python: str, model: str, runs: int, timeout: float, out: Path) -
     return json.loads(out.read_text())
 
 
-def table(results: list[dict[str, Any]], model: str) -> str:
+def table(results: list[dict[str, Any]], model: str, only: tuple[str, ...]) -> str:
     heads = [f"torch {r['torch']}" for r in results]
     lines = [f"### {model} model: time to first output (median), overhead over eager\n",
              "| mechanism | " + " | ".join(heads) + " |",
@@ -86,7 +88,7 @@ def table(results: list[dict[str, Any]], model: str) -> str:
         by_release.append(rows)
         e = _firsts(rows["eager"]) if "eager" in rows else []
         eager.append(statistics.median(e) if e else None)
-    for mech in STARTUP:
+    for mech in (m for m in STARTUP if m in only):
         cells = []
         for rows, e in zip(by_release, eager, strict=True):
             row = rows.get(mech)
@@ -102,9 +104,11 @@ def table(results: list[dict[str, Any]], model: str) -> str:
             over = "" if e is None or mech == "eager" else f" ({med - e:+.2f} s)"
             cells.append(f"{med:.2f} s{over}")
         lines.append(f"| {LABELS[mech]} | " + " | ".join(cells) + " |")
+    if not any(m in MICRO for m in only):
+        return "\n".join(lines) + "\n"
     lines += ["", "Per-call overhead, `x + 1` on 4 floats through a module method:\n",
               "| mechanism | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for mech in MICRO:
+    for mech in (m for m in MICRO if m in only):
         cells = []
         for r in results:
             row = next((x for x in r["rows"] if x["model"] == "micro" and x["mechanism"] == mech),
@@ -124,11 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--only", default="",
+                   help="comma-separated mechanisms (default: all of "
+                        f"{', '.join(dict.fromkeys(STARTUP + MICRO))}); cc_warm needs no "
+                        "cc_cold row: its cache is produced first either way")
     args = p.parse_args(argv)
+    only = tuple(dict.fromkeys(args.only.split(","))) if args.only else \
+        tuple(dict.fromkeys(STARTUP + MICRO))
+    unknown = [m for m in only if m not in STARTUP + MICRO]
+    if unknown:
+        p.error(f"unknown mechanisms: {', '.join(unknown)}")
     work = Path(tempfile.mkdtemp(prefix="bench_versions-"))
-    results = [run_release(py, args.model, args.runs, args.timeout, work / f"{i}.json")
+    results = [run_release(py, args.model, args.runs, args.timeout, work / f"{i}.json", only)
                for i, py in enumerate(args.python)]
-    print(table(results, args.model))
+    print(table(results, args.model, only))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(results, indent=2))
