@@ -23,7 +23,14 @@ for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
   pip install -q "torch-npu==$nv" packaging protobuf || exit 1
   pip install -q -e '.[test]' || exit 1
   python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "torch-npu", m.version("torch-npu"))'
-  python -m pytest tests_npu -q -p no:cacheprovider -W ignore::DeprecationWarning
+  # The newest torch-npu runs the whole tier; the older one skips the tests whose code
+  # path does not depend on TorchAir's release (rank labels, the default dir, ignored
+  # keywords, a torn GE file, no-GE-cache staging, live parameters), to keep CI under an hour.
+  npu_k=()
+  if [ "$nv" != "${NPU_FULL:-2.14.0}" ]; then
+    npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read)')
+  fi
+  python -m pytest tests_npu -q -p no:cacheprovider -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
   rc=$?
   deactivate
   rm -rf "$venv"
