@@ -18,7 +18,7 @@ import torch
 from . import backends
 from . import passes as passes_mod
 from .cached import CachedFunction, cache_off
-from .errors import ContractError, IgnoredArgumentWarning
+from .errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from .gears import Gears
 from .ranks import detect
 
@@ -86,7 +86,7 @@ def _ignore_unknown(kwargs: Mapping[str, Any]) -> None:
         return
     _warned_kwargs.update(new)
     warnings.warn(f"cache_compile() ignores unknown keyword arguments: {', '.join(new)}",
-                  IgnoredArgumentWarning, stacklevel=3)
+                  IgnoredArgumentWarning, stacklevel=user_stacklevel())
 
 
 def _torchair_default_dir() -> str | None:
@@ -189,7 +189,7 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).
-        cache_off(stacklevel=2)
+        cache_off()
     return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
                           cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                           ranks=ranks, decompositions=custom_decompositions,

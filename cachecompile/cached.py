@@ -85,7 +85,7 @@ _off: str | None = None      # why caching is off in this process; once set, it 
 _off_lock = threading.Lock()
 
 
-def cache_off(parts: tuple[str, ...] = (), *, stacklevel: int = 2) -> str | None:
+def cache_off(parts: tuple[str, ...] = ()) -> str | None:
     """Why caching is off in this process, or None while it is on.
 
     Probes torch (:func:`cachecompile._torch.probe`: its release, the warm path's private
@@ -102,8 +102,7 @@ def cache_off(parts: tuple[str, ...] = (), *, stacklevel: int = 2) -> str | None
             if first:
                 _off = why
         if first:
-            warnings.warn(why, UnsupportedTorchWarning,
-                          stacklevel=stacklevel + 1)
+            warnings.warn(why, UnsupportedTorchWarning, stacklevel=user_stacklevel())
             logger.debug("cachecompile is off for this process: %s", why)
     return _off
 
@@ -273,7 +272,7 @@ class CachedFunction:
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._enabled:
             return self._run_live(sig, args, kwargs, "disabled")
-        if cache_off(stacklevel=user_stacklevel()) is not None:
+        if cache_off() is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         if not self._dynamic and self._n_variants() >= self._max_signatures:
             if not self._limit_warned:
@@ -317,7 +316,7 @@ class CachedFunction:
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss.
-        if cache_off(self._adapter.torch_parts, stacklevel=user_stacklevel()) is not None:
+        if cache_off(self._adapter.torch_parts) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         return self._compile(st, frame, sig, args, kwargs)
 

@@ -424,7 +424,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     """Compile ``guards`` into functions that take exactly the method's arguments.
 
     ``every_call``: ``full`` will run on every call (``guards="always"``), so its object
-    paths are shared (see ``_shared_paths``). Otherwise it runs once per signature and is
+    paths are shared (see ``_guard_lines``). Otherwise it runs once per signature and is
     compiled as it is: sharing parses every guard, which costs a warm start more than
     the one check saves (~0.2 s for a decoder's few hundred guards on a slow core)."""
     params, names = _params(func)
@@ -504,8 +504,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         # path they read (``self.m._modules['h']...``) is evaluated once, where a guard
         # first needs it, as Dynamo's guard tree shares its accessors. A guard that raises
         # (a missing attribute, a wrong type) is a failed guard.
-        body = (_shared_paths(selected) if share
-                else "".join(f"if not ({c}): return False\n" for c in selected))
+        body = _guard_lines(selected, share)
         return (f"def {name}({params}):\n    try:\n{_indent(prologue)}{_indent(_indent(body))}"
                 "        return True\n    except Exception:\n        return False\n")
 
@@ -615,15 +614,18 @@ class _PathSharer(ast.NodeTransformer):
         return node  # its names are its own parameters: nothing to share
 
 
-def _shared_paths(conds: Sequence[str]) -> str:
-    """``if not (cond): return False`` per guard, with shared object paths bound once."""
-    sharer = _PathSharer()
+def _guard_lines(conds: Sequence[str], share_paths: bool) -> str:
+    """``if not (cond): return False`` per guard; with ``share_paths`` each object path is
+    bound to a local once, where a guard first reads it (this parses every guard)."""
+    sharer = _PathSharer() if share_paths else None
     out: list[str] = []
     for cond in conds:
-        tree = sharer.visit(ast.parse(cond, mode="eval"))
-        out.extend(sharer.lines)
-        sharer.lines = []
-        out.append(f"if not ({ast.unparse(tree)}): return False")
+        if sharer is not None:
+            tree = sharer.visit(ast.parse(cond, mode="eval"))
+            out.extend(sharer.lines)
+            sharer.lines = []
+            cond = ast.unparse(tree)
+        out.append(f"if not ({cond}): return False")
     return "\n".join(out) + ("\n" if out else "")
 
 
