@@ -8,6 +8,7 @@
 # pytest's exit code 5 is passed on: .ci/run fails on it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. .ci/venv-tier.sh
 
 # torch-npu registers an entry point that makes plain `import torch` load libhccl.so.
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
@@ -18,8 +19,7 @@ export PIP_CONSTRAINT=/dev/null
 for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
   echo "== torch-npu $nv"
   venv=".venv-npu-$nv"
-  python3 -m venv "$venv" || exit 1
-  . "$venv/bin/activate"
+  enter_tier_venv "$venv" || exit 1
   pip install -q "torch-npu==$nv" packaging protobuf || exit 1
   pip install -q -e '.[test]' || exit 1
   python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "torch-npu", m.version("torch-npu"))'
@@ -31,12 +31,5 @@ for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
     npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read)')
   fi
   python -m pytest tests_npu -q -p no:cacheprovider -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
-  rc=$?
-  deactivate
-  rm -rf "$venv"
-  if [ "$rc" -eq 5 ]; then
-    echo "Ascend tier (torch-npu $nv) collected no tests" >&2
-    exit 5
-  fi
-  [ "$rc" -eq 0 ] || exit "$rc"
+  leave_tier_venv "$venv" $? "Ascend tier (torch-npu $nv)" || exit $?
 done

@@ -9,6 +9,7 @@
 # pytest's exit code 5 (no tests collected) fails the tier: the subset vanished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. .ci/venv-tier.sh
 
 # Some machines carry a pip constraints file (pip.conf's global.constraint) that caps torch
 # at the release cached on their disk (torch<=2.14.1). It would refuse 2.15.0 and, worse,
@@ -35,8 +36,7 @@ for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
   echo "== torch $tv"
   start=$SECONDS
   venv=".venv-torch-$tv"
-  python3 -m venv "$venv" || exit 1
-  . "$venv/bin/activate"
+  enter_tier_venv "$venv" || exit 1
   pip install -q "torch==$tv" || exit 1
   pip install -q -e '.[test]' || exit 1
   got=$(python -c 'import torch; print(torch.__version__.split("+")[0])')
@@ -45,13 +45,9 @@ for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
     exit 1
   fi
   python -m pytest -q -p no:cacheprovider --durations=10 "${SUBSET[@]}"
+  leave_tier_venv "$venv" $? "torch $tv"
   rc=$?
-  deactivate
-  rm -rf "$venv"
-  if [ "$rc" -eq 5 ]; then
-    echo "torch $tv: pytest collected no tests" >&2
-    exit 1
-  fi
+  [ "$rc" -eq 5 ] && exit 1
   [ "$rc" -eq 0 ] || exit "$rc"
   echo "== torch $tv took $((SECONDS - start)) s"
 done
