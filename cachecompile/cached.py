@@ -28,7 +28,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +61,9 @@ from .signature import (
 )
 from .store import Hit, Key, LocalStorage, explain, make_key
 from .store.errors import KeyNotFound, StoreError
+
+if TYPE_CHECKING:
+    from .capture import Phases
 
 logger = logging.getLogger(__name__)
 
@@ -286,12 +289,14 @@ class CachedFunction:
                     SignatureLimitWarning, stacklevel=user_stacklevel())
             return self._run_live(sig, args, kwargs, "over signature limit")
         t0 = time.perf_counter()
+        early: dict[str, float] = {}  # the cold path's first phases (capture.Phases)
         try:
             frame = self._key(sig)
         except Exception as e:  # noqa: BLE001 - an unkeyable call is a fault, not a crash
             logger.debug("computing the key failed", exc_info=True)
             self._fault(f"computing the cache key failed ({type(e).__name__}: {e})")
             return self._run_live(sig, args, kwargs, "no key")
+        early["key"] = time.perf_counter() - t0
         try:
             st = _open_store(self._cache_dir)
         except (StoreError, OSError) as e:
@@ -311,14 +316,18 @@ class CachedFunction:
                         "registered (import the module that defines it, or load its library, "
                         "before the first call); it runs with a live compile")
             return self._run_live(sig, args, kwargs, "custom operator not registered")
+        early["lookup"] = time.perf_counter() - t0 - early["key"]
         why = ("; ".join(probe.rejected[:3]) if probe.rejected
                else "no entry" + self._nearest(st, frame))
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
-        # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss.
+        # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
+        # (it imports them: most of what torch.compile itself imports before tracing).
+        t1 = time.perf_counter()
         if cache_off(self._adapter.torch_parts) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
-        return self._compile(st, frame, sig, args, kwargs)
+        early["torch_imports"] = time.perf_counter() - t1
+        return self._compile(st, frame, sig, args, kwargs, early)
 
     def _variant_key(self, frame: Key, i: int) -> Key:
         return make_key({**frame.factors, "variant": i})
@@ -441,9 +450,13 @@ class CachedFunction:
         return types.MethodType(fn, self._module)
 
     def _compile(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
-        from .capture import TraceSession
+                 kwargs: dict[str, Any], early: Mapping[str, float]) -> Any:
+        from .capture import Phases, TraceSession
 
+        phases = Phases()
+        for name, seconds in early.items():
+            phases.add(name, seconds)
+        t_lock = time.perf_counter()
         lock: Any = None
         readonly = st.readonly
         who = f"{self.__qualname__} [{self._ranks.label()}, pid {os.getpid()}]"
@@ -466,8 +479,10 @@ class CachedFunction:
                 if probe.runner is not None:
                     self._add(sig, probe.runner, "hit")
                     return probe.runner.run(*args, **kwargs)
+            phases.add("lock", time.perf_counter() - t_lock)
             session = TraceSession(self._method, self._adapter, self._options,
-                                   self._decompositions, self._dynamic, share=share)
+                                   self._decompositions, self._dynamic, share=share,
+                                   phases=phases)
             t0 = time.perf_counter()
             result = session(*args, **kwargs)
             elapsed = time.perf_counter() - t0
@@ -478,7 +493,8 @@ class CachedFunction:
                                check=self._check_of(checker) if checker is not None else None)
             self._add(sig, variant, "shared" if share is not None and share.shared else "miss")
             try:
-                trace = session.trace()
+                with phases.timed("entry"):
+                    trace = session.trace()
             except UnsupportedProgramError as e:
                 self._fault(f"{self.__qualname__} [{describe(sig)}] is not cacheable: {e}. "
                             "It runs with live torch.compile in this process")
@@ -487,9 +503,13 @@ class CachedFunction:
                 self._fault(f"the cache at {st.root} is read-only; {self.__qualname__} "
                             f"[{describe(sig)}] was compiled but not published")
                 return result
+            t_publish = time.perf_counter()
             if share is not None:
                 share.publish(trace.program, self._adapter.name, factors_mod.FORMAT_VERSION)
-            self._publish(st, frame, sig, trace, elapsed)
+            self._publish(st, frame, sig, trace, elapsed, phases)
+            phases.add("publish", time.perf_counter() - t_publish)
+            logger.info("cachecompile cold phases %s [%s]: %s", self.__qualname__,
+                        describe(sig), phases)
             session.on_recompile = lambda reason: logger.info(
                 "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
                 "entry keeps its own guards", self.__qualname__, describe(sig), reason)
@@ -500,7 +520,8 @@ class CachedFunction:
             if lock is not None:
                 lock.__exit__(None, None, None)
 
-    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Any, elapsed: float) -> None:
+    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Any, elapsed: float,
+                 phases: Phases) -> None:
         files: dict[str, Any] = dict(trace.program.files)
         files[BYTECODE_FILE] = trace.bytecode
         meta = {
@@ -515,6 +536,8 @@ class CachedFunction:
             "signature": describe(sig),
             "compile_seconds": round(trace.compile_seconds, 3),
             "first_call_seconds": round(elapsed, 3),
+            # Where the cold first call's time went, up to the publish (capture.Phases).
+            "cold_phases": phases.rounded(),
         }
         module = self._module
         labels = {

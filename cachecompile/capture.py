@@ -19,6 +19,7 @@ capture and the adapters call it): a warm process never imports this module.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import contextvars
 import dataclasses
 import inspect
@@ -26,7 +27,7 @@ import logging
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,36 @@ class Trace:
     compile_seconds: float
     consts: list[Any]                # constants rebuilt on load (codeobj)
     guards: list[dict[str, Any]]     # Dynamo's guards, portable (guards.py)
+
+
+class Phases:
+    """Where a cold first call's wall time goes, phase by phase (seconds, accumulated).
+
+    The phases are logged with the publish line and kept in the entry's meta
+    (``cold_phases``), so ``tools/bench_compile.py --profile`` and ``cachectl show`` can say
+    what a cold compile cost. ``dynamo`` is what is left of the traced call once the
+    backend, the guard capture and the first runs are taken out: Dynamo's own tracing.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.seconds.items()}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items())
 
 
 def clone_function(func: types.FunctionType) -> types.FunctionType:
@@ -111,8 +142,10 @@ class TraceSession:
 
     def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
                  decompositions: Mapping[Any, Any] | None, dynamic: bool,
-                 capture: bool = True, share: Any = None) -> None:
+                 capture: bool = True, share: Any = None,
+                 phases: Phases | None = None) -> None:
         self._orig = method
+        self.phases = phases if phases is not None else Phases()
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
         self._adapter = adapter
         self._options = dict(options)
@@ -150,7 +183,8 @@ class TraceSession:
         if not self._capture or self._guards is not None or self._verdict is not None:
             return keep
         try:
-            self._record_guards(entries)
+            with self.phases.timed("guards"):
+                self._record_guards(entries)
         except UnsupportedProgramError as e:
             self._verdict = str(e)
         except Exception as e:  # noqa: BLE001 - a guard we cannot carry means "do not cache"
@@ -213,6 +247,7 @@ class TraceSession:
             compiled = compile_here()
         self.traces += 1
         self._compile_seconds = time.perf_counter() - t0
+        self.phases.add("backend", self._compile_seconds)
         self._compiled = compiled
         if not self._capture:
             return compiled.live
@@ -236,7 +271,8 @@ class TraceSession:
             if first:
                 first = False
                 try:
-                    program = compiled.program()
+                    with self.phases.timed("capture"):
+                        program = compiled.program()
                     if program.light is None:
                         raise UnsupportedProgramError("the adapter built no replayable program")
                     self._program = program
@@ -268,23 +304,28 @@ class TraceSession:
             light_out: Any = None
             light_args: list[Any] = list(args)
             try:
-                program = compiled.program()
+                with self.phases.timed("capture"):
+                    program = compiled.program()
                 self._program = program
-                for i in program.mutated_inputs:
-                    light_args[i] = args[i].clone()
-                if program.light is None:
-                    raise UnsupportedProgramError("the adapter built no replayable program")
-                light_out = program.light(*light_args)
+                with self.phases.timed("verify"):
+                    for i in program.mutated_inputs:
+                        light_args[i] = args[i].clone()
+                    if program.light is None:
+                        raise UnsupportedProgramError("the adapter built no replayable program")
+                    light_out = program.light(*light_args)
             except UnsupportedProgramError as e:
                 self._verdict = str(e)
             except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
                 logger.debug("program capture failed", exc_info=True)
                 self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            live_out = compiled.live(*args)
+            with self.phases.timed("run"):
+                live_out = compiled.live(*args)
             if self._verdict is None and self._program is not None:
-                mismatch = _compare(light_out, live_out)
-                for i in self._program.mutated_inputs:
-                    mismatch = mismatch or _compare(light_args[i], args[i], f"mutated input {i}")
+                with self.phases.timed("verify"):
+                    mismatch = _compare(light_out, live_out)
+                    for i in self._program.mutated_inputs:
+                        mismatch = mismatch or _compare(light_args[i], args[i],
+                                                        f"mutated input {i}")
                 if mismatch:
                     self._verdict = f"the replayed program disagrees with the live compile: {mismatch}"
             return live_out
@@ -295,6 +336,9 @@ class TraceSession:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = not self._called
         self._called = True
+        # Only the first call is timed: later calls of a live variant are the hot path.
+        t0 = time.perf_counter() if first else 0.0
+        before = sum(self.phases.seconds.values()) if first else 0.0
         if first and self._capture:
             # Dynamo's guards are built during this call; they are checked against it.
             self._call_args = (args, dict(kwargs))
@@ -304,11 +348,15 @@ class TraceSession:
         except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
         finally:
+            if first:
+                others = sum(self.phases.seconds.values()) - before
+                self.phases.add("dynamo", time.perf_counter() - t0 - others)
             if first and self._capture:
                 self._call_args = None  # do not keep the first call's tensors alive
                 if self._compiled is not None:
-                    self._deps = _user_file_hashes(
-                        self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+                    with self.phases.timed("deps"):
+                        self._deps = _user_file_hashes(
+                            self._traced + sorted(guard_capture.class_files(self._guard_classes)))
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""

@@ -245,3 +245,21 @@ def test_a_graph_shared_within_one_process_says_so(cache_dir: Path,
     assert cb.events[-1][0] == "shared", cb.events
     lines = [r.getMessage() for r in caplog.records if "was compiled" in r.getMessage()]
     assert lines and all("earlier in this process" in ln for ln in lines), lines
+
+
+def test_a_cold_entry_says_where_its_first_call_went(cache_dir: Path) -> None:
+    """Each entry keeps its cold phases (tools/bench_compile.py --profile reads them)."""
+    from cachecompile import store
+
+    m = Small().eval()
+    with torch.no_grad():
+        cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)(torch.randn(2, 4))
+    st = store.open_store(cache_dir)
+    metas = [st.manifest(i.key)["meta"] for i in st.entries()]
+    phases = [meta["cold_phases"] for meta in metas if "cold_phases" in meta]
+    assert len(phases) == 1, metas
+    p = phases[0]
+    for name in ("key", "lookup", "torch_imports", "lock", "dynamo", "backend", "guards",
+                 "capture", "verify", "run", "deps", "entry"):
+        assert name in p and p[name] >= 0, (name, p)
+    assert p["backend"] > 0 and p["dynamo"] > 0, p

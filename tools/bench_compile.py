@@ -34,6 +34,14 @@ Mechanisms (``--only``):
   cc_cold                ``cache_compile(m.prefill, dynamic=False, cache_dir=...)``, empty dirs
   cc_warm                same CACHECOMPILE_DIR as a first run, empty Inductor/Triton/TMPDIR
 
+Cold profile (``--profile``): ``compile_cold`` and ``cc_cold`` as pairs of fresh
+processes (the order alternates from pair to pair, so drift and load fall on both), each
+with its wall time to first output, its CPU seconds (its own and its children's: g++,
+compile workers) and where the time went: torch's own compile timers for both, and
+cachecompile's cold phases (key, lookup, torch imports, lock, dynamo, backend, guards,
+capture, verify, run, deps, entry, publish) from the entry. Prints medians and the median
+of the per-pair ratios.
+
 Micro-benchmark (``--micro``): per-call time of ``x + 1`` on 4 floats through a
 module method (``AddOne.add``) for eager, torch.compile, AOT precompiled (with and
 without guard checks) and cache_compile (warm).
@@ -41,6 +49,7 @@ without guard checks) and cache_compile (warm).
 Usage:
   python tools/bench_compile.py --quick
   python tools/bench_compile.py --model both --runs 5 --json bench-out/startup.json
+  python tools/bench_compile.py --profile --model demo --runs 5
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -124,6 +134,7 @@ KEEPS_CC_DIR = {"cc_warm"}
 class Run:
     ok: bool
     first_output_s: float | None = None
+    cpu_s: float | None = None   # the child's CPU, its own and its waited-for children's
     child: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
     unavailable: str | None = None
@@ -223,6 +234,8 @@ def run_child(
         str(calls),
     ]
     run = Run(ok=False)
+    # Children run one at a time, so the growth of RUSAGE_CHILDREN across one is its CPU.
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
@@ -249,6 +262,8 @@ def run_child(
             proc.kill()
             proc.wait()
             rc = -9
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run.cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if run.unavailable:
         return run
     if rc != 0 or run.first_output_s is None:
@@ -317,6 +332,71 @@ def bench_model(
             if r.unavailable or (r.error and i == 0):
                 break
     return rows
+
+
+def bench_profile(model: str, runs: int, work: Path, timeout: float) -> list[Row]:
+    """Paired cold runs of torch.compile and cache_compile (see ``--profile``)."""
+    pair = ("compile_cold", "cc_cold")
+    rows = {mech: Row(model, mech) for mech in pair}
+    model_work = work / model
+    model_work.mkdir(parents=True, exist_ok=True)
+    for i in range(runs):
+        for mech in pair if i % 2 == 0 else pair[::-1]:
+            dirs = fresh_dirs(model_work, f"{mech}-{i}")
+            r = run_child(model, mech, "run", dirs.root, dirs.env, dirs.root / "child.log",
+                          timeout, 1)
+            rows[mech].runs.append(r)
+            print(f"[{model} profile] {mech} pair {i + 1}/{runs}: {_fmt_run(r)}, "
+                  f"cpu {_s(r.cpu_s)} s", file=sys.stderr, flush=True)
+    return list(rows.values())
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def profile_markdown(rows: list[Row], runs: int) -> str:
+    """Medians per mechanism, median per-pair ratios, and the phases of both."""
+    out: list[str] = []
+    for model in dict.fromkeys(r.model for r in rows):
+        tc = next(r for r in rows if r.model == model and r.mechanism == "compile_cold")
+        cc = next(r for r in rows if r.model == model and r.mechanism == "cc_cold")
+        pairs = [(a, b) for a, b in zip(tc.runs, cc.runs, strict=False) if a.ok and b.ok]
+        wall_ratio = _median([b.first_output_s / a.first_output_s for a, b in pairs
+                              if a.first_output_s and b.first_output_s])
+        cpu_ratio = _median([b.cpu_s / a.cpu_s for a, b in pairs if a.cpu_s and b.cpu_s])
+        out.append(f"### {model} model: cold, empty dirs, {len(pairs)} of {runs} pairs\n")
+        out.append("| | torch.compile cold | cache_compile cold | cc / tc (median of pairs) |")
+        out.append("|---|---|---|---|")
+        out.append(f"| wall to first output s | {_s(tc.median_first())} | {_s(cc.median_first())} "
+                   f"| {_s(wall_ratio)} |")
+        out.append(f"| CPU s (self + children) | {_s(_median([r.cpu_s for r in tc.runs if r.ok and r.cpu_s]))} "
+                   f"| {_s(_median([r.cpu_s for r in cc.runs if r.ok and r.cpu_s]))} | {_s(cpu_ratio)} |")
+        out.append("")
+        names = list(dict.fromkeys(k for r in (*tc.runs, *cc.runs)
+                                   for k in r.result.get("torch_phases", {})))
+        if names:
+            out.append("torch's compile timers (median s; the same compiler under both):\n")
+            out.append("| timer | torch.compile | cache_compile |")
+            out.append("|---|---|---|")
+            for k in names:
+                a = _median([r.result["torch_phases"][k] for r in tc.runs
+                             if k in r.result.get("torch_phases", {})])
+                b = _median([r.result["torch_phases"][k] for r in cc.runs
+                             if k in r.result.get("torch_phases", {})])
+                out.append(f"| {k} | {_s(a)} | {_s(b)} |")
+            out.append("")
+        phases = list(dict.fromkeys(k for r in cc.runs for k in r.result.get("cold_phases", {})))
+        if phases:
+            out.append("cache_compile's cold phases (median s, from the entry's `cold_phases`):\n")
+            out.append("| phase | s |")
+            out.append("|---|---|")
+            for k in phases:
+                v = _median([r.result["cold_phases"][k] for r in cc.runs
+                             if k in r.result.get("cold_phases", {})])
+                out.append(f"| {k} | {_s(v)} |")
+            out.append("")
+    return "\n".join(out)
 
 
 def bench_micro(mechs: list[str], work: Path, timeout: float) -> list[Row]:
@@ -426,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="runs=1, demo model")
     parser.add_argument("--micro", action="store_true", help="also run the x+1 micro-benchmark")
     parser.add_argument("--micro-only", action="store_true", help="only the micro-benchmark")
+    parser.add_argument("--profile", action="store_true",
+                        help="paired cold runs of torch.compile and cache_compile, with phases")
     parser.add_argument("--calls", type=int, default=200, help="calls for per-call latency")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--work", default=None, help="work dir (default: a new temp dir)")
@@ -450,6 +532,18 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"work dir: {work}", file=sys.stderr)
     rows: list[Row] = []
+    if args.profile:
+        try:
+            for model in models:
+                rows += bench_profile(model, runs, work, args.timeout)
+        finally:
+            if not args.keep and args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+        print(profile_markdown(rows, runs))
+        if args.json_path:
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_path).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        return 0 if all(r.ok for row in rows for r in row.runs) else 1
     try:
         if not args.micro_only:
             for model in models:

@@ -68,6 +68,24 @@ def dir_bytes(path: str | os.PathLike[str]) -> int:
     return total
 
 
+def torch_phases() -> dict[str, float]:
+    """torch's own compile timers (``dynamo_timed``), summed per name: the same names for
+    torch.compile and for cache_compile's cold path, which runs the same compiler."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {k: round(sum(v), 4) for k, v in compilation_time_metrics.items()}
+
+
+def cc_phases(root: str) -> dict[str, float]:
+    """cachecompile's cold phases (``cold_phases`` in each entry's meta), summed."""
+    total: dict[str, float] = {}
+    for manifest in Path(root).rglob("manifest.json"):
+        meta = json.loads(manifest.read_text()).get("meta", {})
+        for k, v in (meta.get("cold_phases") or {}).items():
+            total[k] = round(total.get(k, 0.0) + float(v), 4)
+    return total
+
+
 def config_for(name: str) -> DecoderConfig:
     return demo_config() if name == "demo" else anchor_config()
 
@@ -206,6 +224,10 @@ def run_model(args: argparse.Namespace) -> None:
         )
         latency = per_call_us(call, args.warmup, args.calls)
     result: dict[str, Any] = {"per_call_us": latency, **info}
+    if args.mech in ("compile_cold", "cc_cold"):
+        result["torch_phases"] = torch_phases()
+    if args.mech == "cc_cold":
+        result["cold_phases"] = cc_phases(os.environ["CACHECOMPILE_DIR"])
     if args.mech in ("cc_cold", "cc_warm"):
         result.setdefault("artifact_bytes", dir_bytes(os.environ["CACHECOMPILE_DIR"]))
     elif args.mech in ("compile_cold", "compile_warm"):
