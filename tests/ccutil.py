@@ -1,4 +1,15 @@
-"""Helpers for cache_compile tests: fresh child processes with isolated caches."""
+"""Helpers for cache_compile tests: fresh child processes with isolated caches.
+
+Each :class:`Sandbox` has its own cachecompile store. Inductor's own caches (its FX graph
+and kernel cache, Triton's, and ``TMPDIR``, where Inductor keeps precompiled headers and
+its ISA probe) are, by default, the test session's shared ones
+(``CACHECOMPILE_TEST_INDUCTOR_DIR``, set by conftest.py): a child whose subject is *our*
+cache (hits, misses, guards, ranks, the store) does not need to build the same C++ kernels
+that another test's child already built, just as a user's machine keeps Inductor's cache.
+A run whose subject is what the compiler does (``cold == "builds kernels"``, ``warm ==
+"zero compiler calls"``) asks for ``fresh_inductor=True``: new, empty dirs, so that a live
+compile in a warm process would call g++ and be counted.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +31,32 @@ exec g++ "$@"
 """
 
 
-class Sandbox:
-    """One test's cache directories: a cachecompile store plus Inductor/Triton/tmp dirs."""
+SHARED_INDUCTOR_ENV = "CACHECOMPILE_TEST_INDUCTOR_DIR"
 
-    def __init__(self, root: Path) -> None:
+
+def shared_inductor_dirs() -> dict[str, str] | None:
+    """The session's shared Inductor/Triton/tmp dirs, or None outside such a session."""
+    base = os.environ.get(SHARED_INDUCTOR_ENV)
+    if not base:
+        return None
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": Path(base) / "inductor",
+            "TRITON_CACHE_DIR": Path(base) / "triton", "TMPDIR": Path(base) / "tmp"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    return {k: str(v) for k, v in dirs.items()}
+
+
+class Sandbox:
+    """One test's cache directories: a cachecompile store plus Inductor/Triton/tmp dirs.
+
+    ``fresh_inductor=True`` gives every child of this sandbox new, empty Inductor dirs
+    (as before the shared ones existed); ``run(..., fresh_inductor=True)`` does so for one
+    child.
+    """
+
+    def __init__(self, root: Path, *, fresh_inductor: bool = False) -> None:
         self.root = root
+        self.fresh_inductor = fresh_inductor
         self.store = root / "store"
         self.gxx_log = root / "gxx.log"
         self._n = 0
@@ -44,7 +76,8 @@ class Sandbox:
             d.mkdir(parents=True, exist_ok=True)
         return {k: str(v) for k, v in dirs.items()}
 
-    def env(self, **extra: str) -> dict[str, str]:
+    def env(self, *, fresh_inductor: bool | None = None, **extra: str) -> dict[str, str]:
+        shared = shared_inductor_dirs()
         env = dict(os.environ)
         for k in list(env):
             if k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_", "TORCH_COMPILE")):
@@ -53,7 +86,8 @@ class Sandbox:
         env["CACHECOMPILE_DIR"] = str(self.store)
         env["CXX"] = str(self.gxx)
         env["PYTHONWARNINGS"] = "default"
-        env.update(self.fresh_inductor_dirs())
+        fresh = self.fresh_inductor if fresh_inductor is None else fresh_inductor
+        env.update(self.fresh_inductor_dirs() if fresh or shared is None else shared)
         env.update(extra)
         return env
 
@@ -65,7 +99,8 @@ class Sandbox:
     def reset_compiler_log(self) -> None:
         self.gxx_log.unlink(missing_ok=True)
 
-    def run(self, code: str, *, timeout: float = 600, check: bool = True, **extra: str) -> Any:
+    def run(self, code: str, *, timeout: float = 600, check: bool = True,
+            fresh_inductor: bool | None = None, **extra: str) -> Any:
         """Run ``code`` in a fresh interpreter; it reports with ``report(obj)``."""
         prelude = textwrap.dedent("""
             import json as _json, sys as _sys
@@ -73,7 +108,7 @@ class Sandbox:
                 print("RESULT " + _json.dumps(obj), flush=True)
         """)
         proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                              env=self.env(**extra), capture_output=True, text=True,
+                              env=self.env(fresh_inductor=fresh_inductor, **extra), capture_output=True, text=True,
                               timeout=timeout, cwd=str(self.root))
         results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if check and (proc.returncode != 0 or not results):

@@ -1,9 +1,13 @@
-"""Shared test setup: make the repository importable, also in child processes."""
+"""Shared test setup: make the repository importable, also in child processes, and give
+the session one shared set of Inductor caches for the children whose subject is not the
+compiler (tests/ccutil.py says which)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,34 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from ccutil import SHARED_INDUCTOR_ENV  # noqa: E402
+
+_created: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Made once, by the process that starts the session (pytest-xdist's controller, or a
+    # plain run); xdist's workers inherit the variable, so all of them share the dirs.
+    if not os.environ.get(SHARED_INDUCTOR_ENV):
+        path = tempfile.mkdtemp(prefix="cachecompile-tests-inductor-")
+        os.environ[SHARED_INDUCTOR_ENV] = path
+        _created.append(path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest tests first, then the other slow ones, then the rest (stable otherwise):
+    # pytest-xdist hands tests out in this order, so the long process-heavy ones start
+    # early and the quick ones fill the gaps, instead of the longest running last on one
+    # core while the other waits.
+    items.sort(key=lambda item: (item.get_closest_marker("longest") is None,
+                                 item.get_closest_marker("slow") is None))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _created:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(SHARED_INDUCTOR_ENV, None)
 
 
 @pytest.fixture

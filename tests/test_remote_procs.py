@@ -63,7 +63,7 @@ def remote_lines(stderr: str) -> list[str]:
 def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path) -> None:
     srv = RedisServer(tmp_path / "redis").start()
     try:
-        box = Sandbox(tmp_path / "box")
+        box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
         env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
         a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
         assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value

@@ -67,7 +67,8 @@ report({"events": events, "diffs": results,
 
 
 def test_cold_then_warm_compiles_nothing(tmp_path: Path) -> None:
-    box = Sandbox(tmp_path)
+    # The compiler is the subject: empty Inductor dirs for both runs (ccutil.py).
+    box = Sandbox(tmp_path, fresh_inductor=True)
     cold = box.run(SCRIPT)
     assert cold["events"] == {"prefill": ["miss"], "decode": ["miss"], "mlp": ["miss"],
                               "buffer": ["miss", "miss"]}, cold.value
