@@ -334,6 +334,11 @@ def bench_model(
     return rows
 
 
+# cachecompile's cold phases in the order they run (capture.Phases).
+PHASES = ("key", "lookup", "torch_imports", "lock", "dynamo", "backend", "guards", "capture",
+          "verify", "run", "deps", "entry")
+
+
 def bench_profile(model: str, runs: int, work: Path, timeout: float) -> list[Row]:
     """Paired cold runs of torch.compile and cache_compile (see ``--profile``)."""
     pair = ("compile_cold", "cc_cold")
@@ -376,7 +381,8 @@ def profile_markdown(rows: list[Row], runs: int) -> str:
         names = list(dict.fromkeys(k for r in (*tc.runs, *cc.runs)
                                    for k in r.result.get("torch_phases", {})))
         if names:
-            out.append("torch's compile timers (median s; the same compiler under both):\n")
+            out.append("torch's compile timers of 0.1 s or more (median s; the same compiler "
+                       "under both):\n")
             out.append("| timer | torch.compile | cache_compile |")
             out.append("|---|---|---|")
             for k in names:
@@ -384,9 +390,11 @@ def profile_markdown(rows: list[Row], runs: int) -> str:
                              if k in r.result.get("torch_phases", {})])
                 b = _median([r.result["torch_phases"][k] for r in cc.runs
                              if k in r.result.get("torch_phases", {})])
-                out.append(f"| {k} | {_s(a)} | {_s(b)} |")
+                if max(a or 0.0, b or 0.0) >= 0.1:
+                    out.append(f"| {k} | {_s(a)} | {_s(b)} |")
             out.append("")
-        phases = list(dict.fromkeys(k for r in cc.runs for k in r.result.get("cold_phases", {})))
+        seen = {k for r in cc.runs for k in r.result.get("cold_phases", {})}
+        phases = [k for k in PHASES if k in seen] + sorted(seen - set(PHASES))
         if phases:
             out.append("cache_compile's cold phases (median s, from the entry's `cold_phases`):\n")
             out.append("| phase | s |")
