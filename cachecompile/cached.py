@@ -182,6 +182,7 @@ class CachedFunction:
         self._runners: dict[Signature, list[_Variant]] = {}
         self._base: dict[str, Any] | None = None
         self._fallback: Any = None
+        self._limit_hit_warned = False  # the live fallback passed Dynamo's recompile limit
         self._limit_warned = False
         self._pins: list[Any] = []
         self._lock = threading.RLock()
@@ -284,7 +285,8 @@ class CachedFunction:
                 warnings.warn(
                     f"{self.__qualname__}: more than {self._max_signatures} static variants "
                     f"(dynamic=False){'; what varies: ' + what if what else ''}. New ones run "
-                    "with live torch.compile and are not cached. Make that argument dynamic "
+                    "with live torch.compile (uncompiled past Dynamo's recompile limit) and are "
+                    "not cached. Make that argument dynamic "
                     "(dynamic=True), pad it to a few sizes, or raise max_signatures.",
                     SignatureLimitWarning, stacklevel=user_stacklevel())
             return self._run_live(sig, args, kwargs, "over signature limit")
@@ -483,6 +485,7 @@ class CachedFunction:
             session = TraceSession(self._method, self._adapter, self._options,
                                    self._decompositions, self._dynamic, share=share,
                                    phases=phases)
+            session.on_recompile_limit = self._recompile_limit_hit
             t0 = time.perf_counter()
             result = session(*args, **kwargs)
             elapsed = time.perf_counter() - t0
@@ -606,9 +609,24 @@ class CachedFunction:
         if self._fallback is None:
             self._fallback = TraceSession(self._method, self._adapter, self._options,
                                           self._decompositions, self._dynamic, capture=False)
+            self._fallback.on_recompile_limit = self._recompile_limit_hit
         self._add(sig, _Variant(run=self._fallback, check=None, name="live"), "live")
         logger.info("cachecompile live %s [%s]: %s", self.__qualname__, describe(sig), why)
         return self._fallback(*args, **kwargs)
+
+    def _recompile_limit_hit(self, reason: str) -> None:
+        """A live compile of this method passed Dynamo's recompile limit (capture.TraceSession
+        then runs the call eagerly): say so once, naming the guard that keeps failing."""
+        if self._limit_hit_warned:
+            return
+        self._limit_hit_warned = True
+        warnings.warn(
+            f"{self.__qualname__}: a value Dynamo guards changes on every call, so every "
+            "call was a new compile, and Dynamo's recompile limit is reached. The guard that "
+            f"failed last: {reason}. From now on a call that would need a new compile runs "
+            "eagerly (uncompiled). Pass that value as a tensor, or make it dynamic "
+            "(dynamic=True, or torch._dynamo.mark_dynamic), so that one compile serves every "
+            "value", SignatureLimitWarning, stacklevel=user_stacklevel())
 
     # -- keys -------------------------------------------------------------------------
     def factors(self, sig: Signature) -> dict[str, Any]:

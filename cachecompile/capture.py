@@ -155,6 +155,8 @@ class TraceSession:
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
+        # Told (with the guard that failed last) when a call passes Dynamo's recompile limit.
+        self.on_recompile_limit: Callable[[str], None] | None = None
         self._compiled: Compiled | None = None
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
@@ -347,6 +349,14 @@ class TraceSession:
             return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
+        except dynamo.recompile_limit_errors():
+            # A value Dynamo guards changed on every call, each a new compile, up to its
+            # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
+            # it traces anything (the call has had no effect yet): run the method itself,
+            # eager's result. Calls that fit a program Dynamo already has keep running it.
+            if self.on_recompile_limit is not None:
+                self.on_recompile_limit(self.last_guard_failure() or "not recorded by Dynamo")
+            return self._orig(*args, **kwargs)
         finally:
             if first:
                 others = sum(self.phases.seconds.values()) - before
@@ -357,6 +367,10 @@ class TraceSession:
                     with self.phases.timed("deps"):
                         self._deps = _user_file_hashes(
                             self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+
+    def last_guard_failure(self) -> str | None:
+        """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
+        return dynamo.last_guard_failure(self._fn.__code__)
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""

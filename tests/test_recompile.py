@@ -95,3 +95,61 @@ def test_guards_always_follows_a_change_after_the_first_call(tmp_path: Path) -> 
             assert torch.allclose(first(x), torch.tanh(m.lin(x)))
     finally:
         _set_act("tanh")
+
+
+class _Counter:
+    """A plain object whose int the method reads and bumps (a cache layer's position)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class Stepper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.state = _Counter()
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.n += 1
+        return self.lin(x) * self.state.n
+
+
+def _steps(cached: object, m: Stepper, ref: Stepper, n: int) -> list[str]:
+    """``n`` calls, each equal to eager's; the SignatureLimitWarnings they gave."""
+    import warnings
+
+    from cachecompile import SignatureLimitWarning
+
+    x = torch.randn(2, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            assert torch.equal(cached(x), ref.step(x))  # type: ignore[operator]
+    assert m.state.n == ref.state.n
+    return [str(w.message) for w in caught if issubclass(w.category, SignatureLimitWarning)]
+
+
+def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: Path) -> None:
+    """A value Dynamo guards by value changes on every call (a cache layer's position).
+    Each value is a new compile, up to Dynamo's recompile limit, which fullgraph makes a
+    hard error (FailOnRecompileLimitHit used to reach the user and kill the process).
+    Every step must give eager's result, the counter must count, and the limit is one
+    warning that names the guard."""
+    d = tmp_path / "cc"
+    # The compiling process: its live compile recompiles itself until Dynamo's limit.
+    m, ref = Stepper().eval(), Stepper().eval()
+    cold = cache_compile(m.step, backend="aot_eager", cache_dir=d, dynamic=False)
+    limit = _steps(cold, m, ref, 24)
+    assert len(limit) == 1 and "recompile limit" in limit[0], limit
+    assert "self.state.n ==" in limit[0], limit[0]
+    # A process that loads the entry and checks every guard (torch.compile's behaviour):
+    # a new variant per step up to max_signatures, then the live compile, then its limit.
+    m2, ref2 = Stepper().eval(), Stepper().eval()
+    warm = cache_compile(m2.step, backend="aot_eager", cache_dir=d, dynamic=False,
+                         guards="always")
+    limit = _steps(warm, m2, ref2, 24)
+    assert [e[0] for e in warm.events][:2] == ["hit", "miss"], warm.events
+    assert len(limit) == 2, limit  # the signature limit, then Dynamo's recompile limit
+    assert "static variants" in limit[0] and "recompile limit" in limit[1], limit

@@ -21,6 +21,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.utils", "guard_failures"),
     ("torch._dynamo.exc", "Unsupported"),
     ("torch._dynamo.exc", "UserError"),
+    ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
@@ -50,6 +51,16 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (Unsupported, UserError)
+
+
+def recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when a fullgraph frame passes its recompile limit (a value it
+    guards changed on every call); () if this torch has no such name."""
+    try:
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+    except ImportError:
+        return ()
+    return (FailOnRecompileLimitHit,)
 
 
 def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
