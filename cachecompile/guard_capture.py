@@ -193,9 +193,12 @@ class _Builder:
         facts = g.tensor_facts(value, sizes, strides)
         self.tensors.append((expr, value))
         shape = ",".join("*" if s is None else str(s) for s in facts["sizes"])
+        # The strides are in the text (where Dynamo checks them): two entries that differ
+        # only in them must not read the same in a miss line or in `cachectl explain`.
+        stride_text = ",".join("*" if s is None else str(s) for s in facts["strides"])
         self.add("tensor", expr, facts, f"{g.user_text(expr, self.module_name)} is a "
                  f"{facts['dtype']}[{shape}] {facts['type']['qual'].rsplit('.', 1)[-1]} on "
-                 f"{facts['device']}")
+                 f"{facts['device']}, strides [{stride_text}]")
 
     def fallback(self, e: GuardEntry, why: str) -> NoReturn:
         raise UnsupportedProgramError(

@@ -555,6 +555,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         expr, kind = observed[i]
         if not expr:
             return text
+        if kind == "expr":
+            # ``n == 2`` failed: say what ``n`` was (3), not what the comparison was (False).
+            expr = _compared_operand(expr) or expr
         # Only on a miss: evaluate the guarded expression to say what the call had.
         src = f"def __cc_observe({params}):\n{prologue}    return {expr}\n"
         try:
@@ -635,8 +638,12 @@ def describe(v: Any, kind: str, expected: Any = None) -> str:
         v = type(v)
     if isinstance(v, torch.Tensor) and kind != "type":
         dims = ",".join(str(d) for d in v.shape)
+        strides = ",".join(str(s) for s in v.stride())
         grad = ", requires_grad" if v.requires_grad else ""
-        return f"{type(v).__name__} {str(v.dtype).replace('torch.', '')}[{dims}] on {v.device}{grad}"
+        got = (f"{type(v).__name__} {str(v.dtype).replace('torch.', '')}[{dims}] on {v.device}"
+               f", strides [{strides}]{grad}")
+        differs = _tensor_differences(v, expected) if kind == "tensor" else []
+        return f"{got}: {'; '.join(differs)}" if differs else got
     if isinstance(v, type):
         want = _TypeRef(expected) if expected is not None else None
         if want is not None and qualified_name(v) == want.qual:
@@ -647,6 +654,45 @@ def describe(v: Any, kind: str, expected: Any = None) -> str:
     if kind == "len":
         return f"length {len(v)}"
     return values.short(v)
+
+
+def _compared_operand(expr: str) -> str | None:
+    """The left side of a one-operator comparison whose right side is a constant
+    (``x.n == 2`` -> ``x.n``), else None."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+    if (isinstance(tree, ast.Compare) and len(tree.ops) == 1
+            and isinstance(tree.comparators[0], (ast.Constant, ast.UnaryOp))
+            and not isinstance(tree.left, ast.Constant)):
+        return ast.unparse(tree.left)
+    return None
+
+
+def _tensor_differences(t: torch.Tensor, facts: Any) -> list[str]:
+    """Which of a tensor guard's facts the call's tensor does not have, each with both
+    values (``strides [1, 1], the entry's [8, 1]``)."""
+    if not isinstance(facts, Mapping):
+        return []
+    out: list[str] = []
+
+    def differ(name: str, got: Any, want: Any) -> None:
+        if got != want:
+            out.append(f"{name} {got}, the entry's {want}")
+
+    differ("dtype", str(t.dtype).replace("torch.", ""), facts.get("dtype"))
+    differ("device", str(t.device), facts.get("device"))
+    differ("requires_grad", bool(t.requires_grad), facts.get("requires_grad"))
+    want_sizes = list(facts.get("sizes") or [])
+    if t.dim() != len(want_sizes):
+        out.append(f"rank {t.dim()}, the entry's {len(want_sizes)}")
+        return out
+    for name, got, want in (("sizes", list(t.shape), want_sizes),
+                            ("strides", list(t.stride()), list(facts.get("strides") or []))):
+        if any(w is not None and g != w for g, w in zip(got, want, strict=False)):
+            differ(name, got, ["*" if w is None else w for w in want])
+    return out
 
 
 def _indent(block: str) -> str:

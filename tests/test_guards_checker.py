@@ -141,3 +141,68 @@ def test_shared_paths_keep_guard_order(every_call: bool) -> None:
     del m.cfg
     assert c.full(m, x) is False
     assert "cfg" in (c.explain(m, x) or "")
+
+
+def test_a_stride_miss_names_the_strides_on_both_sides(tmp_path: Any,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Two [1,1] int64 tensors, one sliced out of a wider one (strides [8, 1]), one
+    contiguous ([1, 1]): the same signature, and Dynamo's tensor guard tells them apart.
+    The miss must say that the strides differ and show both (it used to print the same
+    text on both sides), and the guard text itself carries the strides."""
+    import logging
+
+    from cachecompile import cache_compile, store
+
+    class Emb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(16, 4)
+
+        def step(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids).sum(-1)
+
+    wide = torch.arange(8).reshape(1, 8)
+    sliced, contiguous = wide[:, :1], torch.zeros(1, 1, dtype=torch.int64)
+    assert sliced.stride() == (8, 1) and contiguous.stride() == (1, 1)
+    m = Emb().eval()
+    with torch.no_grad():
+        cache_compile(m.step, backend="aot_eager", cache_dir=tmp_path, dynamic=False)(sliced)
+        st = store.open_store(tmp_path)
+        texts = [gd["text"] for i in st.entries() if i.labels.get("kind") != "graph"
+                 for gd in st.manifest(i.key)["meta"]["guards"] if gd["kind"] == "tensor"]
+        assert any(t.startswith("ids is a int64[1,1]") and t.endswith("strides [8,1]")
+                   for t in texts), texts
+        warm = cache_compile(Emb().eval().step, backend="aot_eager", cache_dir=tmp_path,
+                             dynamic=False)
+        with caplog.at_level(logging.INFO, logger="cachecompile"):
+            assert torch.equal(warm(contiguous), m.step(contiguous))
+    misses = [r.getMessage() for r in caplog.records if "cachecompile miss" in r.getMessage()]
+    assert len(misses) == 1, misses
+    assert "strides [1, 1], the entry's [8, 1]" in misses[0], misses[0]
+
+
+def test_a_value_miss_names_the_value_not_the_comparison(tmp_path: Any,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo specialised ``n == 2`` (a branch on a dynamic int); a call with 3 misses and
+    says ``got 3`` (it used to say what the comparison gave: ``got False``)."""
+    import logging
+
+    from cachecompile import cache_compile
+
+    class Branch(nn.Module):
+        def run(self, x: torch.Tensor, n: int) -> torch.Tensor:
+            if n == 2:
+                return x * 2
+            return x + n
+
+    x = torch.ones(3)
+    with torch.no_grad():
+        cache_compile(Branch().run, backend="aot_eager", cache_dir=tmp_path, dynamic=True)(x, 2)
+        warm = cache_compile(Branch().run, backend="aot_eager", cache_dir=tmp_path,
+                             dynamic=True)
+        with caplog.at_level(logging.INFO, logger="cachecompile"):
+            assert torch.equal(warm(x, 3), x + 3)
+    misses = [r.getMessage() for r in caplog.records if "guard failed" in r.getMessage()]
+    assert len(misses) == 1, misses
+    assert "n == 2 (got 3)" in misses[0], misses[0]
