@@ -553,6 +553,10 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             return "a guard raised while being checked"
         text = texts[i] or conds[i][0]
         expr, kind = observed[i]
+        if kind == "global_state":
+            # Say which setting changed (autocast, grad mode, threads, ...), with both values.
+            diff = runtime.global_state_difference(guards_by_index[i].get("value"))
+            return f"{text} (changed: {diff})" if diff else text
         if not expr:
             return text
         if kind == "expr":

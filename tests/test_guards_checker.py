@@ -206,3 +206,33 @@ def test_a_value_miss_names_the_value_not_the_comparison(tmp_path: Any,
     misses = [r.getMessage() for r in caplog.records if "guard failed" in r.getMessage()]
     assert len(misses) == 1, misses
     assert "n == 2 (got 3)" in misses[0], misses[0]
+
+
+def test_a_global_state_miss_names_the_setting(tmp_path: Any,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Traced without autocast, called under CPU autocast: the miss names the setting that
+    changed, with both values (it used to list every setting the guard covers)."""
+    import logging
+
+    from cachecompile import cache_compile
+
+    class Lin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def run(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x))
+
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        cache_compile(Lin().eval().run, backend="aot_eager", cache_dir=tmp_path)(x)
+        warm = cache_compile(Lin().eval().run, backend="aot_eager", cache_dir=tmp_path)
+        with caplog.at_level(logging.INFO, logger="cachecompile"), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            warm(x)
+    misses = [r.getMessage() for r in caplog.records if "guard failed" in r.getMessage()]
+    assert len(misses) == 1, misses
+    assert "changed: autocast(cpu)_enabled" in misses[0], misses[0]
+    assert "autocast_state.enabled[0] True, the entry's False" in misses[0], misses[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import sys
 import types
 from collections.abc import Callable
@@ -43,6 +44,39 @@ def global_state_check(state: str) -> Callable[[], bool]:
     g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
     g.__setstate__(state)  # type: ignore[attr-defined]
     return g.check  # type: ignore[no-any-return]
+
+
+def global_state_difference(state: str) -> str | None:
+    """Which global settings differ from the snapshot ``state`` (a :func:`global_state`),
+    each with both values (``grad_mode False, the entry's True``); None if none does.
+
+    The snapshot is Dynamo's JSON; torch's own name for the first difference
+    (``GlobalStateGuard.reason``, e.g. ``autocast(cpu)_enabled``) leads, because the
+    autocast settings are lists indexed by device type."""
+    now = global_state()
+    if now == state:
+        return None
+    g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
+    g.__setstate__(state)  # type: ignore[attr-defined]
+    named = "" if g.check() else str(g.reason() or "").strip()  # type: ignore[attr-defined]
+    try:
+        then, current = json.loads(state), json.loads(now)
+    except ValueError:
+        return named or "a global setting changed"
+    diffs: list[str] = []
+
+    def walk(path: str, a: Any, b: Any) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(f"{path}.{k}" if path else k, a.get(k), b.get(k))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                walk(f"{path}[{i}]", x, y)
+        elif a != b:
+            diffs.append(f"{path} {b}, the entry's {a}")
+
+    walk("", then, current)
+    return "; ".join(([named] if named else []) + diffs) or named or "a global setting changed"
 
 
 def function_modes() -> list[Any]:
