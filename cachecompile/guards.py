@@ -555,7 +555,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         expr, kind = observed[i]
         if kind == "global_state":
             # Say which setting changed (autocast, grad mode, threads, ...), with both values.
-            diff = runtime.global_state_difference(guards_by_index[i].get("value"))
+            diff = runtime.global_state_difference(str(guards_by_index[i].get("value")))
             return f"{text} (changed: {diff})" if diff else text
         if not expr:
             return text
