@@ -305,6 +305,10 @@ class TraceSession:
             first = False
             light_out: Any = None
             light_args: list[Any] = list(args)
+            # The program and the live graph each draw from the generators: both must draw
+            # the same numbers (to compare), and the call must draw them once, as
+            # torch.compile's one call does.
+            restore_rng = _rng_snapshot()
             try:
                 with self.phases.timed("capture"):
                     program = compiled.program()
@@ -320,6 +324,7 @@ class TraceSession:
             except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
                 logger.debug("program capture failed", exc_info=True)
                 self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            restore_rng()
             with self.phases.timed("run"):
                 live_out = compiled.live(*args)
             if self._verdict is None and self._program is not None:
@@ -433,6 +438,19 @@ def has_collectives(gm: torch.fx.GraphModule) -> bool:
                 or module.startswith("torch.distributed")):
             return True
     return False
+
+
+def _rng_snapshot() -> Callable[[], None]:
+    """Restores the CPU generator (and every initialised CUDA one) to their state now."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    return restore
 
 
 def _guard_text(gd: dict[str, Any]) -> str:

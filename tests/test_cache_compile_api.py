@@ -263,3 +263,31 @@ def test_a_cold_entry_says_where_its_first_call_went(cache_dir: Path) -> None:
                  "capture", "verify", "run", "deps", "entry"):
         assert name in p and p[name] >= 0, (name, p)
     assert p["backend"] > 0 and p["dynamo"] > 0, p
+
+
+class Noisy(nn.Module):
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(x.shape)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_miss_draws_random_numbers_once(cache_dir: Path, backend: str) -> None:
+    """The cold call runs the replayable program beside the live one to verify it: the
+    random numbers must be drawn once, as torch.compile's one call draws them (same
+    output, same generator state after), and the entry must be cached and hit."""
+    x = torch.zeros(8)
+    with torch.no_grad():
+        plain = torch.compile(Noisy().run, backend=backend, fullgraph=True)
+        torch.manual_seed(0)
+        want = plain(x)
+        want_state = torch.get_rng_state()
+        cold = cache_compile(Noisy().run, backend=backend, cache_dir=cache_dir)
+        torch.manual_seed(0)
+        got = cold(x)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.get_rng_state(), want_state), "the generator moved twice"
+        warm = cache_compile(Noisy().run, backend=backend, cache_dir=cache_dir)
+        torch.manual_seed(0)
+        assert torch.equal(warm(x), want)
+        assert torch.equal(torch.get_rng_state(), want_state)
+    assert [e[0] for e in cold.events] == ["miss"] and [e[0] for e in warm.events] == ["hit"]
