@@ -244,7 +244,8 @@ class TraceSession:
         collective = has_collectives(gm)
         if self.share is not None:
             compiled = self.share.compile(gm, example_inputs, compile_here,
-                                          publish_now=collective and self._capture)
+                                          publish_now=collective and self._capture,
+                                          state=self._state)
         else:
             compiled = compile_here()
         self.traces += 1

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -198,16 +198,22 @@ class GraphShare:
         self.compiled = False    # this process compiled it
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                compile_fn: Any, publish_now: bool = False) -> Any:
+                compile_fn: Any, publish_now: bool = False,
+                state: Mapping[str, Any] | None = None) -> Any:
         """Load or compile the graph's program. ``publish_now``: share it and release
         the lock before the first call (graphs with collectives: a rank holding the
         lock through a call would wait in the collective for ranks waiting on the lock).
+        ``state``: the global state the graph was traced under (autocast, grad mode,
+        default dtype, function modes, default device): Dynamo's graph does not show it,
+        but AOTAutograd and the backend compile under it (autocast's casts), so a program
+        is shared only between traces under the same state.
         """
         from .backends.base import Compiled, Program
         from .store import Hit, make_key
 
         digest = graph_digest(gm, example_inputs)
-        key = make_key({"kind": "graph", "graph": digest, **self._factors})
+        key = make_key({"kind": "graph", "graph": digest, **self._factors,
+                        **({"state": dict(state)} if state else {})})
         if self._lock is not None and self.key is not None and key.digest != self.key.digest:
             self.finish()  # Dynamo restarted analysis and produced another graph
         self.key = key
