@@ -160,6 +160,7 @@ class TraceSession:
         self._compiled: Compiled | None = None
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
+        self._strings: set[str] = set()  # string constants of the traced code
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
         self._compile_seconds = 0.0
@@ -202,7 +203,8 @@ class TraceSession:
         arg_names = set(params[1:])
         portable, classes = guard_capture.translate(
             entries, arg_names=arg_names, tensor_dims=self._tensor_dims,
-            module_name=getattr(func, "__module__", "") or "", state=self._state)
+            module_name=getattr(func, "__module__", "") or "", state=self._state,
+            strings=self._strings)
         # The guards are checked here, before the graph runs, against the very call being
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
@@ -231,6 +233,7 @@ class TraceSession:
         t0 = time.perf_counter()
         self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
         self._traced = dynamo.traced_code_files() if self._capture else []
+        self._strings = dynamo.traced_code_strings() if self._capture else set()
 
         def compile_here() -> Compiled:
             # In a copy of the context: Dynamo builds the guards after the backend

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -40,6 +42,10 @@ _IN_GLOBAL_STATE = {"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "FSDP_TRAINING_STAT
 _AUTOGRAD_ONLY = {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
 _IDENTITY = {"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH",
              "NN_MODULE"}
+
+
+# An environment variable's name as the traced code might spell it (upper case by convention).
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{1,127}$")
 
 
 def reads_args(expr: str, arg_names: set[str]) -> bool:
@@ -66,6 +72,22 @@ class _Builder:
         self.out.append({"kind": kind, "expr": expr, "value": value,
                          "text": text or g.user_text(expr, self.module_name),
                          "args": reads_args(expr, self.arg_names)})
+
+    def unset_environment(self, strings: Iterable[str]) -> None:
+        """A variable the traced code read from the environment while it was unset.
+
+        Dynamo guards the value of a variable that is set (``os.environ._data[b'X'] ==
+        b'1'``) but nothing for one that is not: its lookup fails inside Dynamo's trace
+        and leaves no guard, so torch.compile in a process where it is set traces anew
+        while an entry made without it would hit. When the frame read the environment,
+        every string constant of the traced code that names an unset variable (upper case,
+        as variables are by convention) becomes a guard that it is still unset. A name
+        built at run time, or a lower-case one, is not seen."""
+        if not any("environ" in str(gd.get("expr", "")) for gd in self.out):
+            return
+        for name in sorted(s for s in strings if _ENV_NAME.match(s) and s not in os.environ):
+            self.add("expr", f"not ___environ_has({name!r})", None,
+                     f"environment variable {name} is unset")
 
     def ident(self, expr: str, value: Any, guard_type: str) -> None:
         ident = g.identity(value)
@@ -248,11 +270,13 @@ def concrete(dims: Sequence[Any]) -> list[int | None]:
 
 def translate(entries: Sequence[Any], *, arg_names: set[str],
               tensor_dims: Mapping[str, tuple[list[Any], list[Any]]], module_name: str,
-              state: Mapping[str, JSON]) -> tuple[list[g.GuardDict], set[type]]:
+              state: Mapping[str, JSON], strings: Iterable[str] = ()
+              ) -> tuple[list[g.GuardDict], set[type]]:
     b = _Builder(arg_names, tensor_dims, module_name, state)
     for e in dynamo.guard_entries(entries):
         b.entry(e)
     b.aliasing()
+    b.unset_environment(strings)
     return b.out, b.classes
 
 

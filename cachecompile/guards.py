@@ -35,6 +35,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import re
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -375,6 +376,9 @@ _EXPR_HELPERS: dict[str, Any] = {
     "___namedtuple_fields": lambda x: x._fields,
     "___dataclass_fields": dataclasses.fields,
     "__math_isnan": math.isnan,
+    # Whether an environment variable is set (guard_capture: variables read while unset).
+    "___environ_has": lambda name: name in os.environ,
+    "___environ_get": lambda name: os.environ.get(name),
 }
 
 
@@ -662,11 +666,18 @@ def describe(v: Any, kind: str, expected: Any = None) -> str:
 
 def _compared_operand(expr: str) -> str | None:
     """The left side of a one-operator comparison whose right side is a constant
-    (``x.n == 2`` -> ``x.n``), else None."""
+    (``x.n == 2`` -> ``x.n``), the variable's value for ``not ___environ_has('X')``,
+    else None."""
     try:
         tree = ast.parse(expr, mode="eval").body
     except SyntaxError:
         return None
+    if (isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not)
+            and isinstance(tree.operand, ast.Call)
+            and isinstance(tree.operand.func, ast.Name)
+            and tree.operand.func.id == "___environ_has"):
+        return ast.unparse(ast.Call(ast.Name("___environ_get", ast.Load()),
+                                    tree.operand.args, []))
     if (isinstance(tree, ast.Compare) and len(tree.ops) == 1
             and isinstance(tree.comparators[0], (ast.Constant, ast.UnaryOp))
             and not isinstance(tree.left, ast.Constant)):

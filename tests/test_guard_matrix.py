@@ -79,6 +79,15 @@ class GlobalFromEnv(Base):
         return self.lin(x) * SCALE
 
 
+class EnvReadWhileUnset(Base):
+    """an environment variable read in the method, unset when traced and set later"""
+    expect = "environment variable GM_FLAG is unset (got '1')"
+    def run(self, x):
+        if os.environ.get("GM_FLAG") == "1":
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
 class PrivateAttr(Base):
     expect = "self._k"
     def __init__(self):
@@ -341,8 +350,8 @@ class NamedTupleArgument(Base):
         return y + 1 if pos.scale > 2 else y - 1
 
 
-ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, PrivateAttr, DictValue,
-       ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
+ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, EnvReadWhileUnset, PrivateAttr,
+       DictValue, ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
        DtypeAttr, FunctionAttr, PartialKeywords, InstanceMethodPatched, ClassMethodPatched,
        UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, EqualSizesThenNot,
        ShapeBranch, TensorAttrReshaped, NonModuleTensorState, DecoratedMethod,
@@ -394,6 +403,7 @@ def _run(box: Sandbox, changed: bool) -> dict[str, dict]:
     env = {"GM_CHANGE": "1" if changed else "0"}
     if changed:
         env["GM_SCALE"] = "3.0"
+        env["GM_FLAG"] = "1"
     return box.run(DRIVER, **env).value
 
 
@@ -408,7 +418,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict
 
 
 CASE_NAMES = [
-    "OtherModuleConst", "GlobalReassigned", "GlobalFromEnv", "PrivateAttr", "DictValue",
+    "OtherModuleConst", "GlobalReassigned", "GlobalFromEnv", "EnvReadWhileUnset",
+    "PrivateAttr", "DictValue",
     "ListOfLists", "NamespaceConfig", "PlainObjectConfig", "DataclassConfig", "ClassAttr",
     "DtypeAttr", "FunctionAttr", "PartialKeywords", "InstanceMethodPatched",
     "ClassMethodPatched", "UnderAutocast", "UnderFunctionMode", "SubclassInput",

@@ -12,8 +12,10 @@ gets its own variant. What a process does when state changes *after* the first c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -153,3 +155,35 @@ def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: 
     assert [e[0] for e in warm.events][:2] == ["hit", "miss"], warm.events
     assert len(limit) == 2, limit  # the signature limit, then Dynamo's recompile limit
     assert "static variants" in limit[0] and "recompile limit" in limit[1], limit
+
+
+class ReadsEnv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if os.environ.get("CC_TEST_FLAG") == "1":
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_an_env_var_unset_at_trace_and_set_later_misses(tmp_path: Path, backend: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo leaves no guard for a variable its trace read while unset; the entry must
+    not hit once it is set (a process that loads the entry, torch.compile traced anew)."""
+    monkeypatch.delenv("CC_TEST_FLAG", raising=False)
+    d = tmp_path / "cc"
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        m = ReadsEnv().eval()
+        cache_compile(m.run, backend=backend, cache_dir=d)(x)
+        monkeypatch.setenv("CC_TEST_FLAG", "1")
+        warm = cache_compile(ReadsEnv().eval().run, backend=backend, cache_dir=d)
+        assert torch.allclose(warm(x), m.run(x)) and torch.allclose(warm(x), m.lin(x) * 2)
+        monkeypatch.delenv("CC_TEST_FLAG")
+        again = cache_compile(ReadsEnv().eval().run, backend=backend, cache_dir=d)
+        assert torch.allclose(again(x), m.lin(x))
+    assert [e[0] for e in warm.events] == ["miss"] and [e[0] for e in again.events] == ["hit"]

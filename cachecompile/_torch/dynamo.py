@@ -36,6 +36,23 @@ def traced_code_files() -> list[str]:
     return [code.co_filename for code in get_traced_code() or ()]
 
 
+def traced_code_strings() -> set[str]:
+    """The string constants of every code object Dynamo traced, nested code included
+    (inside the tracing context only)."""
+    from torch._dynamo.utils import get_traced_code
+
+    out: set[str] = set()
+    stack = list(get_traced_code() or ())
+    while stack:
+        code = stack.pop()
+        for const in code.co_consts:
+            if isinstance(const, str):
+                out.add(const)
+            elif isinstance(const, types.CodeType):
+                stack.append(const)
+    return out
+
+
 def last_guard_failure(code: types.CodeType) -> str | None:
     """Why Dynamo's last guard check on ``code``'s cache failed (it recompiled), if known."""
     from torch._dynamo.utils import guard_failures
