@@ -30,6 +30,6 @@ for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
   if [ "$nv" != "${NPU_FULL:-2.14.0}" ]; then
     npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read)')
   fi
-  python -m pytest tests_npu -q -p no:cacheprovider -n logical --durations=10 -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
+  python -m pytest tests_npu -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
   leave_tier_venv "$venv" $? "Ascend tier (torch-npu $nv)" || exit $?
 done

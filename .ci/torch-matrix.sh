@@ -44,7 +44,7 @@ for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
     echo "pip install -e . changed torch $tv into $got" >&2
     exit 1
   fi
-  python -m pytest -q -p no:cacheprovider -n logical --durations=10 "${SUBSET[@]}"
+  python -m pytest -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 "${SUBSET[@]}"
   leave_tier_venv "$venv" $? "torch $tv"
   rc=$?
   [ "$rc" -eq 5 ] && exit 1

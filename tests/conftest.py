@@ -34,7 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest tests first, then the other slow ones, then the rest (stable otherwise):
     # pytest-xdist hands tests out in this order, so the long process-heavy ones start
     # early and the quick ones fill the gaps, instead of the longest running last on one
-    # core while the other waits.
+    # core while the other waits. This needs --maxschedchunk=1 (the README's command):
+    # xdist's default first batch is a quarter of each worker's share, which would give
+    # every one of the longest tests to the first worker.
     items.sort(key=lambda item: (item.get_closest_marker("longest") is None,
                                  item.get_closest_marker("slow") is None))
 
