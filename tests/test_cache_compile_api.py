@@ -299,37 +299,27 @@ def test_autocast_after_a_compile_gets_its_own_program_on_inductor(cache_dir: Pa
     program (float32 out, published as the autocast variant: a wrong hit in every later
     process). Both variants must give torch.compile's result, in this process and after
     loading."""
-
-    class Lin(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = nn.Linear(8, 8)
-
-        def run(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 4)
     auto = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
     with torch.no_grad():
-        plain = torch.compile(Lin().run, fullgraph=True)
+        plain = torch.compile(Small().run, fullgraph=True)
         want = plain(x)
         with auto():
             want_auto = plain(x)
         assert want_auto.dtype is torch.bfloat16
-        cold = cache_compile(Lin().run, cache_dir=cache_dir)
+        cold = cache_compile(Small().run, cache_dir=cache_dir)
         assert torch.equal(cold(x), want)
         with auto():
             got = cold(x)
         assert got.dtype is torch.bfloat16 and torch.equal(got, want_auto)
         # A process that loaded the plain entry: the autocast call misses and compiles;
         # Dynamo's graph is the plain one's, the program must not be.
-        warm = cache_compile(Lin().run, cache_dir=cache_dir)
+        warm = cache_compile(Small().run, cache_dir=cache_dir)
         with auto():
             got = warm(x)
         assert got.dtype is torch.bfloat16 and torch.equal(got, want_auto)
         # A later process checking every guard hits each variant with its own program.
-        later = cache_compile(Lin().run, cache_dir=cache_dir, guards="always")
+        later = cache_compile(Small().run, cache_dir=cache_dir, guards="always")
         with auto():
             got = later(x)
         assert got.dtype is torch.bfloat16 and torch.equal(got, want_auto)

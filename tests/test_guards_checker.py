@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 import pytest
+import tiny
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -216,19 +217,10 @@ def test_a_global_state_miss_names_the_setting(tmp_path: Any,
 
     from cachecompile import cache_compile
 
-    class Lin(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = nn.Linear(4, 4)
-
-        def run(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
     x = torch.randn(2, 4)
     with torch.no_grad():
-        cache_compile(Lin().eval().run, backend="aot_eager", cache_dir=tmp_path)(x)
-        warm = cache_compile(Lin().eval().run, backend="aot_eager", cache_dir=tmp_path)
+        cache_compile(tiny.Small().eval().run, backend="aot_eager", cache_dir=tmp_path)(x)
+        warm = cache_compile(tiny.Small().eval().run, backend="aot_eager", cache_dir=tmp_path)
         with caplog.at_level(logging.INFO, logger="cachecompile"), \
                 torch.autocast("cpu", dtype=torch.bfloat16):
             warm(x)

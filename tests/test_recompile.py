@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from torch import nn
 
@@ -106,11 +107,9 @@ class _Counter:
         self.n = 0
 
 
-class Stepper(nn.Module):
+class Stepper(tiny.Small):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 4)
         self.state = _Counter()
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,12 +156,7 @@ def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: 
     assert "static variants" in limit[0] and "recompile limit" in limit[1], limit
 
 
-class ReadsEnv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 4)
-
+class ReadsEnv(tiny.Small):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if os.environ.get("CC_TEST_FLAG") == "1":
             return self.lin(x) * 2
