@@ -182,7 +182,7 @@ class CachedFunction:
         self._runners: dict[Signature, list[_Variant]] = {}
         self._base: dict[str, Any] | None = None
         self._fallback: Any = None
-        self._limit_hit_warned = False  # the live fallback passed Dynamo's recompile limit
+        self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._limit_warned = False
         self._pins: list[Any] = []
         self._lock = threading.RLock()
