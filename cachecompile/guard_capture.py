@@ -48,6 +48,11 @@ _IDENTITY = {"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILT
 _ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{1,127}$")
 
 
+def _dims(values: Sequence[int | None]) -> str:
+    """``[2, None]`` -> ``2,*`` (``*``: a dimension Dynamo made symbolic)."""
+    return ",".join("*" if v is None else str(v) for v in values)
+
+
 def reads_args(expr: str, arg_names: set[str]) -> bool:
     return any(m.group(1) in arg_names for m in g.LOCAL_RE.finditer(expr))
 
@@ -214,13 +219,12 @@ class _Builder:
         sizes, strides = (concrete(dims[0]), concrete(dims[1])) if dims else (None, None)
         facts = g.tensor_facts(value, sizes, strides)
         self.tensors.append((expr, value))
-        shape = ",".join("*" if s is None else str(s) for s in facts["sizes"])
         # The strides are in the text (where Dynamo checks them): two entries that differ
         # only in them must not read the same in a miss line or in `cachectl explain`.
-        stride_text = ",".join("*" if s is None else str(s) for s in facts["strides"])
         self.add("tensor", expr, facts, f"{g.user_text(expr, self.module_name)} is a "
-                 f"{facts['dtype']}[{shape}] {facts['type']['qual'].rsplit('.', 1)[-1]} on "
-                 f"{facts['device']}, strides [{stride_text}]")
+                 f"{facts['dtype']}[{_dims(facts['sizes'])}] "
+                 f"{facts['type']['qual'].rsplit('.', 1)[-1]} on {facts['device']}, "
+                 f"strides [{_dims(facts['strides'])}]")
 
     def fallback(self, e: GuardEntry, why: str) -> NoReturn:
         raise UnsupportedProgramError(

@@ -687,7 +687,8 @@ def _compared_operand(expr: str) -> str | None:
 
 def _tensor_differences(t: torch.Tensor, facts: Any) -> list[str]:
     """Which of a tensor guard's facts the call's tensor does not have, each with both
-    values (``strides [1, 1], the entry's [8, 1]``)."""
+    values (``strides [1, 1], the entry's [8, 1]``). The twin of :func:`_tensor_check`'s
+    closure, which stays a bare bool on the hot path; this one runs only on a miss."""
     if not isinstance(facts, Mapping):
         return []
     out: list[str] = []

@@ -360,6 +360,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _timer_median(runs: list[Run], field: str, name: str) -> float | None:
+    """The median of one timer (``torch_phases`` or ``cold_phases``) over the runs."""
+    return _median([r.result[field][name] for r in runs if name in r.result.get(field, {})])
+
+
 def profile_markdown(rows: list[Row], runs: int) -> str:
     """Medians per mechanism, median per-pair ratios, and the phases of both."""
     out: list[str] = []
@@ -386,10 +391,8 @@ def profile_markdown(rows: list[Row], runs: int) -> str:
             out.append("| timer | torch.compile | cache_compile |")
             out.append("|---|---|---|")
             for k in names:
-                a = _median([r.result["torch_phases"][k] for r in tc.runs
-                             if k in r.result.get("torch_phases", {})])
-                b = _median([r.result["torch_phases"][k] for r in cc.runs
-                             if k in r.result.get("torch_phases", {})])
+                a = _timer_median(tc.runs, "torch_phases", k)
+                b = _timer_median(cc.runs, "torch_phases", k)
                 if max(a or 0.0, b or 0.0) >= 0.1:
                     out.append(f"| {k} | {_s(a)} | {_s(b)} |")
             out.append("")
@@ -400,9 +403,7 @@ def profile_markdown(rows: list[Row], runs: int) -> str:
             out.append("| phase | s |")
             out.append("|---|---|")
             for k in phases:
-                v = _median([r.result["cold_phases"][k] for r in cc.runs
-                             if k in r.result.get("cold_phases", {})])
-                out.append(f"| {k} | {_s(v)} |")
+                out.append(f"| {k} | {_s(_timer_median(cc.runs, 'cold_phases', k))} |")
             out.append("")
     return "\n".join(out)
 

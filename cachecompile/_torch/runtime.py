@@ -76,7 +76,7 @@ def global_state_difference(state: str) -> str | None:
             diffs.append(f"{path} {b}, the entry's {a}")
 
     walk("", then, current)
-    return "; ".join(([named] if named else []) + diffs) or named or "a global setting changed"
+    return "; ".join(([named] if named else []) + diffs) or "a global setting changed"
 
 
 def function_modes() -> list[Any]:
