@@ -155,6 +155,15 @@ class _Probe:
     rejected: list[str] = dataclasses.field(default_factory=list)  # why each variant did not fit
     # Operators an entry's program calls that this process has not registered.
     missing_ops: list[str] = dataclasses.field(default_factory=list)
+    # Why the first entry there did not serve (``cachectl stats`` counts misses by it):
+    # guard, stale, format, operator, unloadable, corrupt, insecure; None: no entry.
+    kind: str | None = None
+    guard: str | None = None           # with kind "guard": what the failing guard is about
+
+    def reject(self, kind: str, why: str) -> None:
+        self.rejected.append(why)
+        if self.kind is None:
+            self.kind = kind
 
 
 class CachedFunction:
@@ -311,6 +320,7 @@ class CachedFunction:
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
             return probe.runner.run(*args, **kwargs)
         if probe.missing_ops:
+            self._record_miss(st, probe)
             # The entry is there; this process lacks what its program calls. Compiling
             # and publishing another one would not help the next process either.
             self._fault(f"{self.__qualname__} [{describe(sig)}]: the cached program calls "
@@ -319,8 +329,14 @@ class CachedFunction:
                         "before the first call); it runs with a live compile")
             return self._run_live(sig, args, kwargs, "custom operator not registered")
         early["lookup"] = time.perf_counter() - t0 - early["key"]
-        why = ("; ".join(probe.rejected[:3]) if probe.rejected
-               else "no entry" + self._nearest(st, frame))
+        if probe.rejected:
+            why = "; ".join(probe.rejected[:3])
+            self._record_miss(st, probe)
+        else:
+            near, differ = self._nearest(st, frame, sig)
+            why = "no entry" + near
+            # A miss for want of a key is counted by what set the nearest entry apart.
+            self._safe(lambda: st.record_miss("absent", ", ".join(differ[:3]) or None))
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
@@ -330,6 +346,13 @@ class CachedFunction:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         early["torch_imports"] = time.perf_counter() - t1
         return self._compile(st, frame, sig, args, kwargs, early)
+
+    def _record_miss(self, st: LocalStorage, probe: _Probe) -> None:
+        """Count this lookup's miss once, by why the first entry there did not serve
+        (the caller counts a lookup that found no entry, with :meth:`_nearest`)."""
+        kind = probe.kind or "absent"
+        # A failing guard is counted by what it is about (bounded by the code, not values).
+        self._safe(lambda: st.record_miss(kind, probe.guard if kind == "guard" else None))
 
     def _variant_key(self, frame: Key, i: int) -> Key:
         return make_key({**frame.factors, "variant": i})
@@ -347,9 +370,10 @@ class CachedFunction:
                 # first gap (a gap left by eviction is refilled by the next publish).
                 out.free = i if out.free is None else out.free
                 return out
-            except _Vacated:
+            except _Vacated as v:
                 # Quarantined by the store just now (it warned once): refill this index.
                 out.free = i if out.free is None else out.free
+                out.kind = out.kind or str(v)
                 continue
             except (StoreError, OSError) as e:
                 self._fault(f"looking up {key.digest[:12]} failed ({e})")
@@ -358,15 +382,16 @@ class CachedFunction:
                 continue  # unusable (corrupt, insecure): the store said why
             try:
                 runner = self._try_variant(st, key, meta, args, kwargs, out)
-            except _Vacated:
+            except _Vacated as v:
                 # Quarantined or removed just now: the next publish refills this index.
                 out.free = i if out.free is None else out.free
+                out.kind = out.kind or str(v) or "absent"
                 continue
             except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
                 logger.debug("loading entry failed", exc_info=True)
                 self._fault(f"entry {key.digest[:12]} could not be loaded "
                             f"({type(e).__name__}: {e}); it is removed and recompiled")
-                self._safe(lambda: st.record_miss("unloadable"))
+                out.kind = out.kind or "unloadable"
                 self._safe(functools.partial(st.delete, key))
                 out.free = i if out.free is None else out.free
                 return out
@@ -392,7 +417,7 @@ class CachedFunction:
         if outcome.kind == "absent":
             raise _Absent()
         if outcome.kind in ("corrupt", "insecure"):
-            raise _Vacated()
+            raise _Vacated(outcome.kind)
         self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
 
@@ -400,8 +425,8 @@ class CachedFunction:
                      kwargs: dict[str, Any], out: _Probe) -> _Variant | None:
         name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
         if meta.get("format") != factors_mod.FORMAT_VERSION or meta.get("adapter") != self._adapter.name:
-            out.rejected.append(f"{name}: format {meta.get('format')!r} / adapter "
-                                f"{meta.get('adapter')!r} does not fit")
+            out.reject("format", f"{name}: format {meta.get('format')!r} / adapter "
+                                 f"{meta.get('adapter')!r} does not fit")
             return None
         changed = deps_mod.changed(meta.get("deps", {}))
         if changed:
@@ -409,14 +434,13 @@ class CachedFunction:
             # match it. Publishing reclaims stale variants when the chain is full.
             logger.info("cachecompile stale %s %s: source changed: %s", self.__qualname__,
                         name, ", ".join(changed[:3]))
-            out.rejected.append(f"{name}: source changed ({', '.join(changed[:3])})")
-            self._safe(lambda: st.record_miss("stale"))
+            out.reject("stale", f"{name}: source changed ({', '.join(changed[:3])})")
             return None
         missing = passes_mod.missing_operators((meta.get("program") or {}).get("operators") or ())
         if missing:
             logger.info("cachecompile %s %s: its program calls %s, not registered here",
                         self.__qualname__, name, ", ".join(missing))
-            out.rejected.append(f"{name}: operator {', '.join(missing)} is not registered")
+            out.reject("operator", f"{name}: operator {', '.join(missing)} is not registered")
             out.missing_ops.extend(m for m in missing if m not in out.missing_ops)
             return None
         func = self._method.__func__
@@ -426,14 +450,16 @@ class CachedFunction:
             every_call=self._guard_mode == "always")
         if not checker.full(self._module, *args, **kwargs):
             reason = checker.explain(self._module, *args, **kwargs) or "a guard failed"
-            out.rejected.append(f"{name}: guard failed: {reason}")
+            if out.kind is None:
+                out.guard = checker.subject(self._module, *args, **kwargs)
+            out.reject("guard", f"{name}: guard failed: {reason}")
             return None
         outcome = st.get(key)
         if not isinstance(outcome, Hit):
             if outcome.kind != "absent":
                 self._fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
             out.rejected.append(f"{name}: {outcome.reason}")
-            raise _Vacated()
+            raise _Vacated(outcome.kind)
         entry = outcome.entry
         compiled_fn = self._adapter.load(entry.files, entry.meta["program"])
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
@@ -658,22 +684,27 @@ class CachedFunction:
     def _key(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))
 
-    def _nearest(self, st: LocalStorage, key: Key) -> str:
-        """' (nearest entry differs in: a, b)' for the miss log line."""
+    def _nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
+        """' (nearest entry differs in: a, b)' for the miss log line, and those factors.
+        Where the signature differs, both are shown: a stride, a size, an int's value."""
         try:
             near = explain.nearest(st, key.factors,
                                    {"model": type(self._method.__self__).__qualname__,
                                     "function": self._method.__name__},
                                    limit=NEAREST_CANDIDATES)
+            theirs = (str(st.manifest(near.key)["labels"].get("signature", "?"))
+                      if near is not None and "signature" in near.differ else None)
         except Exception:  # noqa: BLE001 - explaining a miss must never fail the call
             logger.debug("explaining a miss failed", exc_info=True)
-            return ""
+            return "", []
         if near is None:
-            return ""
+            return "", []
         names = near.differ[:NEAREST_NAMES]
         more = len(near.differ) - len(names)
-        return (f" (nearest entry differs in: {', '.join(names) or 'nothing?'}"
-                f"{f' and {more} more' if more > 0 else ''})")
+        shown = [f"signature (the entry's [{theirs}], this call's [{describe(sig)}])"
+                 if n == "signature" and theirs is not None else n for n in names]
+        return (f" (nearest entry differs in: {', '.join(shown) or 'nothing?'}"
+                f"{f' and {more} more' if more > 0 else ''})", list(near.differ))
 
     # -- helpers ----------------------------------------------------------------------
     def _fault(self, message: str) -> None:

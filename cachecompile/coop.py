@@ -31,6 +31,7 @@ from ._torch import dynamo
 from .poll import poll
 from .store.config import env_float, env_int
 from .store.errors import LockTimeout, StoreError
+from .store.index import GRAPH_SCOPE
 from .store.protocol import LocalStorage, Locking
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,8 @@ class GraphShare:
                 return compile_fn()
         try:
             outcome = self._st.get(self.key)
+            if not isinstance(outcome, Hit):
+                self._st.record_miss(GRAPH_SCOPE + outcome.kind)
         except (StoreError, OSError):
             outcome = None
         if isinstance(outcome, Hit):

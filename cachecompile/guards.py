@@ -387,10 +387,14 @@ class Checker:
     """The compiled guard functions of one entry, bound to the live method."""
 
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
-                 explain: Callable[..., str | None], n_guards: int, n_per_call: int) -> None:
+                 explain: Callable[..., str | None], n_guards: int, n_per_call: int,
+                 subject: Callable[..., str | None] | None = None) -> None:
         self.per_call = per_call
         self.full = full
         self.explain = explain
+        # What the first failing guard is about (``input_ids``, ``self.n``, ``global
+        # state``): bounded by the code, not the values, so counters can be kept per subject.
+        self.subject = subject or (lambda *a, **k: None)
         self.n_guards = n_guards
         self.n_per_call = n_per_call
 
@@ -578,8 +582,21 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             got = "the expression could not be read"
         return f"{text} (got {got})"
 
+    def subject(*args: Any, **kwargs: Any) -> str | None:
+        i = first_failure(*args, **kwargs)
+        if i < 0:
+            return None if i == -1 else "a guard that raised"
+        g = guards_by_index[i]
+        kind = str(g.get("kind"))
+        if kind in ("global_state", "modes", "default_device"):
+            return kind.replace("_", " ")
+        expr = str(g.get("expr") or "")
+        if kind == "expr":
+            expr = _compared_operand(expr) or expr
+        return user_text(expr) or kind
+
     return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
-                   n_guards=len(conds), n_per_call=len(per))
+                   n_guards=len(conds), n_per_call=len(per), subject=subject)
 
 
 class _PathSharer(ast.NodeTransformer):

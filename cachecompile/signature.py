@@ -5,10 +5,15 @@ entry (:mod:`cachecompile.guards`) decide whether an entry fits; the signature o
 groups calls that can share entries and names the group in logs and labels.
 
 * Tensors: class (when not a plain Tensor / Parameter), dtype, device, rank, inference
-  flag, contiguity, and either the exact shape (``dynamic=False``) or each dimension's
+  flag, layout, and either the exact shape (``dynamic=False``) or each dimension's
   size class 0 / 1 / many (``dynamic=True``: Dynamo specialises sizes 0 and 1 even for
-  dynamic dims). Storage offset and strides are left to the guards (and to Inductor's
-  own alignment copy), as Dynamo does. Dynamo's marks on the tensor (``mark_dynamic``,
+  dynamic dims). The layout is ``True`` for a tensor with the strides a fresh tensor of
+  its shape has; otherwise, with ``dynamic=False``, its exact strides (Dynamo's tensor
+  guard checks them, so a slice ``x[:, :1]`` with strides ``[8, 1]`` and a fresh
+  ``[1, 1]`` tensor miss each other: they must not print, nor build, as one signature);
+  with ``dynamic=True``, ``is_contiguous()`` (exact strides when every size is 0 or 1,
+  which Dynamo specialises). Storage offset is left to the guards (and
+  to Inductor's own alignment copy), as Dynamo does. Dynamo's marks on the tensor (``mark_dynamic``,
   ``maybe_mark_dynamic``, ``mark_static``, ``mark_unbacked``, ``mark_static_address``)
   are part of it, and decide per dim between exact size and size class as they decide
   between static and symbolic in Dynamo.
@@ -42,6 +47,27 @@ def _size_class(n: int) -> int:
     return n if n < 2 else -1
 
 
+def _standard_strides(shape: torch.Size) -> tuple[int, ...]:
+    out: list[int] = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _layout(t: torch.Tensor, dynamic: bool) -> bool | tuple[int, ...]:
+    """True for a fresh tensor's strides; else the strides (static) or contiguity."""
+    contiguous = t.is_contiguous()
+    shape = t.shape
+    if contiguous and 1 not in shape and 0 not in shape:
+        return True  # contiguous with no size-1 dim: the strides are the standard ones
+    if dynamic and any(n > 1 for n in shape):
+        return contiguous  # symbolic dims: Dynamo's stride guards are symbolic too
+    strides = tuple(t.stride())
+    return True if strides == _standard_strides(shape) else strides
+
+
 def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
     shape = t.shape
     marks = runtime.dim_marks(t)
@@ -57,7 +83,7 @@ def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
         sizes = tuple(_size_class(s) if i in dyn or (dynamic and i not in static) else s
                       for i, s in enumerate(shape))
     cls = type(t)
-    sig = ("T", t.dtype, t.device, sizes, t.is_contiguous(), t.is_inference(),
+    sig = ("T", t.dtype, t.device, sizes, _layout(t, dynamic), t.is_inference(),
            None if cls in _PLAIN_TENSORS else f"{cls.__module__}.{cls.__qualname__}")
     # The marks are an 8th item only when present: unmarked tensors keep their keys.
     return sig if marks is None else (*sig, marks)
@@ -137,9 +163,12 @@ def describe(sig: Signature) -> str:
 
 def _describe_one(v: Any) -> str:
     if isinstance(v, tuple) and v and v[0] == "T":
-        _, dtype, device, sizes, contiguous, _inf, cls = v[:7]
+        _, dtype, device, sizes, layout, _inf, cls = v[:7]
         dims = ",".join("n" if s == -1 else str(s) for s in sizes)
-        extra = "" if contiguous else " strided"
+        if isinstance(layout, (tuple, list)):
+            extra = " strides[" + ",".join(str(s) for s in layout) + "]"
+        else:
+            extra = "" if layout else " strided"
         extra += f" {cls.rsplit('.', 1)[-1]}" if cls else ""
         if len(v) > 7:
             extra += " marked " + ",".join(f"{label}{list(val) if isinstance(val, tuple) else val}"

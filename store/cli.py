@@ -386,6 +386,19 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
                   if len(gone) < len(goes) else ""))
 
 
+# What each miss kind means, as `cachectl stats` prints it.
+_MISS_KINDS = {
+    "absent": "no entry for the call's key",
+    "guard": "an entry was there; a guard failed",
+    "stale": "the entry's source files changed",
+    "corrupt": "the entry failed its checksums",
+    "insecure": "the entry's files are not trusted",
+    "unloadable": "the entry did not load",
+    "operator": "the program calls an operator not registered",
+    "format": "another format or backend",
+}
+
+
 @cli.command("stats")
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True)
@@ -395,6 +408,9 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     st = _open(cache_dir)
     if zero:
         st.local.zero_stats()
+        if st.readonly and not as_json:
+            click.echo("read-only store: zeroed the counters of read-only processes; the "
+                       "store's own counters stay", err=True)
     s = st.stats()  # with a remote tier behind the store, it names the remote too
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
@@ -410,13 +426,24 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
                       + (f", {human_size(s['logical_bytes'])} logical"
                          if s.get("logical_bytes", s["bytes"]) != s["bytes"] else ""))
     total_misses = sum(s["misses"].values())
-    lookups = s["hits"] + s["misses"].get("absent", 0)
+    lookups = s["hits"] + total_misses  # each miss is one lookup that found nothing to use
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
     t.add_row("  local", str(s["hits_local"]))
     t.add_row("  remote", str(s["hits_remote"]))
     t.add_row("misses", str(total_misses))
+    about = s.get("misses_about") or {}
     for kind, n in sorted(s["misses"].items()):
-        t.add_row(f"  {kind}", str(n))
+        t.add_row(f"  {kind}", str(n) + f"  ({_MISS_KINDS.get(kind, kind)})")
+        # What the misses were about (which guard failed), the most frequent first.
+        subjects = sorted((about.get(kind) or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        for subject, m in subjects[:10]:
+            t.add_row(escape(f"    {subject}"), str(m))
+        if len(subjects) > 10:
+            t.add_row(f"    ... {len(subjects) - 10} more", "")
+    ro = s.get("readonly_processes") or {}
+    if ro.get("hits") or ro.get("misses"):
+        t.add_row("read-only processes", f"{ro['hits']} hits, {ro['misses']} misses "
+                                         "(counted above)")
     g = s.get("shared_graphs") or {}
     if g.get("entries") or g.get("hits") or g.get("misses"):
         # Internal entries (ls --graphs): counted apart so the numbers above match ls.

@@ -25,7 +25,7 @@ from typing import Any
 from . import errors, maintenance, pins, publishing, verification
 from .blobs import blob_map
 from .fsutil import FULL_ERRNOS
-from .index import Index, counter_scope
+from .index import Index, counter_scope, miss_counters
 from .keys import Key, digest_of
 from .layout import FORMAT_DIR, MANIFEST, Layout
 from .manifest import check_names, validate_name
@@ -107,7 +107,11 @@ class Store:
             return Miss(reason=b.reason, kind=b.kind)
 
     def get(self, key: Key | str) -> Hit | Miss:
-        """Look up and verify an entry; record the hit or miss; quarantine a bad entry."""
+        """Look up and verify an entry; record the hit; quarantine a bad entry.
+
+        A miss is not counted here: one user lookup may probe several keys (a frame's
+        variants, a remote tier behind this one), and only the caller knows what the
+        lookup came to. It says so once, with :meth:`record_miss`."""
         digest = digest_of(key)
         try:
             entry = verification.inspect(self.layout, digest)
@@ -118,7 +122,6 @@ class Store:
                 logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
                 self.count("corruptions")
                 self.quarantine(digest, b.reason)
-            self.count(f"{counter_scope(key)}miss:{b.kind}")
             return Miss(reason=b.reason, kind=b.kind)
         counter = counter_scope(key, entry.labels) + "hits"
         self.index.safely(
@@ -176,9 +179,13 @@ class Store:
         """Move an index counter (see cachecompile.store.index); never fails the caller."""
         self.index.safely(counter, lambda: self.index.incr(counter, delta))
 
-    def record_miss(self, kind: str) -> None:
-        """Count a miss of the user's (the integration layer's ``stale``, ``unloadable``...)."""
-        self.count(f"miss:{kind}")
+    def record_miss(self, kind: str, about: str | None = None) -> None:
+        """Count the outcome of one lookup that found nothing to use: ``absent``, ``guard``
+        (an entry was there, its guards did not hold), ``stale``, ``corrupt``...; a kind
+        ``graph:<kind>`` counts a shared graph's (see :func:`counter_scope`). ``about``
+        (the failing guard's subject, ``input_ids``) is counted too, under ``about:``."""
+        for counter in miss_counters(kind, about):
+            self.count(counter)
 
     # -- publish and remove --------------------------------------------------------------
     def put(
@@ -300,7 +307,7 @@ class Store:
                 "readonly": self.readonly}
 
     def zero_stats(self) -> None:
-        maintenance.zero_stats(self.index)
+        maintenance.zero_stats(self.layout, self.index)
 
     def close(self) -> None:
         self.index.close()

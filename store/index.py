@@ -6,7 +6,9 @@ dict (size, dates, hits, labels, and ``blobs``: content checksum -> size, so tha
 counts shared content once without reading every manifest); counters are
 ``"c:<name>"`` -> int.
 
-Counters: ``hits``, ``miss:<kind>``, ``publishes``, ``evictions``, ``corruptions``,
+Counters: ``hits``, ``miss:<kind>`` (one per lookup that found nothing to use, counted
+by its caller), ``about:<kind>:<subject>`` (what such misses were about, e.g. the guard
+that failed), ``publishes``, ``evictions``, ``corruptions``,
 ``hits:remote`` (hits a remote tier served by a download, counted in ``hits`` too) and
 ``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
 (see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
@@ -41,6 +43,19 @@ _C = "c:"
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
+
+
+ABOUT = "about:"   # counters of what misses were about: about:<kind>:<subject>
+
+
+def miss_counters(kind: str, about: str | None = None) -> list[str]:
+    """The counters one missed lookup moves (see ``record_miss``)."""
+    if kind.startswith(GRAPH_SCOPE):
+        return [f"{GRAPH_SCOPE}miss:{kind[len(GRAPH_SCOPE):]}"]
+    out = [f"miss:{kind}"]
+    if about:
+        out.append(f"{ABOUT}{kind}:{about}"[:200])
+    return out
 
 
 def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> str:

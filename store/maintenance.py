@@ -17,9 +17,10 @@ from typing import Any
 from . import errors
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
-from .index import GRAPH_SCOPE, REMOTE_HITS, Index
+from .index import ABOUT, GRAPH_SCOPE, REMOTE_HITS, Index
 from .keys import digest_of, is_digest
 from .layout import Layout
+from .metrics import merge, read_counters, remove_counters
 from .outcomes import EntryInfo, GcReport, VerifyReport
 from .pins import lock, pinned
 from .policy import (
@@ -255,8 +256,15 @@ def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
     the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
     ``hits``, ``hits_remote`` were served by a download from a remote tier."""
     infos, blobs = listing(layout, index, with_blobs=True)
-    counters = index.safely("counters", index.counters) or {}
+    # The index's counters, plus those of read-only processes (their counters files).
+    readers = read_counters(layout.root)
+    counters = merge(index.safely("counters", index.counters) or {}, readers)
     misses = {k[5:]: v for k, v in counters.items() if k.startswith("miss:")}
+    about: dict[str, dict[str, int]] = {}
+    for k, v in counters.items():
+        if k.startswith(ABOUT):
+            kind, _, subject = k[len(ABOUT):].partition(":")
+            about.setdefault(kind, {})[subject] = v
     graph_miss = GRAPH_SCOPE + "miss:"
     graph_misses = {k[len(graph_miss):]: v for k, v in counters.items()
                     if k.startswith(graph_miss)}
@@ -277,6 +285,7 @@ def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
         "hits_local": max(hits - remote, 0),
         "hits_remote": remote,
         "misses": misses,
+        "misses_about": about,   # {"guard": {"input_ids": 3}}: what the misses were about
         "shared_graphs": {"entries": graphs,
                           "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
                           "misses": graph_misses},
@@ -284,11 +293,17 @@ def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
         "evictions": int(counters.get("evictions", 0)),
         "corruptions": int(counters.get("corruptions", 0)),
         "quarantined": quarantined,
+        # Of the counts above, what read-only processes recorded (metrics.stats_dir).
+        "readonly_processes": {"hits": int(readers.get("hits", 0)),
+                               "misses": sum(v for k, v in readers.items()
+                                             if k.startswith("miss:"))},
     }
 
 
-def zero_stats(index: Index) -> None:
-    """Reset the counters, keeping ``bytes`` (the running size gc depends on)."""
+def zero_stats(layout: Layout, index: Index) -> None:
+    """Reset the counters, keeping ``bytes`` (the running size gc depends on), and remove
+    the read-only processes' counters files."""
     keep = index.counter("bytes")
     index.zero()
     index.incr("bytes", keep)
+    remove_counters(layout.root)

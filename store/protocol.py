@@ -75,8 +75,9 @@ class Catalog(Protocol):
 
     def find(self, **labels: Any) -> list[EntryInfo]: ...
 
-    def record_miss(self, kind: str) -> None:
-        """Count a miss the caller decided on (``stale``, ``unloadable``...)."""
+    def record_miss(self, kind: str, about: str | None = None) -> None:
+        """Count one lookup that found nothing to use, by ``kind`` (``absent``, ``guard``,
+        ``stale``...) and, where given, what it was about (the failing guard's subject)."""
         ...
 
 

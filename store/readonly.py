@@ -1,6 +1,8 @@
-"""Read-only access as a wrapper: lookups pass through without side effects;
-every write raises :class:`~cachecompile.store.errors.ReadOnlyStoreError`, and publishing
-logs one warning per store so that a read-only cache never floods the log."""
+"""Read-only access as a wrapper: lookups pass through without side effects on the
+store; every write raises :class:`~cachecompile.store.errors.ReadOnlyStoreError`, and
+publishing logs one warning per store so that a read-only cache never floods the log.
+Hits and misses are counted in this process's counters file
+(:mod:`cachecompile.store.metrics`), which ``cachectl stats`` reads."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Any
 
 from .disk import Store
 from .errors import ReadOnlyStoreError
+from .index import counter_scope, miss_counters
 from .keys import Key
+from .metrics import ProcessCounters, remove_counters
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 from .protocol import FileSource
 from .wrapper import Wrapper
@@ -25,9 +29,10 @@ __all__ = ["ReadOnlyStore"]
 class ReadOnlyStore(Wrapper[Store]):
     """Wraps a :class:`Store`; lookups only. ``why`` says why it is read-only.
 
-    What it changes: ``get`` is the inner store's ``peek`` (recording a hit or
-    quarantining a bad entry would write); counters, locks and pins do nothing; every
-    write is refused. ``cachectl``'s reads (``stats``, ``verify``, a purge's plan) pass
+    What it changes: ``get`` is the inner store's ``peek`` (recording a hit in the index
+    or quarantining a bad entry would write); counters go to this process's counters
+    file (the index may not be written); locks and pins do nothing; every write is
+    refused. ``cachectl``'s reads (``stats``, ``verify``, a purge's plan) pass
     through; its writes are refused.
     """
 
@@ -35,6 +40,7 @@ class ReadOnlyStore(Wrapper[Store]):
         super().__init__(inner)
         self.why = why
         self._warned = False
+        self.counters = ProcessCounters(inner.root)
 
     def __repr__(self) -> str:
         return f"ReadOnlyStore({self.inner!r}, why={self.why!r})"
@@ -56,15 +62,19 @@ class ReadOnlyStore(Wrapper[Store]):
         """The error a write ``what`` ("purge entries"...) raises; says why it is read-only."""
         return ReadOnlyStoreError(f"cannot {what}: cache {self.root} is read-only ({self.why})")
 
-    # -- reads: no hit recording, no quarantine, no counters (all would write) -----------
+    # -- reads: no hit recording in the index, no quarantine (both would write) ----------
     def get(self, key: Key | str) -> Hit | Miss:
-        return self.inner.peek(key)
+        outcome = self.inner.peek(key)
+        if isinstance(outcome, Hit):
+            self.count(counter_scope(key, outcome.entry.labels) + "hits")
+        return outcome
 
-    def record_miss(self, kind: str) -> None:
-        pass  # counters live in the index, which we may not write
+    def record_miss(self, kind: str, about: str | None = None) -> None:
+        for counter in miss_counters(kind, about):
+            self.count(counter)
 
     def count(self, counter: str, delta: int = 1) -> None:
-        pass  # as record_miss
+        self.counters.incr(counter, delta)
 
     @contextlib.contextmanager
     def lock(self, name: str, timeout: float = 600.0) -> Iterator[None]:
@@ -119,7 +129,8 @@ class ReadOnlyStore(Wrapper[Store]):
         raise self.refusal("purge entries")
 
     def zero_stats(self) -> None:
-        raise self.refusal("zero statistics")
+        # The index may not be written; the read-only processes' counters files may.
+        remove_counters(self.root)
 
     def reindex(self) -> int:
         raise self.refusal("reindex")

@@ -213,10 +213,6 @@ class TieredStore(Wrapper[S]):
         if hit is None:
             return local
         self.inner.count(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
-        if local.kind == "absent":
-            # It was a hit after all, one tier down: take back the very counter that the
-            # local lookup moved (a shared graph's miss is not the user's).
-            self.inner.count(counter_scope(key) + "miss:absent", -1)
         return hit
 
     def put(self, key: Key, files: Mapping[str, FileSource], *,

@@ -64,8 +64,8 @@ class Wrapper(Generic[S]):
     def find(self, **labels: Any) -> list[EntryInfo]:
         return self.inner.find(**labels)
 
-    def record_miss(self, kind: str) -> None:
-        self.inner.record_miss(kind)
+    def record_miss(self, kind: str, about: str | None = None) -> None:
+        self.inner.record_miss(kind, about)
 
     def lock(self, name: str, timeout: float = 600.0) -> AbstractContextManager[Path | None]:
         return self.inner.lock(name, timeout)

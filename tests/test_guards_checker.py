@@ -147,9 +147,10 @@ def test_shared_paths_keep_guard_order(every_call: bool) -> None:
 def test_a_stride_miss_names_the_strides_on_both_sides(tmp_path: Any,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Two [1,1] int64 tensors, one sliced out of a wider one (strides [8, 1]), one
-    contiguous ([1, 1]): the same signature, and Dynamo's tensor guard tells them apart.
-    The miss must say that the strides differ and show both (it used to print the same
-    text on both sides), and the guard text itself carries the strides."""
+    contiguous ([1, 1]): Dynamo's tensor guard tells them apart, so their signatures do
+    too (they used to print the same). The miss must show both strides, `stats` count it
+    as a miss for want of a key that differs in its signature, and the guard text itself
+    carries the strides."""
     import logging
 
     from cachecompile import cache_compile, store
@@ -180,7 +181,12 @@ def test_a_stride_miss_names_the_strides_on_both_sides(tmp_path: Any,
             assert torch.equal(warm(contiguous), m.step(contiguous))
     misses = [r.getMessage() for r in caplog.records if "cachecompile miss" in r.getMessage()]
     assert len(misses) == 1, misses
-    assert "strides [1, 1], the entry's [8, 1]" in misses[0], misses[0]
+    # The strides are part of the signature (a static tensor's guard checks them), so
+    # the two calls print apart and the miss line shows both.
+    assert ("signature (the entry's [int64[1,1]@cpu strides[8,1]], this call's "
+            "[int64[1,1]@cpu])") in misses[0], misses[0]
+    s = st.stats()
+    assert s["misses"] == {"absent": 2} and s["misses_about"] == {"absent": {"signature": 1}}
 
 
 def test_a_value_miss_names_the_value_not_the_comparison(tmp_path: Any,

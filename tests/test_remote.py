@@ -588,7 +588,7 @@ def test_a_symlinked_local_tmp_refuses_downloads(tmp_path: Path, srv: RedisServe
     assert len(warned) == 1 and str(tmp) in warned[0] and "symlink" in warned[0], warned
     assert "not downloading" in warned[0]
     assert key.digest not in b._replace
-    assert b.stats()["misses"] == {"absent": 3}
+    assert b.stats()["misses"] == {}  # get counts no miss: its caller does, once a lookup
 
 
 def test_purge_keeps_the_chunks_of_an_upload_in_flight(
