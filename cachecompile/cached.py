@@ -121,6 +121,9 @@ class _Vacated(Exception):
 # A frame key (the method, its settings and the call signature) holds up to this many
 # entries, each with its own guards; past it, new variants run with live torch.compile.
 MAX_VARIANTS = 16
+# A guard whose subject forces more new variants than this in one process is taken for a
+# value that changes on every call: later variants for it run live and are not published.
+CHURN_LIMIT = 2
 # The miss log line compares with at most this many entries of the method (manifests
 # only), and names at most this many of the factors the nearest one differs in.
 NEAREST_CANDIDATES = 50
@@ -193,6 +196,8 @@ class CachedFunction:
         self._fallback: Any = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._limit_warned = False
+        self._churn: dict[str, int] = {}   # guard subject -> new variants it forced here
+        self._churn_warned = False
         self._pins: list[Any] = []
         self._lock = threading.RLock()
         self._params = tuple(inspect.signature(method).parameters)
@@ -345,7 +350,8 @@ class CachedFunction:
         if cache_off(self._adapter.torch_parts) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         early["torch_imports"] = time.perf_counter() - t1
-        return self._compile(st, frame, sig, args, kwargs, early)
+        return self._compile(st, frame, sig, args, kwargs, early,
+                             publish=self._worth_publishing(probe, sig))
 
     def _record_miss(self, st: LocalStorage, probe: _Probe) -> None:
         """Count this lookup's miss once, by why the first entry there did not serve
@@ -477,8 +483,34 @@ class CachedFunction:
             return None
         return types.MethodType(fn, self._module)
 
+    def _worth_publishing(self, probe: _Probe, sig: Signature) -> bool:
+        """False once one guard's subject has forced more than CHURN_LIMIT new variants in
+        this process: a value that changes on (nearly) every call (a cache layer's
+        position, a step counter). Each such entry would serve one call; publishing them
+        fills the store and the frame's variant chain for nothing. The variant still runs
+        here, as a live compile."""
+        if probe.kind != "guard" or not probe.guard:
+            return True
+        n = self._churn[probe.guard] = self._churn.get(probe.guard, 0) + 1
+        if n <= CHURN_LIMIT:
+            return True
+        if not self._churn_warned:
+            self._churn_warned = True
+            warnings.warn(
+                f"{self.__qualname__} [{describe(sig)}]: {probe.guard} has a new value on "
+                f"call after call ({n} new variants in this process; the guard: "
+                f"{probe.rejected[0].split('guard failed: ', 1)[-1]}). New variants for it "
+                "run with a live compile and are not cached (each would serve one call). "
+                "Pass that value as a tensor, or make it dynamic (dynamic=True, or "
+                "torch._dynamo.mark_dynamic), so that one entry serves every value",
+                SignatureLimitWarning, stacklevel=user_stacklevel())
+        logger.info("cachecompile %s [%s]: not publishing another variant for %s",
+                    self.__qualname__, describe(sig), probe.guard)
+        return False
+
     def _compile(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], early: Mapping[str, float]) -> Any:
+                 kwargs: dict[str, Any], early: Mapping[str, float], *,
+                 publish: bool = True) -> Any:
         from .capture import Phases, TraceSession
 
         phases = Phases()
@@ -521,6 +553,8 @@ class CachedFunction:
             variant = _Variant(run=session, name="live",
                                check=self._check_of(checker) if checker is not None else None)
             self._add(sig, variant, "shared" if share is not None and share.shared else "miss")
+            if not publish:
+                return result  # no entry to build: it would not be published
             try:
                 with phases.timed("entry"):
                     trace = session.trace()

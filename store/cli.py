@@ -22,7 +22,7 @@ from rich.text import Text
 
 from . import errors, open_store, parse_size
 from .disk import Store
-from .explain import differing, flatten, guard_diff, nearest
+from .explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
 from .outcomes import EntryInfo
 from .policy import has_labels, is_shared_graph
 from .readonly import ReadOnlyStore
@@ -252,12 +252,42 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     _console().print(_entries_table(infos, groups=groups))
 
 
+# Guards that say what a call (and the state it runs in) must be: the ones that tell
+# variants apart. The rest check that the code and objects the method reads are the same
+# ones (types, identities, hook dicts, keys): many, and alike in every entry of a method.
+_VALUE_GUARDS = ("global_state", "modes", "default_device", "eq", "expr", "tensor", "len")
+_SHOWN_META = ("adapter", "signature", "compile_seconds", "first_call_seconds", "format")
+
+
+def _guards(m: dict[str, Any]) -> list[dict[str, Any]]:
+    gs = (m.get("meta") or {}).get("guards") or []
+    return [g for g in gs if isinstance(g, dict)]
+
+
+def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
+    gs = _guards(m)
+    shown = [g for g in gs if every or g.get("kind") in _VALUE_GUARDS]
+    if not gs:
+        return
+    con.print(f"[bold]guards[/bold]   {len(gs)}" + ("" if every else
+              f"; what a call and its state must be ({len(shown)}); the other "
+              f"{len(gs) - len(shown)} check that the code and objects the method reads are "
+              "the same (--guards lists all)"))
+    for g in shown:
+        con.print("  " + escape(str(g.get("text") or g.get("expr") or g.get("kind"))),
+                  soft_wrap=True)
+
+
 @cli.command("show")
 @cache_dir_option
 @click.argument("key")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
-    """Show an entry's manifest, factors and files (KEY may be a unique prefix)."""
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--guards", "all_guards", is_flag=True, help="List every guard, not only the "
+              "ones on values.")
+def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -> None:
+    """Show an entry: what it serves, its guards, factors and files (KEY may be a
+    unique prefix). The raw manifest (the program's metadata, every guard as stored)
+    is behind --json."""
     st = _open_local(cache_dir)
     digest = st.resolve(key)
     m = st.manifest(digest)
@@ -266,13 +296,27 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
         return
     info = st.stat(digest)
     con = _console()
+    labels = m.get("labels") or {}
+    meta = m.get("meta") or {}
     con.print(f"[bold]key[/bold]      {digest}")
+    if labels.get("model") or labels.get("function"):
+        con.print(f"[bold]serves[/bold]   {escape(labels.get('model', '?'))}."
+                  f"{escape(labels.get('function', '?'))} [{escape(labels.get('signature', ''))}]"
+                  + (f" variant {escape(labels['variant'])}" if "variant" in labels else ""))
     con.print(f"[bold]path[/bold]     {st.entry_dir(digest)}")
     con.print(f"[bold]created[/bold]  {_when(m['created'])}")
     if info is not None:
         con.print(f"[bold]used[/bold]     {_when(info.last_used)}  ({info.hits} hits)")
-    con.print(f"[bold]labels[/bold]   {escape(json.dumps(m['labels'], sort_keys=True))}")
-    con.print(f"[bold]meta[/bold]     {escape(json.dumps(m['meta'], sort_keys=True))}")
+    con.print("[bold]labels[/bold]   " + escape(", ".join(
+        f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("model", "function",
+                                                                     "signature"))))
+    con.print("[bold]meta[/bold]     " + escape(", ".join(
+        f"{k}={meta[k]}" for k in _SHOWN_META if k in meta)))
+    if meta.get("cold_phases"):
+        con.print("[bold]cold[/bold]     " + escape(", ".join(
+            f"{k} {v:.2f}s" for k, v in meta["cold_phases"].items()
+            if isinstance(v, (int, float)))))
+    _print_value_guards(con, m, all_guards)
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
@@ -296,7 +340,10 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the differing factors as JSON.")
 def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
                 as_json: bool) -> None:
-    """Compare the factors of two entries; with one KEY, against its nearest entry."""
+    """Compare the factors and guards of two entries; with one KEY, against its nearest
+    entry (same model and function). Guards that differ in value come first; guards that
+    differ only by a global Dynamo renamed are folded. An entry with no sibling is
+    explained alone: what a call must be for it to serve."""
     st = _open_local(cache_dir)
     a = st.resolve(key)
     ma = st.manifest(a)
@@ -305,18 +352,31 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         same = {k: ma["labels"][k] for k in ("function", "model") if k in ma["labels"]}
         near = nearest(st, ma["factors"], same, exclude=a)
         if near is None:
-            raise CliError(f"no other entry to compare {a[:12]} with", EXIT_USAGE)
+            if as_json:
+                click.echo(json.dumps({"a": a, "b": None, "guards": [
+                    g.get("text") for g in _guards(ma) if g.get("kind") in _VALUE_GUARDS]},
+                    indent=1))
+                return
+            con = _console()
+            labels = ma.get("labels") or {}
+            con.print(f"{a[:12]} is the only entry of {escape(labels.get('model', '?'))}."
+                      f"{escape(labels.get('function', '?'))}; it serves calls "
+                      f"[{escape(labels.get('signature', ''))}] while these hold:")
+            _print_value_guards(con, ma, show_all)
+            return
         b = near.key
     else:
         b = st.resolve(key2)
     mb = st.manifest(b)
     fa, fb = flatten(ma["factors"]), flatten(mb["factors"])
     names = sorted(set(fa) | set(fb))
-    diff = differing(ma["factors"], mb["factors"])
+    # The variant index is the slot an entry took, not what it was compiled for.
+    diff = differing(ma["factors"], mb["factors"], ignore=NOT_COMPARED)
     guards = guard_diff(ma, mb)
     if as_json:
         click.echo(json.dumps({"a": a, "b": b, "differ": {
-            n: [fa.get(n), fb.get(n)] for n in diff}, "guards": guards}, indent=1))
+            n: [fa.get(n), fb.get(n)] for n in diff}, "guards": guards.rows,
+            "guards_changed": guards.changed, "guards_renamed": guards.renamed}, indent=1))
         return
     con = _console()
     con.print(f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ")
@@ -331,15 +391,22 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
             t.add_row(Text("* " + n, style="bold red"), Text(va, style="red"), Text(vb, style="red"))
         elif show_all:
             t.add_row(escape("  " + n), escape(va), escape(vb))
-    con.print(t)
-    if guards:
-        con.print(f"{len(guards)} guards differ (Dynamo's, as each entry was compiled):")
+    if diff:
+        con.print(t)
+    for title, rows in ((f"{len(guards.changed)} guards differ in value", guards.changed),
+                        (f"{len(guards.only)} guards only one entry has", guards.only)):
+        if not rows:
+            continue
+        con.print(f"{title} (Dynamo's, as each entry was compiled):")
         g = Table(box=None, pad_edge=False)
         g.add_column(a[:12], overflow="fold")
         g.add_column(b[:12], overflow="fold")
-        for ta, tb in guards:
+        for ta, tb in rows:
             g.add_row(escape(ta), escape(tb))
         con.print(g)
+    if guards.renamed:
+        con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
+                  "__builtins_dict___N: the same check, folded)")
 
 
 @cli.command("purge")

@@ -8,6 +8,7 @@ both use :func:`nearest`, so they name the same entry and the same factors.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from .protocol import Catalog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Nearest", "differing", "flatten", "guard_diff", "nearest"]
+__all__ = ["GuardDiff", "Nearest", "differing", "flatten", "guard_diff", "nearest"]
 
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.
@@ -78,7 +79,31 @@ def nearest(st: Catalog, factors: Mapping[str, Any], labels: Mapping[str, str], 
     return best
 
 
-def guard_diff(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> list[tuple[str, str]]:
+# Dynamo names the globals it installs for a frame with a counter
+# (``__builtins_dict___16``, ``___18``): the same guard reads another name in each trace.
+_RENAMED = re.compile(r"___\d+")
+
+
+def _plain(expr: str) -> str:
+    return _RENAMED.sub("___#", expr)
+
+
+@dataclass(frozen=True)
+class GuardDiff:
+    """How two entries' guards differ: ``changed`` (one guard, two values: what tells
+    variants apart, first), ``only`` (a guard one side has), ``renamed`` (how many
+    differed only by a global Dynamo renamed: folded, not shown)."""
+
+    changed: list[tuple[str, str]]
+    only: list[tuple[str, str]]
+    renamed: int
+
+    @property
+    def rows(self) -> list[tuple[str, str]]:
+        return self.changed + self.only
+
+
+def guard_diff(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> GuardDiff:
     """The guards two entries of one method disagree on, in the user's terms.
 
     Variants of one frame share every factor; what tells them apart is the state each was
@@ -86,15 +111,21 @@ def guard_diff(ma: Mapping[str, Any], mb: Mapping[str, Any]) -> list[tuple[str, 
     """
     def by_expr(m: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
         gs = m.get("meta", {}).get("guards") or []
-        return {(str(g.get("kind")), str(g.get("expr", ""))): g for g in gs
+        return {(str(g.get("kind")), _plain(str(g.get("expr", "")))): g for g in gs
                 if isinstance(g, dict)}
 
     ga, gb = by_expr(ma), by_expr(mb)
-    rows: list[tuple[str, str]] = []
+    changed: list[tuple[str, str]] = []
+    only: list[tuple[str, str]] = []
+    renamed = 0
     for k in sorted(set(ga) | set(gb)):
         a, b = ga.get(k), gb.get(k)
-        if a is not None and b is not None and a.get("value") == b.get("value"):
+        if a is not None and b is not None:
+            if a.get("value") != b.get("value"):
+                changed.append((str(a.get("text")), str(b.get("text"))))
+            elif a.get("expr") != b.get("expr"):
+                renamed += 1
             continue
-        rows.append((str(a.get("text")) if a else "(not guarded)",
+        only.append((str(a.get("text")) if a else "(not guarded)",
                      str(b.get("text")) if b else "(not guarded)"))
-    return rows
+    return GuardDiff(changed, only, renamed)

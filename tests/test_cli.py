@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -201,6 +202,57 @@ def test_explain_names_the_guards_two_variants_differ_in(tmp_path: Path,
                  a.key[:12], b.key[:12])
     assert json.loads(j.stdout)["guards"] == [["self.cfg.act == 'relu'",
                                                "self.cfg.act == 'silu'"]]
+
+
+def test_explain_leads_with_values_and_folds_renamed_globals(
+        tmp_path: Path, child_env: dict[str, str]) -> None:
+    # As Gemma2's decode variants were: 42 guards read a global Dynamo renamed between
+    # the traces (__builtins_dict___16 / ___18), one guard differs in value.
+    st = open_store(tmp_path / "cache")
+    base = {"model": "M", "fn": "step"}
+
+    def guards(n: int, suffix: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [
+            {"kind": "ident", "expr": f"G['__builtins_dict___{suffix}']['f{i}']",
+             "value": f"builtin:f{i}", "args": False,
+             "text": f"__main__.__builtins_dict___{suffix}['f{i}'] is builtin:f{i}"}
+            for i in range(42)]
+        out.append({"kind": "eq", "expr": "L['self'].cache.n", "value": n, "args": False,
+                    "text": f"self.cache.n == {n}"})
+        return out
+
+    labels = {"model": "M", "function": "step", "signature": "int64[1,1]@cpu"}
+    a = st.put(make_key({**base, "variant": 0}), {"p": b"1"}, labels=labels,
+               meta={"guards": guards(14, 16)})
+    b = st.put(make_key({**base, "variant": 1}), {"p": b"2"}, labels=labels,
+               meta={"guards": guards(15, 18)})
+    p = cachectl(child_env, "explain", "--cache-dir", str(tmp_path / "cache"), a.key[:12])
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith(f"{a.key[:12]} vs {b.key[:12]}: 0 of"), lines
+    assert "1 guards differ in value" in lines[1], lines
+    assert "self.cache.n == 14" in lines[3] and "self.cache.n == 15" in lines[3], lines
+    assert "42 guards differ only by a global Dynamo renamed" in p.stdout
+    assert "__builtins_dict___" not in p.stdout.replace("__builtins_dict___N", "")
+    assert len(lines) < 10, p.stdout
+    j = json.loads(cachectl(child_env, "explain", "--json", "--cache-dir",
+                            str(tmp_path / "cache"), a.key[:12]).stdout)
+    assert j["guards_changed"] == [["self.cache.n == 14", "self.cache.n == 15"]]
+    assert j["guards_renamed"] == 42
+    # One entry with no sibling: explained alone, exit 0.
+    st.delete(b.key)
+    p = cachectl(child_env, "explain", "--cache-dir", str(tmp_path / "cache"), a.key[:12])
+    assert p.returncode == 0, p.stderr
+    assert "is the only entry of M.step" in p.stdout and "self.cache.n == 14" in p.stdout
+    assert "f41" not in p.stdout  # identity guards are counted, not listed
+    # show: readable, guards summarised; the raw guards stay behind --json / --guards.
+    p = cachectl(child_env, "show", "--cache-dir", str(tmp_path / "cache"), a.key[:12])
+    assert p.returncode == 0, p.stderr
+    assert "serves   M.step [int64[1,1]@cpu]" in p.stdout and "self.cache.n == 14" in p.stdout
+    assert "f41" not in p.stdout and len(p.stdout) < 3000, p.stdout
+    p = cachectl(child_env, "show", "--guards", "--cache-dir", str(tmp_path / "cache"),
+                 a.key[:12])
+    assert "f41" in p.stdout
 
 
 @pytest.mark.parametrize("verb", [("ls",), ("ls", "--json"), ("verify",), ("stats",),

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from cachecompile import cache_compile, store
+from cachecompile.cached import CHURN_LIMIT
 
 ACT = "tanh"  # a global the method reads: Dynamo guards on it
 
@@ -146,14 +147,26 @@ def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: 
     assert len(limit) == 1 and "recompile limit" in limit[0], limit
     assert "self.state.n ==" in limit[0], limit[0]
     # A process that loads the entry and checks every guard (torch.compile's behaviour):
-    # a new variant per step up to max_signatures, then the live compile, then its limit.
+    # a new variant per step; after CHURN_LIMIT of them for one guard, no more are
+    # published (each would serve one call), then max_signatures, then Dynamo's limit.
     m2, ref2 = Stepper().eval(), Stepper().eval()
     warm = cache_compile(m2.step, backend="aot_eager", cache_dir=d, dynamic=False,
                          guards="always")
     limit = _steps(warm, m2, ref2, 24)
     assert [e[0] for e in warm.events][:2] == ["hit", "miss"], warm.events
-    assert len(limit) == 2, limit  # the signature limit, then Dynamo's recompile limit
-    assert "static variants" in limit[0] and "recompile limit" in limit[1], limit
+    assert len(limit) == 3, limit  # churn, then the signature limit, then Dynamo's
+    assert "self.state.n has a new value on call after call" in limit[0], limit
+    assert "dynamic=True" in limit[0] and "not cached" in limit[0], limit
+    assert "static variants" in limit[1] and "recompile limit" in limit[2], limit
+    # The first entry (n == 1, which every restarted process meets again) and
+    # CHURN_LIMIT variants: not one per step.
+    assert len(_method_entries(d)) == 1 + CHURN_LIMIT, _method_entries(d)
+    # A third process meets steps 1..3 again: hits, all of them.
+    m3, ref3 = Stepper().eval(), Stepper().eval()
+    again = cache_compile(m3.step, backend="aot_eager", cache_dir=d, dynamic=False,
+                          guards="always")
+    _steps(again, m3, ref3, 3)
+    assert [e[0] for e in again.events] == ["hit"] * 3, again.events
 
 
 class ReadsEnv(tiny.Small):
