@@ -89,7 +89,7 @@ class BuildResult:
     signature: str
     status: str                  # BUILT, PRESENT, NOT_CACHED or FAILED
     seconds: float
-    detail: str = ""             # why not cached / failed
+    detail: str = ""             # why not cached / failed; a note on the example
     worker: int | None = None
 
     @property
@@ -227,9 +227,15 @@ def run_task(task: Task, worker: int | None = None) -> BuildResult:
     if faults or "live" in events:
         detail = "; ".join(faults) or "it ran with a live compile"
         return BuildResult(task.name, task.signature, NOT_CACHED, seconds, detail, worker)
+    note = ""
+    if " strides[" in task.signature:
+        # Dynamo's tensor guard checks strides: a slice (x[:, :1] of a wider tensor) and a
+        # fresh tensor of its shape are two signatures. Likely a mistake in the example.
+        note = ("an example tensor has the strides of a slice (strides[...] above): calls "
+                "with fresh or .contiguous() tensors are another signature and would not hit")
     if events and events[0] in ("miss", "shared"):
-        return BuildResult(task.name, task.signature, BUILT, seconds, worker=worker)
-    return BuildResult(task.name, task.signature, PRESENT, seconds, worker=worker)
+        return BuildResult(task.name, task.signature, BUILT, seconds, note, worker)
+    return BuildResult(task.name, task.signature, PRESENT, seconds, note, worker)
 
 
 def prebuild(fn: CachedFunction, examples: Sequence[Any], *,

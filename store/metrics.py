@@ -11,7 +11,8 @@ text format, which a node exporter's textfile collector reads as is::
 
 ``cachectl stats`` adds the files of the store's stats dir to the index's counters.
 The stats dir is ``$CACHECOMPILE_STATS_DIR`` (point a fleet's collector there), else
-``<tmp>/cachecompile-<uid>/stats/<digest of the root>``: per user, per store, private.
+``/tmp/cachecompile-<uid>/stats/<digest of the root>`` (``/tmp`` even where ``$TMPDIR``
+says otherwise, so that a server and a shell agree): per user, per store, private.
 
 The directory is created 0700 and must be a real directory owned by this user; a file
 is read only if it is a regular file owned by this user (no symlink is followed).
@@ -47,7 +48,10 @@ def stats_dir(root: Path | str) -> Path:
     if explicit:
         return Path(explicit)
     digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"cachecompile-{os.getuid()}" / "stats" / digest
+    # /tmp itself, not $TMPDIR: a server and the shell that runs `cachectl stats` often
+    # differ in TMPDIR (a launcher, a test harness), rarely in /tmp.
+    base = Path("/tmp") if os.access("/tmp", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())  # noqa: S108
+    return base / f"cachecompile-{os.getuid()}" / "stats" / digest
 
 
 def _own_dir(path: Path, create: bool) -> bool:
