@@ -129,10 +129,11 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
             torchair adapter.
         max_signatures: static signatures cached per method before falling back to live
             torch.compile (``dynamic=False`` only; at least the number of gears).
-        guards: when a loaded entry's guards run: ``"first"`` (default; argument guards
-            on every call, state guards on each signature's first call in a process) or
-            ``"always"`` (every guard on every call, as torch.compile does). Default
-            ``$CACHECOMPILE_GUARDS`` or ``"first"``.
+        guards: when a loaded entry's guards run: ``"always"`` (default: every guard on
+            every call, as torch.compile does) or ``"first"`` (TorchAir's behaviour:
+            argument guards on every call, state guards only on each signature's first
+            call in a process, so state changed later is not seen; cheaper per call).
+            Default ``$CACHECOMPILE_GUARDS`` or ``"always"``.
         passes: Inductor custom passes, ``{hook: pass}`` with hooks
             ``post_grad_custom_post_pass`` & co. (docs/passes.md); the same as giving
             them in ``config``. Each pass is keyed by what it does; one that cannot be

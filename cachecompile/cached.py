@@ -131,12 +131,14 @@ NEAREST_NAMES = 8
 
 
 def guard_mode() -> str:
-    """``first`` (default): the state guards run on each signature's first call in a
-    process, the argument guards on every call. ``always``: every guard on every call."""
-    mode = os.environ.get("CACHECOMPILE_GUARDS", "first").strip().lower() or "first"
+    """``always`` (default): every guard on every call, as torch.compile does.
+    ``first`` (opt-in, TorchAir's behaviour): the argument guards on every call, the
+    state guards only on each signature's first call in a process (state changed later
+    is not seen)."""
+    mode = os.environ.get("CACHECOMPILE_GUARDS", "always").strip().lower() or "always"
     if mode not in ("first", "always"):
-        logger.warning("ignoring CACHECOMPILE_GUARDS=%r (use first or always)", mode)
-        return "first"
+        logger.warning("ignoring CACHECOMPILE_GUARDS=%r (use always or first)", mode)
+        return "always"
     return mode
 
 
@@ -162,6 +164,8 @@ class _Probe:
     # guard, stale, format, operator, unloadable, corrupt, insecure; None: no entry.
     kind: str | None = None
     guard: str | None = None           # with kind "guard": what the failing guard is about
+    # How many of the frame's variants failed on a guard about each subject.
+    guard_fails: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def reject(self, kind: str, why: str) -> None:
         self.rejected.append(why)
@@ -456,8 +460,11 @@ class CachedFunction:
             every_call=self._guard_mode == "always")
         if not checker.full(self._module, *args, **kwargs):
             reason = checker.explain(self._module, *args, **kwargs) or "a guard failed"
+            subject = checker.subject(self._module, *args, **kwargs)
             if out.kind is None:
-                out.guard = checker.subject(self._module, *args, **kwargs)
+                out.guard = subject
+            if subject:
+                out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
             out.reject("guard", f"{name}: guard failed: {reason}")
             return None
         outcome = st.get(key)
@@ -485,20 +492,23 @@ class CachedFunction:
 
     def _worth_publishing(self, probe: _Probe, sig: Signature) -> bool:
         """False once one guard's subject has forced more than CHURN_LIMIT new variants in
-        this process: a value that changes on (nearly) every call (a cache layer's
-        position, a step counter). Each such entry would serve one call; publishing them
+        this process, or failed in more than CHURN_LIMIT of the frame's stored variants: a
+        value that changes on (nearly) every call (a cache layer's position, a step
+        counter). Each such entry would serve one call; publishing them
         fills the store and the frame's variant chain for nothing. The variant still runs
         here, as a live compile."""
         if probe.kind != "guard" or not probe.guard:
             return True
         n = self._churn[probe.guard] = self._churn.get(probe.guard, 0) + 1
+        # Across processes too: the store's variants that failed on the same subject.
+        n = max(n, probe.guard_fails.get(probe.guard, 0))
         if n <= CHURN_LIMIT:
             return True
         if not self._churn_warned:
             self._churn_warned = True
             warnings.warn(
                 f"{self.__qualname__} [{describe(sig)}]: {probe.guard} has a new value on "
-                f"call after call ({n} new variants in this process; the guard: "
+                f"call after call ({n} variants for it so far; the guard: "
                 f"{probe.rejected[0].split('guard failed: ', 1)[-1]}). New variants for it "
                 "run with a live compile and are not cached (each would serve one call). "
                 "Pass that value as a tensor, or make it dynamic (dynamic=True, or "

@@ -46,7 +46,7 @@ with torch.no_grad():
     if kind in zm.LLM_FAMILIES:
         r = zm.LlmRunner(kind)
         cp = cache_compile(r.prefill, dynamic=True)
-        cd = cache_compile(r.decode, dynamic=False)
+        cd = cache_compile(r.decode, dynamic=zm.decode_dynamic(kind))
         def serve(batch):
             dyn = zm.dynamic_generate(r, cp, batch)
             sta = zm.static_generate(r, cd, batch)

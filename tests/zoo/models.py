@@ -37,6 +37,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 LLM_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+# Families whose StaticCache slides a window: its layers keep a Python int position
+# (``cumulative_length_int``) that Dynamo guards by value, so a static (dynamic=False)
+# decode step is a new compile at every position, in torch.compile as in cache_compile.
+# Their decode is cached with dynamic=True, the fix the churn warning names (the int is
+# then symbolic and one entry serves every position).
+SLIDING_WINDOW = ("mistral",)
+
+
+def decode_dynamic(family: str) -> bool:
+    return family in SLIDING_WINDOW
 VOCAB = 128
 MAX_LEN = 32
 

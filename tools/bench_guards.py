@@ -1,0 +1,154 @@
+"""Guard cost on a warm call, side by side in one process: eager, torch.compile (warm),
+cache_compile with every guard on every call (``guards="always"``, the default) and with
+``guards="first"``.
+
+Each model's entry is compiled once (cold) into a temporary store; the cache_compile
+mechanisms are then fresh wrappers that load it (a hit, as in a new process). Timings are
+interleaved rounds of single calls, medians in microseconds, so that a loaded machine
+slows every mechanism alike. Besides the whole call, the guard check alone: Dynamo's own
+guard tree for torch.compile's entry against cache_compile's per-call check.
+
+    python tools/bench_guards.py [--models gpt2,llama,add] [--rounds 15] [--calls 200]
+
+Prints a markdown table (the one in docs/performance.md, "Guards on every call").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from zoo.models import LlmRunner, tokens  # noqa: E402  (needs the path above)
+
+from cachecompile import cache_compile  # noqa: E402
+
+
+class AddOne(nn.Module):
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def _timed(call: Callable[[], Any], n: int, reset: Callable[[], Any]) -> float:
+    """Median of ``n`` single calls, ``reset()`` (untimed) every BLOCK calls."""
+    samples = []
+    for i in range(n):
+        if i % BLOCK == 0:
+            reset()
+        t = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+# Each decode call fills the next slot of the StaticCache (transformers counts the filled
+# ones, and GPT-2's positions end at 64): empty it every BLOCK calls.
+BLOCK = 24
+
+
+def _dynamo_check(method: Any, frame_locals: dict[str, Any]) -> Callable[[], Any] | None:
+    """Dynamo's own guard tree of ``method``'s compiled entry, as a callable."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: TID251
+
+        entries = _debug_get_cache_entry_list(method.__func__.__code__)
+        gm = entries[0].guard_manager
+    except Exception:  # noqa: BLE001 - a release without it: the column says n/a
+        return None
+    if not gm.check(frame_locals):
+        return None
+    return lambda: gm.check(frame_locals)
+
+
+def _cc_check(fn: Any, args: tuple[Any, ...]) -> Callable[[], Any] | None:
+    """The check cache_compile runs on each call of ``fn``'s loaded variant."""
+    variants = [v for vs in fn._runners.values() for v in vs]
+    if not variants or variants[0].check is None:
+        return None
+    check = variants[0].check
+    return lambda: check(*args)
+
+
+def model(name: str) -> tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]:
+    """(module, method name, args, the frame's locals by parameter name, a reset)."""
+    if name == "add":
+        m = AddOne()
+        x = torch.zeros(4)
+        return m, "add", (x,), {"self": m, "x": x}, lambda: None
+    r = LlmRunner(name).eval()
+    cache = r.static_cache(BLOCK + 8, early=1)
+    ids, pos = tokens(1, 1), torch.tensor([3])
+    return r, "decode", (ids, pos, cache), {"self": r, "input_ids": ids,
+                                            "cache_position": pos,
+                                            "past_key_values": cache}, cache.reset
+
+
+def bench(name: str, rounds: int, calls: int, store: Path) -> dict[str, float | None]:
+    m, meth, args, frame_locals, reset = model(name)
+    method = getattr(m, meth)
+    with torch.no_grad():
+        compiled = torch.compile(method, fullgraph=True, dynamic=False)
+        compiled(*args)
+        cache_compile(method, dynamic=False, cache_dir=store)(*args)  # cold: publishes
+        first = cache_compile(method, dynamic=False, cache_dir=store, guards="first")
+        always = cache_compile(method, dynamic=False, cache_dir=store, guards="always")
+        first(*args)
+        always(*args)
+        assert [e for e, _ in first.events] == ["hit"] == [e for e, _ in always.events]
+        reset()
+        mechs: dict[str, Callable[[], Any] | None] = {
+            "eager": lambda: method(*args),
+            "torch.compile": lambda: compiled(*args),
+            "cc always": lambda: always(*args),
+            "cc first": lambda: first(*args),
+            "guards: Dynamo tree": _dynamo_check(method, frame_locals),
+            "guards: cc always": _cc_check(always, args),
+        }
+        samples: dict[str, list[float]] = {k: [] for k, v in mechs.items() if v is not None}
+        for _ in range(rounds):
+            for k, call in mechs.items():
+                if call is not None:
+                    samples[k].append(_timed(call, calls, reset))
+    return {k: (statistics.median(samples[k]) if k in samples else None) for k in mechs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2,llama,add")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=200)
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-guards-") as d:
+        for name in a.models.split(","):
+            rows.append((name, bench(name, a.rounds, a.calls, Path(d) / name)))
+    cols = list(rows[0][1])
+    print(f"torch {torch.__version__}; medians of {a.rounds} interleaved rounds of "
+          f"{a.calls} calls, us")
+    print("| model | " + " | ".join(cols) + " | cc always / torch.compile | "
+          "cc guards / Dynamo's |")
+    print("|---" * (len(cols) + 3) + "|")
+    for name, r in rows:
+        def us(v: float | None) -> str:
+            return "n/a" if v is None else f"{v:.1f}"
+
+        tc, al = r.get("torch.compile"), r.get("cc always")
+        gd, gc = r.get("guards: Dynamo tree"), r.get("guards: cc always")
+        ratio = f"{al / tc:.2f}" if tc and al else "n/a"
+        gratio = f"{gc / gd:.2f}" if gd and gc else "n/a"
+        print(f"| {name} | " + " | ".join(us(r[c]) for c in cols) + f" | {ratio} | {gratio} |")
+
+
+if __name__ == "__main__":
+    main()
