@@ -194,7 +194,16 @@ class _Builder:
             # part of its portable identity.
             self.ident(expr, value, gt)
         elif gt == "DUPLICATE_INPUT":
-            return  # the alias guard over every tensor covers it
+            # Two sources Dynamo took for one input (tied weights, a buffer two submodules
+            # share, one tensor passed twice): its program reads it once. Both join the
+            # alias guard over every tensor, which then fails when the sharing is lost.
+            other = dynamo.source_name(e.keyword("source_b"))
+            if other is None:
+                self.fallback(e, "its second source is unknown")
+            seen = {x for x, _ in self.tensors}
+            for x in (expr, other):
+                if x not in seen:
+                    self.tensors.append((x, value))
         else:
             self.fallback(e, "cachecompile has no portable form for this guard type")
 

@@ -187,3 +187,43 @@ def test_an_env_var_unset_at_trace_and_set_later_misses(tmp_path: Path, backend:
         again = cache_compile(ReadsEnv().eval().run, backend=backend, cache_dir=d)
         assert torch.allclose(again(x), m.lin(x))
     assert [e[0] for e in warm.events] == ["miss"] and [e[0] for e in again.events] == ["hit"]
+
+
+class Tied(nn.Module):
+    """An embedding and an output head that share one weight (tied, as in most LMs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_sharing_lost_after_the_first_call_is_a_miss(tmp_path: Path, backend: str) -> None:
+    """Dynamo reads tied weights as one graph input (DUPLICATE_INPUT): untying them after
+    the entry was made must not reuse the program that reads one weight for both."""
+    d = tmp_path / "cc"
+    ids = torch.arange(4)
+    with torch.no_grad():
+        cache_compile(Tied().eval().run, backend=backend, cache_dir=d)(ids)
+        # In a process that loaded the entry: untie after the first call.
+        m = Tied().eval()
+        warm = cache_compile(m.run, backend=backend, cache_dir=d)
+        assert torch.equal(warm(ids), m.run(ids))
+        m.head.weight = nn.Parameter(torch.randn(16, 8))
+        assert torch.allclose(warm(ids), m.run(ids), atol=1e-6)
+        assert [e for e, _ in warm.events] == ["hit", "miss"], warm.events
+        # Across processes: untied before the first call gets the untied variant; tied
+        # still gets its own.
+        for tie in (False, True):
+            m2 = Tied().eval()
+            if not tie:
+                m2.head.weight = nn.Parameter(torch.randn(16, 8))
+            again = cache_compile(m2.run, backend=backend, cache_dir=d)
+            assert torch.allclose(again(ids), m2.run(ids), atol=1e-6)
+            assert [e for e, _ in again.events] == ["hit"], (tie, again.events)

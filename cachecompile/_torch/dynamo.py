@@ -152,14 +152,19 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
 
 
 # -- the graph Dynamo hands a backend ------------------------------------------------------
-def placeholder_source(node: Any) -> str | None:
-    """The source expression Dynamo recorded for a placeholder (``L['x']``), if any."""
-    src = (getattr(node.meta.get("grapharg"), "source", None)
-           or getattr(node, "_dynamo_source", None))
+def source_name(src: Any) -> str | None:
+    """A Dynamo ``Source``'s expression (``L['self'].head.weight``); ``name`` is a method
+    in some releases and a property in others."""
     label = getattr(src, "name", None)
     if callable(label):
         label = label()
     return None if label is None else str(label)
+
+
+def placeholder_source(node: Any) -> str | None:
+    """The source expression Dynamo recorded for a placeholder (``L['x']``), if any."""
+    return source_name(getattr(node.meta.get("grapharg"), "source", None)
+                       or getattr(node, "_dynamo_source", None))
 
 
 def example_value(node: Any) -> Any:
