@@ -12,8 +12,10 @@ the first call. The processes, each fresh and over one store:
 4. warm, changed again: every case hits the second variant;
 5. warm, unchanged: every case still hits the first.
 
-Every call's output is compared with eager in the same process. Backend ``aot_eager``
-keeps the compiles fast; the guards are the same Dynamo guards as with Inductor.
+Every call's output is compared with eager in the same process. The matrix runs on
+``aot_eager`` and on the default backend, ``inductor``: the guards are Dynamo's either
+way, but what a backend makes of one graph may differ (autocast: the same graph, another
+program), and so may what is shared between variants.
 """
 
 from __future__ import annotations
@@ -377,7 +379,7 @@ for cls in gm_cases.ALL:
     m = cls().eval()
     if changed and cls.__name__ == "InstanceMethodPatched":
         m.helper = types.MethodType(lambda self, y: y * 5, m)
-    cached = cache_compile(m.run, backend="aot_eager", dynamic=cls.dynamic)
+    cached = cache_compile(m.run, backend=os.environ["GM_BACKEND"], dynamic=cls.dynamic)
     ctx = contextlib.nullcontext()
     if getattr(cls, "ctx", None) == "autocast" and changed:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -399,22 +401,36 @@ report(out)
 '''
 
 
-def _run(box: Sandbox, changed: bool) -> dict[str, dict]:
-    env = {"GM_CHANGE": "1" if changed else "0"}
+def _run(box: Sandbox, changed: bool, backend: str) -> dict[str, dict]:
+    env = {"GM_CHANGE": "1" if changed else "0", "GM_BACKEND": backend}
     if changed:
         env["GM_SCALE"] = "3.0"
         env["GM_FLAG"] = "1"
     return box.run(DRIVER, **env).value
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
-    root = tmp_path_factory.mktemp("guards")
+# Per backend, once per worker process: pytest tears a parametrized module fixture down
+# whenever the next test (as xdist hands them out) has the other parameter.
+_MATRICES: dict[str, dict[str, dict[str, dict]]] = {}
+
+
+@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
+def matrix(tmp_path_factory: pytest.TempPathFactory,
+           request: pytest.FixtureRequest) -> dict[str, dict[str, dict]]:
+    backend = request.param
+    if backend not in _MATRICES:
+        _MATRICES[backend] = _build(tmp_path_factory, backend)
+    return _MATRICES[backend]
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, backend: str) -> dict[str, dict[str, dict]]:
+    root = tmp_path_factory.mktemp(f"guards-{backend}")
     (root / "gm_helper.py").write_text(textwrap.dedent(HELPER))
     (root / "gm_cases.py").write_text(CASES)
     box = Sandbox(root)
-    return {"cold": _run(box, False), "warm": _run(box, False), "changed": _run(box, True),
-            "changed2": _run(box, True), "back": _run(box, False)}
+    return {phase: _run(box, changed, backend) for phase, changed in (
+        ("cold", False), ("warm", False), ("changed", True), ("changed2", True),
+        ("back", False))}
 
 
 CASE_NAMES = [
