@@ -1,0 +1,84 @@
+"""State changed after the first call, in a process that loaded the entry, on code we did
+not write (a transformers Llama): with the default guards every call gives eager's
+result, as torch.compile's does.
+
+Each change is made after a warm wrapper (one that loaded the entry, as a fresh process
+does) has served a call, then undone; eager runs the same calls beside it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from zoo.models import LlmRunner, tokens
+
+from cachecompile import cache_compile
+
+pytestmark = pytest.mark.slow
+
+
+def _hook(module: Any, args: Any, output: Any) -> Any:
+    # A hook a user registers late: scales a decoder layer's hidden states.
+    if isinstance(output, tuple):
+        return (output[0] * 0.5, *output[1:])
+    return output * 0.5
+
+
+def _late_hook(r: LlmRunner) -> Callable[[], None]:
+    handle = r.model.model.layers[0].register_forward_hook(_hook)
+    return handle.remove
+
+
+def _attn_eager(r: LlmRunner) -> Callable[[], None]:
+    r.model.config._attn_implementation = "eager"
+    return lambda: setattr(r.model.config, "_attn_implementation", "sdpa")
+
+
+def _swapped_norm(r: LlmRunner) -> Callable[[], None]:
+    old = r.model.model.norm
+    r.model.model.norm = torch.nn.LayerNorm(old.weight.shape[0])
+    return lambda: setattr(r.model.model, "norm", old)
+
+
+def _train_mode(r: LlmRunner) -> Callable[[], None]:
+    r.model.train()
+    return lambda: r.model.eval()
+
+
+CHANGES = {"late_hook": _late_hook, "attn_eager": _attn_eager,
+           "swapped_norm": _swapped_norm, "train_mode": _train_mode}
+# The others change the program, not the numbers (sdpa and eager attention agree; the
+# dropout is 0): they are tested by the new lookup they cause.
+NUMERIC = ("late_hook", "swapped_norm")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_llama_state_changes_after_the_first_call(tmp_path: Path, backend: str) -> None:
+    r = LlmRunner("llama", attention_dropout=0.0)
+    ids = tokens(2, 5)
+
+    def logits(fn: Any) -> torch.Tensor:
+        return fn(ids, r.dynamic_cache()).logits
+
+    with torch.no_grad():
+        logits(cache_compile(r.prefill, backend=backend, cache_dir=tmp_path))  # publish
+        warm = cache_compile(r.prefill, backend=backend, cache_dir=tmp_path)
+        assert torch.allclose(logits(warm), logits(r.prefill), atol=1e-5)
+        assert [e for e, _ in warm.events] == ["hit"]
+        plain = logits(r.prefill)
+        for name, change in CHANGES.items():
+            undo = change(r)
+            try:
+                n = len(warm.events)
+                got, want = logits(warm), logits(r.prefill)
+                assert torch.allclose(got, want, atol=1e-5), name
+                # The check saw the change: a new lookup (a miss, or another variant).
+                assert len(warm.events) > n, (name, warm.events)
+                if name in NUMERIC:  # a change that must make a difference to the output
+                    assert not torch.allclose(want, plain, atol=1e-5), name
+            finally:
+                undo()
+            assert torch.allclose(logits(warm), logits(r.prefill), atol=1e-5), name
