@@ -187,6 +187,10 @@ class FunctionAttr(Base):
 
 class PartialKeywords(Base):
     expect = "self.clip"
+    # A float keyword: some releases and backends (torch 2.15 with Inductor) lift it into
+    # a graph input instead of specialising on it, so the changed value may hit the same
+    # entry and be read live: right, as the output check shows.
+    may_lift = True
     def __init__(self):
         super().__init__()
         self.clip = functools.partial(torch.clamp, min=-0.1 if CHANGED else 0.0)
@@ -393,6 +397,7 @@ for cls in gm_cases.ALL:
     ok = (got.dtype == want.dtype and got.shape == want.shape
           and torch.allclose(got.float(), want.float(), atol=1e-5) and type(got) is type(want))
     out[cls.__name__] = {"event": cached.events[-1][0], "ok": bool(ok), "expect": cls.expect,
+                         "may_lift": getattr(cls, "may_lift", False),
                          "log": records[n0:], "warnings": [str(w.message) for w in caught]}
 # Names added to the user's module globals (Dynamo adds its own when it compiles live;
 # a process that only hits must add none).
@@ -459,6 +464,11 @@ def test_guard_case(matrix: dict[str, dict[str, dict]], case: str) -> None:
         assert r["ok"], f"{case} {name}: output differs from eager: {r}"
     assert cold["event"] in ("miss", "shared"), cold
     assert warm["event"] == "hit", warm
+    if changed["event"] == "hit" and changed["may_lift"]:
+        # The value is a graph input here: the same entry serves both, read live (the
+        # outputs equal eager's, checked above).
+        assert changed2["event"] == "hit" and back["event"] == "hit", (changed2, back)
+        return
     # A real change is a miss (compiled again, or live where it is not cacheable) ...
     assert changed["event"] in ("miss", "shared"), changed
     # ... whose log line names the guard that failed (or the key factor that differs).
