@@ -164,11 +164,16 @@ class _Probe:
     # guard, stale, format, operator, unloadable, corrupt, insecure; None: no entry.
     kind: str | None = None
     guard: str | None = None           # with kind "guard": what the failing guard is about
+    guard_reason: str = ""             # ... and how it failed (the miss line's words)
     # How many of the frame's variants failed on a guard about each subject.
     guard_fails: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def reject(self, kind: str, why: str) -> None:
         self.rejected.append(why)
+        self.first(kind)
+
+    def first(self, kind: str) -> None:
+        """Note why a variant did not serve; the first reason is the lookup's."""
         if self.kind is None:
             self.kind = kind
 
@@ -329,7 +334,7 @@ class CachedFunction:
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
             return probe.runner.run(*args, **kwargs)
         if probe.missing_ops:
-            self._record_miss(st, probe)
+            self._record_miss(st, probe.kind, None)
             # The entry is there; this process lacks what its program calls. Compiling
             # and publishing another one would not help the next process either.
             self._fault(f"{self.__qualname__} [{describe(sig)}]: the cached program calls "
@@ -340,12 +345,12 @@ class CachedFunction:
         early["lookup"] = time.perf_counter() - t0 - early["key"]
         if probe.rejected:
             why = "; ".join(probe.rejected[:3])
-            self._record_miss(st, probe)
+            self._record_miss(st, probe.kind, probe.guard if probe.kind == "guard" else None)
         else:
             near, differ = self._nearest(st, frame, sig)
             why = "no entry" + near
             # A miss for want of a key is counted by what set the nearest entry apart.
-            self._safe(lambda: st.record_miss("absent", ", ".join(differ[:3]) or None))
+            self._record_miss(st, "absent", ", ".join(differ[:3]) or None)
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
@@ -357,12 +362,12 @@ class CachedFunction:
         return self._compile(st, frame, sig, args, kwargs, early,
                              publish=self._worth_publishing(probe, sig))
 
-    def _record_miss(self, st: LocalStorage, probe: _Probe) -> None:
+    def _record_miss(self, st: LocalStorage, kind: str | None, about: str | None) -> None:
         """Count this lookup's miss once, by why the first entry there did not serve
-        (the caller counts a lookup that found no entry, with :meth:`_nearest`)."""
-        kind = probe.kind or "absent"
-        # A failing guard is counted by what it is about (bounded by the code, not values).
-        self._safe(lambda: st.record_miss(kind, probe.guard if kind == "guard" else None))
+        (``absent`` when none was there), and what it was about: the failing guard's
+        subject (bounded by the code, not values), or the factors the nearest entry
+        differs in."""
+        self._safe(lambda: st.record_miss(kind or "absent", about))
 
     def _variant_key(self, frame: Key, i: int) -> Key:
         return make_key({**frame.factors, "variant": i})
@@ -383,7 +388,7 @@ class CachedFunction:
             except _Vacated as v:
                 # Quarantined by the store just now (it warned once): refill this index.
                 out.free = i if out.free is None else out.free
-                out.kind = out.kind or str(v)
+                out.first(str(v))
                 continue
             except (StoreError, OSError) as e:
                 self._fault(f"looking up {key.digest[:12]} failed ({e})")
@@ -395,13 +400,13 @@ class CachedFunction:
             except _Vacated as v:
                 # Quarantined or removed just now: the next publish refills this index.
                 out.free = i if out.free is None else out.free
-                out.kind = out.kind or str(v) or "absent"
+                out.first(str(v))
                 continue
             except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
                 logger.debug("loading entry failed", exc_info=True)
                 self._fault(f"entry {key.digest[:12]} could not be loaded "
                             f"({type(e).__name__}: {e}); it is removed and recompiled")
-                out.kind = out.kind or "unloadable"
+                out.first("unloadable")
                 self._safe(functools.partial(st.delete, key))
                 out.free = i if out.free is None else out.free
                 return out
@@ -459,12 +464,11 @@ class CachedFunction:
             func, meta["guards"], g,  # type: ignore[arg-type]
             every_call=self._guard_mode == "always")
         if not checker.full(self._module, *args, **kwargs):
-            reason = checker.explain(self._module, *args, **kwargs) or "a guard failed"
-            subject = checker.subject(self._module, *args, **kwargs)
+            reason, subject = (checker.failure(self._module, *args, **kwargs)
+                               or ("a guard failed", "a guard"))
             if out.kind is None:
-                out.guard = subject
-            if subject:
-                out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
+                out.guard, out.guard_reason = subject, reason
+            out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
             out.reject("guard", f"{name}: guard failed: {reason}")
             return None
         outcome = st.get(key)
@@ -509,7 +513,7 @@ class CachedFunction:
             warnings.warn(
                 f"{self.__qualname__} [{describe(sig)}]: {probe.guard} has a new value on "
                 f"call after call ({n} variants for it so far; the guard: "
-                f"{probe.rejected[0].split('guard failed: ', 1)[-1]}). New variants for it "
+                f"{probe.guard_reason}). New variants for it "
                 "run with a live compile and are not cached (each would serve one call). "
                 "Pass that value as a tensor, or make it dynamic (dynamic=True, or "
                 "torch._dynamo.mark_dynamic), so that one entry serves every value",

@@ -388,13 +388,14 @@ class Checker:
 
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
                  explain: Callable[..., str | None], n_guards: int, n_per_call: int,
-                 subject: Callable[..., str | None] | None = None) -> None:
+                 failure: Callable[..., tuple[str, str] | None] | None = None) -> None:
         self.per_call = per_call
         self.full = full
         self.explain = explain
-        # What the first failing guard is about (``input_ids``, ``self.n``, ``global
-        # state``): bounded by the code, not the values, so counters can be kept per subject.
-        self.subject = subject or (lambda *a, **k: None)
+        # The first failing guard, found once: (the explanation, what the guard is about:
+        # ``input_ids``, ``self.n``, ``global state``, bounded by the code, not the values,
+        # so counters can be kept per subject); None when every guard holds.
+        self.failure = failure or (lambda *a, **k: None)
         self.n_guards = n_guards
         self.n_per_call = n_per_call
 
@@ -554,7 +555,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         return int(env["__cc_first_failure"](*args, **kwargs))
 
     def explain(*args: Any, **kwargs: Any) -> str | None:
-        i = first_failure(*args, **kwargs)
+        return _explain_at(first_failure(*args, **kwargs), args, kwargs)
+
+    def _explain_at(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         if i == -1:
             return None
         if i == -2:
@@ -582,10 +585,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             got = "the expression could not be read"
         return f"{text} (got {got})"
 
-    def subject(*args: Any, **kwargs: Any) -> str | None:
-        i = first_failure(*args, **kwargs)
+    def _subject_at(i: int) -> str:
         if i < 0:
-            return None if i == -1 else "a guard that raised"
+            return "a guard that raised"
         g = guards_by_index[i]
         kind = str(g.get("kind"))
         if kind in ("global_state", "modes", "default_device"):
@@ -595,8 +597,14 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             expr = _compared_operand(expr) or expr
         return user_text(expr) or kind
 
+    def failure(*args: Any, **kwargs: Any) -> tuple[str, str] | None:
+        i = first_failure(*args, **kwargs)
+        if i == -1:
+            return None
+        return _explain_at(i, args, kwargs) or "a guard failed", _subject_at(i)
+
     return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
-                   n_guards=len(conds), n_per_call=len(per), subject=subject)
+                   n_guards=len(conds), n_per_call=len(per), failure=failure)
 
 
 class _PathSharer(ast.NodeTransformer):
