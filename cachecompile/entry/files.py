@@ -1,0 +1,18 @@
+"""The names inside an entry: its files and the bytecode's constant placeholder.
+
+Torch-free and import-free, so that the writer (``cold``), the loader (``warm``), the
+adapters and ``cachectl program`` share one spelling of each.
+"""
+
+from __future__ import annotations
+
+# Dynamo's transformed bytecode for the method, marshalled (entry.codeobj).
+BYTECODE_FILE = "bytecode.bin"
+# The backend's program, by adapter (backends.inductor / aot_eager, backends.torchair).
+INDUCTOR_PROGRAM = "program.py"
+AOT_EAGER_PROGRAM = "program.py"
+TORCHAIR_PROGRAM = "torchair_program.py"
+PROGRAM_FILES = tuple(dict.fromkeys((INDUCTOR_PROGRAM, AOT_EAGER_PROGRAM, TORCHAIR_PROGRAM)))
+# A bytecode constant marshal cannot hold is stored as this prefix + its index in the
+# entry's ``consts`` (entry.codeobj); ``cachectl program`` shows the constant in its place.
+CONST_PREFIX = "\x00cachecompile-const\x00"
