@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # name -> the submodule that defines it.
 _LAZY = {
@@ -62,10 +62,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .api import cache_compile
-    from .build import Call, prebuild, prebuild_factory
-    from .cached import CachedFunction
-    from .errors import (
+    from cachecompile.api import cache_compile
+    from cachecompile.build import Call, prebuild, prebuild_factory
+    from cachecompile.cached import CachedFunction
+    from cachecompile.errors import (
         CacheCompileError,
         CacheFaultWarning,
         ContractError,
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
         UnidentifiedPassError,
         UnsupportedTorchWarning,
     )
-    from .node import node_once, prepare_node
+    from cachecompile.procs.node import node_once, prepare_node
 
 
 def __getattr__(name: str) -> Any:

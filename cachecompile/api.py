@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from . import backends
-from . import passes as passes_mod
-from .cached import CachedFunction, cache_off
-from .errors import ContractError, IgnoredArgumentWarning, user_stacklevel
-from .gears import Gears
-from .ranks import detect
+from cachecompile import backends
+from cachecompile.cached import CachedFunction, cache_off
+from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
+from cachecompile.key import passes as passes_mod
+from cachecompile.key.gears import Gears
+from cachecompile.key.ranks import detect
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ Two entry points:
   (default: the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``) each import the
   factory, list the same tasks, and take the next unbuilt signature as they become free,
   so independent signatures compile in parallel; their backend compiles still take a
-  compile slot each (:class:`cachecompile.coop.CompileSlots`). This process only hands
+  compile slot each (:class:`cachecompile.procs.coop.CompileSlots`). This process only hands
   out tasks and reports progress.
 
 A worker talks to its parent in JSON lines on its original stdout (anything the model
@@ -41,10 +41,15 @@ from typing import IO, Any
 
 import torch
 
-from . import coop
-from .cached import CachedFunction
-from .errors import CacheFaultWarning, ContractError, OutOfGearWarning, SignatureLimitWarning
-from .signature import describe, signature
+from cachecompile.cached import CachedFunction
+from cachecompile.errors import (
+    CacheFaultWarning,
+    ContractError,
+    OutOfGearWarning,
+    SignatureLimitWarning,
+)
+from cachecompile.key.signature import describe, signature
+from cachecompile.procs import coop
 
 logger = logging.getLogger(__name__)
 

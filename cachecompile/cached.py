@@ -32,14 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _torch, coop, replay
-from . import deps as deps_mod
-from . import factors as factors_mod
-from . import guards as guards_mod
-from . import passes as passes_mod
-from . import store as store_pkg
-from .backends.base import Adapter
-from .errors import (
+from cachecompile import _torch
+from cachecompile.backends.base import Adapter
+from cachecompile.entry import guards as guards_mod
+from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.errors import (
     CacheFaultWarning,
     InferenceOnlyError,
     OutOfGearWarning,
@@ -48,9 +45,12 @@ from .errors import (
     UnsupportedTorchWarning,
     user_stacklevel,
 )
-from .gears import Gears
-from .ranks import Ranks
-from .signature import (
+from cachecompile.key import deps as deps_mod
+from cachecompile.key import factors as factors_mod
+from cachecompile.key import passes as passes_mod
+from cachecompile.key.gears import Gears
+from cachecompile.key.ranks import Ranks
+from cachecompile.key.signature import (
     Signature,
     describe,
     input_marks,
@@ -59,15 +59,17 @@ from .signature import (
     to_json,
     varying,
 )
-from .store import Hit, Key, LocalStorage, explain, make_key
-from .store.errors import KeyNotFound, StoreError
+from cachecompile.procs import coop
+from cachecompile.store import Hit, Key, LocalStorage, default_root, make_key, open_store
+from cachecompile.store.errors import KeyNotFound, StoreError
+from cachecompile.store.explain import nearest as nearest_entry
+from cachecompile.warm import replay
 
 if TYPE_CHECKING:
-    from .capture import Phases
+    from cachecompile.cold.capture import Phases
 
 logger = logging.getLogger(__name__)
 
-BYTECODE_FILE = "bytecode.bin"
 _stores: dict[str, LocalStorage] = {}
 _stores_lock = threading.Lock()
 
@@ -75,11 +77,11 @@ _stores_lock = threading.Lock()
 def _open_store(cache_dir: str | None) -> LocalStorage:
     """One store object per root and process (opening sweeps temp dirs: do it once).
     ``open_store`` decides read-only (``CACHECOMPILE_READONLY``), as it does for cachectl."""
-    root = cache_dir if cache_dir is not None else str(store_pkg.default_root())
+    root = cache_dir if cache_dir is not None else str(default_root())
     with _stores_lock:
         st = _stores.get(root)
         if st is None:
-            st = store_pkg.open_store(root)
+            st = open_store(root)
             _stores[root] = st
         return st
 
@@ -525,7 +527,7 @@ class CachedFunction:
     def _compile(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
                  kwargs: dict[str, Any], early: Mapping[str, float], *,
                  publish: bool = True) -> Any:
-        from .capture import Phases, TraceSession
+        from cachecompile.cold.capture import Phases, TraceSession
 
         phases = Phases()
         for name, seconds in early.items():
@@ -678,7 +680,7 @@ class CachedFunction:
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                   why: str) -> Any:
-        from .capture import TraceSession
+        from cachecompile.cold.capture import TraceSession
 
         if self._fallback is None:
             self._fallback = TraceSession(self._method, self._adapter, self._options,
@@ -706,7 +708,8 @@ class CachedFunction:
     def factors(self, sig: Signature) -> dict[str, Any]:
         if self._base is None:
             self._base = factors_mod.base_factors(
-                self._method, adapter=self._adapter, options=self._options,
+                self._method, options=self._options,
+                backend={"name": self._adapter.name, **self._adapter.factors(self._options)},
                 dynamic=self._dynamic, decompositions=self._decompositions, ranks=self._ranks,
                 extra=self._extra)
         return {**self._base, "signature": to_json(sig)}
@@ -736,7 +739,7 @@ class CachedFunction:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.
         Where the signature differs, both are shown: a stride, a size, an int's value."""
         try:
-            near = explain.nearest(st, key.factors,
+            near = nearest_entry(st, key.factors,
                                    {"model": type(self._method.__self__).__qualname__,
                                     "function": self._method.__name__},
                                    limit=NEAREST_CANDIDATES)

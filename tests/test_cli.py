@@ -298,7 +298,7 @@ def test_stats_count_what_ls_lists(tmp_path: Path, child_env: dict[str, str]) ->
     st.get(graph)
     st.get(graph)
     st.get(make_key({"kind": "graph", "graph": "h" * 32}))  # a graph nobody compiled yet
-    st.record_miss("graph:absent")  # as cachecompile.coop counts it
+    st.record_miss("graph:absent")  # as cachecompile.procs.coop counts it
     st.get(make_key({"model": "M", "fn": "other"}))
     st.record_miss("absent")
     d = str(st.root)

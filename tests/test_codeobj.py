@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from cachecompile import codeobj, values
+from cachecompile.entry import codeobj, values
 from cachecompile.errors import UnsupportedProgramError
 
 
@@ -306,8 +306,8 @@ def test_codeobj_imports_no_compiler() -> None:
         "import importlib.util, sys, types\n"
         "pkg = types.ModuleType('cachecompile'); pkg.__path__ = ['cachecompile']\n"
         "sys.modules['cachecompile'] = pkg\n"
-        "spec = importlib.util.spec_from_file_location('cachecompile.codeobj',"
-        " 'cachecompile/codeobj.py')\n"
+        "spec = importlib.util.spec_from_file_location('cachecompile.entry.codeobj',"
+        " 'cachecompile/entry/codeobj.py')\n"
         "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m\n"
         "spec.loader.exec_module(m)\n"
         "print([n for n in ('torch._dynamo', 'torch._inductor') if n in sys.modules])\n")

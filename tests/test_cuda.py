@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
 
 SCRIPT = """
 import torch
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 m = models.MLP().cuda().eval()
 cached = cache_compile(m.forward_impl)
 x = models.make_mlp_input().cuda()

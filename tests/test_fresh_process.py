@@ -179,7 +179,7 @@ import model
 m = model.Net().eval()
 cached = cache_compile(m.run, backend="aot_eager")
 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
-from cachecompile.signature import signature
+from cachecompile.key.signature import signature
 key = cached._variant_key(cached._key(signature((x,), {}, True)), 0)
 st = store.open_store()
 hit = st.get(key)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cachecompile import guards as g
-from cachecompile import values
+from cachecompile.entry import guards as g
+from cachecompile.entry import values
 
 
 class Cfg:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cachecompile import cache_compile
-from cachecompile.signature import signature
+from cachecompile.key.signature import signature
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ from ccutil import Sandbox
 from tiny import Small
 
 from cachecompile import cache_compile, store
-from cachecompile.signature import describe, signature
+from cachecompile.key.signature import describe, signature
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachecompile.models import (
+from cachecompile.demo.models import (
     MLP,
     AddOne,
     BufferModule,

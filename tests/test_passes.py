@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
 from cachecompile import ContractError, UnidentifiedPassError, cache_compile, store
-from cachecompile.passes import PASS_HOOKS, identify, missing_operators, operators_in
+from cachecompile.key.passes import PASS_HOOKS, identify, missing_operators, operators_in
 
 SCALE = 2.0
 

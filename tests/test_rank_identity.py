@@ -6,7 +6,7 @@ import pytest
 
 from cachecompile import ContractError, cache_compile
 from cachecompile.errors import RankConfigError
-from cachecompile.ranks import detect
+from cachecompile.key.ranks import detect
 
 
 @pytest.fixture(autouse=True)

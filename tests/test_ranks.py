@@ -174,7 +174,8 @@ def _unique_file_bytes(root: Path) -> int:
 
 KILL_SCRIPT = r'''
 import os, torch
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 class Served(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -21,7 +21,8 @@ FLEET_KEY = "fleet-secret"
 
 CODE = """
 import os, sys, torch, warnings
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 from cachecompile.store.remote import RedisRemote
 
 KILL = os.environ.get("TEST_KILL_REDIS")   # "<pid>:<command>:<n>": SIGKILL redis on the nth

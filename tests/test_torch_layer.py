@@ -168,7 +168,7 @@ def test_version_gate(monkeypatch: pytest.MonkeyPatch, version: str, supported: 
 
 
 def test_key_has_the_exact_torch_build() -> None:
-    from cachecompile import factors
+    from cachecompile.key import factors
 
     v = factors.versions()
     assert v["torch"] == torch.__version__  # with its local tag: +cpu, +cu128

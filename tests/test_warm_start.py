@@ -18,7 +18,7 @@ SCRIPT = """
 import sys, time, warnings
 import torch
 from cachecompile import cache_compile
-from cachecompile import models
+from cachecompile.demo import models
 
 class Served(torch.nn.Module):
     def __init__(self):
@@ -93,7 +93,8 @@ def test_inherited_kernel_env_pointer_does_not_crash(tmp_path: Path) -> None:
     box = Sandbox(tmp_path)
     code = """
 import torch
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 m = models.MLP().eval()
 out = cache_compile(m.forward_impl)(models.make_mlp_input())
 report({"ok": bool(torch.allclose(out, m.forward_impl(models.make_mlp_input()), atol=1e-5))})

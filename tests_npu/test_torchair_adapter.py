@@ -101,7 +101,7 @@ def test_every_config_option_is_a_key_factor_and_defaults_are_stable() -> None:
     import torchair
 
     from cachecompile.backends.torchair import ConfigOptions
-    from cachecompile.factors import canonical
+    from cachecompile.key.factors import canonical
 
     base = canonical(dict(ConfigOptions(torchair.CompilerConfig())))
     assert base == canonical(dict(ConfigOptions(torchair.CompilerConfig())))
@@ -149,13 +149,13 @@ def test_default_config_key_is_the_same_in_another_process(sb: NpuSandbox) -> No
     import torchair
 
     from cachecompile.backends.torchair import ConfigOptions
-    from cachecompile.factors import canonical
+    from cachecompile.key.factors import canonical
 
     here = canonical(dict(ConfigOptions(torchair.CompilerConfig())))
     there = sb.run("""
         import torchair
         from cachecompile.backends.torchair import ConfigOptions
-        from cachecompile.factors import canonical
+        from cachecompile.key.factors import canonical
         report(canonical(dict(ConfigOptions(torchair.CompilerConfig()))))
     """)
     assert there.value == here

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from cachecompile.models import (  # noqa: E402
+from cachecompile.demo.models import (  # noqa: E402
     AddOne,
     DecoderConfig,
     anchor_config,

@@ -29,7 +29,8 @@ from pathlib import Path
 
 FACTORY = '''
 import torch
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 
 GEARS = {gears!r}
 

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 RANK_SCRIPT = r'''
 import os, sys, torch
-from cachecompile import cache_compile, models
+from cachecompile import cache_compile
+from cachecompile.demo import models
 mode = sys.argv[1]
 lm = models.build_decoder(models.demo_config(), seed=0)
 fn = cache_compile(lm.prefill, dynamic=False) if mode == "cache_compile" else \

@@ -28,7 +28,15 @@ import importlib.util
 import logging
 from collections.abc import Iterable
 
-from . import dynamo, dynamo_shim, inductor, inductor_runtime, passes, runtime, versions
+from cachecompile._torch import (
+    dynamo,
+    dynamo_shim,
+    inductor,
+    inductor_runtime,
+    passes,
+    runtime,
+    versions,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import inductor_runtime
+from cachecompile._torch import inductor_runtime
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile with Inductor starts.

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedProgramError
+from cachecompile.errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
 

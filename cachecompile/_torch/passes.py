@@ -4,7 +4,7 @@ A ``PatternMatcherPass`` filled by ``register_replacement`` holds what the pass 
 private places: its ``patterns`` dict of ``PatternEntry`` objects, and, for a replacement
 rule, the user's search and replacement functions inside the closure of the ``check_fn``
 that ``register_replacement`` builds. :func:`pattern_rules` reads them out so that
-:mod:`cachecompile.passes` can key each rule by the code of those functions.
+:mod:`cachecompile.key.passes` can key each rule by the code of those functions.
 
 This runs when a cached method's key is computed, also in a warm process, so it never
 imports ``torch._inductor``: a pass object can only exist if the user's code imported its

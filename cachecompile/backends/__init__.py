@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Adapter
+from cachecompile.backends.base import Adapter
 
 # name -> module that defines ADAPTER. Imported lazily: a warm process imports only its own.
 _REGISTRY: dict[str, str] = {
@@ -104,7 +104,7 @@ def _wants_torchair(backend: Any, config: Any, ge_cache: bool) -> bool:
 
 
 def _resolve_torchair(backend: Any, config: Any, ge_cache: bool) -> tuple[Adapter, dict[str, Any]]:
-    from . import torchair
+    from cachecompile.backends import torchair
 
     why = torchair.unavailable_reason()
     if why is not None:

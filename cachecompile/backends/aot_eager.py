@@ -16,14 +16,16 @@ from typing import Any
 
 import torch
 
-from .. import _torch, passes
-from .._torch import dynamo, runtime
-from ..errors import UnsupportedProgramError
-from .base import JSON, Compiled, GraphCallable, Program
+from cachecompile import _torch
+from cachecompile._torch import dynamo, runtime
+from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program
+from cachecompile.entry import files as entry_files
+from cachecompile.errors import UnsupportedProgramError
+from cachecompile.key import passes
 
 logger = logging.getLogger(__name__)
 
-PROGRAM_FILE = "program.py"
+PROGRAM_FILE = entry_files.AOT_EAGER_PROGRAM
 CONSTANTS_FILE = "constants.pt"
 # Globals FX codegen may reference that are safe and cheap to rebuild in a warm process.
 _SAFE_GLOBALS = {"torch", "inf", "nan", "NoneType", "device", "fx_pytree", "pytree"}

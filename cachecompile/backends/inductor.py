@@ -32,16 +32,18 @@ from typing import Any
 
 import torch
 
-from .. import _torch, passes
-from .._torch import inductor, inductor_runtime
-from ..errors import UnsupportedProgramError
-from .base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile import _torch
+from cachecompile._torch import inductor, inductor_runtime
+from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile.entry import files as entry_files
+from cachecompile.errors import UnsupportedProgramError
+from cachecompile.key import passes
 
 logger = logging.getLogger(__name__)
 
 name = "inductor"
 
-PROGRAM_FILE = "program.py"
+PROGRAM_FILE = entry_files.INDUCTOR_PROGRAM
 CONSTANTS_FILE = "constants.pt"
 
 # Env vars that change what Inductor generates (cache locations excluded: they do not).

@@ -52,17 +52,18 @@ from typing import Any
 
 import torch
 
-from .. import _torch
-from .._torch import dynamo
-from ..errors import UnsupportedProgramError
-from ..factors import canonical
-from .base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile import _torch
+from cachecompile._torch import dynamo
+from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile.entry import files as entry_files
+from cachecompile.errors import UnsupportedProgramError
+from cachecompile.key.factors import canonical
 
 logger = logging.getLogger(__name__)
 
 name = "torchair"
 
-PROGRAM_FILE = "torchair_program.py"
+PROGRAM_FILE = entry_files.TORCHAIR_PROGRAM
 GE_CACHE_PREFIX = "ge_cache/"
 STATIC_KERNEL_PREFIX = "static_kernel/"
 # Bumped when what this adapter stores, or how it replays it, changes.

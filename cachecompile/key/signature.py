@@ -1,7 +1,7 @@
 """The call signature: a cheap bucket for a call, and part of the entry's key.
 
 It is computed on every call and is no stricter than Dynamo: the guards carried in each
-entry (:mod:`cachecompile.guards`) decide whether an entry fits; the signature only
+entry (:mod:`cachecompile.entry.guards`) decide whether an entry fits; the signature only
 groups calls that can share entries and names the group in logs and labels.
 
 * Tensors: class (when not a plain Tensor / Parameter), dtype, device, rank, inference
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._torch import runtime
+from cachecompile._torch import runtime
 
 Signature = tuple[Any, ...]
 

@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 
-from . import _torch, codeobj, guard_capture
-from . import guards as guards_mod
-from ._torch import dynamo, runtime
-from .backends.base import Adapter, Compiled, Program
-from .deps import by_module as deps_by_module
-from .deps import hash_file
-from .errors import GraphBreakError, UnsupportedProgramError
-from .replay import BUILTINS_DICT
+from cachecompile import _torch
+from cachecompile._torch import dynamo, runtime
+from cachecompile.backends.base import Adapter, Compiled, Program
+from cachecompile.cold import guard_capture
+from cachecompile.entry import codeobj
+from cachecompile.entry import guards as guards_mod
+from cachecompile.errors import GraphBreakError, UnsupportedProgramError
+from cachecompile.key.deps import by_module as deps_by_module
+from cachecompile.key.deps import hash_file
+from cachecompile.warm.replay import BUILTINS_DICT
 
 logger = logging.getLogger(__name__)
 

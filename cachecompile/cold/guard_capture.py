@@ -4,7 +4,7 @@ Dynamo hands every guard it installs for a frame to ``guard_filter_fn`` as a
 ``GuardFilterEntry``; :func:`cachecompile._torch.dynamo.guard_entries` reads each into a
 :class:`~cachecompile._torch.dynamo.GuardEntry` (the source expression, the guard type,
 the value at trace time).
-:func:`translate` turns each into a portable guard (see :mod:`cachecompile.guards`);
+:func:`translate` turns each into a portable guard (see :mod:`cachecompile.entry.guards`);
 :class:`GuardRecorder` is the ``guard_filter_fn``: it translates, compiles the result
 into a checker and checks it against the call being traced *before* the graph runs.
 A guard with no portable form (a weakref, an arbitrary object matched by identity, a
@@ -26,11 +26,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import guards as g
-from . import values
-from ._torch import dynamo, runtime
-from ._torch.dynamo import GuardEntry
-from .errors import UnsupportedProgramError
+from cachecompile._torch import dynamo, runtime
+from cachecompile._torch.dynamo import GuardEntry
+from cachecompile.entry import guards as g
+from cachecompile.entry import values
+from cachecompile.errors import UnsupportedProgramError
+from cachecompile.key import identity as idn
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,11 @@ class _Builder:
                      f"environment variable {name} is unset")
 
     def ident(self, expr: str, value: Any, guard_type: str) -> None:
-        ident = g.identity(value)
+        ident = idn.identity(value)
         if ident is None:
             raise UnsupportedProgramError(
                 f"Dynamo guards the identity of {g.user_text(expr, self.module_name)} "
-                f"({guard_type} on a {g.qualified_name(type(value))}), which has no "
+                f"({guard_type} on a {idn.qualified_name(type(value))}), which has no "
                 "process-independent form; pass it as an argument or make it a plain value")
         if isinstance(value, type):
             self.classes.add(value)
@@ -140,7 +141,7 @@ class _Builder:
             self.type_match(expr, getattr(value, "real_obj", value))
         elif gt in ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"):
             if isinstance(value, types.CodeType):
-                self.add("ident", expr, g.identity(value),
+                self.add("ident", expr, idn.identity(value),
                          f"{g.user_text(expr, self.module_name)} is the same code")
                 return
             try:
@@ -157,8 +158,8 @@ class _Builder:
             # Dynamo matches a user function by its code object (its closure cells are
             # guarded on their own where they are read).
             if isinstance(value, types.FunctionType):
-                self.add("ident", f"{expr}.__code__", g.identity(value.__code__),
-                         f"{g.user_text(expr, self.module_name)} is {g.qualified_name(value)} "
+                self.add("ident", f"{expr}.__code__", idn.identity(value.__code__),
+                         f"{g.user_text(expr, self.module_name)} is {idn.qualified_name(value)} "
                          "with the same code")
             else:
                 self.ident(expr, value, gt)
@@ -189,7 +190,7 @@ class _Builder:
                      f"{g.user_text(expr, self.module_name)}")
         elif gt == "TENSOR_MATCH":
             self.tensor(expr, value)
-        elif gt == "OPAQUE_OBJ_GUARD_FN_MATCH" and g.identity(value) is not None:
+        elif gt == "OPAQUE_OBJ_GUARD_FN_MATCH" and idn.identity(value) is not None:
             # An opaque object's guard values (a process group's name, rank and size) are
             # part of its portable identity.
             self.ident(expr, value, gt)
@@ -217,8 +218,8 @@ class _Builder:
     def type_match(self, expr: str, value: Any) -> None:
         cls = type(value)
         self.classes.add(cls)
-        self.add("type", expr, g.type_value(cls),
-                 f"type({g.user_text(expr, self.module_name)}) is {g.qualified_name(cls)}")
+        self.add("type", expr, idn.type_value(cls),
+                 f"type({g.user_text(expr, self.module_name)}) is {idn.qualified_name(cls)}")
 
     def tensor(self, expr: str, value: Any) -> None:
         if not isinstance(value, torch.Tensor):

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import xxhash
 
-from ._torch import dynamo
-from .poll import poll
-from .store.config import env_float, env_int
-from .store.errors import LockTimeout, StoreError
-from .store.index import GRAPH_SCOPE
-from .store.protocol import LocalStorage, Locking
+from cachecompile._torch import dynamo
+from cachecompile.procs.poll import poll
+from cachecompile.store.config import env_float, env_int
+from cachecompile.store.errors import LockTimeout, StoreError
+from cachecompile.store.index import GRAPH_SCOPE
+from cachecompile.store.protocol import LocalStorage, Locking
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +209,8 @@ class GraphShare:
         but AOTAutograd and the backend compile under it (autocast's casts), so a program
         is shared only between traces under the same state.
         """
-        from .backends.base import Compiled, Program
-        from .store import Hit, make_key
+        from cachecompile.backends.base import Compiled, Program
+        from cachecompile.store import Hit, make_key
 
         digest = graph_digest(gm, example_inputs)
         key = make_key({"kind": "graph", "graph": digest, **self._factors,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .errors import ContractError
+from cachecompile.errors import ContractError
 
 logger = logging.getLogger(__name__)
 

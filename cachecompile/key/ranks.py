@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from .errors import RankConfigError
-from .store import config
+from cachecompile.errors import RankConfigError
+from cachecompile.store import config
 
 
 @dataclasses.dataclass(frozen=True)

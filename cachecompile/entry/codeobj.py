@@ -9,7 +9,7 @@ constant (in ``co_consts``, inside tuples and frozensets, in nested code objects
 placeholder string and returns the constant's portable form; :func:`loads` marshals the
 code back and puts the rebuilt objects in place.
 
-The portable forms are :mod:`cachecompile.values`' tagged JSON (``{"$": kind, ...}``) plus
+The portable forms are :mod:`cachecompile.entry.values`' tagged JSON (``{"$": kind, ...}``) plus
 the few kinds only bytecode needs (:data:`_OWN_KINDS`). The list comes from a cache entry
 another process wrote, so it is read as data: a closed set of kinds with exact keys, each
 rebuilt by name lookup (``getattr(torch, name)``, importing an enum's module), never by
@@ -37,16 +37,17 @@ from typing import Any
 
 import torch
 
-from . import values
-from ._torch import runtime
-from .errors import UnsupportedProgramError
+from cachecompile._torch import runtime
+from cachecompile.entry import values
+from cachecompile.entry.files import CONST_PREFIX
+from cachecompile.errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
 
 JSON = Any
 
 # A string no source code produces by accident: NUL bytes, a fixed prefix, an index.
-_PREFIX = "\x00cachecompile-const\x00"
+_PREFIX = CONST_PREFIX
 # Canonical ASCII decimal only ("٣", "+1", "01" are refused): str.isdigit() is too lenient.
 _INDEX = re.compile(r"(?:0|[1-9][0-9]{0,8})")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")

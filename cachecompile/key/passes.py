@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import xxhash
 
-from . import guards
-from ._torch import passes as torch_passes
-from .errors import ContractError, UnidentifiedPassError
+from cachecompile._torch import passes as torch_passes
+from cachecompile.errors import ContractError, UnidentifiedPassError
+from cachecompile.key import identity
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _digest(text: str) -> str:
 
 
 def _qual(obj: Any) -> str:
-    return guards.qualified_name(obj)
+    return identity.qualified_name(obj)
 
 
 # -- cache_compile(config=..., passes=...) --------------------------------------------------
@@ -169,7 +169,7 @@ def _function(fn: Any, what: str, depth: int = 0,
               seen: set[int] | None = None) -> JSON:
     """A function by its code, closure, defaults, and the globals its code reads."""
     unknown: list[str] = []
-    ident = guards.identity(fn, 0, unknown)
+    ident = identity.identity(fn, 0, unknown)
     name = getattr(fn, "__qualname__", None) or _qual(fn)
     if ident is None:
         raise UnidentifiedPassError(f"{what}: {name} ({_qual(type(fn))}) has no code to key")
@@ -221,14 +221,14 @@ def _globals(fn: types.FunctionType, what: str, depth: int, seen: set[int]) -> d
 def _object(obj: Any, what: str) -> JSON:
     """A callable of a user class: its class's code and its attributes as values."""
     cls = type(obj)
-    code = guards.class_digest(cls)
+    code = identity.class_digest(cls)
     if code is None:
         raise UnidentifiedPassError(
             f"{what} is {_qual(cls)}, a callable with no code of its own to key it by; pass a "
             "function, a PatternMatcherPass, or a CustomGraphPass with a uuid()")
     state = getattr(obj, "__dict__", None) or {}
     unknown: list[str] = []
-    values = {k: guards.value_token(v, 0, unknown) for k, v in sorted(state.items())}
+    values = {k: identity.value_token(v, 0, unknown) for k, v in sorted(state.items())}
     _refuse_unknown(unknown, f"an attribute of {_qual(cls)}", what)
     return {"class": _qual(cls), "code": code, "state": _digest(repr(sorted(values.items())))}
 
@@ -241,7 +241,7 @@ def _plain_value(v: Any) -> JSON:
     if isinstance(v, (list, tuple, set, frozenset)):
         items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
         return [_plain_value(x) for x in items]
-    ident = guards.identity(v)
+    ident = identity.identity(v)
     return ident if ident is not None else _qual(type(v))
 
 
@@ -255,7 +255,7 @@ def _pattern_pass(p: Any, what: str) -> JSON:
             "pattern": _digest(rule.pattern),
             "functions": {k: _function(f, where) for k, f in sorted(rule.functions.items())},
             "values": {k: _plain_value(v) for k, v in sorted(rule.values.items())},
-            "opaque": {k: _digest(guards.identity(v) or _qual(type(v)))
+            "opaque": {k: _digest(identity.identity(v) or _qual(type(v)))
                        for k, v in sorted(rule.opaque.items())},
         })
     return {"pattern_pass": _plain_value(torch_passes.pass_settings(p)), "rules": rules}

@@ -33,8 +33,9 @@ DONE = "CACHECOMPILE_DEMO_RESULT "
 def _child(mode: str, calls: int) -> None:
     import torch
 
-    from cachecompile import cache_compile, models
+    from cachecompile import cache_compile
     from cachecompile._torch import runtime
+    from cachecompile.demo import models
 
     class Served(torch.nn.Module):
         """How a serving stack uses cache_compile: cached prefill and decode methods."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedProgramError
+from cachecompile.errors import UnsupportedProgramError
 
 JSON = Any
 

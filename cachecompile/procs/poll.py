@@ -1,8 +1,8 @@
 """The one wait loop of cooperating processes: try, and until it works or time runs out,
 say now and then who is waited for, then try again.
 
-Compile locks, compile slots and node-level steps (:mod:`cachecompile.coop`,
-:mod:`cachecompile.node`) all wait this way, so they agree on what a timeout means.
+Compile locks, compile slots and node-level steps (:mod:`cachecompile.procs.coop`,
+:mod:`cachecompile.procs.node`) all wait this way, so they agree on what a timeout means.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import RankConfigError
-from .poll import poll
-from .ranks import env_int
+from cachecompile.errors import RankConfigError
+from cachecompile.key.ranks import env_int
+from cachecompile.procs.poll import poll
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
     """Call once per rank at job start: local rank 0 enforces the cache's size cap and
     sweeps stale temp dirs while the other local ranks wait, so N ranks do not all
     sweep the same directory at once. Needs LOCAL_WORLD_SIZE / LOCAL_RANK."""
-    from . import store
+    from cachecompile import store
 
     st = store.open_store(cache_dir).local  # the cap is the local store's
     node_once(st.root, "prepare", st.gc, timeout=timeout)

@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import ast
 import collections
-import contextvars
 import dataclasses
-import enum
-import functools
 import inspect
 import logging
 import math
@@ -42,11 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import xxhash
 
-from . import values
-from ._torch import runtime
-from .errors import UnsupportedProgramError
+from cachecompile._torch import runtime
+from cachecompile.entry import values
+from cachecompile.errors import UnsupportedProgramError
+from cachecompile.key.identity import class_digest, identity, qualified_name, type_value
 
 logger = logging.getLogger(__name__)
 
@@ -60,196 +57,6 @@ KINDS = ("global_state", "modes", "default_device", "type", "eq", "len", "keys",
 
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
 GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
-
-
-# -- portable identities ----------------------------------------------------------------
-_code_digests: dict[int, tuple[types.CodeType, str]] = {}
-
-
-def code_digest(code: types.CodeType) -> str:
-    """Bytecode, names and constants, recursively; memoised per code object."""
-    hit = _code_digests.get(id(code))
-    if hit is not None and hit[0] is code:
-        return hit[1]
-    h = xxhash.xxh3_128()
-
-    def feed(c: types.CodeType) -> None:
-        h.update(c.co_code)
-        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars)).encode())
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                feed(const)
-            else:
-                h.update(_const_token(const).encode())
-
-    feed(code)
-    digest = h.hexdigest()
-    _code_digests[id(code)] = (code, digest)
-    return digest
-
-
-_PLAIN_CONSTS = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis))
-
-
-def _const_token(v: Any) -> str:
-    """A constant as code sees it; objects (in generated code) by type, never by address."""
-    if isinstance(v, _PLAIN_CONSTS):
-        return repr(v)
-    if isinstance(v, (tuple, frozenset)):
-        items = sorted(v, key=repr) if isinstance(v, frozenset) else v
-        return f"{type(v).__name__}(" + ",".join(_const_token(x) for x in items) + ")"
-    return f"<{type(v).__module__}.{type(v).__qualname__}>"
-
-
-def qualified_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
-
-
-# Classes from these packages are pinned by the torch and Python version factors.
-_VERSIONED_PACKAGES = frozenset({"torch", "builtins", "collections", "functools", "types",
-                                 "typing", "enum", "abc", "dataclasses", "_abc", "re"})
-_class_digests: dict[int, tuple[type, str | None]] = {}
-
-
-def class_digest(cls: type) -> str | None:
-    """The code of a user class's methods (its own and inherited from user classes).
-
-    Dynamo matches a class by ``id``, which in one process also pins its methods; across
-    processes the same name may hold other code (an edited file, a method patched at
-    import). None for classes whose package is pinned by a version factor.
-    """
-    hit = _class_digests.get(id(cls))
-    if hit is not None and hit[0] is cls:
-        return hit[1]
-    h = xxhash.xxh3_128()
-    n = 0
-    for klass in cls.__mro__:
-        if (klass.__module__ or "").split(".")[0] in _VERSIONED_PACKAGES:
-            continue
-        h.update(qualified_name(klass).encode())
-        for name, value in sorted(vars(klass).items(), key=lambda kv: kv[0]):
-            fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-            fn = fn.fget if isinstance(fn, property) else fn
-            # A decorated method (functools.wraps): the wrapper's code and what it wraps.
-            for depth in range(8):
-                code = getattr(fn, "__code__", None)
-                if isinstance(code, types.CodeType):
-                    h.update(f"{name}:{depth}:{code_digest(code)};".encode())
-                    n += 1
-                fn = getattr(fn, "__wrapped__", None)
-                if fn is None:
-                    break
-    digest = h.hexdigest() if n else None
-    _class_digests[id(cls)] = (cls, digest)
-    return digest
-
-
-def type_value(cls: type) -> JSON:
-    """What a type guard compares: the class's name and, for user classes, its code."""
-    return {"qual": qualified_name(cls), "code": class_digest(cls)}
-
-
-def value_token(v: Any, depth: int = 0, unknown: list[str] | None = None) -> str:
-    """A process-independent token for a closure cell, default or partial argument.
-
-    An object with no identity is keyed by its type alone; ``unknown`` collects the
-    names of such types, for callers that must refuse them (custom passes).
-    """
-    if depth > 4:
-        return "..."
-    if v is None or isinstance(v, (bool, int, float, str, bytes, complex)):
-        return f"{type(v).__name__}:{v!r}"
-    if isinstance(v, (tuple, list, frozenset, set)):
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return (f"{type(v).__name__}("
-                + ",".join(value_token(x, depth + 1, unknown) for x in items) + ")")
-    if isinstance(v, dict):
-        return "dict(" + ",".join(f"{k!r}:{value_token(x, depth + 1, unknown)}"
-                                  for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + ")"
-    if isinstance(v, torch.Tensor):
-        # Values are read live (Dynamo guards a closure tensor by TENSOR_MATCH on its own).
-        return f"tensor:{v.dtype}{list(v.shape)}@{v.device}"
-    ident = identity(v, depth + 1, unknown)
-    if ident is not None:
-        return ident
-    if unknown is not None:
-        unknown.append(qualified_name(type(v)))
-    return f"object:{qualified_name(type(v))}"
-
-
-def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str | None:
-    """A process-independent identity for what Dynamo matches by ``id``; None if none.
-
-    ``unknown`` (optional) collects the types of values inside it (closure cells,
-    defaults, partial arguments) that have no identity and are keyed by type only.
-    """
-    if obj is None or obj is True or obj is False or obj is Ellipsis or obj is NotImplemented:
-        return repr(obj)
-    if isinstance(obj, types.ModuleType):
-        return f"module:{obj.__name__}"
-    if isinstance(obj, types.CodeType):
-        return f"code:{obj.co_name}:{code_digest(obj)}"
-    if isinstance(obj, type):
-        code = class_digest(obj)
-        return f"class:{qualified_name(obj)}" + (f":{code}" if code else "")
-    if isinstance(obj, types.FunctionType):
-        cells = tuple(value_token(c.cell_contents, depth, unknown) if _cell_full(c) else "<empty>"
-                      for c in (obj.__closure__ or ()))
-        return (f"function:{qualified_name(obj)}:{code_digest(obj.__code__)}"
-                f":{value_token(obj.__defaults__, depth, unknown)}"
-                f":{value_token(obj.__kwdefaults__, depth, unknown)}"
-                f":{','.join(cells)}")
-    if isinstance(obj, types.MethodType):
-        bound = identity(obj.__self__, depth + 1, unknown)
-        if bound is None:
-            bound = f"object:{qualified_name(type(obj.__self__))}"
-            if unknown is not None:
-                unknown.append(qualified_name(type(obj.__self__)))
-        return f"method:{identity(obj.__func__, depth + 1, unknown)}@{bound}"
-    if isinstance(obj, types.BuiltinFunctionType):
-        holder = obj.__self__
-        if holder is None or isinstance(holder, types.ModuleType):
-            return f"builtin:{getattr(obj, '__module__', None)}.{obj.__qualname__}"
-        return (f"builtin:{obj.__qualname__}@"
-                f"{identity(holder, depth + 1) or qualified_name(type(holder))}")
-    if isinstance(obj, functools.partial):
-        return (f"partial:{identity(obj.func, depth + 1, unknown)}"
-                f":{value_token(obj.args, depth, unknown)}"
-                f":{value_token(obj.keywords, depth, unknown)}")
-    if isinstance(obj, enum.Enum):
-        return f"enum:{qualified_name(type(obj))}.{obj.name}"
-    if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return f"torch:{obj!r}"
-    if isinstance(obj, (types.MethodWrapperType, types.WrapperDescriptorType,
-                        types.MethodDescriptorType, types.ClassMethodDescriptorType,
-                        types.GetSetDescriptorType, types.MemberDescriptorType)):
-        objclass = getattr(obj, "__objclass__", None) or type(getattr(obj, "__self__", None))
-        return f"descriptor:{qualified_name(objclass)}.{getattr(obj, '__name__', '?')}"
-    if runtime.is_operator(obj):
-        # OpOverload / OpOverloadPacket / HigherOrderOperator: named by the registry.
-        return f"op:{type(obj).__name__}:{obj}"
-    if type(obj).__name__ == "ProcessGroup" and hasattr(obj, "group_name"):
-        # A collective's group: the compiled graph refers to it by name, so a process
-        # group of the same name, size and rank is the same group to the program.
-        return f"process_group:{obj.group_name}:{obj.rank()}/{obj.size()}"
-    if isinstance(obj, contextvars.ContextVar):
-        # Reached by a path the guard names (torch 2.15's config overrides hold one per
-        # option, created at import): the same name there is the same variable. Its value
-        # is guarded on its own.
-        return f"contextvar:{obj.name}"
-    if isinstance(obj, (staticmethod, classmethod)):
-        return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1, unknown)}"
-    if isinstance(obj, property):
-        return f"property:{identity(obj.fget, depth + 1, unknown)}"
-    return None
-
-
-def _cell_full(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - probing an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 class _IdentMatch:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import xxhash
 
-from . import guards, passes
-from ._torch import versions as torch_versions
-from .backends.base import Adapter
-from .ranks import Ranks
+from cachecompile._torch import versions as torch_versions
+from cachecompile._version import __version__
+from cachecompile.key import identity, passes
+from cachecompile.key.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ def _source_digest(obj: Any) -> str | None:
 def callable_digest(fn: Callable[..., Any]) -> str:
     """A custom pass or decomposition, by its code and its closure, defaults and partial
     arguments as values (TorchAir uses only the disassembly: a changed closure hit)."""
-    ident = guards.identity(fn)
+    ident = identity.identity(fn)
     if ident is not None and not ident.startswith(("module:", "class:")):
         return _digest(ident)
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
-        return guards.code_digest(code)
+        return identity.code_digest(code)
     src = _source_digest(fn)
     if src is not None:
         return src
@@ -60,7 +60,7 @@ def callable_digest(fn: Callable[..., Any]) -> str:
 
 def canonical(value: Any, where: str = "config") -> JSON:
     """A JSON form for config values: passes and other callables by what they do
-    (:func:`cachecompile.passes.identify`, which refuses what it cannot identify), others
+    (:func:`cachecompile.key.passes.identify`, which refuses what it cannot identify), others
     by repr."""
     if isinstance(value, _PLAIN):
         return value
@@ -76,7 +76,7 @@ def canonical(value: Any, where: str = "config") -> JSON:
 
 def function_factors(func: types.FunctionType) -> dict[str, JSON]:
     f: dict[str, JSON] = {"qualname": func.__qualname__, "module": func.__module__,
-                          "bytecode": guards.code_digest(func.__code__), "source": _source_digest(func)}
+                          "bytecode": identity.code_digest(func.__code__), "source": _source_digest(func)}
     # A decorated method (functools.wraps): the wrapper's code is traced too, and the
     # functions it wraps are keyed by their code (closures are guarded by Dynamo).
     wrapped: list[JSON] = []
@@ -84,7 +84,7 @@ def function_factors(func: types.FunctionType) -> dict[str, JSON]:
     while inner is not None and len(wrapped) < 8:
         code = getattr(inner, "__code__", None)
         wrapped.append({"qualname": getattr(inner, "__qualname__", type(inner).__name__),
-                        "bytecode": guards.code_digest(code) if isinstance(code, types.CodeType)
+                        "bytecode": identity.code_digest(code) if isinstance(code, types.CodeType)
                         else None})
         inner = getattr(inner, "__wrapped__", None)
     if wrapped:
@@ -110,7 +110,7 @@ def module_factors(module: torch.nn.Module) -> dict[str, JSON]:
             # class parses its whole file, which a warm process paid for every class of the
             # model (~0.3 s for a small decoder on a slow core). Class attributes a method
             # reads are guarded by Dynamo; torch's classes are pinned by the version factor.
-            classes[qual] = guards.class_digest(cls)
+            classes[qual] = identity.class_digest(cls)
         layout.update(f"{name}:{qual}:{sub.training};".encode())
         for pname, p in sub.named_parameters(recurse=False):
             n_params += 1
@@ -154,8 +154,6 @@ def torch_flags() -> dict[str, JSON]:
 
 
 def versions() -> dict[str, JSON]:
-    from . import __version__
-
     return {
         # The replayed bytecode is CPython-version specific; keep the full version.
         "python": f"{platform.python_implementation()} {sys.version.split()[0]}",
@@ -168,7 +166,8 @@ def versions() -> dict[str, JSON]:
     }
 
 
-def base_factors(method: types.MethodType, *, adapter: Adapter, options: Mapping[str, Any],
+def base_factors(method: types.MethodType, *, backend: Mapping[str, JSON],
+                 options: Mapping[str, Any],
                  dynamic: bool, decompositions: Mapping[Any, Any] | None, ranks: Ranks,
                  extra: Mapping[str, Any] | None = None) -> dict[str, JSON]:
     module = method.__self__
@@ -178,7 +177,9 @@ def base_factors(method: types.MethodType, *, adapter: Adapter, options: Mapping
     f: dict[str, JSON] = {
         "function": function_factors(method.__func__),  # type: ignore[arg-type]
         "module": mf,
-        "backend": {"name": adapter.name, **adapter.factors(options)},
+        # The adapter's name and its own factors (Adapter.factors): the key names the
+        # backend as data, never importing the adapters.
+        "backend": dict(backend),
         "config": canonical(dict(options)),
         "dynamic": dynamic,
         "decompositions": dict(sorted(decomps.items())),

@@ -21,9 +21,9 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import codeobj
-from ._torch import dynamo_shim
-from .errors import UnsupportedProgramError
+from cachecompile._torch import dynamo_shim
+from cachecompile.entry import codeobj
+from cachecompile.errors import UnsupportedProgramError
 
 BUILTINS_DICT = "builtins.__dict__"
 
