@@ -30,8 +30,8 @@ _LAZY = {
     "SignatureLimitWarning": ".errors",
     "UnidentifiedPassError": ".errors",
     "UnsupportedTorchWarning": ".errors",
-    "node_once": ".node",
-    "prepare_node": ".node",
+    "node_once": ".procs.node",
+    "prepare_node": ".procs.node",
     # Prebuilding is imported on first use too: `python -m cachecompile.build` must not
     # find its module imported already, and serving processes never need it.
     "prebuild": ".build",

@@ -17,10 +17,12 @@ import torch
 
 from cachecompile import backends
 from cachecompile.cached import CachedFunction, cache_off
+from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import passes as passes_mod
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
+from cachecompile.spec import CompileSpec
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +177,11 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         cache_dir = _torchair_default_dir()
     ranks = detect(_int_or_none("global_rank", global_rank), _int_or_none("tp_rank", tp_rank),
                    _int_or_none("pp_rank", pp_rank))
-    if guards is not None and guards not in ("first", "always"):
-        raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got {guards!r}")
+    try:
+        mode = GuardMode(guards) if guards is not None else GuardMode.from_env()
+    except ValueError:
+        raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got "
+                            f"{guards!r}") from None
     declared: Gears | None = None
     if gears is not None:
         if dynamic:
@@ -191,8 +196,8 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).
         cache_off()
-    return CachedFunction(method, adapter=adapter, options=options, dynamic=dynamic,
-                          cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-                          ranks=ranks, decompositions=custom_decompositions,
-                          max_signatures=max_signatures, enabled=enabled, guards=guards,
-                          gears=declared)
+    spec = CompileSpec(adapter=adapter, options=options, dynamic=dynamic, guards=mode,
+                       cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+                       ranks=ranks, decompositions=custom_decompositions,
+                       max_signatures=max_signatures, enabled=enabled, gears=declared)
+    return CachedFunction(method, spec)

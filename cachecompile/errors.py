@@ -29,9 +29,12 @@ into a ``CacheFaultWarning`` and a live compile, never a crash.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 
+logger = logging.getLogger(__name__)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -41,10 +44,11 @@ def user_stacklevel() -> int:
     whatever the depth of the call inside the package (gears, dispatch, probe, compile,
     Dynamo's backend callback)."""
     skip: tuple[str, ...] = (_PACKAGE_DIR,)
-    torch_mod = sys.modules.get("torch")
-    torch_file = getattr(torch_mod, "__file__", None)
-    if torch_file:
-        skip += (os.path.dirname(os.path.abspath(torch_file)) + os.sep,)
+    # torch, and the store (cachecompile.store installs from its own top-level folder).
+    for name in ("torch", "cachecompile.store"):
+        where = getattr(sys.modules.get(name), "__file__", None)
+        if where:
+            skip += (os.path.dirname(os.path.abspath(where)) + os.sep,)
     level = 1
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
@@ -117,3 +121,10 @@ class IgnoredArgumentWarning(UserWarning):
 
 class OutOfGearWarning(UserWarning):
     """A call of a method with declared gears whose shape is none of them."""
+
+
+def fault(message: str) -> None:
+    """A cache fault, told to the user once as a ``CacheFaultWarning`` at their own line:
+    the call goes on with a live compile (the caller's business), never a crash."""
+    warnings.warn(f"cachecompile: {message}", CacheFaultWarning, stacklevel=user_stacklevel())
+    logger.debug("cachecompile fault: %s", message)

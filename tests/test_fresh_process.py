@@ -180,7 +180,8 @@ m = model.Net().eval()
 cached = cache_compile(m.run, backend="aot_eager")
 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
 from cachecompile.key.signature import signature
-key = cached._variant_key(cached._key(signature((x,), {}, True)), 0)
+from cachecompile.warm.lookup import variant_key
+key = variant_key(cached.key(signature((x,), {}, True)), 0)
 st = store.open_store()
 hit = st.get(key)
 files = {name: path.read_bytes() for name, path in hit.entry.files.items()}

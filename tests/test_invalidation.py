@@ -153,7 +153,7 @@ def test_static_shape_change_is_a_miss_dynamic_is_not(tmp_path: Path) -> None:
 
 def _key(m: nn.Module, **cc: Any) -> str:
     cached = cache_compile(m.run, **cc)
-    return cached._key(signature((X,), {}, cc.get("dynamic", True))).digest
+    return cached.key(signature((X,), {}, cc.get("dynamic", True))).digest
 
 
 def test_inductor_key_sees_config_env_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:

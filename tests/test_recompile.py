@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cachecompile import cache_compile, store
-from cachecompile.cached import CHURN_LIMIT
+from cachecompile.cold.miss import CHURN_LIMIT
 
 ACT = "tanh"  # a global the method reads: Dynamo guards on it
 

@@ -27,7 +27,7 @@ import logging
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,15 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
-from cachecompile.backends.base import Adapter, Compiled, Program
+from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import guard_capture
 from cachecompile.entry import codeobj
 from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
+from cachecompile.procs.coop import GraphShare
+from cachecompile.spec import CompileSpec
 from cachecompile.warm.replay import BUILTINS_DICT
 
 logger = logging.getLogger(__name__)
@@ -142,16 +144,15 @@ class TraceSession:
     which needs none of them.
     """
 
-    def __init__(self, method: types.MethodType, adapter: Adapter, options: Mapping[str, Any],
-                 decompositions: Mapping[Any, Any] | None, dynamic: bool,
-                 capture: bool = True, share: Any = None,
-                 phases: Phases | None = None) -> None:
+    def __init__(self, method: types.MethodType, spec: CompileSpec, *, capture: bool = True,
+                 share: GraphShare | None = None, phases: Phases | None = None) -> None:
         self._orig = method
         self.phases = phases if phases is not None else Phases()
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
-        self._adapter = adapter
-        self._options = dict(options)
-        self._decompositions = decompositions
+        adapter = self._adapter = spec.adapter
+        self._options = dict(spec.options)
+        decompositions = self._decompositions = spec.decompositions
+        dynamic = spec.dynamic
         self._capture = capture
         self.share = share
         self.traces = 0

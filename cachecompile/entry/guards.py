@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import enum
 import inspect
 import logging
 import math
@@ -49,6 +50,26 @@ logger = logging.getLogger(__name__)
 
 JSON = Any
 GuardDict = dict[str, JSON]
+
+class GuardMode(enum.Enum):
+    """When a loaded entry's guards run (``cache_compile(guards=...)``)."""
+
+    # Every guard on every call, as torch.compile does (the default).
+    ALWAYS = "always"
+    # TorchAir's behaviour (opt-in): the argument guards on every call, the state guards
+    # only on each signature's first call in a process (state changed later is not seen).
+    FIRST = "first"
+
+    @classmethod
+    def from_env(cls) -> GuardMode:
+        """``$CACHECOMPILE_GUARDS``, or ALWAYS; an unknown value is logged and ignored."""
+        raw = os.environ.get("CACHECOMPILE_GUARDS", "always").strip().lower() or "always"
+        try:
+            return cls(raw)
+        except ValueError:
+            logger.warning("ignoring CACHECOMPILE_GUARDS=%r (use always or first)", raw)
+            return cls.ALWAYS
+
 
 # Kinds, in the order a checker evaluates them (cheap ones first).
 GLOBAL_KINDS = ("global_state", "modes", "default_device")

@@ -28,7 +28,10 @@ import torch
 import xxhash
 
 from cachecompile._torch import dynamo
+from cachecompile.backends.base import Adapter, Compiled, Program
+from cachecompile.entry import writer
 from cachecompile.procs.poll import poll
+from cachecompile.store import Hit, Key, make_key
 from cachecompile.store.config import env_float, env_int
 from cachecompile.store.errors import LockTimeout, StoreError
 from cachecompile.store.index import GRAPH_SCOPE
@@ -186,15 +189,18 @@ class GraphShare:
     unverified one.
     """
 
-    def __init__(self, st: LocalStorage, factors: dict[str, Any], adapter: Any, who: str,
-                 format_version: int = 1) -> None:
+    def __init__(self, st: LocalStorage, factors: Mapping[str, Any], adapter: Adapter,
+                 who: str) -> None:
         self._st = st
-        self._format = format_version
         self._factors = {k: factors[k] for k in GRAPH_FACTORS if k in factors}
         self._adapter = adapter
         self._who = who
-        self._lock: Any = None
-        self.key: Any = None
+        # The graph's lock: taken inside Dynamo's backend callback (compile), released by
+        # finish once the program is verified and published (the miss path's ExitStack
+        # calls it), or as soon as a published program was loaded.
+        self._held = contextlib.ExitStack()
+        self._locked = False
+        self.key: Key | None = None
         self.shared = False      # the program came from another process
         self.compiled = False    # this process compiled it
 
@@ -209,21 +215,17 @@ class GraphShare:
         but AOTAutograd and the backend compile under it (autocast's casts), so a program
         is shared only between traces under the same state.
         """
-        from cachecompile.backends.base import Compiled, Program
-        from cachecompile.store import Hit, make_key
-
         digest = graph_digest(gm, example_inputs)
         key = make_key({"kind": "graph", "graph": digest, **self._factors,
                         **({"state": dict(state)} if state else {})})
-        if self._lock is not None and self.key is not None and key.digest != self.key.digest:
+        if self._locked and self.key is not None and key.digest != self.key.digest:
             self.finish()  # Dynamo restarted analysis and produced another graph
         self.key = key
-        if self._lock is None:  # held already if Dynamo restarted analysis on this graph
+        if not self._locked:  # held already if Dynamo restarted analysis on this graph
             try:
-                lock = held(self._st, f"graph-{key.digest}", who=self._who,
-                            purpose=f"graph {key.digest[:12]}")
-                lock.__enter__()
-                self._lock = lock
+                self._held.enter_context(held(self._st, f"graph-{key.digest}", who=self._who,
+                                              purpose=f"graph {key.digest[:12]}"))
+                self._locked = True
             except (StoreError, OSError) as e:
                 logger.warning("%s: no shared compile for graph %s (%s); compiling alone",
                                self._who, key.digest[:12], e)
@@ -264,29 +266,25 @@ class GraphShare:
                 logger.debug("program capture failed", exc_info=True)
                 self.finish()
                 return compiled
-            self.publish(program, self._adapter.name, self._format)
+            self.publish(program)
             self.compiled = False  # published; finish() must not publish again
             self.finish()
             return Compiled(live=compiled.live, program=lambda: program)
         return compiled
 
-    def publish(self, program: Any, adapter_name: str, format_version: int) -> None:
+    def publish(self, program: Program) -> None:
         """After verification: make this process's program available to the others."""
-        if not self.compiled or self.key is None or self._lock is None:
+        if not self.compiled or self.key is None or not self._locked:
             return
         try:
-            self._st.put(self.key, dict(program.files),
-                         labels={"kind": "graph", "backend": adapter_name,
-                                 "function": "(shared graph)"},
-                         meta={"format": format_version, "adapter": adapter_name,
-                               "program": program.meta,
-                               "publisher": {"who": self._who, "pid": os.getpid(),
-                                             "host": socket.gethostname()}})
+            writer.write(self._st, self.key, program.files, adapter=self._adapter.name,
+                         program=program.meta, who=self._who, function="(shared graph)",
+                         labels={"kind": "graph"})
         except (StoreError, OSError) as e:
             logger.warning("%s: could not share graph %s (%s)", self._who,
                            self.key.digest[:12], e)
 
     def finish(self) -> None:
-        if self._lock is not None:
-            lock, self._lock = self._lock, None
-            lock.__exit__(None, None, None)
+        """Release the graph's lock (the next waiting rank loads what was published)."""
+        self._locked = False
+        self._held.close()

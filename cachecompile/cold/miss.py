@@ -1,0 +1,265 @@
+"""A miss, in order: lock -> look again -> trace -> verify -> publish.
+
+Under the frame key's file lock (other processes wait, then load what this one
+published), the variants are looked up again; then Dynamo and the adapter compile the
+call (``capture.TraceSession``), which verifies the replayable program against the live
+result on the first call; then the entry is written at the first free variant index. The
+lock and a shared graph's lock are held in one ``ExitStack``, released in reverse order
+whatever happens. This process keeps the live compile for the signature, so Dynamo can
+still notice a recompile.
+
+Deciding whether to publish at all is :class:`Churn`'s: a guard whose value changes on
+every call would otherwise leave one entry per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import os
+import time
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cachecompile.cold.capture import Phases, Trace, TraceSession
+from cachecompile.entry import writer
+from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.errors import (
+    SignatureLimitWarning,
+    UnsupportedProgramError,
+    fault,
+    user_stacklevel,
+)
+from cachecompile.key import deps as deps_mod
+from cachecompile.key.frame import FrameKeys
+from cachecompile.key.signature import Signature, describe
+from cachecompile.procs import coop
+from cachecompile.spec import CompileSpec
+from cachecompile.store import Hit, Key, LocalStorage
+from cachecompile.store.errors import StoreError
+from cachecompile.warm.lookup import MAX_VARIANTS, Lookup, Probe, Variant, variant_key
+
+logger = logging.getLogger(__name__)
+
+# A guard whose subject forces more new variants than this in one process is taken for a
+# value that changes on every call: later variants for it run live and are not published.
+CHURN_LIMIT = 2
+
+
+class Outcome(enum.Enum):
+    """How a signature's first call (or a new variant's) was served."""
+
+    HIT = "hit"          # a stored entry, loaded
+    MISS = "miss"        # compiled here (and published, when it could be)
+    SHARED = "shared"    # compiled here, its graph's program loaded from another process
+    LIVE = "live"        # plain torch.compile, nothing cached
+
+
+@dataclasses.dataclass
+class Served:
+    """What a miss gave: the call's result and the variant that serves the signature now."""
+
+    outcome: Outcome
+    variant: Variant
+    result: Any
+
+
+class Churn:
+    """Whether another variant is worth publishing: not once one guard's subject has
+    forced more than CHURN_LIMIT new variants in this process, or failed in more than
+    CHURN_LIMIT of the frame's stored variants (a cache layer's position, a step counter).
+    Each such entry would serve one call; publishing them fills the store and the frame's
+    variant chain for nothing. The variant still runs here, as a live compile."""
+
+    def __init__(self, qualname: str) -> None:
+        self._qualname = qualname
+        self._forced: dict[str, int] = {}   # guard subject -> new variants it forced here
+        self._warned = False
+
+    def worth_publishing(self, probe: Probe, sig: Signature) -> bool:
+        if probe.kind != "guard" or not probe.guard:
+            return True
+        n = self._forced[probe.guard] = self._forced.get(probe.guard, 0) + 1
+        # Across processes too: the store's variants that failed on the same subject.
+        n = max(n, probe.guard_fails.get(probe.guard, 0))
+        if n <= CHURN_LIMIT:
+            return True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self._qualname} [{describe(sig)}]: {probe.guard} has a new value on "
+                f"call after call ({n} variants for it so far; the guard: "
+                f"{probe.guard_reason}). New variants for it "
+                "run with a live compile and are not cached (each would serve one call). "
+                "Pass that value as a tensor, or make it dynamic (dynamic=True, or "
+                "torch._dynamo.mark_dynamic), so that one entry serves every value",
+                SignatureLimitWarning, stacklevel=user_stacklevel())
+        logger.info("cachecompile %s [%s]: not publishing another variant for %s",
+                    self._qualname, describe(sig), probe.guard)
+        return False
+
+
+class MissPath:
+    """The cold side of one cached method."""
+
+    def __init__(self, method: types.MethodType, spec: CompileSpec, keys: FrameKeys,
+                 lookup: Lookup, on_recompile_limit: Callable[[str], None]) -> None:
+        self._method = method
+        self._spec = spec
+        self._keys = keys
+        self._lookup = lookup
+        self._on_recompile_limit = on_recompile_limit
+        self._qualname = method.__qualname__
+        self.churn = Churn(self._qualname)
+
+    def run(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
+            kwargs: dict[str, Any], early: Mapping[str, float], *, publish: bool) -> Served:
+        phases = Phases()
+        for name, seconds in early.items():
+            phases.add(name, seconds)
+        t_lock = time.perf_counter()
+        who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
+        with contextlib.ExitStack() as held:
+            if self._lock(held, st, frame, who):
+                # Another process may have published while we waited for the lock.
+                probe = self._lookup.probe(st, frame, args, kwargs)
+                if probe.runner is not None:
+                    return Served(Outcome.HIT, probe.runner, probe.runner.run(*args, **kwargs))
+            phases.add("lock", time.perf_counter() - t_lock)
+            share = None
+            if not st.readonly and self._spec.adapter.shares_graphs:
+                share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
+                                        who)
+                held.callback(share.finish)
+            session = TraceSession(self._method, self._spec, share=share, phases=phases)
+            session.on_recompile_limit = self._on_recompile_limit
+            t0 = time.perf_counter()
+            result = session(*args, **kwargs)
+            elapsed = time.perf_counter() - t0
+            checker = session.checker
+            # Dynamo guards its own live compile; our per-call check routes calls whose
+            # arguments no longer fit to another variant, as a hit would.
+            variant = Variant(run=session, name="live",
+                              check=self._lookup.check_of(checker) if checker is not None
+                              else None)
+            served = Served(Outcome.SHARED if share is not None and share.shared
+                            else Outcome.MISS, variant, result)
+            if not publish:
+                return served  # no entry to build: it would not be published
+            try:
+                with phases.timed("entry"):
+                    trace = session.trace()
+            except UnsupportedProgramError as e:
+                fault(f"{self._qualname} [{describe(sig)}] is not cacheable: {e}. "
+                      "It runs with live torch.compile in this process")
+                return served
+            if st.readonly:
+                fault(f"the cache at {st.root} is read-only; {self._qualname} "
+                      f"[{describe(sig)}] was compiled but not published")
+                return served
+            t_publish = time.perf_counter()
+            if share is not None:
+                share.publish(trace.program)
+            self._publish(st, frame, sig, trace, elapsed, phases, who)
+            phases.add("publish", time.perf_counter() - t_publish)
+            logger.info("cachecompile cold phases %s [%s]: %s", self._qualname,
+                        describe(sig), phases)
+            session.on_recompile = lambda reason: logger.info(
+                "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
+                "entry keeps its own guards", self._qualname, describe(sig), reason)
+            return served
+
+    def _lock(self, held: contextlib.ExitStack, st: LocalStorage, frame: Key, who: str) -> bool:
+        """The frame's compile lock, held until ``held`` closes; False when read-only or
+        when it cannot be had (then this process compiles without it)."""
+        if st.readonly:
+            return False
+        try:
+            held.enter_context(coop.held(st, frame.digest, who=who,
+                                         purpose=f"entry {frame.digest[:12]} ({self._qualname})"))
+        except (StoreError, OSError) as e:
+            fault(f"could not take the compile lock for {frame.digest[:12]} ({e}); "
+                  "compiling without it")
+            return False
+        return True
+
+    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Trace,
+                 elapsed: float, phases: Phases, who: str) -> None:
+        files: dict[str, Any] = dict(trace.program.files)
+        files[BYTECODE_FILE] = trace.bytecode
+        meta = {
+            "imports": trace.imports,
+            "consts": trace.consts,
+            "compiled_fn": trace.compiled_fn_name,
+            "deps": trace.deps,
+            "guards": trace.guards,
+            "signature": describe(sig),
+            "compile_seconds": round(trace.compile_seconds, 3),
+            "first_call_seconds": round(elapsed, 3),
+            # Where the cold first call's time went, up to the publish (capture.Phases).
+            "cold_phases": phases.rounded(),
+        }
+        spec = self._spec
+        ranks = spec.ranks
+        labels = {
+            "model": type(self._method.__self__).__qualname__,
+            "dynamic": str(spec.dynamic).lower(),
+            "signature": describe(sig),
+            "ranks": ranks.label(),
+            "world_size": str(ranks.world_size),
+            "global_rank": str(ranks.global_rank),
+            "frame": frame.digest[:32],
+            "group": self._keys.group(sig),
+            "group_size": str(ranks.world_size),
+        }
+        if ranks.tp_rank is not None:
+            labels["tp_rank"] = str(ranks.tp_rank)
+        if ranks.pp_rank is not None:
+            labels["pp_rank"] = str(ranks.pp_rank)
+        t0 = time.perf_counter()
+        try:
+            # Under the frame lock: the first free variant index. Another node (through a
+            # remote tier) may take the same index at once; the loser moves on.
+            for _ in range(MAX_VARIANTS):
+                index = self._free_variant(st, frame)
+                if index is None:
+                    fault(f"{self._qualname} already has {MAX_VARIANTS} variants "
+                          f"for [{describe(sig)}]; this one is not cached. "
+                          "`cachectl explain` shows which guards differ")
+                    return
+                key = variant_key(frame, index)
+                labels["variant"] = str(index)
+                entry = writer.write(st, key, files, adapter=spec.adapter.name,
+                                     program=trace.program.meta, who=who,
+                                     function=self._method.__name__, labels=labels, meta=meta)
+                if entry.meta.get("guards") == meta["guards"]:
+                    break
+        except (StoreError, OSError) as e:
+            fault(f"publishing {frame.digest[:12]} failed ({e}); this process keeps its "
+                  "live compile and the next one compiles again")
+            return
+        logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms "
+                    "(%d guards)", self._qualname, key.digest[:12], describe(sig), elapsed,
+                    (time.perf_counter() - t0) * 1e3, len(trace.guards))
+
+    def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
+        """The lowest variant index with no entry (locally or in a remote tier); when
+        every index is taken, the first one whose source files changed (it is removed)."""
+        stale: Key | None = None
+        for i in range(MAX_VARIANTS):
+            key = variant_key(frame, i)
+            if not st.contains(key) and not isinstance(st.get(key), Hit):
+                return i
+            if stale is None:
+                try:
+                    if deps_mod.changed(dict(st.manifest(key)["meta"]).get("deps", {})):
+                        stale = key
+                except (StoreError, OSError, KeyError, AttributeError):
+                    continue
+        if stale is not None and st.delete(stale):
+            return int(stale.factors["variant"])
+        return None

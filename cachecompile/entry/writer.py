@@ -1,0 +1,33 @@
+"""The one writer of entries: a method's entry and a shared graph's program alike.
+
+Both carry the same core (format, adapter, the backend's program, who published it) and
+the same core labels (backend, function), so ``cachectl`` reads them one way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cachecompile.key.factors import FORMAT_VERSION
+from cachecompile.store import Key, LocalStorage
+from cachecompile.store.outcomes import Entry
+
+
+def publisher(who: str) -> dict[str, Any]:
+    """Who wrote an entry: the process's own words, pid and host."""
+    return {"who": who, "pid": os.getpid(), "host": socket.gethostname()}
+
+
+def write(st: LocalStorage, key: Key, files: Mapping[str, bytes | Path], *, adapter: str,
+          program: Mapping[str, Any], who: str, function: str,
+          labels: Mapping[str, str] | None = None,
+          meta: Mapping[str, Any] | None = None) -> Entry:
+    """Publish one entry (atomically, then indexed: the store's ``put``)."""
+    full_meta = {"format": FORMAT_VERSION, "adapter": adapter, "program": dict(program),
+                 **(meta or {}), "publisher": publisher(who)}
+    full_labels = {"backend": adapter, "function": function, **(labels or {})}
+    return st.put(key, dict(files), labels=full_labels, meta=full_meta)

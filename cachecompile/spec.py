@@ -1,0 +1,44 @@
+"""What to compile and how: one frozen ``CompileSpec`` per cached method.
+
+``cache_compile`` (``api``) checks its arguments once and builds the spec; the cached
+method, its key and its miss path read from it. A new option is one field here and its
+check in ``api``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from cachecompile.backends.base import Adapter
+from cachecompile.entry.guards import GuardMode
+from cachecompile.key.gears import Gears
+from cachecompile.key.ranks import Ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """A cached method's settings, checked (``api.cache_compile``) and fixed for its life."""
+
+    adapter: Adapter
+    options: Mapping[str, Any]            # backend options (custom passes merged in)
+    decompositions: Mapping[Any, Any] | None
+    dynamic: bool
+    guards: GuardMode
+    ranks: Ranks
+    cache_dir: str | None
+    max_signatures: int
+    gears: Gears | None = None
+    # False under CACHECOMPILE_DISABLE: every call runs as plain torch.compile.
+    enabled: bool = True
+    extra_factors: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen all the way down: nothing the key hashed may change under it.
+        object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
+
+    def backend_factors(self) -> dict[str, Any]:
+        """The backend as the key names it: the adapter's name and its own factors."""
+        return {"name": self.adapter.name, **self.adapter.factors(self.options)}

@@ -1,0 +1,265 @@
+"""Finding the entry that serves a call: walk a frame key's variants, load the first whose
+guards hold.
+
+A frame key (the method, its settings and the call signature) holds up to
+``MAX_VARIANTS`` entries, one per set of guard values, at variant indexes 0, 1, ...
+Looking them up reads each one's manifest (no file hashing), checks its format, its
+traced source files, the operators its program calls and then its guards against this
+call; the first that fits is verified, loaded and rebuilt into the method (no Dynamo, no
+compiler). What did not fit is kept in a :class:`Probe`, so that the miss is counted and
+explained by its first reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+from cachecompile.entry import guards as guards_mod
+from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.entry.guards import GuardMode
+from cachecompile.errors import fault
+from cachecompile.key import deps as deps_mod
+from cachecompile.key import passes as passes_mod
+from cachecompile.key.factors import FORMAT_VERSION
+from cachecompile.key.signature import Signature, describe
+from cachecompile.spec import CompileSpec
+from cachecompile.store import Hit, Key, LocalStorage, make_key
+from cachecompile.store.errors import KeyNotFound, StoreError
+from cachecompile.store.explain import nearest as nearest_entry
+from cachecompile.warm import replay
+
+logger = logging.getLogger(__name__)
+
+# A frame key holds up to this many entries, each with its own guards; past it, new
+# variants run with live torch.compile.
+MAX_VARIANTS = 16
+# The miss log line compares with at most this many entries of the method (manifests
+# only), and names at most this many of the factors the nearest one differs in.
+NEAREST_CANDIDATES = 50
+NEAREST_NAMES = 8
+
+
+class _Absent(Exception):
+    """No entry under a variant key: the end of the chain."""
+
+
+class _Vacated(Exception):
+    """The variant's entry was removed while being looked at (stale, corrupt)."""
+
+
+@dataclasses.dataclass
+class Variant:
+    """One loaded entry (or live compile) serving calls of a signature while its check holds."""
+
+    run: Callable[..., Any]
+    check: Callable[..., bool] | None    # bound to the module; None: nothing to check per call
+    name: str
+
+
+@dataclasses.dataclass
+class Probe:
+    """What looking up a frame key's variants found."""
+
+    runner: Variant | None = None
+    free: int | None = None            # first unused variant index
+    rejected: list[str] = dataclasses.field(default_factory=list)  # why each variant did not fit
+    # Operators an entry's program calls that this process has not registered.
+    missing_ops: list[str] = dataclasses.field(default_factory=list)
+    # Why the first entry there did not serve (``cachectl stats`` counts misses by it):
+    # guard, stale, format, operator, unloadable, corrupt, insecure; None: no entry.
+    kind: str | None = None
+    guard: str | None = None           # with kind "guard": what the failing guard is about
+    guard_reason: str = ""             # ... and how it failed (the miss line's words)
+    # How many of the frame's variants failed on a guard about each subject.
+    guard_fails: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def reject(self, kind: str, why: str) -> None:
+        self.rejected.append(why)
+        self.first(kind)
+
+    def first(self, kind: str) -> None:
+        """Note why a variant did not serve; the first reason is the lookup's."""
+        if self.kind is None:
+            self.kind = kind
+
+
+def variant_key(frame: Key, i: int) -> Key:
+    return make_key({**frame.factors, "variant": i})
+
+
+def safely(fn: Callable[[], Any]) -> None:
+    """Store bookkeeping (counters, pins): it must never fail a call."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - bookkeeping must never fail a call
+        logger.debug("store bookkeeping failed", exc_info=True)
+
+
+def record_miss(st: LocalStorage, kind: str | None, about: str | None) -> None:
+    """Count a lookup's miss once, by why the first entry there did not serve (``absent``
+    when none was there), and what it was about: the failing guard's subject (bounded by
+    the code, not values), or the factors the nearest entry differs in."""
+    safely(lambda: st.record_miss(kind or "absent", about))
+
+
+class Lookup:
+    """The warm side of one cached method: its variants' lookup and loading."""
+
+    def __init__(self, method: types.MethodType, spec: CompileSpec) -> None:
+        self._method = method
+        self._module = method.__self__
+        self._spec = spec
+        self._pins: list[Any] = []   # leases on loaded entries (eviction leaves them be)
+
+    def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Probe:
+        """Walk the frame's variants in order; load the first whose guards hold."""
+        out = Probe()
+        for i in range(MAX_VARIANTS):
+            key = variant_key(frame, i)
+            try:
+                meta = self._variant_meta(st, key)
+            except _Absent:
+                # Variants are published at the lowest free index, so the chain ends at the
+                # first gap (a gap left by eviction is refilled by the next publish).
+                out.free = i if out.free is None else out.free
+                return out
+            except _Vacated as v:
+                # Quarantined by the store just now (it warned once): refill this index.
+                out.free = i if out.free is None else out.free
+                out.first(str(v))
+                continue
+            except (StoreError, OSError) as e:
+                fault(f"looking up {key.digest[:12]} failed ({e})")
+                return out
+            if meta is None:
+                continue  # unusable (corrupt, insecure): the store said why
+            try:
+                runner = self._try_variant(st, key, meta, args, kwargs, out)
+            except _Vacated as v:
+                # Quarantined or removed just now: the next publish refills this index.
+                out.free = i if out.free is None else out.free
+                out.first(str(v))
+                continue
+            except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
+                logger.debug("loading entry failed", exc_info=True)
+                fault(f"entry {key.digest[:12]} could not be loaded "
+                      f"({type(e).__name__}: {e}); it is removed and recompiled")
+                out.first("unloadable")
+                safely(functools.partial(st.delete, key))
+                out.free = i if out.free is None else out.free
+                return out
+            if runner is not None:
+                out.runner = runner
+                return out
+        return out
+
+    def _variant_meta(self, st: LocalStorage, key: Key) -> dict[str, Any] | None:
+        """An entry's meta, from its manifest when the local store has it (no file hashing,
+        no hit counted); else through ``get`` (a remote tier downloads and backfills)."""
+        try:
+            return dict(st.manifest(key)["meta"])
+        except KeyNotFound:
+            pass
+        except StoreError:
+            # A manifest that fails its digest: ``get`` verifies it again and
+            # quarantines it, so it is warned about once, not on every run.
+            pass
+        outcome = st.get(key)
+        if isinstance(outcome, Hit):
+            return dict(outcome.entry.meta)
+        if outcome.kind == "absent":
+            raise _Absent()
+        if outcome.kind in ("corrupt", "insecure"):
+            raise _Vacated(outcome.kind)
+        fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
+        return None
+
+    def _try_variant(self, st: LocalStorage, key: Key, meta: dict[str, Any],
+                     args: tuple[Any, ...], kwargs: dict[str, Any], out: Probe) -> Variant | None:
+        name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
+        qualname = self._method.__qualname__
+        adapter = self._spec.adapter
+        if meta.get("format") != FORMAT_VERSION or meta.get("adapter") != adapter.name:
+            out.reject("format", f"{name}: format {meta.get('format')!r} / adapter "
+                                 f"{meta.get('adapter')!r} does not fit")
+            return None
+        changed = deps_mod.changed(meta.get("deps", {}))
+        if changed:
+            # Kept, not deleted: another checkout of the code (or a revert) may still
+            # match it. Publishing reclaims stale variants when the chain is full.
+            logger.info("cachecompile stale %s %s: source changed: %s", qualname,
+                        name, ", ".join(changed[:3]))
+            out.reject("stale", f"{name}: source changed ({', '.join(changed[:3])})")
+            return None
+        missing = passes_mod.missing_operators((meta.get("program") or {}).get("operators") or ())
+        if missing:
+            logger.info("cachecompile %s %s: its program calls %s, not registered here",
+                        qualname, name, ", ".join(missing))
+            out.reject("operator", f"{name}: operator {', '.join(missing)} is not registered")
+            out.missing_ops.extend(m for m in missing if m not in out.missing_ops)
+            return None
+        func = self._method.__func__
+        g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
+        checker = guards_mod.build_checker(
+            func, meta["guards"], g,  # type: ignore[arg-type]
+            every_call=self._spec.guards is GuardMode.ALWAYS)
+        if not checker.full(self._module, *args, **kwargs):
+            reason, subject = (checker.failure(self._module, *args, **kwargs)
+                               or ("a guard failed", "a guard"))
+            if out.kind is None:
+                out.guard, out.guard_reason = subject, reason
+            out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
+            out.reject("guard", f"{name}: guard failed: {reason}")
+            return None
+        outcome = st.get(key)
+        if not isinstance(outcome, Hit):
+            if outcome.kind != "absent":
+                fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
+            out.rejected.append(f"{name}: {outcome.reason}")
+            raise _Vacated(outcome.kind)
+        entry = outcome.entry
+        compiled_fn = adapter.load(entry.files, entry.meta["program"])
+        bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
+                               entry.meta.get("consts", []), g, entry.meta["compiled_fn"],
+                               compiled_fn)
+        try:
+            self._pins.append(st.pin(entry))
+        except Exception:  # noqa: BLE001 - a missing lease only weakens eviction safety
+            logger.debug("could not pin entry", exc_info=True)
+        return Variant(run=bound, check=self.check_of(checker), name=name)
+
+    def check_of(self, checker: guards_mod.Checker) -> Callable[..., bool] | None:
+        """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
+        or the argument guards only (FIRST; None when there are none)."""
+        fn = checker.full if self._spec.guards is GuardMode.ALWAYS else checker.per_call
+        if fn is checker.per_call and checker.n_per_call == 0:
+            return None
+        return types.MethodType(fn, self._module)
+
+    def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
+        """' (nearest entry differs in: a, b)' for the miss log line, and those factors.
+        Where the signature differs, both are shown: a stride, a size, an int's value."""
+        try:
+            near = nearest_entry(st, key.factors,
+                                 {"model": type(self._module).__qualname__,
+                                  "function": self._method.__name__},
+                                 limit=NEAREST_CANDIDATES)
+            theirs = (str(st.manifest(near.key)["labels"].get("signature", "?"))
+                      if near is not None and "signature" in near.differ else None)
+        except Exception:  # noqa: BLE001 - explaining a miss must never fail the call
+            logger.debug("explaining a miss failed", exc_info=True)
+            return "", []
+        if near is None:
+            return "", []
+        names = near.differ[:NEAREST_NAMES]
+        more = len(near.differ) - len(names)
+        shown = [f"signature (the entry's [{theirs}], this call's [{describe(sig)}])"
+                 if n == "signature" and theirs is not None else n for n in names]
+        return (f" (nearest entry differs in: {', '.join(shown) or 'nothing?'}"
+                f"{f' and {more} more' if more > 0 else ''})", list(near.differ))
