@@ -210,8 +210,9 @@ class CachedFunction:
                   "before the first call); it runs with a live compile")
             return self._run_live(sig, args, kwargs, "custom operator not registered")
         early["lookup"] = time.perf_counter() - t0 - early["key"]
-        if probe.rejected:
-            why = "; ".join(probe.rejected[:3])
+        if probe.kind is not None:
+            # An entry was there and did not serve (a guard, stale, unloadable, corrupt...).
+            why = "; ".join(probe.rejected[:3]) or f"the entry was {probe.kind}"
             record_miss(st, probe.kind, probe.guard if probe.kind == "guard" else None)
         else:
             near, differ = self._lookup.nearest(st, frame, sig)
