@@ -162,7 +162,7 @@ def test_not_a_bundle(tmp_path: Path) -> None:
 
 def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str, str]) -> None:
     def cachectl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
+        return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
                               capture_output=True, text=True, timeout=60)
 
     out = tmp_path / "llama.tar.zst"

@@ -29,7 +29,7 @@ def cache(tmp_path: Path) -> Store:
 
 
 def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
                           capture_output=True, text=True, input=input, timeout=60)
 
 
@@ -175,8 +175,8 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
 
 
 def test_large_listing_is_plain_aligned_text() -> None:
+    from cachecompile.cli.main import RICH_MAX_ROWS, _plain_table
     from cachecompile.store import EntryInfo
-    from cachecompile.store.cli import RICH_MAX_ROWS, _plain_table
 
     infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,
                        labels={"model": "m", "function": "f"}) for i in range(RICH_MAX_ROWS + 1)]

@@ -338,7 +338,7 @@ def test_plain_store_without_remote(tmp_path: Path) -> None:
 
 # -- cachectl --------------------------------------------------------------------------
 def cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -84,7 +84,7 @@ def test_counters_file_format_and_what_is_refused(tmp_path: Path) -> None:
 
 
 def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

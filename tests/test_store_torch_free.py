@@ -25,7 +25,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("module", ["cachecompile.store", "cachecompile.store.cli"])
+@pytest.mark.parametrize("module", ["cachecompile.store", "cachecompile.cli.main"])
 def test_import_without_torch(module: str, child_env: dict[str, str]) -> None:
     code = BLOCK_TORCH + f"""
 import {module}
@@ -42,7 +42,7 @@ if {module!r} == "cachecompile.store":
 def test_store_works_without_torch(tmp_path, child_env: dict[str, str]) -> None:
     code = BLOCK_TORCH + f"""
 from cachecompile.store import open_store, make_key, Hit
-from cachecompile.store.cli import main
+from cachecompile.cli.main import main
 st = open_store({str(tmp_path / 'c')!r})
 k = make_key({{"a": 1}})
 st.put(k, {{"f": b"x"}})

@@ -13,7 +13,7 @@ from tiny import Small
 
 from cachecompile import IgnoredArgumentWarning, cache_compile, store
 from cachecompile.api import _torchair_default_dir
-from cachecompile.store.cli import _load_plugins, cli
+from cachecompile.cli.main import _load_plugins, cli
 
 
 def test_unknown_keywords_warn_once_naming_them(tmp_path: Path) -> None:
@@ -75,7 +75,7 @@ def test_cachectl_stays_torch_free_with_the_new_verbs(child_env: dict[str, str])
     import subprocess
     import sys
 
-    code = ("import sys, cachecompile.store.cli as c\nc._load_plugins()\n"
+    code = ("import sys, cachecompile.cli.main as c\nc._load_plugins()\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "assert 'cachecompile.build' not in sys.modules\n"
             "assert {'build', 'program'} <= set(c.cli.commands)")

@@ -1,12 +1,12 @@
-"""``cachectl build module:factory``: fill the cache before serving (loaded by store.cli).
+"""``cachectl build module:factory``: fill the cache before serving (loaded by cachecompile.cli.main).
 
 For an image build step: ``factory()`` returns ``[(cached_fn, [example, ...]), ...]`` or
 ``{name: (cached_fn, [example, ...])}``; every distinct signature (every gear of a method
 with gears) is compiled and published, ``--jobs`` worker processes at a time (default:
 the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``). See docs/deploy.md.
 
-This module imports neither torch nor cachecompile: ``cachectl`` stays torch-free until
-the verb runs (cachecompile.build does the work).
+This module imports neither torch nor cachecompile.build: ``cachectl`` stays torch-free
+until the verb runs (cachecompile.build does the work).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .cli import EXIT_PROBLEMS, EXIT_USAGE, CliError, _console, cache_dir_option
+from .main import EXIT_PROBLEMS, EXIT_USAGE, CliError, _console, cache_dir_option
 
 _MARKS = {"built": "[green]built[/green]", "present": "[cyan]present[/cyan]",
           "not cached": "[yellow]not cached[/yellow]", "failed": "[red]failed[/red]"}

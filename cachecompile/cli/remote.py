@@ -1,4 +1,4 @@
-"""``cachectl`` verbs of the remote tier and of bundles (loaded by cachecompile.store.cli as a plugin).
+"""``cachectl`` verbs of the remote tier and of bundles (loaded by cachecompile.cli.main as a plugin).
 
     cachectl remote ls | stats | purge        the Redis tier itself
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
@@ -26,9 +26,16 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from . import errors, open_store
-from .bundle import export_bundle, import_bundle
-from .cli import (
+from cachecompile.store import errors, open_store
+from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.outcomes import EntryInfo, Hit
+from cachecompile.store.policy import has_labels
+from cachecompile.store.readonly import ReadOnlyStore
+from cachecompile.store.remote import RedisRemote
+from cachecompile.store.signing import Record
+from cachecompile.store.tiered import TieredStore
+
+from .main import (
     EXIT_STORE,
     CliError,
     LocalStore,
@@ -39,12 +46,6 @@ from .cli import (
     human_size,
     label_options,
 )
-from .outcomes import EntryInfo, Hit
-from .policy import has_labels
-from .readonly import ReadOnlyStore
-from .remote import RedisRemote
-from .signing import Record
-from .tiered import TieredStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,7 +67,7 @@ def _remote(url: str | None) -> RedisRemote:
 
 def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
     # The local store alone: these verbs move entries between the tiers explicitly.
-    # Verbs that only read it never create it (as cachecompile.store.cli does): on a mistyped
+    # Verbs that only read it never create it (as cachecompile.cli.main does): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
     return open_store(cache_dir, remote="", create=create).local
 

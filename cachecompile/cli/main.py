@@ -20,12 +20,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from . import errors, open_store, parse_size
-from .disk import Store
-from .explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
-from .outcomes import EntryInfo
-from .policy import has_labels, is_shared_graph
-from .readonly import ReadOnlyStore
+from cachecompile.store import errors, open_store, parse_size
+from cachecompile.store.disk import Store
+from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
+from cachecompile.store.outcomes import EntryInfo
+from cachecompile.store.policy import has_labels, is_shared_graph
+from cachecompile.store.readonly import ReadOnlyStore
 
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
@@ -46,11 +46,11 @@ _ERROR_CODES: list[tuple[type[BaseException], int]] = [
 ]
 
 if TYPE_CHECKING:
-    from . import OpenStore
+    from cachecompile.store import OpenStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 # The local store the verbs read and maintain (``.local`` of what open_store returns: a
-# remote tier behind it is the remote verbs' business, cachecompile.store.cli_remote).
+# remote tier behind it is the remote verbs' business, cachecompile.cli.remote).
 LocalStore = Store | ReadOnlyStore
 
 
@@ -563,10 +563,10 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
         sys.exit(EXIT_PROBLEMS)
 
 
-# Verbs of optional features live in their own modules (store/cli_<feature>.py), each
-# with ``register(cli)``; a feature whose module is absent simply has no verbs.
+# Verbs of optional features live in their own modules (cachecompile/cli/<feature>.py),
+# each with ``register(cli)``; a feature whose module is absent simply has no verbs.
 _PLUGINS = tuple(
-    f"{__package__}.cli_{name}" for name in ("remote", "torchair", "build", "program")
+    f"cachecompile.cli.{name}" for name in ("remote", "torchair", "build", "program")
 )
 
 

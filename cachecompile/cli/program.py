@@ -23,7 +23,7 @@ from typing import Any
 import click
 from rich.syntax import Syntax
 
-from .cli import _console, _open, cache_dir_option
+from .main import _console, _open, cache_dir_option
 
 BYTECODE_FILE = "bytecode.bin"
 # Program files, by adapter (cachecompile.backends.*.PROGRAM_FILE).
