@@ -175,7 +175,7 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
 
 
 def test_large_listing_is_plain_aligned_text() -> None:
-    from cachecompile.cli.main import RICH_MAX_ROWS, _plain_table
+    from cachecompile.cli.common import RICH_MAX_ROWS, _plain_table
     from cachecompile.store import EntryInfo
 
     infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,

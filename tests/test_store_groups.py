@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from cachecompile import store
-from cachecompile.cli.main import group_status
+from cachecompile.cli.common import group_status
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import (
     expand_groups,

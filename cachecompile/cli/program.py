@@ -23,7 +23,7 @@ from typing import Any
 import click
 from rich.syntax import Syntax
 
-from .main import _console, _open, cache_dir_option
+from .common import _console, _open, cache_dir_option
 
 BYTECODE_FILE = "bytecode.bin"
 # Program files, by adapter (cachecompile.backends.*.PROGRAM_FILE).
@@ -52,60 +52,59 @@ def disassemble(data: bytes, consts: list[Any]) -> str:
     return _PLACEHOLDER.sub(const, buf.getvalue())
 
 
-def register(cli: click.Group) -> None:
-    @cli.command("program")
-    @cache_dir_option
-    @click.argument("key")
-    @click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
-    def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool) -> None:
-        """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
-        st = _open(cache_dir)
-        digest = st.resolve(key)
-        m = st.manifest(digest)
-        meta = m.get("meta", {})
-        labels = m.get("labels", {})
-        data_dir = st.entry_dir(digest) / "data"
-        out: list[tuple[str, str, str]] = []   # (title, text, lexer)
-        head = [f"entry     {digest}",
-                f"method    {labels.get('model', '?')}.{labels.get('function', '?')}",
-                f"signature {labels.get('signature', meta.get('signature', '?'))}",
-                f"backend   {labels.get('backend', meta.get('adapter', '?'))}",
-                f"python    {_python_of(m) or '?'}"]
-        program = meta.get("program") or {}
-        ops = program.get("operators") or []
-        if ops:
-            head.append(f"operators {', '.join(ops)} (must be registered in a warm process)")
-        out.append(("entry", "\n".join(head), "text"))
-        guards = meta.get("guards") or []
-        if guards:
-            lines = [f"{i:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
-                     for i, g in enumerate(guards)]
-            out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
-                        "\n".join(lines), "text"))
-        bytecode = data_dir / BYTECODE_FILE
-        if not no_bytecode and bytecode.is_file():
-            written = _python_of(m) or "?"
-            if written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]:
-                try:
-                    text = disassemble(bytecode.read_bytes(), list(meta.get("consts") or []))
-                except (ValueError, EOFError, TypeError) as e:
-                    text = f"(does not load: {e})"
-            else:
-                text = (f"(written by {written}; this is Python {sys.version.split()[0]}, "
-                        "whose marshal and dis cannot read it)")
-            out.append(("Dynamo's transformed bytecode (calls "
-                        f"{meta.get('compiled_fn', '__compiled_fn')})", text, "text"))
-        for name in PROGRAM_FILES:
-            path = data_dir / name
-            if path.is_file():
-                out.append((name, path.read_text(encoding="utf-8", errors="replace"), "python"))
-        con = _console()
-        tty = sys.stdout.isatty()
-        for title, text, lexer in out:
-            if tty:
-                con.rule(title)
-                con.print(Syntax(text, lexer, word_wrap=False) if lexer == "python" else text,
-                          markup=False, highlight=False)
-            else:
-                click.echo(f"# ---- {title}")
-                click.echo(text.rstrip("\n"))
+@click.command("program")
+@cache_dir_option
+@click.argument("key")
+@click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
+def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool) -> None:
+    """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
+    st = _open(cache_dir)
+    digest = st.resolve(key)
+    m = st.manifest(digest)
+    meta = m.get("meta", {})
+    labels = m.get("labels", {})
+    data_dir = st.entry_dir(digest) / "data"
+    out: list[tuple[str, str, str]] = []   # (title, text, lexer)
+    head = [f"entry     {digest}",
+            f"method    {labels.get('model', '?')}.{labels.get('function', '?')}",
+            f"signature {labels.get('signature', meta.get('signature', '?'))}",
+            f"backend   {labels.get('backend', meta.get('adapter', '?'))}",
+            f"python    {_python_of(m) or '?'}"]
+    program = meta.get("program") or {}
+    ops = program.get("operators") or []
+    if ops:
+        head.append(f"operators {', '.join(ops)} (must be registered in a warm process)")
+    out.append(("entry", "\n".join(head), "text"))
+    guards = meta.get("guards") or []
+    if guards:
+        lines = [f"{i:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
+                 for i, g in enumerate(guards)]
+        out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
+                    "\n".join(lines), "text"))
+    bytecode = data_dir / BYTECODE_FILE
+    if not no_bytecode and bytecode.is_file():
+        written = _python_of(m) or "?"
+        if written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]:
+            try:
+                text = disassemble(bytecode.read_bytes(), list(meta.get("consts") or []))
+            except (ValueError, EOFError, TypeError) as e:
+                text = f"(does not load: {e})"
+        else:
+            text = (f"(written by {written}; this is Python {sys.version.split()[0]}, "
+                    "whose marshal and dis cannot read it)")
+        out.append(("Dynamo's transformed bytecode (calls "
+                    f"{meta.get('compiled_fn', '__compiled_fn')})", text, "text"))
+    for name in PROGRAM_FILES:
+        path = data_dir / name
+        if path.is_file():
+            out.append((name, path.read_text(encoding="utf-8", errors="replace"), "python"))
+    con = _console()
+    tty = sys.stdout.isatty()
+    for title, text, lexer in out:
+        if tty:
+            con.rule(title)
+            con.print(Syntax(text, lexer, word_wrap=False) if lexer == "python" else text,
+                      markup=False, highlight=False)
+        else:
+            click.echo(f"# ---- {title}")
+            click.echo(text.rstrip("\n"))

@@ -1,0 +1,395 @@
+"""The store's own ``cachectl`` verbs: ls, show, explain, purge, stats, gc, verify.
+
+Torch-free: they read and maintain the local store through cachecompile.store. The
+command group that holds them is cachecompile.cli.main.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from cachecompile.store import parse_size
+from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
+from cachecompile.store.outcomes import EntryInfo
+from cachecompile.store.policy import has_labels, is_shared_graph
+from cachecompile.store.readonly import ReadOnlyStore
+
+from .common import (
+    EXIT_PROBLEMS,
+    RICH_MAX_ROWS,
+    _console,
+    _entries_table,
+    _open,
+    _open_local,
+    _parse_labels,
+    _plain_table,
+    _when,
+    cache_dir_option,
+    group_status,
+    human_size,
+    label_options,
+    parse_duration,
+)
+
+_SORTS: dict[str, Callable[[EntryInfo], Any]] = {
+    "key": lambda i: i.key,
+    "size": lambda i: i.size_bytes,
+    "created": lambda i: i.created,
+    "last_used": lambda i: i.last_used,
+    "hits": lambda i: i.hits,
+    "model": lambda i: i.labels.get("model", ""),
+    "function": lambda i: i.labels.get("function", ""),
+}
+
+
+@click.command("ls")
+@cache_dir_option
+@label_options
+@click.option("--sort", type=click.Choice(sorted(_SORTS)), default="last_used", show_default=True)
+@click.option("--reverse/--no-reverse", default=True, show_default=True,
+              help="Largest / newest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@click.option("--graphs", is_flag=True,
+              help="Also list shared-graph entries (programs ranks share; label kind=graph).")
+def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
+           function: str | None, sort: str, reverse: bool, as_json: bool,
+           graphs: bool) -> None:
+    """List entries, one row each."""
+    st = _open(cache_dir)
+    want = _parse_labels(label, model, function)
+    everything = list(st.entries())
+    infos = [i for i in everything if has_labels(i.labels, want)
+             and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
+    infos.sort(key=_SORTS[sort], reverse=reverse)
+    groups = group_status(everything)
+    if as_json:
+        click.echo(json.dumps([i.to_json() for i in infos], indent=1))
+        return
+    if not infos:
+        click.echo(f"no entries in {st.root}")
+        return
+    if len(infos) > RICH_MAX_ROWS:
+        # rich lays out ~1,500 rows/s; a plain aligned table keeps 10,000 entries well under 1 s.
+        click.echo(_plain_table(infos, groups))
+        return
+    _console().print(_entries_table(infos, groups=groups))
+
+
+# Guards that say what a call (and the state it runs in) must be: the ones that tell
+# variants apart. The rest check that the code and objects the method reads are the same
+# ones (types, identities, hook dicts, keys): many, and alike in every entry of a method.
+_VALUE_GUARDS = ("global_state", "modes", "default_device", "eq", "expr", "tensor", "len")
+_SHOWN_META = ("adapter", "signature", "compile_seconds", "first_call_seconds", "format")
+
+
+def _guards(m: dict[str, Any]) -> list[dict[str, Any]]:
+    gs = (m.get("meta") or {}).get("guards") or []
+    return [g for g in gs if isinstance(g, dict)]
+
+
+def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
+    gs = _guards(m)
+    shown = [g for g in gs if every or g.get("kind") in _VALUE_GUARDS]
+    if not gs:
+        return
+    con.print(f"[bold]guards[/bold]   {len(gs)}" + ("" if every else
+              f"; what a call and its state must be ({len(shown)}); the other "
+              f"{len(gs) - len(shown)} check that the code and objects the method reads are "
+              "the same (--guards lists all)"))
+    for g in shown:
+        con.print("  " + escape(str(g.get("text") or g.get("expr") or g.get("kind"))),
+                  soft_wrap=True)
+
+
+@click.command("show")
+@cache_dir_option
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@click.option("--guards", "all_guards", is_flag=True, help="List every guard, not only the "
+              "ones on values.")
+def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -> None:
+    """Show an entry: what it serves, its guards, factors and files (KEY may be a
+    unique prefix). The raw manifest (the program's metadata, every guard as stored)
+    is behind --json."""
+    st = _open_local(cache_dir)
+    digest = st.resolve(key)
+    m = st.manifest(digest)
+    if as_json:
+        click.echo(json.dumps(m, indent=1, sort_keys=True))
+        return
+    info = st.stat(digest)
+    con = _console()
+    labels = m.get("labels") or {}
+    meta = m.get("meta") or {}
+    con.print(f"[bold]key[/bold]      {digest}")
+    if labels.get("model") or labels.get("function"):
+        con.print(f"[bold]serves[/bold]   {escape(labels.get('model', '?'))}."
+                  f"{escape(labels.get('function', '?'))} [{escape(labels.get('signature', ''))}]"
+                  + (f" variant {escape(labels['variant'])}" if "variant" in labels else ""))
+    con.print(f"[bold]path[/bold]     {st.entry_dir(digest)}")
+    con.print(f"[bold]created[/bold]  {_when(m['created'])}")
+    if info is not None:
+        con.print(f"[bold]used[/bold]     {_when(info.last_used)}  ({info.hits} hits)")
+    con.print("[bold]labels[/bold]   " + escape(", ".join(
+        f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("model", "function",
+                                                                     "signature"))))
+    con.print("[bold]meta[/bold]     " + escape(", ".join(
+        f"{k}={meta[k]}" for k in _SHOWN_META if k in meta)))
+    if meta.get("cold_phases"):
+        con.print("[bold]cold[/bold]     " + escape(", ".join(
+            f"{k} {v:.2f}s" for k, v in meta["cold_phases"].items()
+            if isinstance(v, (int, float)))))
+    _print_value_guards(con, m, all_guards)
+    ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
+    ft.add_column("factor")
+    ft.add_column("value", overflow="fold")
+    for k, v in flatten(m["factors"]).items():
+        ft.add_row(escape(k), escape(json.dumps(v)))
+    con.print(ft)
+    fl = Table(title="files", box=None, pad_edge=False, title_justify="left")
+    fl.add_column("name")
+    fl.add_column("size", justify="right")
+    fl.add_column("xxh3_128")
+    for name, rec in sorted(m["files"].items()):
+        fl.add_row(name, human_size(rec["size"]), rec["xxh3_128"])
+    con.print(fl)
+
+
+@click.command("explain")
+@cache_dir_option
+@click.argument("key")
+@click.argument("key2", required=False)
+@click.option("--all", "show_all", is_flag=True, help="Also list the factors that are equal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the differing factors as JSON.")
+def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
+                as_json: bool) -> None:
+    """Compare the factors and guards of two entries; with one KEY, against its nearest
+    entry (same model and function). Guards that differ in value come first; guards that
+    differ only by a global Dynamo renamed are folded. An entry with no sibling is
+    explained alone: what a call must be for it to serve."""
+    st = _open_local(cache_dir)
+    a = st.resolve(key)
+    ma = st.manifest(a)
+    if key2 is None:
+        # Same function and model (where the entry has them), fewest factors apart.
+        same = {k: ma["labels"][k] for k in ("function", "model") if k in ma["labels"]}
+        near = nearest(st, ma["factors"], same, exclude=a)
+        if near is None:
+            if as_json:
+                click.echo(json.dumps({"a": a, "b": None, "guards": [
+                    g.get("text") for g in _guards(ma) if g.get("kind") in _VALUE_GUARDS]},
+                    indent=1))
+                return
+            con = _console()
+            labels = ma.get("labels") or {}
+            con.print(f"{a[:12]} is the only entry of {escape(labels.get('model', '?'))}."
+                      f"{escape(labels.get('function', '?'))}; it serves calls "
+                      f"[{escape(labels.get('signature', ''))}] while these hold:")
+            _print_value_guards(con, ma, show_all)
+            return
+        b = near.key
+    else:
+        b = st.resolve(key2)
+    mb = st.manifest(b)
+    fa, fb = flatten(ma["factors"]), flatten(mb["factors"])
+    names = sorted(set(fa) | set(fb))
+    # The variant index is the slot an entry took, not what it was compiled for.
+    diff = differing(ma["factors"], mb["factors"], ignore=NOT_COMPARED)
+    guards = guard_diff(ma, mb)
+    if as_json:
+        click.echo(json.dumps({"a": a, "b": b, "differ": {
+            n: [fa.get(n), fb.get(n)] for n in diff}, "guards": guards.rows,
+            "guards_changed": guards.changed, "guards_renamed": guards.renamed}, indent=1))
+        return
+    con = _console()
+    con.print(f"{a[:12]} vs {b[:12]}: {len(diff)} of {len(names)} factors differ")
+    t = Table(box=None, pad_edge=False)
+    t.add_column("factor", no_wrap=True)
+    t.add_column(a[:12], overflow="fold")
+    t.add_column(b[:12], overflow="fold")
+    for n in names:
+        va = json.dumps(fa[n]) if n in fa else "(absent)"
+        vb = json.dumps(fb[n]) if n in fb else "(absent)"
+        if n in diff:
+            t.add_row(Text("* " + n, style="bold red"), Text(va, style="red"), Text(vb, style="red"))
+        elif show_all:
+            t.add_row(escape("  " + n), escape(va), escape(vb))
+    if diff:
+        con.print(t)
+    for title, rows in ((f"{len(guards.changed)} guards differ in value", guards.changed),
+                        (f"{len(guards.only)} guards only one entry has", guards.only)):
+        if not rows:
+            continue
+        con.print(f"{title} (Dynamo's, as each entry was compiled):")
+        g = Table(box=None, pad_edge=False)
+        g.add_column(a[:12], overflow="fold")
+        g.add_column(b[:12], overflow="fold")
+        for ta, tb in rows:
+            g.add_row(escape(ta), escape(tb))
+        con.print(g)
+    if guards.renamed:
+        con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
+                  "__builtins_dict___N: the same check, folded)")
+
+
+@click.command("purge")
+@cache_dir_option
+@click.argument("keys", nargs=-1)
+@label_options
+@click.option("--older-than", default=None, metavar="AGE", help="Not used for AGE (30m, 12h, 7d, 2w).")
+@click.option("--all", "purge_all", is_flag=True, help="Every entry.")
+@click.option("--include-pinned", is_flag=True,
+              help="Also remove entries a live process has pinned (and their groups).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--dry-run", is_flag=True, help="Only show what would go.")
+def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ...],
+              model: str | None, function: str | None, older_than: str | None,
+              purge_all: bool, include_pinned: bool, yes: bool, dry_run: bool) -> None:
+    """Remove entries by KEY (prefixes), label, age, or --all (pinned ones stay)."""
+    want = _parse_labels(label, model, function)
+    age = parse_duration(older_than) if older_than is not None else None
+    if not (keys or want or age is not None or purge_all):
+        raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
+    st = _open_local(cache_dir)
+    if isinstance(st, ReadOnlyStore) and not dry_run:
+        raise st.refusal("purge entries")  # before showing a list that cannot go
+    digests = [st.resolve(k) for k in keys]
+    goes, kept = st.purge_plan(keys=digests or None, labels=want or None, older_than=age,
+                               all=purge_all, include_pinned=include_pinned)
+    if kept:
+        click.echo(f"kept {len(kept)} pinned entries (a live process uses them or their "
+                   "group; --include-pinned removes them too): "
+                   + ", ".join(i.key[:12] for i in kept))
+    if not goes:
+        click.echo("nothing to purge")
+        return
+    _console().print(_entries_table(goes, title=f"{len(goes)} entries, {human_size(sum(i.size_bytes for i in goes))}"))
+    if dry_run:
+        click.echo("dry run: nothing removed")
+        return
+    if not yes and not click.confirm(f"remove these {len(goes)} entries?", default=False):
+        click.echo("aborted")
+        return
+    gone = st.purge(keys=[i.key for i in goes], include_pinned=include_pinned)
+    click.echo(f"removed {len(gone)} entries ({human_size(sum(i.size_bytes for i in gone))})"
+               + (f"; {len(goes) - len(gone)} kept (pinned meanwhile)"
+                  if len(gone) < len(goes) else ""))
+
+
+# What each miss kind means, as `cachectl stats` prints it.
+_MISS_KINDS = {
+    "absent": "no entry for the call's key",
+    "guard": "an entry was there; a guard failed",
+    "stale": "the entry's source files changed",
+    "corrupt": "the entry failed its checksums",
+    "insecure": "the entry's files are not trusted",
+    "unloadable": "the entry did not load",
+    "operator": "the program calls an operator not registered",
+    "format": "another format or backend",
+}
+
+
+@click.command("stats")
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
+def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
+    """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
+    st = _open(cache_dir)
+    if zero:
+        st.local.zero_stats()
+        if st.readonly and not as_json:
+            click.echo("read-only store: zeroed the counters of read-only processes; the "
+                       "store's own counters stay", err=True)
+    s = st.stats()  # with a remote tier behind the store, it names the remote too
+    if as_json:
+        click.echo(json.dumps(s, indent=1, sort_keys=True))
+        return
+    t = Table(box=None, show_header=False, pad_edge=False)
+    t.add_column("stat")
+    t.add_column("value", justify="right")
+    t.add_row("root", s["root"])
+    t.add_row("entries", str(s["entries"]))
+    # Physical: content shared by entries (dedup) counts once, as it does against the cap.
+    t.add_row("size", f"{human_size(s['bytes'])} of {human_size(s['cap'])} "
+                      f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)"
+                      + (f", {human_size(s['logical_bytes'])} logical"
+                         if s.get("logical_bytes", s["bytes"]) != s["bytes"] else ""))
+    total_misses = sum(s["misses"].values())
+    lookups = s["hits"] + total_misses  # each miss is one lookup that found nothing to use
+    t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
+    t.add_row("  local", str(s["hits_local"]))
+    t.add_row("  remote", str(s["hits_remote"]))
+    t.add_row("misses", str(total_misses))
+    about = s.get("misses_about") or {}
+    for kind, n in sorted(s["misses"].items()):
+        t.add_row(f"  {kind}", str(n) + f"  ({_MISS_KINDS.get(kind, kind)})")
+        # What the misses were about (which guard failed), the most frequent first.
+        subjects = sorted((about.get(kind) or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        for subject, m in subjects[:10]:
+            t.add_row(escape(f"    {subject}"), str(m))
+        if len(subjects) > 10:
+            t.add_row(f"    ... {len(subjects) - 10} more", "")
+    ro = s.get("readonly_processes") or {}
+    if ro.get("hits") or ro.get("misses"):
+        t.add_row("read-only processes", f"{ro['hits']} hits, {ro['misses']} misses "
+                                         "(counted above)")
+    g = s.get("shared_graphs") or {}
+    if g.get("entries") or g.get("hits") or g.get("misses"):
+        # Internal entries (ls --graphs): counted apart so the numbers above match ls.
+        t.add_row("shared graphs", f"{g['entries']} entries, {g['hits']} hits, "
+                                   f"{sum(g['misses'].values())} misses")
+    for k in ("publishes", "evictions", "corruptions", "quarantined"):
+        t.add_row(k, str(s[k]))
+    if s.get("readonly"):
+        t.add_row("read-only", "yes")
+    _console().print(t)
+
+
+@click.command("gc")
+@cache_dir_option
+@click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
+def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
+    """Enforce the size cap now (LRU; pinned entries skipped); sweep stale temp dirs."""
+    st = _open_local(cache_dir)
+    cap = parse_size(max_size) if max_size is not None else None
+    r = st.gc(cap)
+    click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
+               f"{human_size(r.bytes_after)} of {human_size(r.max_size)} used; "
+               f"{len(r.pinned_skipped)} pinned; {r.temp_swept} temp dirs and "
+               f"{r.blobs_removed} unused blobs swept")
+
+
+@click.command("verify")
+@cache_dir_option
+@click.option("--fix", is_flag=True, help="Quarantine bad entries and rebuild the index.")
+@click.option("--json", "as_json", is_flag=True)
+def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
+    """Check every entry's checksums and the index against the disk (exit 1 on problems)."""
+    st = _open_local(cache_dir)
+    r = st.verify(fix=fix)
+    if as_json:
+        click.echo(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems],
+                               "index_missing": r.index_missing, "index_stale": r.index_stale,
+                               "quarantined": r.quarantined, "ok": r.ok}, indent=1))
+    else:
+        for d, reason in r.problems:
+            click.echo(f"{d}  {reason}" + ("  -> quarantined" if d in r.quarantined else ""))
+        for d in r.index_missing:
+            click.echo(f"{d}  on disk but not in the index" + ("  -> reindexed" if fix else ""))
+        for d in r.index_stale:
+            click.echo(f"{d}  in the index but not on disk" + ("  -> reindexed" if fix else ""))
+        click.echo(f"checked {r.checked} entries: "
+                   + ("ok" if r.ok else f"{len(r.problems)} bad, "
+                      f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
+    if not r.ok:
+        sys.exit(EXIT_PROBLEMS)
