@@ -23,13 +23,14 @@ from typing import Any
 import click
 from rich.syntax import Syntax
 
+from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
+
 from .common import _console, _open, cache_dir_option
 
-BYTECODE_FILE = "bytecode.bin"
-# Program files, by adapter (cachecompile.backends.*.PROGRAM_FILE).
-PROGRAM_FILES = ("program.py", "torchair_program.py")
-# cachecompile.codeobj's placeholder for a constant marshal cannot hold.
-_PLACEHOLDER = re.compile(r"'\\x00cachecompile-const\\x00(\d+)'")
+# A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
+# '\x00cachecompile-const\x000' (the backslashes are in the text); the index is group 1.
+_QUOTED = repr(CONST_PREFIX)
+_PLACEHOLDER = re.compile(re.escape(_QUOTED[:-1]) + r"(\d+)" + re.escape(_QUOTED[-1]))
 
 
 def _python_of(manifest: dict[str, Any]) -> str | None:
