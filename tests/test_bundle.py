@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cachecompile.store import Hit, Store, bundle, make_key, open_store
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import (
@@ -162,7 +161,7 @@ def test_not_a_bundle(tmp_path: Path) -> None:
 
 def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str, str]) -> None:
     def cachectl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
+        return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
                               capture_output=True, text=True, timeout=60)
 
     out = tmp_path / "llama.tar.zst"

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
 
@@ -29,7 +28,7 @@ def cache(tmp_path: Path) -> Store:
 
 
 def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=child_env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
                           capture_output=True, text=True, input=input, timeout=60)
 
 
@@ -176,7 +175,8 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
 
 def test_large_listing_is_plain_aligned_text() -> None:
     from cachecompile.store import EntryInfo
-    from cachecompile.store.cli import RICH_MAX_ROWS, _plain_table
+
+    from cachecompile.cli.common import RICH_MAX_ROWS, _plain_table
 
     infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,
                        labels={"model": "m", "function": "f"}) for i in range(RICH_MAX_ROWS + 1)]
@@ -184,6 +184,31 @@ def test_large_listing_is_plain_aligned_text() -> None:
     assert len(lines) == RICH_MAX_ROWS + 2 and lines[0].split()[:3] == ["key", "model", "function"]
     assert len({ln.index(" m ") for ln in lines[1:]}) == 1  # columns line up
 
+
+
+def test_program_shows_placeholder_constants_as_stored() -> None:
+    """cachectl program's placeholder pattern is built from entry.files.CONST_PREFIX and
+    matches exactly what its former literal pattern matched."""
+    import marshal
+    import re
+
+    from cachecompile.cli.program import _PLACEHOLDER, disassemble
+    from cachecompile.entry.files import CONST_PREFIX
+
+    literal = re.compile(r"'\\x00cachecompile-const\\x00(\d+)'")  # the pattern before
+    samples = [repr(CONST_PREFIX + "0"), repr(CONST_PREFIX + "12"),
+               f"LOAD_CONST 3 ({CONST_PREFIX + '7'!r}) x {CONST_PREFIX + '8'!r}",
+               repr(CONST_PREFIX), repr(CONST_PREFIX + "x1"), repr(CONST_PREFIX + "1x"),
+               repr("cachecompile-const\x003"), CONST_PREFIX + "4", '"' + repr(CONST_PREFIX + "5")[1:-1] + '"']
+    found = [[m.group(0, 1) for m in _PLACEHOLDER.finditer(s)] for s in samples]
+    assert found == [[m.group(0, 1) for m in literal.finditer(s)] for s in samples]
+    assert [g for row in found for _, g in row] == ["0", "12", "7", "8"]
+    # Through dis, as the verb shows it: a stored constant in place of its placeholder,
+    # a placeholder past the stored constants left as it is.
+    code = compile(f"a = {CONST_PREFIX + '0'!r}\nb = {CONST_PREFIX + '5'!r}\n", "<entry>", "exec")
+    text = disassemble(marshal.dumps(code), [{"dtype": "float16"}])
+    assert '<{"dtype": "float16"}>' in text and repr(CONST_PREFIX + "0") not in text
+    assert repr(CONST_PREFIX + "5") in text
 
 def test_explain_names_the_guards_two_variants_differ_in(tmp_path: Path,
                                                          child_env: dict[str, str]) -> None:

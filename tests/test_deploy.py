@@ -62,7 +62,7 @@ def test_deploy_page_step_by_step(tmp_path: Path) -> None:
         (box.root / name).write_text(text)
     (box.root / "app" / "__init__.py").write_text("")
     (box.root / "check.py").write_text(CHECK)
-    cachectl = [sys.executable, "-m", "cachecompile.store.cli"]
+    cachectl = [sys.executable, "-m", "cachecompile.cli.main"]
     key = tmp_path / "cc-key"
     key.write_text("a-signing-key-for-the-test-0123456789")
     os.chmod(key, 0o600)

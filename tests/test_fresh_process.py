@@ -289,7 +289,7 @@ def test_cachectl_ls_and_explain_show_signatures(tmp_path: Path) -> None:
     assert box.run(FLAG)["events"] == ["miss", "miss"]
 
     def ctl(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args, "--cache-dir",
+        proc = subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args, "--cache-dir",
                                str(box.store)], capture_output=True, text=True,
                               env=box.env(), timeout=60)
         assert proc.returncode == 0, proc.stderr

@@ -55,7 +55,7 @@ def test_cachectl_runs_beside_a_users_store_module(user_dir: Path) -> None:
     if not CACHECTL.exists():
         pytest.skip("cachectl is not installed next to this interpreter")
     for cmd in ([str(CACHECTL), "--help"],
-                [sys.executable, "-m", "cachecompile.store.cli", "--help"]):
+                [sys.executable, "-m", "cachecompile.cli.main", "--help"]):
         p = subprocess.run(cmd, cwd=user_dir, env=_installed_env(user_dir),
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0 and "cachectl" in p.stdout, (cmd, p.stderr)

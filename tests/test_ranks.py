@@ -141,7 +141,7 @@ def test_uneven_shards_form_one_group(tmp_path: Path) -> None:
 
 def _assert_one_complete_group(box: Sandbox, world: int) -> None:
     from cachecompile import store
-    from cachecompile.store.cli import group_status
+    from cachecompile.cli.common import group_status
 
     st = store.open_store(box.store)
     ranks = [i for i in st.entries() if i.labels.get("kind") != "graph"]

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_util import RedisServer, free_port
-
-from cachecompile import store
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key
 from cachecompile.store.errors import UntrustedEntryError
 from cachecompile.store.remote import RedisRemote, RemoteConfig
 from cachecompile.store.signing import Trust, make_record, parse_record
 from cachecompile.store.tiered import ReadOnlyTieredStore, TieredStore
+from redis_util import RedisServer, free_port
+
+from cachecompile import store
 
 KEY_A = "fleet-secret-1"
 
@@ -338,7 +338,7 @@ def test_plain_store_without_remote(tmp_path: Path) -> None:
 
 # -- cachectl --------------------------------------------------------------------------
 def cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 

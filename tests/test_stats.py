@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cachecompile.store import metrics
 from ccutil import Sandbox
 from torch import nn
 
 from cachecompile import cache_compile, store
-from cachecompile.store import metrics
 
 
 class Scaled(nn.Module):
@@ -84,7 +84,7 @@ def test_counters_file_format_and_what_is_refused(tmp_path: Path) -> None:
 
 
 def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

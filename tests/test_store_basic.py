@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cachecompile.store import (
     Hit,
     Miss,
@@ -456,7 +455,7 @@ def _source(tmp_path: Path, name: str, data: bytes, mode: int) -> Path:
 
 
 def _cachectl_verify(root: Path, child_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.store.cli", "verify", "--cache-dir", str(root)],
+    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", "verify", "--cache-dir", str(root)],
                           env=child_env, capture_output=True, text=True, timeout=60)
 
 

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cachecompile import store
-from cachecompile.store.cli import group_status
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import (
     expand_groups,
@@ -17,6 +15,9 @@ from cachecompile.store.policy import (
     physical_size,
     split_pinned,
 )
+
+from cachecompile import store
+from cachecompile.cli.common import group_status
 
 
 def info(key: str, group: str | None, last_used: float, size: int = 10,
@@ -73,11 +74,11 @@ def test_cachectl_ls_shows_groups(tmp_path: Path) -> None:
     st = store.open_store(tmp_path / "s")
     st.put(store.make_key({"f": "x", "rank": "0"}), {"k.bin": b"x"},
            labels={"group": "G" * 16, "group_size": "4", "global_rank": "0"})
-    out = subprocess.run([sys.executable, "-m", "cachecompile.store.cli", "ls", "--cache-dir",
+    out = subprocess.run([sys.executable, "-m", "cachecompile.cli.main", "ls", "--cache-dir",
                           str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "GGGGGGGG 1/4 incomplete" in out.stdout
-    js = json.loads(subprocess.run([sys.executable, "-m", "cachecompile.store.cli", "ls", "--json",
+    js = json.loads(subprocess.run([sys.executable, "-m", "cachecompile.cli.main", "ls", "--json",
                                     "--cache-dir", str(tmp_path / "s")], capture_output=True,
                                    text=True, timeout=60).stdout)
     assert js[0]["labels"]["group"] == "G" * 16

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store, verification
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import ManifestError, UnsafeArchiveError, UntrustedEntryError
@@ -119,8 +118,8 @@ print(json.dumps({"hit": isinstance(out, Hit), "kind": getattr(out, "kind", None
 
 
 def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("cachectl")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cachecompile.store.cli"]
+    # This checkout's cachectl: an installed script may belong to another checkout's install.
+    cmd = [sys.executable, "-m", "cachecompile.cli.main"]
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=60)
 
 

@@ -8,7 +8,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from cachecompile.store import (
     Catalog,
     DiskStorage,

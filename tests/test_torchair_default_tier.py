@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from cachecompile import backends
 from cachecompile.backends import torchair as torchair_adapter
-from cachecompile.store.cli import _load_plugins, cli
+from cachecompile.cli.main import cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,6 @@ def _torchair_layout(root: Path) -> None:
 
 
 def test_import_torchair_lists_a_torchair_cache(tmp_path: Path) -> None:
-    _load_plugins()
     _torchair_layout(tmp_path)
     res = CliRunner().invoke(cli, ["import-torchair", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
@@ -111,7 +110,7 @@ def test_import_torchair_lists_a_torchair_cache(tmp_path: Path) -> None:
 def test_import_torchair_table_as_a_user_runs_it_without_torch(tmp_path: Path) -> None:
     _torchair_layout(tmp_path)
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from cachecompile.store.cli import main\n"
+            "from cachecompile.cli.main import main\n"
             f"main(['import-torchair', {str(tmp_path)!r}])")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -13,7 +13,7 @@ from tiny import Small
 
 from cachecompile import IgnoredArgumentWarning, cache_compile, store
 from cachecompile.api import _torchair_default_dir
-from cachecompile.store.cli import _load_plugins, cli
+from cachecompile.cli.main import cli
 
 
 def test_unknown_keywords_warn_once_naming_them(tmp_path: Path) -> None:
@@ -55,7 +55,6 @@ def test_cachectl_program_prints_guards_bytecode_and_program(tmp_path: Path) -> 
     cached = cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path)
     cached(torch.randn(3, 4))
     (info,) = [i for i in store.open_store(tmp_path).entries() if i.labels.get("function") == "run"]
-    _load_plugins()
     r = CliRunner().invoke(cli, ["program", "--cache-dir", str(tmp_path), info.key[:10]])
     assert r.exit_code == 0, r.output
     out = r.output
@@ -75,7 +74,7 @@ def test_cachectl_stays_torch_free_with_the_new_verbs(child_env: dict[str, str])
     import subprocess
     import sys
 
-    code = ("import sys, cachecompile.store.cli as c\nc._load_plugins()\n"
+    code = ("import sys, cachecompile.cli.main as c\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "assert 'cachecompile.build' not in sys.modules\n"
             "assert {'build', 'program'} <= set(c.cli.commands)")

@@ -216,7 +216,7 @@ def test_ge_cache_files_are_staged_published_and_never_written_on_a_hit(sb: NpuS
     assert before == after
     from click.testing import CliRunner
 
-    from cachecompile.store.cli import cli
+    from cachecompile.cli.main import cli
 
     res = CliRunner().invoke(cli, ["verify", "--cache-dir", str(sb.store)])
     assert res.exit_code == 0, res.output

@@ -51,8 +51,8 @@ def factory():
 
 
 def _cachectl() -> list[str]:
-    exe = Path(sys.executable).parent / "cachectl"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "cachecompile.store.cli"]
+    # This checkout's cachectl: an installed script may belong to another checkout's install.
+    return [sys.executable, "-m", "cachecompile.cli.main"]
 
 
 def run_once(work: Path, slots: int, rep: int) -> dict[str, object]:

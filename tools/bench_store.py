@@ -177,7 +177,7 @@ def main() -> None:
                 labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)},
             )
         os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
-        cmd = [sys.executable, "-m", "cachecompile.store.cli", "ls", "--cache-dir", str(big.root)]
+        cmd = [sys.executable, "-m", "cachecompile.cli.main", "ls", "--cache-dir", str(big.root)]
         subprocess.run(cmd, env=env, capture_output=True, check=True)
         t_ls = median_time(
             lambda: subprocess.run(cmd, env=env, capture_output=True, check=True), args.reps

@@ -1,18 +1,15 @@
-"""``cachectl``: inspect and maintain a cachecompile store (torch-free).
+"""The store's own ``cachectl`` verbs: ls, show, explain, purge, stats, gc, verify.
 
-Exit codes: 0 ok; 1 problems found (verify); 2 usage error, unknown key,
-ambiguous prefix or no store at the cache dir; 3 insecure store; 4 lock timeout;
-5 read-only store; 6 store full; 7 any other store error.
+Torch-free: they read and maintain the local store through cachecompile.store. The
+command group that holds them is cachecompile.cli.main.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections.abc import Callable, Iterable
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import click
 from rich.console import Console
@@ -20,130 +17,28 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from . import errors, open_store, parse_size
-from .disk import Store
-from .explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
-from .outcomes import EntryInfo
-from .policy import has_labels, is_shared_graph
-from .readonly import ReadOnlyStore
+from cachecompile.store import parse_size
+from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
+from cachecompile.store.outcomes import EntryInfo
+from cachecompile.store.policy import has_labels, is_shared_graph
+from cachecompile.store.readonly import ReadOnlyStore
 
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_INSECURE = 3
-EXIT_LOCK = 4
-EXIT_READONLY = 5
-EXIT_FULL = 6
-EXIT_STORE = 7
-
-_ERROR_CODES: list[tuple[type[BaseException], int]] = [
-    (errors.KeyNotFound, EXIT_USAGE),  # AmbiguousKey included
-    (errors.StoreNotFound, EXIT_USAGE),  # a mistyped --cache-dir
-    (errors.InsecureStoreError, EXIT_INSECURE),
-    (errors.LockTimeout, EXIT_LOCK),
-    (errors.ReadOnlyStoreError, EXIT_READONLY),
-    (errors.StoreFullError, EXIT_FULL),
-    (errors.StoreError, EXIT_STORE),
-]
-
-if TYPE_CHECKING:
-    from . import OpenStore
-
-F = TypeVar("F", bound=Callable[..., Any])
-# The local store the verbs read and maintain (``.local`` of what open_store returns: a
-# remote tier behind it is the remote verbs' business, cachecompile.store.cli_remote).
-LocalStore = Store | ReadOnlyStore
-
-
-class CliError(click.ClickException):
-    """One clear line on stderr and a chosen exit code; no traceback."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code  # type: ignore[misc]  # click declares a ClassVar
-
-
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except errors.StoreError as e:
-            code = next(c for t, c in _ERROR_CODES if isinstance(e, t))
-            raise CliError(str(e), code) from None
-        except (ValueError, TypeError) as e:
-            raise CliError(str(e), EXIT_USAGE) from None
-        except OSError as e:
-            raise CliError(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), EXIT_STORE) from None
-
-
-def cache_dir_option(f: F) -> F:
-    return click.option(
-        "--cache-dir",
-        type=click.Path(file_okay=False),
-        default=None,
-        envvar="CACHECOMPILE_DIR",
-        help="Store root (default: $CACHECOMPILE_DIR, else $XDG_CACHE_HOME/cachecompile).",
-    )(f)
-
-
-def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
-    # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
-    # "ok" would hide the typo (and leave a stray cache behind).
-    return open_store(cache_dir, create=False, **kw)
-
-
-def _open_local(cache_dir: str | None) -> LocalStore:
-    return _open(cache_dir).local
-
-
-def _console() -> Console:
-    # Wide enough that 32-hex keys are never folded when stdout is a pipe.
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    m = _DURATION.match(text.lower())
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a duration (e.g. 30m, 12h, 7d, 2w)")
-    return float(m.group(1)) * _SECONDS[m.group(2)]
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
-
-
-def _parse_labels(pairs: Iterable[str], model: str | None, function: str | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for p in pairs:
-        if "=" not in p:
-            raise click.BadParameter(f"--label wants k=v, got {p!r}")
-        k, v = p.split("=", 1)
-        out[k] = v
-    if model is not None:
-        out["model"] = model
-    if function is not None:
-        out["function"] = function
-    return out
-
-
-def label_options(f: F) -> F:
-    f = click.option("--function", default=None, help="Only entries with labels['function'].")(f)
-    f = click.option("--model", default=None, help="Only entries with labels['model'].")(f)
-    f = click.option("--label", "label", multiple=True, metavar="K=V",
-                     help="Only entries with this label (repeatable).")(f)
-    return f
-
+from .common import (
+    EXIT_PROBLEMS,
+    RICH_MAX_ROWS,
+    _console,
+    _entries_table,
+    _open,
+    _open_local,
+    _parse_labels,
+    _plain_table,
+    _when,
+    cache_dir_option,
+    group_status,
+    human_size,
+    label_options,
+    parse_duration,
+)
 
 _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
     "key": lambda i: i.key,
@@ -156,70 +51,7 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
 }
 
 
-RICH_MAX_ROWS = 500
-SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
-_COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
-            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
-            ("state", "left"))
-
-
-def group_status(infos: Iterable[EntryInfo]) -> dict[str, str]:
-    """Group id -> "id n/N" (ranks published / world size), "incomplete" when short."""
-    ranks: dict[str, set[str]] = {}
-    size: dict[str, str] = {}
-    for i in infos:
-        g = i.labels.get("group")
-        if g:
-            ranks.setdefault(g, set()).add(i.labels.get("global_rank", i.key))
-            size[g] = i.labels.get("group_size", "?")
-    out = {}
-    for g, members in ranks.items():
-        n, total = len(members), size[g]
-        done = total.isdigit() and n >= int(total)
-        out[g] = f"{g[:8]} {n}/{total}" + ("" if done else " incomplete")
-    return out
-
-
-def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
-    ranks = i.labels.get("ranks") or i.labels.get("rank", "")
-    g = i.labels.get("group", "")
-    group = (groups or {}).get(g, g[:8])
-    sig = i.labels.get("signature", "")
-    if len(sig) > SIGNATURE_WIDTH:
-        sig = sig[:SIGNATURE_WIDTH - 1] + "…"
-    return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
-
-
-def _entries_table(infos: list[EntryInfo], title: str | None = None,
-                   groups: dict[str, str] | None = None) -> Table:
-    t = Table(title=title, box=None, pad_edge=False)
-    for col, just in _COLUMNS:
-        t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
-    for i in infos:
-        # Labels are user data: "[2,n]" must not be read as rich markup.
-        t.add_row(*(escape(c) for c in _row(i, groups)))
-    return t
-
-
-def _plain_table(infos: list[EntryInfo], groups: dict[str, str] | None = None) -> str:
-    rows = [[c for c, _ in _COLUMNS]] + [_row(i, groups) for i in infos]
-    widths = [max(len(r[k]) for r in rows) for k in range(len(_COLUMNS))]
-    lines = []
-    for r in rows:
-        cells = [v.rjust(w) if just == "right" else v.ljust(w)
-                 for v, w, (_, just) in zip(r, widths, _COLUMNS, strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="cachecompile", message="%(version)s")
-def cli() -> None:
-    """Inspect and maintain a cachecompile artifact store."""
-
-
-@cli.command("ls")
+@click.command("ls")
 @cache_dir_option
 @label_options
 @click.option("--sort", type=click.Choice(sorted(_SORTS)), default="last_used", show_default=True)
@@ -278,7 +110,7 @@ def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
                   soft_wrap=True)
 
 
-@cli.command("show")
+@click.command("show")
 @cache_dir_option
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
@@ -332,7 +164,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
     con.print(fl)
 
 
-@cli.command("explain")
+@click.command("explain")
 @cache_dir_option
 @click.argument("key")
 @click.argument("key2", required=False)
@@ -409,7 +241,7 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
                   "__builtins_dict___N: the same check, folded)")
 
 
-@cli.command("purge")
+@click.command("purge")
 @cache_dir_option
 @click.argument("keys", nargs=-1)
 @label_options
@@ -466,7 +298,7 @@ _MISS_KINDS = {
 }
 
 
-@cli.command("stats")
+@click.command("stats")
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
@@ -523,7 +355,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
     _console().print(t)
 
 
-@cli.command("gc")
+@click.command("gc")
 @cache_dir_option
 @click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
 def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
@@ -537,7 +369,7 @@ def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
                f"{r.blobs_removed} unused blobs swept")
 
 
-@cli.command("verify")
+@click.command("verify")
 @cache_dir_option
 @click.option("--fix", is_flag=True, help="Quarantine bad entries and rebuild the index.")
 @click.option("--json", "as_json", is_flag=True)
@@ -561,32 +393,3 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
                       f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
     if not r.ok:
         sys.exit(EXIT_PROBLEMS)
-
-
-# Verbs of optional features live in their own modules (store/cli_<feature>.py), each
-# with ``register(cli)``; a feature whose module is absent simply has no verbs.
-_PLUGINS = tuple(
-    f"{__package__}.cli_{name}" for name in ("remote", "torchair", "build", "program")
-)
-
-
-def _load_plugins() -> None:
-    import importlib
-
-    for name in _PLUGINS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        module.register(cli)
-
-
-def main(argv: list[str] | None = None) -> None:
-    _load_plugins()
-    cli.main(args=argv, prog_name="cachectl")
-
-
-if __name__ == "__main__":
-    main()

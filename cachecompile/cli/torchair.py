@@ -106,36 +106,35 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
-def register(cli: click.Group) -> None:
-    @cli.command("import-torchair")
-    @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                    required=False)
-    @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry.")
-    def import_torchair(directory: Path | None, as_json: bool) -> None:
-        """List a TorchAir cache_compile cache (default $TORCHAIR_CACHE_HOME or ./.torchair_cache).
+@click.command("import-torchair")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per entry.")
+def import_torchair(directory: Path | None, as_json: bool) -> None:
+    """List a TorchAir cache_compile cache (default $TORCHAIR_CACHE_HOME or ./.torchair_cache).
 
-        Read-only: nothing is unpickled, imported or converted; cache_compile rebuilds
-        these entries under its own key on first use.
-        """
-        if directory is None:
-            directory = Path(os.environ.get("TORCHAIR_CACHE_HOME", ".torchair_cache"))
-            if not directory.is_dir():
-                raise click.ClickException(f"no TorchAir cache at {directory}")
-        entries, odd = scan(directory)
-        if as_json:
-            for e in entries:
-                click.echo(json.dumps(dataclasses.asdict(e), sort_keys=True))
-        else:
-            header = ("model", "mode", "md5", "ranks", "function", "size", "ge", "mtime")
-            rows = [(e.model, e.mode + ("+acl" if e.aclgraph else "") + ("+ge" if e.ge_cache else ""),
-                     e.md5[:12], _ranks(e), e.function, _size(e.size), str(e.ge_files),
-                     datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M"))
-                    for e in entries]
-            widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-            click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
-            for r in rows:
-                click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-            click.echo(f"{len(entries)} TorchAir entries, {_size(sum(e.size for e in entries))}; "
-                       "not imported: cache_compile rebuilds them under its own key")
-        for p in odd:
-            click.echo(f"not in TorchAir's layout: {p}", err=True)
+    Read-only: nothing is unpickled, imported or converted; cache_compile rebuilds
+    these entries under its own key on first use.
+    """
+    if directory is None:
+        directory = Path(os.environ.get("TORCHAIR_CACHE_HOME", ".torchair_cache"))
+        if not directory.is_dir():
+            raise click.ClickException(f"no TorchAir cache at {directory}")
+    entries, odd = scan(directory)
+    if as_json:
+        for e in entries:
+            click.echo(json.dumps(dataclasses.asdict(e), sort_keys=True))
+    else:
+        header = ("model", "mode", "md5", "ranks", "function", "size", "ge", "mtime")
+        rows = [(e.model, e.mode + ("+acl" if e.aclgraph else "") + ("+ge" if e.ge_cache else ""),
+                 e.md5[:12], _ranks(e), e.function, _size(e.size), str(e.ge_files),
+                 datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M"))
+                for e in entries]
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+        click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+        for r in rows:
+            click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        click.echo(f"{len(entries)} TorchAir entries, {_size(sum(e.size for e in entries))}; "
+                   "not imported: cache_compile rebuilds them under its own key")
+    for p in odd:
+        click.echo(f"not in TorchAir's layout: {p}", err=True)

@@ -1,0 +1,187 @@
+"""What every ``cachectl`` verb shares: exit codes, ``CliError``, the common options,
+opening the store, sizes and durations, and the entries table.
+
+Exit codes: 0 ok; 1 problems found (verify); 2 usage error, unknown key,
+ambiguous prefix or no store at the cache dir; 3 insecure store; 4 lock timeout;
+5 read-only store; 6 store full; 7 any other store error.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from cachecompile.store import errors, open_store
+from cachecompile.store.disk import Store
+from cachecompile.store.outcomes import EntryInfo
+from cachecompile.store.readonly import ReadOnlyStore
+
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_INSECURE = 3
+EXIT_LOCK = 4
+EXIT_READONLY = 5
+EXIT_FULL = 6
+EXIT_STORE = 7
+
+# Which store error exits with which code (the first match; cachecompile.cli.main).
+ERROR_CODES: list[tuple[type[BaseException], int]] = [
+    (errors.KeyNotFound, EXIT_USAGE),  # AmbiguousKey included
+    (errors.StoreNotFound, EXIT_USAGE),  # a mistyped --cache-dir
+    (errors.InsecureStoreError, EXIT_INSECURE),
+    (errors.LockTimeout, EXIT_LOCK),
+    (errors.ReadOnlyStoreError, EXIT_READONLY),
+    (errors.StoreFullError, EXIT_FULL),
+    (errors.StoreError, EXIT_STORE),
+]
+
+if TYPE_CHECKING:
+    from cachecompile.store import OpenStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+# The local store the verbs read and maintain (``.local`` of what open_store returns: a
+# remote tier behind it is the remote verbs' business, cachecompile.cli.remote).
+LocalStore = Store | ReadOnlyStore
+
+
+class CliError(click.ClickException):
+    """One clear line on stderr and a chosen exit code; no traceback."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares a ClassVar
+
+
+def cache_dir_option(f: F) -> F:
+    return click.option(
+        "--cache-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        envvar="CACHECOMPILE_DIR",
+        help="Store root (default: $CACHECOMPILE_DIR, else $XDG_CACHE_HOME/cachecompile).",
+    )(f)
+
+
+def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
+    # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
+    # "ok" would hide the typo (and leave a stray cache behind).
+    return open_store(cache_dir, create=False, **kw)
+
+
+def _open_local(cache_dir: str | None) -> LocalStore:
+    return _open(cache_dir).local
+
+
+def _console() -> Console:
+    # Wide enough that 32-hex keys are never folded when stdout is a pipe.
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration (e.g. 30m, 12h, 7d, 2w)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def _parse_labels(pairs: Iterable[str], model: str | None, function: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise click.BadParameter(f"--label wants k=v, got {p!r}")
+        k, v = p.split("=", 1)
+        out[k] = v
+    if model is not None:
+        out["model"] = model
+    if function is not None:
+        out["function"] = function
+    return out
+
+
+def label_options(f: F) -> F:
+    f = click.option("--function", default=None, help="Only entries with labels['function'].")(f)
+    f = click.option("--model", default=None, help="Only entries with labels['model'].")(f)
+    f = click.option("--label", "label", multiple=True, metavar="K=V",
+                     help="Only entries with this label (repeatable).")(f)
+    return f
+
+
+RICH_MAX_ROWS = 500
+SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
+_COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
+            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("state", "left"))
+
+
+def group_status(infos: Iterable[EntryInfo]) -> dict[str, str]:
+    """Group id -> "id n/N" (ranks published / world size), "incomplete" when short."""
+    ranks: dict[str, set[str]] = {}
+    size: dict[str, str] = {}
+    for i in infos:
+        g = i.labels.get("group")
+        if g:
+            ranks.setdefault(g, set()).add(i.labels.get("global_rank", i.key))
+            size[g] = i.labels.get("group_size", "?")
+    out = {}
+    for g, members in ranks.items():
+        n, total = len(members), size[g]
+        done = total.isdigit() and n >= int(total)
+        out[g] = f"{g[:8]} {n}/{total}" + ("" if done else " incomplete")
+    return out
+
+
+def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
+    ranks = i.labels.get("ranks") or i.labels.get("rank", "")
+    g = i.labels.get("group", "")
+    group = (groups or {}).get(g, g[:8])
+    sig = i.labels.get("signature", "")
+    if len(sig) > SIGNATURE_WIDTH:
+        sig = sig[:SIGNATURE_WIDTH - 1] + "…"
+    return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
+            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
+
+
+def _entries_table(infos: list[EntryInfo], title: str | None = None,
+                   groups: dict[str, str] | None = None) -> Table:
+    t = Table(title=title, box=None, pad_edge=False)
+    for col, just in _COLUMNS:
+        t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+    for i in infos:
+        # Labels are user data: "[2,n]" must not be read as rich markup.
+        t.add_row(*(escape(c) for c in _row(i, groups)))
+    return t
+
+
+def _plain_table(infos: list[EntryInfo], groups: dict[str, str] | None = None) -> str:
+    rows = [[c for c, _ in _COLUMNS]] + [_row(i, groups) for i in infos]
+    widths = [max(len(r[k]) for r in rows) for k in range(len(_COLUMNS))]
+    lines = []
+    for r in rows:
+        cells = [v.rjust(w) if just == "right" else v.ljust(w)
+                 for v, w, (_, just) in zip(r, widths, _COLUMNS, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

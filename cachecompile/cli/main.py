@@ -1,0 +1,63 @@
+"""``cachectl``: the command group, every verb registered on it in one place, and ``main``.
+
+Torch-free: the verbs' modules import the store, click and rich; ``build`` imports
+cachecompile.build (and torch) only when it runs. Exit codes: cachecompile.cli.common.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from cachecompile.store import errors
+
+from . import build, program, remote, store_verbs, torchair
+from .common import ERROR_CODES, EXIT_STORE, EXIT_USAGE, CliError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.StoreError as e:
+            code = next(c for t, c in ERROR_CODES if isinstance(e, t))
+            raise CliError(str(e), code) from None
+        except (ValueError, TypeError) as e:
+            raise CliError(str(e), EXIT_USAGE) from None
+        except OSError as e:
+            raise CliError(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), EXIT_STORE) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cachecompile", message="%(version)s")
+def cli() -> None:
+    """Inspect and maintain a cachecompile artifact store."""
+
+
+# The local store.
+cli.add_command(store_verbs.ls_cmd)
+cli.add_command(store_verbs.show_cmd)
+cli.add_command(store_verbs.explain_cmd)
+cli.add_command(store_verbs.purge_cmd)
+cli.add_command(store_verbs.stats_cmd)
+cli.add_command(store_verbs.gc_cmd)
+cli.add_command(store_verbs.verify_cmd)
+# The remote tier and bundles.
+cli.add_command(remote.remote_group)
+cli.add_command(remote.push_cmd)
+cli.add_command(remote.pull_cmd)
+cli.add_command(remote.export_cmd)
+cli.add_command(remote.import_cmd)
+# An entry's program, prebuilding, and TorchAir's own cache.
+cli.add_command(program.program_cmd)
+cli.add_command(build.build_cmd)
+cli.add_command(torchair.import_torchair)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.main(args=argv, prog_name="cachectl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``cachectl program KEY``: an entry's program, readably (TorchAir's ``readable_cache``).
+
+Prints what a warm process runs for the entry: the guards that decide whether it fits
+(in the user's terms), the custom operators its program calls, Dynamo's transformed
+bytecode for the method (disassembled, when this Python is the one that wrote it), and
+the backend's program (Inductor's output code, the FX code, TorchAir's generated code).
+
+Torch-free: the bytecode is unmarshalled and disassembled, never run; the constants
+cachecompile stores beside it are shown from their JSON form.
+"""
+
+from __future__ import annotations
+
+import dis
+import io
+import json
+import marshal
+import re
+import sys
+import types
+from typing import Any
+
+import click
+from rich.syntax import Syntax
+
+from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
+
+from .common import _console, _open, cache_dir_option
+
+# A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
+# '\x00cachecompile-const\x000' (the backslashes are in the text); the index is group 1.
+_QUOTED = repr(CONST_PREFIX)
+_PLACEHOLDER = re.compile(re.escape(_QUOTED[:-1]) + r"(\d+)" + re.escape(_QUOTED[-1]))
+
+
+def _python_of(manifest: dict[str, Any]) -> str | None:
+    v = manifest.get("factors", {}).get("versions", {}).get("python")
+    return str(v) if v else None
+
+
+def disassemble(data: bytes, consts: list[Any]) -> str:
+    """Dynamo's bytecode as ``dis`` prints it, placeholders shown as the stored constant."""
+    code = marshal.loads(data)
+    if not isinstance(code, types.CodeType):
+        raise ValueError("the stored bytecode is not a code object")
+    buf = io.StringIO()
+    dis.dis(code, file=buf)
+
+    def const(m: re.Match[str]) -> str:
+        i = int(m.group(1))
+        return f"<{json.dumps(consts[i])}>" if i < len(consts) else m.group(0)
+
+    return _PLACEHOLDER.sub(const, buf.getvalue())
+
+
+@click.command("program")
+@cache_dir_option
+@click.argument("key")
+@click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
+def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool) -> None:
+    """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
+    st = _open(cache_dir)
+    digest = st.resolve(key)
+    m = st.manifest(digest)
+    meta = m.get("meta", {})
+    labels = m.get("labels", {})
+    data_dir = st.entry_dir(digest) / "data"
+    out: list[tuple[str, str, str]] = []   # (title, text, lexer)
+    head = [f"entry     {digest}",
+            f"method    {labels.get('model', '?')}.{labels.get('function', '?')}",
+            f"signature {labels.get('signature', meta.get('signature', '?'))}",
+            f"backend   {labels.get('backend', meta.get('adapter', '?'))}",
+            f"python    {_python_of(m) or '?'}"]
+    program = meta.get("program") or {}
+    ops = program.get("operators") or []
+    if ops:
+        head.append(f"operators {', '.join(ops)} (must be registered in a warm process)")
+    out.append(("entry", "\n".join(head), "text"))
+    guards = meta.get("guards") or []
+    if guards:
+        lines = [f"{i:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
+                 for i, g in enumerate(guards)]
+        out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
+                    "\n".join(lines), "text"))
+    bytecode = data_dir / BYTECODE_FILE
+    if not no_bytecode and bytecode.is_file():
+        written = _python_of(m) or "?"
+        if written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]:
+            try:
+                text = disassemble(bytecode.read_bytes(), list(meta.get("consts") or []))
+            except (ValueError, EOFError, TypeError) as e:
+                text = f"(does not load: {e})"
+        else:
+            text = (f"(written by {written}; this is Python {sys.version.split()[0]}, "
+                    "whose marshal and dis cannot read it)")
+        out.append(("Dynamo's transformed bytecode (calls "
+                    f"{meta.get('compiled_fn', '__compiled_fn')})", text, "text"))
+    for name in PROGRAM_FILES:
+        path = data_dir / name
+        if path.is_file():
+            out.append((name, path.read_text(encoding="utf-8", errors="replace"), "python"))
+    con = _console()
+    tty = sys.stdout.isatty()
+    for title, text, lexer in out:
+        if tty:
+            con.rule(title)
+            con.print(Syntax(text, lexer, word_wrap=False) if lexer == "python" else text,
+                      markup=False, highlight=False)
+        else:
+            click.echo(f"# ---- {title}")
+            click.echo(text.rstrip("\n"))

@@ -1,0 +1,301 @@
+"""``cachectl`` verbs of the remote tier and of bundles (registered in cachecompile.cli.main).
+
+    cachectl remote ls | stats | purge        the Redis tier itself
+    cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
+    cachectl export OUT.tar.zst [KEY...]      entries, manifests, signatures in one file
+    cachectl import IN.tar.zst                verify everything, then publish everything
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from cachecompile.store import errors, open_store
+from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.outcomes import EntryInfo, Hit
+from cachecompile.store.policy import has_labels
+from cachecompile.store.readonly import ReadOnlyStore
+from cachecompile.store.remote import RedisRemote
+from cachecompile.store.signing import Record
+from cachecompile.store.tiered import TieredStore
+
+from .common import (
+    EXIT_STORE,
+    CliError,
+    LocalStore,
+    _console,
+    _entries_table,
+    _parse_labels,
+    cache_dir_option,
+    human_size,
+    label_options,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def remote_option(f: F) -> F:
+    return click.option(
+        "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
+        help="redis://host:port/db[?mode=ro] (default: $CACHECOMPILE_REMOTE).")(f)
+
+
+def _remote(url: str | None) -> RedisRemote:
+    if not url:
+        raise click.UsageError("no remote: pass --remote redis://host:port/db or set "
+                               "CACHECOMPILE_REMOTE")
+    r = RedisRemote(url)
+    r.ping()  # fail now, with one clear line, rather than per entry
+    return r
+
+
+def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
+    # The local store alone: these verbs move entries between the tiers explicitly.
+    # Verbs that only read it never create it (as the store verbs do): on a mistyped
+    # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
+    return open_store(cache_dir, remote="", create=create).local
+
+
+@contextlib.contextmanager
+def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A rich transfer bar on a terminal (stderr); silent otherwise."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _info(rec: Record) -> EntryInfo:
+    m = rec.manifest
+    return EntryInfo(key=rec.key, size_bytes=rec.size_bytes, created=float(m["created"]),
+                     last_used=float(m["created"]), hits=0,
+                     labels={str(k): str(v) for k, v in m["labels"].items()},
+                     state="signed" if rec.sig else "unsigned")
+
+
+def _resolve(prefix: str, keys: list[str]) -> str:
+    p = prefix.strip().lower()
+    matches = sorted(k for k in keys if k.startswith(p))
+    if not p or not matches:
+        raise errors.KeyNotFound(f"no remote entry matches {prefix!r}")
+    if len(matches) > 1:
+        raise errors.AmbiguousKey(prefix, matches)
+    return matches[0]
+
+
+def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str],
+              resolve: Callable[[str], str]) -> list[EntryInfo]:
+    if keys:
+        chosen = {resolve(k) for k in keys}
+        infos = [i for i in infos if i.key in chosen]
+    return [i for i in infos if has_labels(i.labels, want)]
+
+
+@click.group("remote")
+def remote_group() -> None:
+    """The remote (Redis) tier: list, statistics, purge."""
+
+
+@remote_group.command("ls")
+@remote_option
+@label_options
+@click.option("--json", "as_json", is_flag=True)
+def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
+              function: str | None, as_json: bool) -> None:
+    """List the remote's entries (state: signed or unsigned)."""
+    r = _remote(remote_url)
+    want = _parse_labels(label, model, function)
+    infos = sorted((_info(rec) for rec in r.records()), key=lambda i: i.created,
+                   reverse=True)
+    infos = [i for i in infos if has_labels(i.labels, want)]
+    if as_json:
+        click.echo(json.dumps([i.to_json() for i in infos], indent=1))
+    elif not infos:
+        click.echo(f"no entries in {r.config.display}")
+    else:
+        _console().print(_entries_table(infos))
+
+
+@remote_group.command("stats")
+@remote_option
+@click.option("--json", "as_json", is_flag=True)
+def remote_stats(remote_url: str | None, as_json: bool) -> None:
+    """Entries, bytes (logical), signed entries and the server's memory use."""
+    r = _remote(remote_url)
+    recs = list(r.records())
+    s: dict[str, Any] = {"remote": r.config.display, "readonly": r.readonly,
+                         "entries": len(recs), "bytes": sum(x.size_bytes for x in recs),
+                         "signed": sum(1 for x in recs if x.sig), **r.info()}
+    if as_json:
+        click.echo(json.dumps(s, indent=1, sort_keys=True))
+        return
+    for k in ("remote", "entries", "signed"):
+        click.echo(f"{k:<16} {s[k]}")
+    click.echo(f"{'size':<16} {human_size(s['bytes'])}")
+    cap = human_size(s["maxmemory"]) if s["maxmemory"] else "no limit"
+    click.echo(f"{'server memory':<16} {human_size(s['used_memory'])} of {cap} "
+               f"({s['maxmemory_policy'] or '-'})")
+    if s["readonly"]:
+        click.echo(f"{'read-only':<16} yes")
+
+
+@remote_group.command("purge")
+@remote_option
+@click.argument("keys", nargs=-1)
+@label_options
+@click.option("--all", "purge_all", is_flag=True, help="Every entry.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--dry-run", is_flag=True, help="Only show what would go.")
+def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str, ...],
+                 model: str | None, function: str | None, purge_all: bool, yes: bool,
+                 dry_run: bool) -> None:
+    """Remove remote entries by KEY, label or --all; then sweep unreferenced blobs."""
+    want = _parse_labels(label, model, function)
+    if not (keys or want or purge_all):
+        raise click.UsageError("say what to purge: KEY..., --label or --all")
+    r = _remote(remote_url)
+    infos = [_info(rec) for rec in r.records()]
+    goes = _selected(infos, keys, want, lambda k: _resolve(k, [i.key for i in infos]))
+    if goes:
+        _console().print(_entries_table(goes, title=f"{len(goes)} remote entries, "
+                         f"{human_size(sum(i.size_bytes for i in goes))}"))
+    if dry_run:
+        click.echo("dry run: nothing removed")
+        return
+    if goes and not yes and not click.confirm(f"remove these {len(goes)} entries?",
+                                              default=False):
+        click.echo("aborted")
+        return
+    for i in goes:
+        r.delete(i.key)
+    swept = r.sweep()
+    click.echo(f"removed {len(goes)} entries; swept {swept} unreferenced blob keys")
+
+
+@click.command("push")
+@cache_dir_option
+@remote_option
+@click.argument("keys", nargs=-1)
+@label_options
+@click.option("--force", is_flag=True,
+              help="Overwrite entries the remote has already (never a signed record "
+                   "with an unsigned one).")
+def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
+             label: tuple[str, ...], model: str | None, function: str | None,
+             force: bool) -> None:
+    """Upload local entries to the remote: all, or those KEY... and filters select.
+
+    With CACHECOMPILE_SIGNING_KEY set, a remote record that does not verify under it
+    (unsigned, malformed, or signed with another key) is replaced: run push with the
+    fleet's key to repair such records. Without a key, signed records stay as they are.
+    """
+    r = _remote(remote_url)
+    st = _local(cache_dir, create=False)
+    infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
+                      st.resolve)
+    sent = have = repaired = kept = 0
+    with _progress("push", sum(i.size_bytes for i in infos)) as advance:
+        for i in infos:
+            hit = st.peek(i.key)
+            if not isinstance(hit, Hit):
+                click.echo(f"{i.key[:12]}  skipped: {hit.reason}", err=True)
+                continue
+            # repair: the operator who pushes with a key vouches that it is the fleet's.
+            done = r.upload(hit.entry, overwrite=force, repair=r.trust.key is not None,
+                            progress=advance)
+            if done:
+                sent += 1
+                repaired += done.found in ("unsigned", "malformed", "foreign")
+                continue
+            advance(i.size_bytes)
+            if done.found == "foreign":
+                kept += 1
+                click.echo(f"{i.key[:12]}  kept: the remote record is signed and "
+                           "CACHECOMPILE_SIGNING_KEY is not set", err=True)
+            else:
+                have += 1
+    click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already"
+               + (f"; {repaired} replaced records that did not verify" if repaired else "")
+               + (f"; {kept} signed records kept" if kept else ""))
+
+
+@click.command("pull")
+@cache_dir_option
+@remote_option
+@click.argument("keys", nargs=-1)
+@label_options
+def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
+             label: tuple[str, ...], model: str | None, function: str | None) -> None:
+    """Download remote entries (verified, then published): all, or those selected."""
+    r = _remote(remote_url)
+    local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
+    if isinstance(local, ReadOnlyStore):
+        raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
+    st = TieredStore(local, r)
+    infos = [_info(rec) for rec in r.records()]
+    todo = _selected(infos, keys, _parse_labels(label, model, function),
+                     lambda k: _resolve(k, [i.key for i in infos]))
+    got = have = failed = 0
+    for i in todo:
+        if isinstance(st.peek(i.key), Hit):
+            have += 1
+            continue
+        if st.get(i.key):
+            got += 1
+        else:
+            failed += 1  # cachecompile.store.tiered logged why
+    click.echo(f"pulled {got} entries from {r.config.display}; {have} were here already"
+               + (f"; {failed} refused or failed" if failed else ""))
+    if failed:
+        raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)
+
+
+@click.command("export")
+@cache_dir_option
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("keys", nargs=-1)
+@label_options
+def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
+               label: tuple[str, ...], model: str | None, function: str | None) -> None:
+    """Write entries to a bundle OUT: .tar.zst, .tar.gz or .tar; all, or those selected."""
+    st = _local(cache_dir, create=False)
+    infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
+                      st.resolve)
+    if not infos:
+        raise click.UsageError("no entries match: nothing to export")
+    with _progress("export", sum(i.size_bytes for i in infos)) as advance:
+        rep = export_bundle(st, out, [i.key for i in infos], progress=advance)
+    click.echo(f"exported {len(rep.entries)} entries ({human_size(rep.bytes)}) to {out} "
+               f"({human_size(Path(out).stat().st_size)} on disk) in {rep.seconds:.1f} s")
+
+
+@click.command("import")
+@cache_dir_option
+@click.argument("src", type=click.Path(dir_okay=False, exists=True))
+def import_cmd(cache_dir: str | None, src: str) -> None:
+    """Verify every entry of SRC, then publish them all (nothing if anything fails)."""
+    st = _local(cache_dir, create=True)  # importing into a new cache makes it
+    with _progress("import", Path(src).stat().st_size) as advance:
+        rep = import_bundle(st, src, progress=advance)
+    click.echo(f"imported {len(rep.entries)} entries ({human_size(rep.bytes)}) into "
+               f"{st.root}; {len(rep.skipped)} were there already")
