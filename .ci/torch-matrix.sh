@@ -23,14 +23,14 @@ export PIP_CONSTRAINT=/dev/null
 # calls), Dynamo's guards, the private-torch layer and its probe, the API contract, ranks
 # sharing one compile, bundles, the remote tier end to end, and a real HF model with its
 # decorated forward. (The diffusers UNet and DiT, and the other LLM families, run on 2.13.)
-SUBSET=(tests/test_warm_start.py::test_cold_then_warm_compiles_nothing
-        tests/test_guard_matrix.py
-        tests/test_torch_layer.py
-        tests/test_cache_compile_api.py
-        tests/test_ranks.py::test_four_ranks_compile_one_shared_graph_once
-        tests/test_bundle.py
-        tests/test_remote_procs.py::test_node_b_loads_node_a_entry_with_zero_compiles
-        "tests/test_zoo.py::test_zoo_model[llama-forward]")
+SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
+        tests/e2e/test_guard_matrix.py
+        tests/_torch/test_torch_layer.py
+        tests/e2e/test_cache_compile_api.py
+        tests/procs/test_ranks.py::test_four_ranks_compile_one_shared_graph_once
+        tests/store/test_bundle.py
+        tests/procs/test_remote_procs.py::test_node_b_loads_node_a_entry_with_zero_compiles
+        "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]")
 
 for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
   echo "== torch $tv"

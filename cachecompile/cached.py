@@ -66,9 +66,7 @@ class CachedFunction:
         self._gears = spec.gears
         self._gear_warned = False
         self._runners: dict[Signature, list[Variant]] = {}
-        self._keys = FrameKeys(method, backend=spec.backend_factors, options=spec.options,
-                               dynamic=spec.dynamic, decompositions=spec.decompositions,
-                               ranks=spec.ranks, extra=spec.extra_factors)
+        self._keys = FrameKeys(method, spec)
         self._lookup = Lookup(method, spec)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
         self._fallback: TraceSession | None = None

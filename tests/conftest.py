@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+TESTS = Path(__file__).resolve().parent
+# The repository, and tests/ itself: the test folders mirror the packages
+# (tests/key, tests/cold, ...), and their modules import the shared helpers here
+# (ccutil, redis_util, tiny, zoo) by name.
+for path in (TESTS, REPO):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from ccutil import SHARED_INDUCTOR_ENV  # noqa: E402
 

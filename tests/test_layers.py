@@ -135,20 +135,8 @@ def test_the_check_fails_on_a_tree_that_breaks_it() -> None:
     assert "(key) to 11 (__init__)" in found[1]          # the package face
     assert "up from floor 7 (warm) to 8 (cold)" in found[2]
     assert "across floor 7 (warm -> procs)" in found[3]
-    # Floor 0 is below the store, but the store imports nothing of cachecompile at all.
-    assert store_leaks(broken) == [f"{PKG}.store.disk:1 {PKG}.errors"]
-
-
-def store_leaks(srcs: Mapping[str, str]) -> list[str]:
-    """Imports of cachecompile in the store. Floor 1 may import floor 0 by the table; the
-    store may not even do that: it is used alone (torch-free, cachecompile-free)."""
-    known = set(srcs)
-    return [f"{m}:{line} {t}" for m, s in srcs.items() if component(m) == "store"
-            for line, t in imports(m, s, known) if component(t) != "store"]
-
-
-def test_store_imports_nothing_of_cachecompile() -> None:
-    assert store_leaks(sources()) == []
+    # Floor 0 is below the store by the table; that the store imports nothing of
+    # cachecompile at all is tests/store/test_store_torch_free.py's check.
 
 
 def test_every_module_is_in_the_design_doc() -> None:

@@ -32,13 +32,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cachecompile import store  # noqa: E402
+from cachecompile.demo import _fresh_env, _run  # noqa: E402
 from cachecompile.store import Hit, make_key  # noqa: E402
 from cachecompile.store.remote import RedisRemote  # noqa: E402
 from cachecompile.store.signing import Trust  # noqa: E402
 from cachecompile.store.tiered import TieredStore  # noqa: E402
-
-from cachecompile import store  # noqa: E402
-from cachecompile.demo import _fresh_env, _run  # noqa: E402
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:

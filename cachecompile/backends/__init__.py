@@ -1,4 +1,6 @@
-"""Compile-path adapters, by name. Each adapter module holds its torch-version hacks."""
+"""Compile-path adapters, by name. Each adapter module holds what is particular to its
+backend; torch's private names, and their differences between releases, live in
+``cachecompile._torch`` (docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The compile-path protocol: one adapter per backend, all torch-version hacks inside it.
+"""The compile-path protocol: one adapter per backend (torch's private names stay in
+``cachecompile._torch``, for adapters as for the rest).
 
 An adapter turns a Dynamo graph into two things at once:
 

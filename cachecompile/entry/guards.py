@@ -10,14 +10,14 @@ turns that list back into two plain Python functions over the method's own argum
   shape relations such as ``x.size(0) <= 8``, argument values Dynamo specialised on,
   aliasing between inputs). They run on every call, like Dynamo's.
 * ``full``: every guard, including the module's attributes, globals, inlined functions
-  and global state. It runs on the first call of each signature in a process (and on
-  every call with ``guards="always"``).
+  and global state. With ``GuardMode.ALWAYS`` (the default) it runs on every call; with
+  ``GuardMode.FIRST`` on each signature's first call in a process.
 
 A portable guard is a dict ``{"kind", "expr", "value", "text", "args"}``: ``expr`` is
 Dynamo's source expression (``L['self'].cfg.act``, ``G['CONST']``), ``value`` what it must
 match, ``text`` the guard in the user's terms for logs and ``cachectl explain``, and
 ``args`` whether it reads the call's arguments. What Dynamo checks by object identity
-(functions, classes, modules) is compared through :func:`identity`: a qualified name
+(functions, classes, modules) is compared through :func:`cachecompile.key.identity.identity`: a qualified name
 plus a code digest, with closure cells, defaults and partial arguments as values.
 
 This module is on the warm path: it imports ``torch`` only (private names through

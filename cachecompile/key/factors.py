@@ -13,7 +13,7 @@ import platform
 import sys
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -166,29 +166,45 @@ def versions() -> dict[str, JSON]:
     }
 
 
-def base_factors(method: types.MethodType, *, backend: Mapping[str, JSON],
-                 options: Mapping[str, Any],
-                 dynamic: bool, decompositions: Mapping[Any, Any] | None, ranks: Ranks,
-                 extra: Mapping[str, Any] | None = None) -> dict[str, JSON]:
+class Keyed(Protocol):
+    """What the key reads of a cached method's settings (``spec.CompileSpec`` is one; the
+    key does not import it, nor the adapters: the backend comes as data). A setting that
+    changes what is compiled is a field there and a factor here."""
+
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+    @property
+    def decompositions(self) -> Mapping[Any, Any] | None: ...
+    @property
+    def dynamic(self) -> bool: ...
+    @property
+    def ranks(self) -> Ranks: ...
+    @property
+    def extra_factors(self) -> Mapping[str, Any] | None: ...
+
+    def backend_factors(self) -> dict[str, Any]: ...
+
+
+def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
     module = method.__self__
     assert isinstance(module, torch.nn.Module)
     mf = module_factors(module)
-    decomps = {str(k): callable_digest(v) for k, v in (decompositions or {}).items()}
+    decomps = {str(k): callable_digest(v) for k, v in (spec.decompositions or {}).items()}
     f: dict[str, JSON] = {
         "function": function_factors(method.__func__),  # type: ignore[arg-type]
         "module": mf,
         # The adapter's name and its own factors (Adapter.factors): the key names the
         # backend as data, never importing the adapters.
-        "backend": dict(backend),
-        "config": canonical(dict(options)),
-        "dynamic": dynamic,
+        "backend": spec.backend_factors(),
+        "config": canonical(dict(spec.options)),
+        "dynamic": spec.dynamic,
         "decompositions": dict(sorted(decomps.items())),
-        "ranks": ranks.factors(),
+        "ranks": spec.ranks.factors(),
         "versions": versions(),
         "device": device_factors(mf["devices"]),
         "torch_flags": torch_flags(),
     }
-    if extra:
-        f["extra"] = canonical(dict(extra))
+    if spec.extra_factors:
+        f["extra"] = canonical(dict(spec.extra_factors))
     return f
 

@@ -4,11 +4,10 @@ the rank group, from base factors computed once."""
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachecompile.key import factors as factors_mod
-from cachecompile.key.ranks import Ranks
+from cachecompile.key.factors import Keyed
 from cachecompile.key.signature import Signature, input_marks, to_json
 from cachecompile.store import Key, make_key
 
@@ -17,25 +16,14 @@ class FrameKeys:
     """The keys of one cached method. The base factors (code, module, backend, config,
     versions, device, ranks) are computed on the first call, when the module is built."""
 
-    def __init__(self, method: types.MethodType, *, backend: Callable[[], Mapping[str, Any]],
-                 options: Mapping[str, Any], dynamic: bool,
-                 decompositions: Mapping[Any, Any] | None, ranks: Ranks,
-                 extra: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, method: types.MethodType, spec: Keyed) -> None:
         self._method = method
-        self._backend = backend
-        self._options = options
-        self._dynamic = dynamic
-        self._decompositions = decompositions
-        self._ranks = ranks
-        self._extra = extra
+        self._spec = spec
         self._base: dict[str, Any] | None = None
 
     def factors(self, sig: Signature) -> dict[str, Any]:
         if self._base is None:
-            self._base = factors_mod.base_factors(
-                self._method, backend=self._backend(), options=self._options,
-                dynamic=self._dynamic, decompositions=self._decompositions, ranks=self._ranks,
-                extra=self._extra)
+            self._base = factors_mod.base_factors(self._method, self._spec)
         return {**self._base, "signature": to_json(sig)}
 
     def frame(self, sig: Signature) -> Key:

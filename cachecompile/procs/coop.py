@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -205,8 +205,8 @@ class GraphShare:
         self.compiled = False    # this process compiled it
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                compile_fn: Any, publish_now: bool = False,
-                state: Mapping[str, Any] | None = None) -> Any:
+                compile_fn: Callable[[], Compiled], publish_now: bool = False,
+                state: Mapping[str, Any] | None = None) -> Compiled:
         """Load or compile the graph's program. ``publish_now``: share it and release
         the lock before the first call (graphs with collectives: a rank holding the
         lock through a call would wait in the collective for ranks waiting on the lock).

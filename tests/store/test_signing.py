@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cachecompile.store.errors import ManifestError, UntrustedEntryError
 from cachecompile.store.manifest import dump_manifest
 from cachecompile.store.signing import Trust, make_record, parse_record

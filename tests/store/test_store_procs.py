@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cachecompile.store import Hit, Miss, Store, make_key, open_store, verification
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cachecompile.store import metrics
 from ccutil import Sandbox
 from torch import nn
 
 from cachecompile import cache_compile, store
+from cachecompile.store import metrics
 
 
 class Scaled(nn.Module):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cachecompile.store import Hit, Store, bundle, make_key, open_store
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import (

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from cachecompile.store import config, explain, make_key, open_store
 from cachecompile.store.remote import RemoteConfig
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-STORE = Path(__file__).resolve().parent.parent / "store"
+STORE = Path(__file__).resolve().parents[2] / "store"
 
 BLOCK_TORCH = """
 import sys

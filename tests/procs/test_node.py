@@ -13,7 +13,7 @@ import pytest
 from cachecompile import node_once
 from cachecompile.errors import RankConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, sys, time

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store, verification
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import ManifestError, UnsafeArchiveError, UntrustedEntryError

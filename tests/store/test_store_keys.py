@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from cachecompile.store import EntryInfo, canonical_json, make_key
 from cachecompile.store.errors import ManifestError, UnsafePathError
 from cachecompile.store.manifest import dump_manifest, parse_manifest, validate_name

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
 
@@ -160,10 +161,12 @@ def test_insecure_store_exit_code(tmp_path: Path, child_env: dict[str, str]) -> 
 
 
 def test_lock_timeout_exit_code_is_documented() -> None:
-    from cachecompile.store import cli, errors
+    from cachecompile.cli import common
+    from cachecompile.store import errors
 
-    assert cli.EXIT_LOCK == 4
-    assert next(c for t, c in cli._ERROR_CODES if isinstance(errors.LockTimeout("/x", 1), t)) == 4
+    assert common.EXIT_LOCK == 4
+    assert next(c for t, c in common.ERROR_CODES
+                if isinstance(errors.LockTimeout("/x", 1), t)) == 4
 
 
 def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
@@ -174,9 +177,8 @@ def test_help_lists_every_verb(child_env: dict[str, str]) -> None:
 
 
 def test_large_listing_is_plain_aligned_text() -> None:
-    from cachecompile.store import EntryInfo
-
     from cachecompile.cli.common import RICH_MAX_ROWS, _plain_table
+    from cachecompile.store import EntryInfo
 
     infos = [EntryInfo(key=f"{i:032x}", size_bytes=i, created=0.0, last_used=0.0, hits=i,
                        labels={"model": "m", "function": "f"}) for i in range(RICH_MAX_ROWS + 1)]
@@ -358,7 +360,7 @@ def test_readonly_env_makes_write_verbs_fail(cache: Store, child_env: dict[str, 
     env = dict(child_env, CACHECOMPILE_READONLY="1")
     assert cachectl(env, "ls", "--cache-dir", d).returncode == 0
     assert cachectl(env, "verify", "--cache-dir", d).returncode == 0
-    # (stats --zero clears only the read-only processes' counters files: tests/test_stats.py)
+    # (stats --zero clears only the read-only processes' counters files: tests/store/test_stats.py)
     for verb in (("gc",), ("purge", "--all", "--yes"), ("verify", "--fix")):
         p = cachectl(env, *verb, "--cache-dir", d)
         assert p.returncode == 5, (verb, p.stdout, p.stderr)

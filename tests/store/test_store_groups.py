@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cachecompile import store
+from cachecompile.cli.common import group_status
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import (
     expand_groups,
@@ -15,9 +17,6 @@ from cachecompile.store.policy import (
     physical_size,
     split_pinned,
 )
-
-from cachecompile import store
-from cachecompile.cli.common import group_status
 
 
 def info(key: str, group: str | None, last_used: float, size: int = 10,

@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from ccutil import Sandbox
+from redis_util import RedisServer, free_port
+
 from cachecompile.store import open_store
 from cachecompile.store.remote import RedisRemote
 from cachecompile.store.signing import Trust
-from ccutil import Sandbox
-from redis_util import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -311,7 +311,7 @@ def test_codeobj_imports_no_compiler() -> None:
         "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m\n"
         "spec.loader.exec_module(m)\n"
         "print([n for n in ('torch._dynamo', 'torch._inductor') if n in sys.modules])\n")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]", out

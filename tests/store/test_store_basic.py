@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cachecompile.store import (
     Hit,
     Miss,
@@ -339,7 +340,7 @@ def test_lock_timeout_names_the_path(st: Store) -> None:
             "except errors.LockTimeout as e:\n"
             "    print(e.path); sys.exit(3)\n"
         )
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         assert p.returncode == 3, p.stderr
         assert p.stdout.strip() == str(path)

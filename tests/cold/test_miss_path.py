@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from cachecompile.store import open_store
 
 from cachecompile.backends.base import Compiled, GraphCallable, Program
 from cachecompile.cached import CachedFunction
@@ -29,6 +28,7 @@ from cachecompile.errors import CacheFaultWarning, SignatureLimitWarning, Unsupp
 from cachecompile.key.ranks import detect
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
+from cachecompile.store import open_store
 
 _graphs: dict[str, torch.fx.GraphModule] = {}
 _tokens = itertools.count()

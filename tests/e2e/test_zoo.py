@@ -91,7 +91,7 @@ report(out)
 MODELS = ["llama", "qwen2", "mistral", "llama-forward", "unet", "dit"]
 
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1])
 
 
 def _run(box: Sandbox, kind: str, phase: str) -> dict:

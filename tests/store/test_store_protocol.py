@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from cachecompile.store import (
     Catalog,
     DiskStorage,

@@ -1,7 +1,7 @@
 """The Redis tier against a real redis-server: backfill, chunking, signing, faults.
 
 Each test starts its own server on a free loopback port (tests/redis_util.py) and
-uses the store API in this process; tests/test_remote_procs.py runs cache_compile
+uses the store API in this process; tests/procs/test_remote_procs.py runs cache_compile
 across fresh processes.
 """
 
@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_util import RedisServer, free_port
+
+from cachecompile import store
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key
 from cachecompile.store.errors import UntrustedEntryError
 from cachecompile.store.remote import RedisRemote, RemoteConfig
 from cachecompile.store.signing import Trust, make_record, parse_record
 from cachecompile.store.tiered import ReadOnlyTieredStore, TieredStore
-from redis_util import RedisServer, free_port
-
-from cachecompile import store
 
 KEY_A = "fleet-secret-1"
 

@@ -21,7 +21,7 @@ from cachecompile import backends
 from cachecompile.backends import torchair as torchair_adapter
 from cachecompile.cli.main import cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(torchair_adapter.unavailable_reason() is None,
                                 reason="torchair imports here; tests_npu/ covers it")
