@@ -129,6 +129,11 @@ class RemoteError(StoreError):
     """The remote tier failed: connection refused, a timeout, OOM, a partial read."""
 
 
+class RemoteConfigError(StoreError, ValueError):
+    """The remote's URL (``CACHECOMPILE_REMOTE``, ``--remote``) is malformed. Its message
+    never holds the URL's password."""
+
+
 class UntrustedEntryError(StoreError):
     """An entry from a remote or a bundle lacks a valid signature, or trust was not given."""
 

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Pin", "lock", "pin", "pinned"]
 
+# A pin is placed in its pins dir; gc may remove that dir (empty) just then: try again.
+_PLACE_TRIES = 16
+
 
 class Pin:
     """A lease on an entry: while held, gc never evicts the entry.
@@ -85,17 +88,38 @@ def lock(layout: Layout, name: str, timeout: float = 600.0) -> Iterator[Path]:
 
 
 def pin(layout: Layout, digest: str) -> Pin:
-    """Lease the entry ``digest``; KeyNotFound if it went away meanwhile."""
-    pdir = layout.real("pins") / digest
-    pdir.mkdir(mode=layout.dir_mode, parents=True, exist_ok=True)
-    layout.real("pins", digest)
+    """Lease the entry ``digest``; KeyNotFound if it went away meanwhile.
+
+    Whatever fails, nothing is left behind: no ``tmp/pin.*`` file, no open descriptor.
+    """
     tmp = layout.real("tmp") / temp_name("pin", digest)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    # Locked before it becomes visible, so gc never mistakes a new pin for a dead one.
-    final = pdir / f"{HOST_TAG}.{os.getpid()}.{tmp.name.rsplit('.', 1)[-1]}.pin"
-    os.rename(tmp, final)
-    held = Pin(final, fd, digest)
+    placed: Path | None = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Locked before it becomes visible, so gc never mistakes a new pin for a dead one.
+        name = f"{HOST_TAG}.{os.getpid()}.{tmp.name.rsplit('.', 1)[-1]}.pin"
+        for _ in range(_PLACE_TRIES):
+            pdir = layout.real("pins") / digest
+            try:
+                pdir.mkdir(mode=layout.dir_mode, parents=True, exist_ok=True)
+                layout.real("pins", digest)
+                os.rename(tmp, pdir / name)
+            except (FileNotFoundError, FileExistsError):
+                # gc (pinned()) removed the pins dir it found empty, between our mkdir and
+                # our rename: make it again.
+                continue
+            placed = pdir / name
+            break
+        if placed is None:
+            raise errors.StoreError(f"could not place a pin for {digest} under "
+                                    f"{layout.real('pins')}: its directory kept vanishing")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        os.close(fd)
+        raise
+    held = Pin(placed, fd, digest)
     # gc takes an entry away, then re-checks pins: one of us sees the other.
     if not layout.entry_dir(digest).is_dir():
         held.release()

@@ -100,6 +100,19 @@ class Uploaded:
         return self.written
 
 
+def redact(url: str) -> str:
+    """``url`` with its password masked, however malformed the rest of it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    creds, at, host = netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = creds.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{tail}"
+
+
 @dataclass(frozen=True)
 class RemoteConfig:
     """Where the remote is and how to use it, parsed from a ``redis://`` URL.
@@ -123,10 +136,26 @@ class RemoteConfig:
 
     @classmethod
     def parse(cls, url: str) -> RemoteConfig:
+        """Parse a remote URL; RemoteConfigError (a ValueError) names what is wrong, with
+        the password masked (``redis://:***@host``): it ends up in logs and terminals."""
+        try:
+            return cls._parse(url)
+        except errors.RemoteConfigError:
+            raise
+        except (ValueError, TypeError) as e:
+            why = str(e)
+            password = urllib.parse.urlsplit(url).password if "@" in url else None
+            if password:
+                why = why.replace(password, "***")
+            raise errors.RemoteConfigError(
+                f"remote {redact(url)} (CACHECOMPILE_REMOTE or --remote): {why}") from None
+
+    @classmethod
+    def _parse(cls, url: str) -> RemoteConfig:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"remote {url!r}: only redis://, rediss:// and unix:// URLs "
-                             "are supported")
+            raise ValueError("only redis://, rediss:// and unix:// URLs are supported")
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         ours: dict[str, str] = {}
         rest: list[tuple[str, str]] = []
@@ -137,13 +166,13 @@ class RemoteConfig:
                 rest.append((k, v))
         mode = ours.get("mode", "rw").lower()
         if mode not in ("rw", "ro"):
-            raise ValueError(f"remote {url!r}: mode must be rw or ro, not {mode!r}")
+            raise ValueError(f"mode must be rw or ro, not {mode!r}")
         chunk = parse_size(ours["chunk"]) if "chunk" in ours else DEFAULT_CHUNK
         if not 0 < chunk <= MAX_CHUNK:
-            raise ValueError(f"remote {url!r}: chunk must be between 1 byte and 64M")
+            raise ValueError("chunk must be between 1 byte and 64M")
         lease = float(ours.get("lease", DEFAULT_LEASE))
         if not lease >= 1:
-            raise ValueError(f"remote {url!r}: lease must be at least 1 second")
+            raise ValueError("lease must be at least 1 second")
         redis_url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(rest)))
         return cls(url=url, redis_url=redis_url, readonly=mode == "ro", chunk=chunk,
                    timeout=float(ours.get("timeout", 5.0)),

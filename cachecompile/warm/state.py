@@ -14,8 +14,9 @@ import threading
 import warnings
 
 from cachecompile import _torch
-from cachecompile.errors import UnsupportedTorchWarning, user_stacklevel
+from cachecompile.errors import UnsupportedTorchWarning, fault, user_stacklevel
 from cachecompile.store import LocalStorage, default_root, open_store
+from cachecompile.store.errors import RemoteConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,12 @@ def store_for(cache_dir: str | None) -> LocalStorage:
     with _stores_lock:
         st = _stores.get(root)
         if st is None:
-            st = open_store(root)
+            try:
+                st = open_store(root)
+            except RemoteConfigError as e:
+                # A malformed remote must not cost the local entries: serve from them.
+                fault(f"{e}; using the local cache at {root} only")
+                st = open_store(root, remote="")
             _stores[root] = st
         return st
 

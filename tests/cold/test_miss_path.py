@@ -29,6 +29,7 @@ from cachecompile.key.ranks import detect
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import open_store
+from cachecompile.warm import state
 
 _graphs: dict[str, torch.fx.GraphModule] = {}
 _tokens = itertools.count()
@@ -191,3 +192,17 @@ def test_the_frame_lock_is_released_after_a_miss(tmp_path: Path, model: Scaled) 
     frame = cached.key(next(iter(cached._runners)))
     with coop.held(st, frame.digest, who="test", purpose="test", timeout=0.5):
         pass  # would time out (LockTimeout) if the miss path still held it
+
+
+def test_a_malformed_remote_falls_back_to_the_local_entry(tmp_path: Path, model: Scaled,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # A serving process whose CACHECOMPILE_REMOTE is malformed: one warning that names the
+    # variable (not the password), and the valid local entry still serves.
+    _cached(model, FakeAdapter(), tmp_path)(X)
+    monkeypatch.setattr(state, "_stores", {})   # as a new process: the store opened again
+    monkeypatch.setenv("CACHECOMPILE_REMOTE", "redis://:s3cret@localhost:notaport/0")
+    fresh = _cached(model, FakeAdapter(), tmp_path)
+    with pytest.warns(CacheFaultWarning, match="CACHECOMPILE_REMOTE") as caught:
+        assert torch.equal(fresh(X), model.run(X))
+    assert [e[0] for e in fresh.events] == ["hit"]
+    assert all("s3cret" not in str(w.message) for w in caught)
