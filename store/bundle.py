@@ -19,7 +19,8 @@ is anything published, each entry through the store's normal atomic ``put``.
 What an import writes is bounded before it is written: the index comes first and lists
 the entries; each entry's record comes before its files and is parsed and its signature
 checked first; a file is written only if its manifest lists it, at exactly the declared
-size, and only while the store's file system keeps 64 MiB free. The decompressed stream
+size, and only while the store's file system keeps 64 MiB free once every accepted
+record's files are written (StoreFullError otherwise). The decompressed stream
 itself may not run past what the accepted members declare (headers included), so a
 small archive cannot expand into gigabytes on disk or in memory.
 """
@@ -46,7 +47,7 @@ from typing import IO, Any
 import xxhash
 
 from . import errors
-from .fsutil import rmtree_quiet, temp_name, write_new_file
+from .fsutil import FULL_ERRNOS, rmtree_quiet, temp_name, write_new_file
 from .keys import Key, is_digest
 from .manifest import validate_name
 from .outcomes import Hit
@@ -287,6 +288,10 @@ def _stage(tf: tarfile.TarFile, staging: Path, bound: _Bounded,
     listed: set[str] = set()
     staged: dict[str, _Staged] = {}
     n = 0
+    # Bytes the accepted records declare that are not written yet: the free space check
+    # counts them, or a bundle with every record before every file would pass each
+    # record's check alone and then fill the disk.
+    promised = 0
     for m in tf:
         digest, kind, rest = _safe_member(m)
         key = m.name.rstrip("/")
@@ -335,7 +340,8 @@ def _stage(tf: tarfile.TarFile, staging: Path, bound: _Bounded,
                 raise errors.UnsafeArchiveError(f"entry {digest}: {e}") from None
             # Refused before a byte of its files is written (with a key set: signed only).
             trust.check(rec.body, rec.sig, digest)
-            _check_space(staging, rec.size_bytes)
+            _check_space(staging, promised + rec.size_bytes)
+            promised += rec.size_bytes
             s.record = rec
             continue
         # Our own flat file names: the archive's names never become paths on disk.
@@ -344,6 +350,7 @@ def _stage(tf: tarfile.TarFile, staging: Path, bound: _Bounded,
         # Keep the executable bit (put() carries it into the store), nothing else.
         mode = 0o700 if m.mode & 0o100 else 0o600
         write_new_file(target, iter(functools.partial(src.read, 1 << 20), b""), mode)
+        promised -= m.size
         s.files[rest] = target
     return index, staged
 
@@ -358,11 +365,13 @@ def _declared_size(s: _Staged | None, digest: str, name: str) -> int:
 
 
 def _check_space(staging: Path, need: int) -> None:
+    """StoreFullError unless ``need`` more bytes leave the reserve free."""
     free = shutil.disk_usage(staging).free
     if need + _FREE_RESERVE > free:
-        raise errors.UnsafeArchiveError(
-            f"an entry needs {need} bytes; {free} are free under {staging.parent} (an "
-            f"import leaves {_FREE_RESERVE >> 20} MiB free)")
+        raise errors.StoreFullError(
+            f"the bundle's entries need {need} more bytes; {free} are free under "
+            f"{staging.parent} (an import leaves {_FREE_RESERVE >> 20} MiB free); nothing "
+            "was imported")
 
 
 def _verify(digest: str, s: _Staged) -> Record:
@@ -420,6 +429,12 @@ def import_bundle(st: DiskStorage, src: Path | str, *, trust: Trust | None = Non
                     index, staged = _stage(tf, staging, bound, trust)
             except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as e:
                 raise errors.UnsafeArchiveError(f"{src} is not a readable bundle: {e}") from None
+            except OSError as e:
+                if e.errno in FULL_ERRNOS:
+                    raise errors.StoreFullError(
+                        f"the disk under {st.root} filled up while importing {src} "
+                        f"({e.strerror}); nothing was imported") from None
+                raise
             except Exception as e:
                 if type(e).__module__.startswith("zstandard"):  # ZstdError: not importable up front
                     raise errors.UnsafeArchiveError(f"{src}: {e}") from None

@@ -18,6 +18,7 @@ from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.errors import (
     CorruptEntryError,
     StoreError,
+    StoreFullError,
     UnsafeArchiveError,
     UntrustedEntryError,
 )
@@ -280,5 +281,50 @@ def test_import_refuses_when_the_disk_would_fill(tmp_path: Path, src: Store,
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(bundle.shutil, "disk_usage",
                         lambda p: usage._replace(free=(64 << 20) + 100))
-    with pytest.raises(UnsafeArchiveError, match="free"):
+    with pytest.raises(StoreFullError, match="free"):
         import_bundle(open_store(tmp_path / "dst"), out)
+
+
+def test_a_bundle_with_every_record_first_cannot_fill_the_disk(
+        tmp_path: Path, src: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each record alone fits in what is free; all of them together do not. Before the
+    # fix, the check saw one record at a time and the files then filled the disk.
+    src.put(make_key({"m": "big"}), {"w.bin": b"w" * 60_000}, labels={"model": "big"})
+    src.put(make_key({"m": "big2"}), {"w.bin": b"v" * 60_000}, labels={"model": "big2"})
+    good = tmp_path / "b.tar.zst"
+    export_bundle(src, good, digests(src))
+    members = _members(good)
+    index = [mb for mb in members if "/" not in mb[0].name and not mb[0].isdir()]
+    records = [mb for mb in members if mb[0].isdir() or mb[0].name.endswith("/record.json")]
+    files = [mb for mb in members if mb not in index and mb not in records]
+    assert len(index) == 1 and len(records) >= 4 and files
+    reordered = _write(tmp_path / "records-first.tar.gz", index + records + files)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(bundle.shutil, "disk_usage",
+                        lambda p: usage._replace(free=(64 << 20) + 80_000))
+    dst = open_store(tmp_path / "dst")
+    with pytest.raises(StoreFullError, match="nothing was imported"):
+        import_bundle(dst, reordered)
+    assert digests(dst) == []  # type: ignore[arg-type]
+    assert list((tmp_path / "dst" / "v1" / "tmp").iterdir()) == []
+
+
+def test_disk_full_during_import_is_exit_6(tmp_path: Path, src: Store,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from click.testing import CliRunner
+
+    from cachecompile.cli.main import cli
+
+    out = tmp_path / "b.tar.zst"
+    export_bundle(src, out, digests(src))
+    open_store(tmp_path / "dst")
+
+    def full(path: Path, chunks: Any, mode: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(bundle, "write_new_file", full)
+    r = CliRunner().invoke(cli, ["import", "--cache-dir", str(tmp_path / "dst"), str(out)])
+    assert r.exit_code == 6, r.output
+    assert "filled up" in r.output
