@@ -233,7 +233,8 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
     for d in sorted(on_disk):
         report.checked += 1
         try:
-            inspect(layout, d, full=True)
+            if is_shared_graph(inspect(layout, d, full=True).labels):
+                report.shared_graphs += 1
         except Bad as b:
             report.problems.append((d, f"{b.kind}: {b.reason}"))
     indexed = index.safely("list", index.digests) or set()

@@ -100,6 +100,8 @@ class GcReport:
 @dataclass
 class VerifyReport:
     checked: int = 0
+    # Of those checked, the shared graphs' programs (``cachectl ls`` lists them apart).
+    shared_graphs: int = 0
     problems: list[tuple[str, str]] = field(default_factory=list)  # (digest, reason)
     index_missing: list[str] = field(default_factory=list)  # on disk, not in index
     index_stale: list[str] = field(default_factory=list)  # in index, not on disk

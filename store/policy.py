@@ -36,7 +36,7 @@ def has_labels(labels: Mapping[str, str], want: Mapping[str, object]) -> bool:
 
 
 def is_shared_graph(labels: Mapping[str, str]) -> bool:
-    """Whether labels mark an internal shared-graph entry (cachecompile/coop.py sets them)."""
+    """Whether labels mark an internal shared-graph entry (cachecompile/procs/coop.py sets them)."""
     return labels.get("kind") == SHARED_GRAPH_KIND
 
 

@@ -378,7 +378,8 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
     st = _open_local(cache_dir)
     r = st.verify(fix=fix)
     if as_json:
-        click.echo(json.dumps({"checked": r.checked, "problems": [list(p) for p in r.problems],
+        click.echo(json.dumps({"checked": r.checked, "shared_graphs": r.shared_graphs,
+                               "problems": [list(p) for p in r.problems],
                                "index_missing": r.index_missing, "index_stale": r.index_stale,
                                "quarantined": r.quarantined, "ok": r.ok}, indent=1))
     else:
@@ -388,7 +389,8 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
             click.echo(f"{d}  on disk but not in the index" + ("  -> reindexed" if fix else ""))
         for d in r.index_stale:
             click.echo(f"{d}  in the index but not on disk" + ("  -> reindexed" if fix else ""))
-        click.echo(f"checked {r.checked} entries: "
+        graphs = f" ({r.shared_graphs} of them shared graphs)" if r.shared_graphs else ""
+        click.echo(f"checked {r.checked} entries{graphs}: "
                    + ("ok" if r.ok else f"{len(r.problems)} bad, "
                       f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
     if not r.ok:

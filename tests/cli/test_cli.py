@@ -337,6 +337,9 @@ def test_stats_count_what_ls_lists(tmp_path: Path, child_env: dict[str, str]) ->
     assert s["bytes"] == len(b"user") + len(b"graph")  # disk use and the cap: everything
     p = cachectl(child_env, "stats", "--cache-dir", d)
     assert p.returncode == 0 and "50.0%" in p.stdout and "shared graphs" in p.stdout
+    # verify checks every entry, and says how many of them ls does not list.
+    p = cachectl(child_env, "verify", "--cache-dir", d)
+    assert p.returncode == 0 and "checked 2 entries (1 of them shared graphs): ok" in p.stdout
 
 
 def test_purge_keeps_pinned_entries(cache: Store, child_env: dict[str, str]) -> None:
