@@ -16,6 +16,7 @@ module that owns it: read the role's module to see how an operation works.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -63,6 +64,13 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, max_size={self.max_size})"
+
+    def reading(self) -> Store:
+        """Another view of this store whose index is opened read-only (ReadOnlyStore's)."""
+        view = copy.copy(self)
+        view.index = self.index.reader()
+        view._held_pins = []
+        return view
 
     @property
     def root(self) -> Path:

@@ -21,6 +21,7 @@ fails the lookup or publish around it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -83,13 +84,64 @@ def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
     )
 
 
+class _ReadOnlyCache:
+    """The few reads :class:`Index` makes of a diskcache, on a database it may not write.
+
+    diskcache always opens its database for writing (it sets pragmas and creates tables),
+    which fails on a read-only file system: ``verify`` then took every entry for
+    unindexed and ``stats`` showed no counters. This opens the SQLite file read-only
+    (``mode=ro``; ``immutable=1`` where not even the ``-shm`` file can be made, which then
+    reads the last checkpoint) and decodes rows with diskcache's own ``Disk``.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        import sqlite3
+        import urllib.parse
+
+        import diskcache
+
+        self._disk = diskcache.Disk(str(directory))
+        db = urllib.parse.quote(str(directory / "cache.db"))
+        try:
+            self._con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, check_same_thread=False)
+            self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+        except sqlite3.Error:
+            self._con = sqlite3.connect(f"file:{db}?immutable=1", uri=True,
+                                        check_same_thread=False)
+            self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self._con.execute(
+            "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1 AND "
+            "(expire_time IS NULL OR expire_time > ?)", (key, time.time())).fetchone()
+        return default if row is None else self._disk.fetch(row[0], row[1], row[2], False)
+
+    def iterkeys(self) -> Iterator[Any]:
+        for key, raw in self._con.execute("SELECT key, raw FROM Cache ORDER BY rowid"):
+            yield self._disk.get(key, raw)
+
+    @contextlib.contextmanager
+    def transact(self) -> Iterator[None]:
+        yield  # one reader's snapshot: nothing to hold
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise errors.ReadOnlyStoreError("the index of a read-only store is not written")
+
+    set = incr = delete = _refuse
+
+    def close(self) -> None:
+        self._con.close()
+
+
 class Index:
     """Lazily opened diskcache. Opening is deferred so that ``open_store()`` stays cheap."""
 
     def __init__(self, path: Path, guard: Callable[[], object] | None = None,
-                 on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None) -> None:
+                 on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None,
+                 *, readonly: bool = False) -> None:
         self.path = path
         self._cache: Any = None
+        self._readonly = readonly
         # Called before the database is opened (the store checks that no directory on
         # the way is a symlink); once open, the handle no longer depends on the path.
         self._guard = guard
@@ -101,6 +153,9 @@ class Index:
         if self._cache is None:
             if self._guard is not None:
                 self._guard()
+            if self._readonly:
+                self._cache = _ReadOnlyCache(self.path)
+                return self._cache
             import diskcache  # deferred: ~15 ms of imports not needed by every caller
 
             # Eviction inside diskcache is off: the store owns eviction policy.
@@ -108,6 +163,10 @@ class Index:
                 str(self.path), eviction_policy="none", size_limit=2**62, timeout=60
             )
         return self._cache
+
+    def reader(self) -> Index:
+        """The same index, opened read-only (a read-only store's: never written)."""
+        return Index(self.path, self._guard, self._on_unsafe, readonly=True)
 
     def close(self) -> None:
         if self._cache is not None:

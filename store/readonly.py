@@ -37,7 +37,9 @@ class ReadOnlyStore(Wrapper[Store]):
     """
 
     def __init__(self, inner: Store, why: str = "opened read-only") -> None:
-        super().__init__(inner)
+        # Its own view of the store, whose index is read and never written (a read-only
+        # file system cannot open it for writing at all); ``inner`` itself is unchanged.
+        super().__init__(inner.reading())
         self.why = why
         self._warned = False
         self.counters = ProcessCounters(inner.root)

@@ -6,9 +6,11 @@ malformed remote URL that printed the Redis password and broke the first cached 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,44 @@ def test_cachectl_with_a_malformed_remote_exits_2_without_the_password(tmp_path:
     assert p.returncode == 2, p.stderr
     assert SECRET not in p.stdout + p.stderr
     assert "Traceback" not in p.stderr and "CACHECOMPILE_REMOTE" in p.stderr
+
+
+@pytest.fixture
+def readonly_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A store, and the same store through a read-only bind mount (as a fleet mounts a
+    baked cache). Needs mount privileges: skipped where there are none."""
+    src, mnt = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    for cmd in (["mount", "--bind", str(src), str(mnt)],
+                ["mount", "-o", "remount,ro,bind", str(mnt)]):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+            pytest.skip(f"cannot make a read-only bind mount here: {p.stderr.strip()}")
+    try:
+        yield src, mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_verify_and_stats_on_a_read_only_file_system(readonly_mount: tuple[Path, Path]) -> None:
+    src, mnt = readonly_mount
+    st = open_store(src)
+    key = make_key({"k": 3})
+    st.put(key, {"a.bin": b"z"}, labels={"model": "m", "function": "f"})
+    st.get(key)
+    st.record_miss("absent")
+    env = dict(os.environ, CACHECOMPILE_DIR=str(mnt))
+    env.pop("CACHECOMPILE_REMOTE", None)
+    cli = [sys.executable, "-m", "cachecompile.cli.main"]
+    verify = subprocess.run([*cli, "verify"], env=env, capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "not in the index" not in verify.stdout and "checked 1 entries: ok" in verify.stdout
+    stats = subprocess.run([*cli, "stats", "--json"], env=env, capture_output=True, text=True)
+    s = json.loads(stats.stdout)
+    assert (s["entries"], s["hits"], s["misses"]) == (1, 1, {"absent": 1}), s
+    ls = subprocess.run([*cli, "ls", "--json"], env=env, capture_output=True, text=True)
+    assert [r["key"] for r in json.loads(ls.stdout)] == [key.digest]
