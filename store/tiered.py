@@ -21,8 +21,11 @@ about once per process, however many lookups and stores meet it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import queue
+import stat
 import tempfile
 import threading
 import time
@@ -34,7 +37,7 @@ from typing import Any, TypeVar, overload
 from . import errors
 from .config import env_float, env_int
 from .disk import Store
-from .fsutil import rmtree_quiet
+from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet, temp_name
 from .index import REMOTE_HITS, counter_scope
 from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
@@ -203,7 +206,7 @@ class TieredStore(Wrapper[S]):
         digest = digest_of(key)
         try:
             target = self.inner if self._backfill is None else self._backfill()
-        except OSError:
+        except (OSError, errors.StoreError):
             return local  # the backfill said why
         if target is not self.inner:
             kept = target.peek(digest)  # downloaded earlier in this process
@@ -301,18 +304,53 @@ class TieredStore(Wrapper[S]):
         return hit if isinstance(hit, Hit) else None
 
 
+def scratch_parent() -> Path:
+    """Where this user's read-only nodes keep their scratch stores:
+    ``$TMPDIR/cachecompile-<uid>-remote``, private. Each scratch store inside is named by
+    its host and pid, so that the next process sweeps those of processes that died
+    without running their exit hooks (a SIGKILL, an OOM kill, a node drain)."""
+    parent = Path(tempfile.gettempdir()) / f"cachecompile-{os.getuid()}-remote"
+    with contextlib.suppress(FileExistsError):
+        parent.mkdir(mode=0o700)
+    st = os.lstat(parent)
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+            or st.st_mode & 0o077):
+        # Someone else made it (or a link): never put entries, which are code, there.
+        raise errors.InsecureStoreError(
+            parent, "not a private directory of this user (owned by another, a link, or "
+            "open to others)", "remove it; read-only nodes make it again, mode 0700")
+    return parent
+
+
+def sweep_scratch(parent: Path) -> int:
+    """Remove the scratch stores of dead processes of this host under ``parent``."""
+    removed = 0
+    for child in parent.iterdir():
+        owner = parse_temp_name(child.name)
+        if owner is not None and owner[0] == HOST_TAG and not pid_alive(owner[1]):
+            rmtree_quiet(child)
+            removed += 1
+    return removed
+
+
 def scratch_store(max_size: int) -> Callable[[], Store]:
-    """A backfill for a read-only node: a private store in a temp dir, made on first use
-    and removed at exit (remote hits must land somewhere this process may write)."""
+    """A backfill for a read-only node: a private store made on first use and removed at
+    exit (remote hits must land somewhere this process may write); one left by a
+    process that was killed is swept by the next one."""
     made: list[Store] = []
 
     def get() -> Store:
         if not made:
             try:
-                root = Path(tempfile.mkdtemp(prefix="cachecompile-remote-"))
+                parent = scratch_parent()
+                swept = sweep_scratch(parent)
+                if swept:
+                    logger.info("removed %d scratch stores of dead processes", swept)
+                root = parent / temp_name("scratch")
+                root.mkdir(mode=0o700)
                 st = Store(root, max_size=max_size)
                 st.create_layout()
-            except OSError as e:
+            except (OSError, errors.StoreError) as e:
                 logger.warning("cannot make a scratch store for remote hits: %s", e)
                 raise
             atexit.register(rmtree_quiet, root)

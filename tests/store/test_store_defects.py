@@ -125,3 +125,40 @@ def test_verify_and_stats_on_a_read_only_file_system(readonly_mount: tuple[Path,
     assert (s["entries"], s["hits"], s["misses"]) == (1, 1, {"absent": 1}), s
     ls = subprocess.run([*cli, "ls", "--json"], env=env, capture_output=True, text=True)
     assert [r["key"] for r in json.loads(ls.stdout)] == [key.digest]
+
+
+def test_a_killed_read_only_nodes_scratch_store_is_swept(tmp_path: Path) -> None:
+    # A read-only node with a remote downloads hits into a private scratch store removed
+    # at exit; one SIGKILLed kept it (41 MB per process) and nothing ever removed it.
+    code = ("import sys, time\n"
+            "from cachecompile.store.tiered import scratch_store\n"
+            "st = scratch_store(1 << 30)()\n"
+            "(st.root / 'kernel.so').write_bytes(b'k' * 4096)\n"
+            "print(st.root, flush=True)\n"
+            "time.sleep(60)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout is not None
+    left = Path(child.stdout.readline().strip())
+    child.kill()
+    child.wait()
+    assert left.is_dir()               # no exit hook ran
+    nxt = subprocess.run([sys.executable, "-c", code.replace("time.sleep(60)", "")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert nxt.returncode == 0, nxt.stderr
+    assert not left.exists(), "the dead process's scratch store is still there"
+    assert not Path(nxt.stdout.strip()).exists()   # and the live one's went at its exit
+    assert oct(left.parent.stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_scratch_parent_made_by_someone_else_is_refused(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachecompile.store import tiered
+
+    monkeypatch.setattr(tiered.tempfile, "tempdir", str(tmp_path))
+    parent = tmp_path / f"cachecompile-{os.getuid()}-remote"
+    parent.mkdir(mode=0o777)
+    parent.chmod(0o777)   # open to others: an attacker's dir, or a link to one
+    with pytest.raises(errors.InsecureStoreError, match="remove it"):
+        tiered.scratch_store(1 << 20)()
