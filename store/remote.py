@@ -81,9 +81,10 @@ for i = 2, #KEYS do n = n + redis.call('DEL', KEYS[i]) end
 return n
 """
 
-# What a remote record is, as this node sees it: "ours" verifies under our key;
+# What a remote record is, as this node sees it: "ours" verifies under our signing key;
+# "trusted" under one of our other verify keys (an old key, while it is rotated out);
 # "foreign" is signed but not verifiable here (another key, tampered, or we have none).
-RecordState = Literal["absent", "malformed", "unsigned", "ours", "foreign"]
+RecordState = Literal["absent", "malformed", "unsigned", "ours", "trusted", "foreign"]
 
 
 @dataclass(frozen=True)
@@ -451,9 +452,12 @@ class RedisRemote:
                 return "malformed"
         if not sig:
             return "unsigned"
-        return "ours" if self.trust.verifies(body, sig) else "foreign"
+        if self.trust.signed_by_us(body, sig):
+            return "ours"
+        return "trusted" if self.trust.verifies(body, sig) else "foreign"
 
-    def may_replace(self, found: RecordState, *, overwrite: bool, repair: bool) -> bool:
+    def may_replace(self, found: RecordState, *, overwrite: bool, repair: bool,
+                    resign: bool = False) -> bool:
         """Whether our upload may take the place of a record in state ``found``.
 
         The record is what every node loads, so a node that cannot vouch for a signed
@@ -465,6 +469,10 @@ class RedisRemote:
             return True  # nobody can load it: anything well-formed is better
         if found == "ours":
             return overwrite  # same signer: only to replace damaged blobs, or --force
+        if found == "trusted":
+            # Signed with a key being rotated out: every node that loads it now may also
+            # load ours; re-signing it with the current key is what ``push --resign`` asks.
+            return resign or overwrite
         if self.trust.key is None:
             return found == "unsigned" and overwrite
         if found == "unsigned":
@@ -472,6 +480,7 @@ class RedisRemote:
         return repair
 
     def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               resign: bool = False,
                progress: Callable[[int], None] | None = None) -> Uploaded:
         """Publish a local entry unless the remote record should stay (:meth:`may_replace`).
 
@@ -482,7 +491,7 @@ class RedisRemote:
         digest = entry.key
         raw = self._raw_record(digest)
         found = self.state(digest, raw)
-        if not self.may_replace(found, overwrite=overwrite, repair=repair):
+        if not self.may_replace(found, overwrite=overwrite, repair=repair, resign=resign):
             self._kept(digest, found)
             return Uploaded(False, found)
         names = sorted(entry.manifest["files"])
@@ -525,7 +534,8 @@ class RedisRemote:
             # Another node wrote the record since we looked: judge what is there now.
             raw = self._raw_record(digest)
             found = self.state(digest, raw)
-            if not self.may_replace(found, overwrite=overwrite, repair=repair):
+            if not self.may_replace(found, overwrite=overwrite, repair=repair,
+                                    resign=resign):
                 self._kept(digest, found)
                 return Uploaded(False, found)
         raise errors.RemoteError(f"remote cache {self.config.display}: the record of {digest} "

@@ -12,7 +12,10 @@ XXH3-128, but XXH3 is not collision resistant, so the body adds a SHA-256 per fi
 HMAC covers the body, the body pins every byte of every file.
 
 Policy (:class:`Trust`): with ``CACHECOMPILE_SIGNING_KEY`` set, records are signed on the
-way out and a missing or wrong signature is refused on the way in. Without a key, remote
+way out and a missing or wrong signature is refused on the way in; keys in
+``CACHECOMPILE_VERIFY_KEYS`` are accepted on the way in too, so a fleet rotates its key
+with no miss (add the new key everywhere, switch the signers, ``cachectl push
+--resign``, retire the old one). Without a key, remote
 records are accepted only if the user opts in with ``CACHECOMPILE_TRUST_REMOTE=1``.
 """
 
@@ -56,48 +59,73 @@ def _load_key(text: str) -> bytes:
     return text.encode("utf-8")
 
 
+def _load_keys(text: str) -> tuple[bytes, ...]:
+    """``CACHECOMPILE_VERIFY_KEYS``: keys separated by commas, each a value or
+    ``file:PATH`` (a key holding a comma goes in a file)."""
+    return tuple(k for k in (_load_key(part.strip()) for part in text.split(",")
+                             if part.strip()) if k)
+
+
 @dataclass(frozen=True)
 class Trust:
-    """Who is believed: ``key`` signs and verifies; ``accept_unsigned`` is the opt-in."""
+    """Who is believed: ``key`` signs and verifies; ``verify_keys`` verify too (a key being
+    rotated in or out); ``accept_unsigned`` is the opt-in for unsigned records."""
 
     key: bytes | None = None
     accept_unsigned: bool = False
+    verify_keys: tuple[bytes, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Trust:
         env = os.environ if env is None else env
         raw = env.get("CACHECOMPILE_SIGNING_KEY") or ""
         key = _load_key(raw) if raw else None
-        return cls(key=key or None,
-                   accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env))
+        extra = _load_keys(env.get("CACHECOMPILE_VERIFY_KEYS") or "")
+        return cls(key=key or None, accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env),
+                   verify_keys=tuple(k for k in extra if k != key))
+
+    @property
+    def keyed(self) -> bool:
+        """Whether any key verifies here (then every record must be signed)."""
+        return self.key is not None or bool(self.verify_keys)
 
     def sign(self, body: bytes) -> str | None:
         if self.key is None:
             return None
-        return hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
+        return _mac(self.key, body)
+
+    def signed_by_us(self, body: bytes, sig: str | None) -> bool:
+        """True if ``sig`` is this node's signing key's signature of ``body``."""
+        return self.key is not None and bool(sig) and hmac.compare_digest(
+            _mac(self.key, body), str(sig))
 
     def verifies(self, body: bytes, sig: str | None) -> bool:
-        """True if ``sig`` is our own signature of ``body`` (False without a key)."""
-        if self.key is None or not sig:
+        """True if ``sig`` is a signature of ``body`` by a key we hold (False without one)."""
+        if not sig:
             return False
-        want = hmac.new(self.key, _CONTEXT + body, hashlib.sha256).hexdigest()
-        return hmac.compare_digest(want, str(sig))
+        return any(hmac.compare_digest(_mac(k, body), str(sig))
+                   for k in ((self.key,) if self.key else ()) + self.verify_keys)
 
     def check(self, body: bytes, sig: str | None, digest: str) -> None:
         """Raise UntrustedEntryError unless this record may be loaded."""
-        if self.key is not None:
+        if self.keyed:
+            names = ("CACHECOMPILE_SIGNING_KEY" if self.key else "") + (
+                (" or " if self.key else "") + "CACHECOMPILE_VERIFY_KEYS"
+                if self.verify_keys else "")
             if not sig:
-                raise UntrustedEntryError(digest, "it is not signed and CACHECOMPILE_SIGNING_KEY "
-                                                  "is set")
+                raise UntrustedEntryError(digest, f"it is not signed and {names} is set")
             if not self.verifies(body, sig):
-                raise UntrustedEntryError(digest, "its signature does not match "
-                                                  "CACHECOMPILE_SIGNING_KEY")
+                raise UntrustedEntryError(digest, f"its signature does not match {names}")
             return
         if not self.accept_unsigned:
             raise UntrustedEntryError(
                 digest, "no CACHECOMPILE_SIGNING_KEY to verify it with; loading an entry runs "
                         "its code, so set the key, or CACHECOMPILE_TRUST_REMOTE=1 to trust "
                         "this remote")
+
+
+def _mac(key: bytes, body: bytes) -> str:
+    return hmac.new(key, _CONTEXT + body, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)

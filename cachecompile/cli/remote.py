@@ -200,9 +200,13 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
 @click.option("--force", is_flag=True,
               help="Overwrite entries the remote has already (never a signed record "
                    "with an unsigned one).")
+@click.option("--resign", is_flag=True,
+              help="Re-sign, with CACHECOMPILE_SIGNING_KEY, the remote records signed with "
+                   "another key this node verifies (CACHECOMPILE_VERIFY_KEYS): the step "
+                   "before retiring an old key.")
 def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
              label: tuple[str, ...], model: str | None, function: str | None,
-             force: bool) -> None:
+             force: bool, resign: bool) -> None:
     """Upload local entries to the remote: all, or those KEY... and filters select.
 
     With CACHECOMPILE_SIGNING_KEY set, a remote record that does not verify under it
@@ -210,10 +214,12 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     fleet's key to repair such records. Without a key, signed records stay as they are.
     """
     r = _remote(remote_url)
+    if resign and r.trust.key is None:
+        raise click.UsageError("--resign signs with CACHECOMPILE_SIGNING_KEY, which is not set")
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
-    sent = have = repaired = kept = 0
+    sent = have = repaired = kept = resigned = 0
     with _progress("push", sum(i.size_bytes for i in infos)) as advance:
         for i in infos:
             hit = st.peek(i.key)
@@ -222,10 +228,11 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
                 continue
             # repair: the operator who pushes with a key vouches that it is the fleet's.
             done = r.upload(hit.entry, overwrite=force, repair=r.trust.key is not None,
-                            progress=advance)
+                            resign=resign, progress=advance)
             if done:
                 sent += 1
                 repaired += done.found in ("unsigned", "malformed", "foreign")
+                resigned += done.found == "trusted"
                 continue
             advance(i.size_bytes)
             if done.found == "foreign":
@@ -236,6 +243,7 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
                 have += 1
     click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already"
                + (f"; {repaired} replaced records that did not verify" if repaired else "")
+               + (f"; {resigned} re-signed with the current key" if resigned else "")
                + (f"; {kept} signed records kept" if kept else ""))
 
 

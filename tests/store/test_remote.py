@@ -34,7 +34,7 @@ KEY_A = "fleet-secret-1"
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_SIGNING_KEY", "CACHECOMPILE_TRUST_REMOTE",
-                "CACHECOMPILE_DIR", "CACHECOMPILE_READONLY"):
+                "CACHECOMPILE_DIR", "CACHECOMPILE_READONLY", "CACHECOMPILE_VERIFY_KEYS"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -674,3 +674,39 @@ def test_record_states_and_who_may_replace_them(tmp_path: Path, srv: RedisServer
     assert not keyed.may_replace("foreign", overwrite=True, repair=False)
     assert keyed.may_replace("foreign", overwrite=False, repair=True)
     assert not plain.may_replace("foreign", overwrite=True, repair=True)
+
+
+def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet signs with OLD. Step 1: every node adds NEW to its verify keys. Step 2:
+    # the signers switch to NEW (OLD still verifies). Step 3: `cachectl push --resign`
+    # re-signs what OLD signed. Step 4: OLD is retired. No node misses at any step.
+    old, new = "fleet-key-2025", "fleet-key-2026"
+    key = make_key({"model": "m", "rot": 1})
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", old)
+    a = tiered(tmp_path / "a", srv.url())
+    a.put(key, FILES, labels={"model": "m"})
+    assert a.flush(10)
+
+    def node(name: str, signing: str, verify: str = "") -> TieredStore:
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", signing)
+        monkeypatch.setenv("CACHECOMPILE_VERIFY_KEYS", verify)
+        return tiered(tmp_path / name, srv.url())
+
+    assert isinstance(node("step1", old, new).get(key), Hit)
+    switched = node("step2", new, old)
+    assert isinstance(switched.get(key), Hit)          # OLD's record, verified by OLD
+    assert switched.remote.state(key.digest, switched.remote._raw_record(key.digest)) \
+        == "trusted"
+    # Without the old key a node on NEW alone misses: what the rotation must avoid.
+    assert isinstance(node("too-early", new).get(key), Miss)
+
+    env = dict(os.environ, CACHECOMPILE_SIGNING_KEY=new, CACHECOMPILE_VERIFY_KEYS=old,
+               CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_DIR=str(tmp_path / "step2"))
+    p = subprocess.run([sys.executable, "-m", "cachecompile.cli.main", "push", "--resign"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "1 re-signed" in p.stdout, p.stdout + p.stderr
+    # Step 4: OLD retired everywhere; a fresh node on NEW alone hits.
+    assert isinstance(node("step4", new).get(key), Hit)
+    # A node that still has only OLD now refuses the record: retire OLD everywhere first.
+    assert isinstance(node("straggler", old).get(key), Miss)

@@ -88,3 +88,22 @@ def test_verifies_needs_our_key_and_signature() -> None:
     assert not Trust(key=b"other").verifies(rec.body, rec.sig)
     assert not Trust().verifies(rec.body, rec.sig)
     assert not Trust(key=b"secret").verifies(rec.body, None)
+
+
+def test_verify_keys_verify_and_only_the_signing_key_signs(tmp_path: Path) -> None:
+    (tmp_path / "old.key").write_bytes(b"old-key,with-a-comma\n")
+    t = Trust.from_env({"CACHECOMPILE_SIGNING_KEY": "new",
+                        "CACHECOMPILE_VERIFY_KEYS": f"file:{tmp_path / 'old.key'}, other ,new"})
+    assert t.key == b"new" and t.verify_keys == (b"old-key,with-a-comma", b"other")
+    body = b'{"x":1}'
+    by_old = Trust(key=b"old-key,with-a-comma").sign(body)
+    assert t.verifies(body, by_old) and not t.signed_by_us(body, by_old)
+    assert t.signed_by_us(body, t.sign(body))
+    t.check(body, by_old, "d" * 32)
+    with pytest.raises(UntrustedEntryError, match="VERIFY_KEYS"):
+        t.check(body, Trust(key=b"stranger").sign(body), "d" * 32)
+    # Verify keys alone (a consumer that never signs) still demand a signature.
+    consumer = Trust.from_env({"CACHECOMPILE_VERIFY_KEYS": "other"})
+    assert consumer.keyed and consumer.sign(body) is None
+    with pytest.raises(UntrustedEntryError, match="not signed"):
+        consumer.check(body, None, "d" * 32)
