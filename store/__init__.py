@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MAX_SIZE",
+    "init_shared",
+    "made_shared",
     "Catalog",
     "DiskStorage",
     "Entry",
@@ -111,6 +114,43 @@ def open_store(
     return wrap(local, url)
 
 
+def made_shared(root: Path) -> bool:
+    """Whether ``root`` is a team store (``cachectl init --shared``, or made by hand the
+    same way): a setgid, group-writable directory that others may not write."""
+    try:
+        mode = os.stat(root).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_ISGID and mode & stat.S_IWGRP and not mode & stat.S_IWOTH)
+
+
+def init_shared(root: str | os.PathLike[str], group: str) -> Store:
+    """Make (or convert) ``root`` a store that every member of ``group`` reads and writes
+    whatever their umask: the root setgid, group-owned and mode 2770, the layout and the
+    index group-writable. Raises StoreError naming the fix if this user is not in
+    ``group``."""
+    import grp
+
+    path = Path(root).expanduser()
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise errors.StoreError(f"there is no group {group!r} (create it: groupadd "
+                                f"{group}, and add the team: usermod -aG {group} USER)") from None
+    if gid not in set(os.getgroups()) | {os.getegid()} and os.geteuid() != 0:
+        raise errors.StoreError(f"this user is not in group {group!r}: a member adds you "
+                                f"(usermod -aG {group} {os.environ.get('USER', 'USER')}), "
+                                "then log in again")
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, -1, gid)
+    os.chmod(path, 0o2770)
+    st = Store(path, shared_group=True)
+    st.check_root()
+    st.create_layout()
+    st.stats()  # opens (creates) the index, group-writable
+    return st
+
+
 def _open_local(
     root: str | os.PathLike[str] | None,
     *,
@@ -123,7 +163,8 @@ def _open_local(
     if max_size is None:
         max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE
     if shared_group is None:
-        shared_group = env_flag("CACHECOMPILE_SHARED_GROUP")
+        shared_group = (env_flag("CACHECOMPILE_SHARED_GROUP")
+                        if "CACHECOMPILE_SHARED_GROUP" in os.environ else made_shared(path))
     st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
     if not create:
         st.check_root()  # an insecure root says so, even if it holds no store
@@ -136,6 +177,8 @@ def _open_local(
         if not path.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o2770 if shared_group else 0o700, exist_ok=True)
+            if shared_group:
+                os.chmod(path, 0o2770)  # whatever the umask
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise

@@ -101,7 +101,7 @@ def _store_blob(layout: Layout, src: FileSource, executable: bool) -> tuple[Path
             return blob, size, cs, False
     fresh = True
     try:
-        blob.parent.mkdir(mode=layout.dir_mode, exist_ok=True)
+        layout.mkdir(blob.parent, exist_ok=True)
         layout.real("blobs", cs[:2])  # a link may have appeared in its place meanwhile
         try:
             os.link(tmp, blob)
@@ -121,7 +121,7 @@ def _store_blob(layout: Layout, src: FileSource, executable: bool) -> tuple[Path
 
 def link_in(layout: Layout, src: FileSource, dst: Path, executable: bool) -> tuple[int, str, int]:
     """Link one file into a staging entry; (size, checksum, bytes newly stored)."""
-    dst.parent.mkdir(mode=layout.dir_mode, parents=True, exist_ok=True)
+    layout.mkdir(dst.parent, parents=True, exist_ok=True)
     for _ in range(3):
         blob, size, cs, fresh = _store_blob(layout, src, executable)
         try:
@@ -130,9 +130,11 @@ def link_in(layout: Layout, src: FileSource, dst: Path, executable: bool) -> tup
         except FileNotFoundError:
             continue  # gc removed an unreferenced blob between our check and link
         except OSError as e:
-            if e.errno != errno.EMLINK:
+            if e.errno not in (errno.EMLINK, errno.EPERM):
                 raise
-            # Too many links to one inode: give this entry its own copy.
+            # Too many links to one inode, or (EPERM) the kernel's protected_hardlinks
+            # refusing a link to another member's blob in a shared store: give this entry
+            # its own copy.
             with open(blob, "rb") as f:
                 write_new_file(dst, iter(lambda: f.read(1 << 20), b""),
                                os.stat(blob).st_mode & 0o777)

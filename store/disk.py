@@ -58,7 +58,7 @@ class Store:
         self.layout = Layout(root, shared_group=shared_group)
         self.max_size = int(max_size)
         self.index = Index(self.layout.index, guard=lambda: self.layout.real("index"),
-                           on_unsafe=self.layout.warn_unsafe_index)
+                           on_unsafe=self.layout.warn_unsafe_index, shared=shared_group)
         # Pins taken through this store last as long as it does (usually the process).
         self._held_pins: list[Pin] = []
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import grp
 import mmap
 import os
+import pwd
 import secrets
 import shutil
 import stat
@@ -123,11 +127,31 @@ def rmtree_quiet(path: Path) -> None:
     shutil.rmtree(path, onerror=onerror)  # noqa: B026 - onexc is 3.12+
 
 
-def owner_problem(st: os.stat_result, shared_group: bool) -> str | None:
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+@functools.lru_cache(maxsize=16)
+def group_members(gid: int) -> frozenset[int]:
+    """The uids of a group's members: listed in it, or with it as their primary group."""
+    uids: set[int] = set()
+    with contextlib.suppress(KeyError):
+        for name in grp.getgrgid(gid).gr_mem:
+            with contextlib.suppress(KeyError):
+                uids.add(pwd.getpwnam(name).pw_uid)
+    uids.update(p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid)
+    return frozenset(uids)
+
+
+def owner_problem(st: os.stat_result, shared_group: bool, group: int | None = None) -> str | None:
     """Why a file/dir with stat ``st`` is not trusted, or None if it is.
 
-    Trusted: owned by this user (or root), not group- or world-writable. In shared
-    mode: owned by anyone but with a group this process belongs to, never world-writable.
+    Trusted: owned by this user (or root), not group- or world-writable. In shared mode
+    (a team store, ``group`` its group): never world-writable; owned by this user or
+    root, or by a member of the store's group with that group, which this user is in.
     """
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IWOTH:
@@ -136,15 +160,30 @@ def owner_problem(st: os.stat_result, shared_group: bool) -> str | None:
     if shared_group:
         if st.st_uid in (uid, 0):
             return None
+        name = group_name(st.st_gid)
         groups = set(os.getgroups()) | {os.getegid()}
         if st.st_gid not in groups:
-            return f"it is owned by uid {st.st_uid} and group {st.st_gid}, not a group of this user"
+            user = next((p.pw_name for p in [_pw(uid)] if p is not None), str(uid))
+            return (f"it is owned by uid {st.st_uid} and group {name}, and this user is not "
+                    f"in group {name} (a member adds you: usermod -aG {name} {user}; then "
+                    "log in again)")
+        if group is not None and st.st_gid != group:
+            return f"its group {name} is not the store's group {group_name(group)}"
+        if st.st_uid not in group_members(st.st_gid):
+            return f"it is owned by uid {st.st_uid}, who is not a member of group {name}"
         return None
     if st.st_uid not in (uid, 0):
         return f"it is owned by uid {st.st_uid}, not by this user (uid {uid})"
     if mode & stat.S_IWGRP:
         return f"it is group-writable (mode {mode:o})"
     return None
+
+
+def _pw(uid: int) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwuid(uid)
+    except KeyError:
+        return None
 
 
 def unreal_dir(base: Path, parts: Iterable[str] = ()) -> tuple[Path, str] | None:

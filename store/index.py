@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -138,10 +139,12 @@ class Index:
 
     def __init__(self, path: Path, guard: Callable[[], object] | None = None,
                  on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None,
-                 *, readonly: bool = False) -> None:
+                 *, readonly: bool = False, shared: bool = False) -> None:
         self.path = path
         self._cache: Any = None
         self._readonly = readonly
+        # A team store's index: every member of the group writes it (hits, deletions).
+        self._shared = shared
         # Called before the database is opened (the store checks that no directory on
         # the way is a symlink); once open, the handle no longer depends on the path.
         self._guard = guard
@@ -162,11 +165,26 @@ class Index:
             self._cache = diskcache.Cache(
                 str(self.path), eviction_policy="none", size_limit=2**62, timeout=60
             )
+            if self._shared:
+                self._share()
         return self._cache
+
+    def _share(self) -> None:
+        """Group-write the index whatever the creator's umask (it made cache.db 0644, and
+        the other members' hits and deletions failed: "readonly database"). SQLite gives
+        its -wal and -shm files the database file's mode."""
+        me = os.geteuid()
+        for path, mode in ((self.path, 0o2770), (self.path / "cache.db", 0o660),
+                           (self.path / "cache.db-wal", 0o660),
+                           (self.path / "cache.db-shm", 0o660)):
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == me and not os.path.islink(path):
+                    os.chmod(path, mode)
 
     def reader(self) -> Index:
         """The same index, opened read-only (a read-only store's: never written)."""
-        return Index(self.path, self._guard, self._on_unsafe, readonly=True)
+        return Index(self.path, self._guard, self._on_unsafe, readonly=True,
+                     shared=self._shared)
 
     def close(self) -> None:
         if self._cache is not None:

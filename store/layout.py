@@ -17,6 +17,7 @@ that rule in one place; every other part of the store reaches files through it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -67,10 +68,28 @@ class Layout:
         self._warned_links: set[str] = set()
 
     # -- creation and trust ------------------------------------------------------------
+    def mkdir(self, path: Path, *, mode: int | None = None, parents: bool = False,
+              exist_ok: bool = False) -> None:
+        """Make a directory of the store with its mode whatever the umask: a shared
+        store's directories must be group-writable (and setgid, so that what is made in
+        them gets the store's group) for every member, and ``mkdir`` masks the mode with
+        the creator's umask (022 made them 2750: the next member was read-only)."""
+        want = self.dir_mode if mode is None else mode
+        if parents and not path.parent.is_dir():
+            self.mkdir(path.parent, mode=mode, parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=want)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            return
+        if self.shared_group:
+            os.chmod(path, want)   # only the creator may, and only it needs to
+
     def create(self) -> None:
         """Make ``v1/`` and its directories (a symlink in a directory's place stays, refused)."""
         if not os.path.lexists(self.base):
-            self.base.mkdir(mode=self.dir_mode, exist_ok=True)
+            self.mkdir(self.base, exist_ok=True)
         found = self.unreal()
         if found is not None:
             raise link_error(*found)
@@ -78,7 +97,17 @@ class Layout:
             d = self.base / name
             # lexists: a symlink in its place is left alone (and refused where used).
             if name != "index" and not os.path.lexists(d):
-                d.mkdir(mode=self.dir_mode, exist_ok=True)
+                self.mkdir(d, exist_ok=True)
+
+    @functools.cached_property
+    def group(self) -> int | None:
+        """A shared store's group: its root's (setgid directories hand it down)."""
+        if not self.shared_group:
+            return None
+        try:
+            return os.stat(self.root).st_gid
+        except OSError:
+            return None
 
     def check_root(self) -> None:
         """Raise InsecureStoreError unless root (and v1/) are trusted.
@@ -95,7 +124,7 @@ class Layout:
                 if p == self.base:
                     raise link_error(p, "a symlink")
                 st = os.stat(p)
-            problem = owner_problem(st, self.shared_group)
+            problem = owner_problem(st, self.shared_group, self.group)
             if problem:
                 raise errors.InsecureStoreError(p, problem)
 
@@ -133,7 +162,7 @@ class Layout:
         written (and later swept) outside it. ``mode`` defaults to the store's dir mode.
         """
         path = self.real("tmp") / temp_name(kind, tag)
-        path.mkdir(mode=self.dir_mode if mode is None else mode)
+        self.mkdir(path, mode=mode)
         return path
 
     # -- links found -------------------------------------------------------------------

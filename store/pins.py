@@ -102,7 +102,7 @@ def pin(layout: Layout, digest: str) -> Pin:
         for _ in range(_PLACE_TRIES):
             pdir = layout.real("pins") / digest
             try:
-                pdir.mkdir(mode=layout.dir_mode, parents=True, exist_ok=True)
+                layout.mkdir(pdir, parents=True, exist_ok=True)
                 layout.real("pins", digest)
                 os.rename(tmp, pdir / name)
             except (FileNotFoundError, FileExistsError):

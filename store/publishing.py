@@ -51,7 +51,7 @@ def publish(
     new_bytes = 0
     try:
         data = staging / DATA
-        data.mkdir(mode=layout.dir_mode)
+        layout.mkdir(data)
         recs: dict[str, dict[str, Any]] = {}
         for name, src in files.items():
             executable = False
@@ -67,7 +67,7 @@ def publish(
         for d in sorted({(data / n).parent for n in recs} | {data, staging}, reverse=True):
             fsync_dir(d)
         target = layout.entry_dir(digest)
-        target.parent.mkdir(mode=layout.dir_mode, exist_ok=True)
+        layout.mkdir(target.parent, exist_ok=True)
         layout.real("entries", digest[:2])
         try:
             os.rename(staging, target)

@@ -88,7 +88,7 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
     dst = _lstat(edir, ("absent", "no entry for this key"), "entry")
     if not stat.S_ISDIR(dst.st_mode):
         raise Bad("insecure", "entry is not a real directory (symlink?)")
-    problem = owner_problem(dst, layout.shared_group)
+    problem = owner_problem(dst, layout.shared_group, layout.group)
     if problem:
         raise Bad("insecure", f"entry {problem}")
     mpath = edir / MANIFEST
@@ -154,7 +154,7 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
         fst = _lstat(p, ("corrupt", f"file {name!r} is missing"), repr(name))
         if not stat.S_ISREG(fst.st_mode):
             raise Bad("insecure", f"file {name!r} is not a regular file (symlink?)")
-        problem = owner_problem(fst, layout.shared_group)
+        problem = owner_problem(fst, layout.shared_group, layout.group)
         if problem:
             raise Bad("insecure", f"file {name!r}: {problem}")
         if fst.st_size != rec["size"]:
@@ -221,7 +221,7 @@ def quarantine(layout: Layout, index: Index, digest: str, reason: str) -> Path |
     dst = layout.quarantine / f"{digest}.{time.time_ns()}"
     freed = exclusive_bytes(src)
     try:
-        layout.quarantine.mkdir(mode=layout.dir_mode, exist_ok=True)
+        layout.mkdir(layout.quarantine, exist_ok=True)
         os.rename(src, dst)
     except FileNotFoundError:
         return None

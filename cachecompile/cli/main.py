@@ -43,6 +43,7 @@ cli.add_command(store_verbs.purge_cmd)
 cli.add_command(store_verbs.stats_cmd)
 cli.add_command(store_verbs.gc_cmd)
 cli.add_command(store_verbs.verify_cmd)
+cli.add_command(store_verbs.init_cmd)
 # The remote tier and bundles.
 cli.add_command(remote.remote_group)
 cli.add_command(remote.push_cmd)

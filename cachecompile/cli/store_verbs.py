@@ -395,3 +395,16 @@ def verify_cmd(cache_dir: str | None, fix: bool, as_json: bool) -> None:
                       f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
     if not r.ok:
         sys.exit(EXIT_PROBLEMS)
+
+
+@click.command("init")
+@cache_dir_option
+@click.option("--shared", "group", metavar="GROUP", required=True,
+              help="The OS group whose members share the store.")
+def init_cmd(cache_dir: str | None, group: str) -> None:
+    """Make a team store: every member of GROUP reads and writes it, whatever their umask."""
+    from cachecompile.store import default_root, init_shared
+
+    st = init_shared(cache_dir if cache_dir is not None else default_root(), group)
+    click.echo(f"{st.root}: a store shared by group {group} (mode 2770, setgid); members "
+               "open it as it is, with no setting")

@@ -255,16 +255,32 @@ def test_world_writable_root_is_refused_even_shared(tmp_path: Path) -> None:
 
 
 def test_group_writable_root_needs_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    root = tmp_path / "team"
-    root.mkdir()
-    os.chown(root, 65534, os.getegid())
-    root.chmod(0o2770)
+    # Group-writable without setgid: not a team store, refused unless opted in.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    plain.chmod(0o770)
+    os.chown(plain, 65534, os.getegid())
     with pytest.raises(errors.InsecureStoreError, match="group"):
-        open_store(root)
+        open_store(plain)
+    # A team store (cachectl init --shared: setgid, group-writable) is recognised as one,
+    # but its owner must be a member of its group: nobody (65534) is not.
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chown(team, 65534, os.getegid())
+    team.chmod(0o2770)
+    with pytest.raises(errors.InsecureStoreError, match="not a member of group"):
+        open_store(team)
     monkeypatch.setenv("CACHECOMPILE_SHARED_GROUP", "1")
-    st = open_store(root)
+    with pytest.raises(errors.InsecureStoreError, match="not a member of group"):
+        open_store(team)
+    # Owned by a member (here this user), it opens shared with no setting at all.
+    monkeypatch.delenv("CACHECOMPILE_SHARED_GROUP")
+    os.chown(team, os.geteuid(), os.getegid())
+    st = open_store(team)
+    assert st.shared_group
     e = st.put(make_key({"shared": 1}), {"a": b"x"})
     assert isinstance(st.get(e.key), Hit)
+    assert oct(e.path.stat().st_mode & 0o7777) == "0o2770"
 
 
 def test_foreign_owned_entry_is_insecure(st: Store) -> None:
