@@ -121,6 +121,17 @@ class _ReadOnlyCache:
         for key, raw in self._con.execute("SELECT key, raw FROM Cache ORDER BY rowid"):
             yield self._disk.get(key, raw)
 
+    def prefixed(self, prefix: str) -> Iterator[tuple[str, Any]]:
+        """Every (key, value) whose string key starts with ``prefix``, in one query
+        (``ls`` at 10,000 entries made 10,000 single-row lookups)."""
+        rows = self._con.execute(
+            "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key >= ? AND "
+            "key < ? AND (expire_time IS NULL OR expire_time > ?) ORDER BY rowid",
+            (prefix, prefix + "\uffff", time.time()))
+        for key, mode, filename, value in rows:
+            if isinstance(key, str):
+                yield key, self._disk.fetch(mode, filename, value, False)
+
     @contextlib.contextmanager
     def transact(self) -> Iterator[None]:
         yield  # one reader's snapshot: nothing to hold
@@ -145,6 +156,7 @@ class Index:
         self._readonly = readonly
         # A team store's index: every member of the group writes it (hits, deletions).
         self._shared = shared
+        self._scan: _ReadOnlyCache | None = None
         # Called before the database is opened (the store checks that no directory on
         # the way is a symlink); once open, the handle no longer depends on the path.
         self._guard = guard
@@ -187,6 +199,9 @@ class Index:
                      shared=self._shared)
 
     def close(self) -> None:
+        if self._scan is not None:
+            self._scan.close()
+            self._scan = None
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -249,13 +264,20 @@ class Index:
 
     def items(self) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
         """Each record with its blob map (None for records written before blob maps)."""
-        c = self.cache
-        for k in list(c.iterkeys()):
-            if isinstance(k, str) and k.startswith(_E):
-                rec = c.get(k)
-                if rec is not None:
-                    blobs = rec.get("blobs")
-                    yield _info(k[len(_E) :], rec), (None if blobs is None else dict(blobs))
+        for k, rec in list(self._bulk().prefixed(_E)):
+            if isinstance(rec, dict):
+                blobs = rec.get("blobs")
+                yield _info(k[len(_E) :], rec), (None if blobs is None else dict(blobs))
+
+    def _bulk(self) -> _ReadOnlyCache:
+        """A reading connection for whole-index scans: what was committed (a writer's
+        open transaction is not seen; nothing here reads inside one)."""
+        c = self.cache  # opened (and created) first
+        if isinstance(c, _ReadOnlyCache):
+            return c
+        if self._scan is None:
+            self._scan = _ReadOnlyCache(self.path)
+        return self._scan
 
     def set_blobs(self, blobs: Mapping[str, Mapping[str, int]]) -> None:
         """Fill in the blob maps of existing records (read from their manifests)."""
