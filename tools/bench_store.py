@@ -1,6 +1,7 @@
 """Benchmark the artifact store: publish / lookup latency, verify throughput, `cachectl ls`.
 
     python tools/bench_store.py [--reps 5] [--big-mb 100] [--ls-entries 10000]
+    python tools/bench_store.py --scale 1000,10000,100000 [--reps 3]
 
 Prints a markdown table of medians. Page cache: every read figure is taken warm
 (the file was just written and read once), for the store and for `cat` alike.
@@ -56,7 +57,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big-mb", type=int, default=100)
     ap.add_argument("--ls-entries", type=int, default=10_000)
+    ap.add_argument("--scale", default="",
+                    help="comma-separated store sizes: time only ls, ls --json, stats and a "
+                         "fresh process's lookup at each, and how each grows")
     args = ap.parse_args()
+    if args.scale:
+        scale([int(n) for n in args.scale.split(",")], args.reps)
+        return
     work = Path(tempfile.mkdtemp(prefix="bench_store."))
     rows: list[tuple[str, str, str]] = []
     try:
@@ -196,6 +203,61 @@ def main() -> None:
     print("|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
+
+def _fill(root: Path, n: int) -> Store:
+    """``n`` small entries in seven models, without fsync (filling is not what is timed)."""
+    real_fsync, real_fsync_dir = os.fsync, publishing.fsync_dir
+    os.fsync = lambda fd: None  # type: ignore[assignment]
+    publishing.fsync_dir = lambda p: None  # type: ignore[assignment]
+    try:
+        st = open_store(root)
+        assert isinstance(st, Store)
+        for i in range(n):
+            st.put(make_key({"i": i}), {"code.py": f"x = {i}\n".encode()},
+                   labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)})
+        return st
+    finally:
+        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
+
+
+def scale(sizes: list[int], reps: int) -> None:
+    """Whole-process wall time of ``ls``, ``ls --json``, ``stats`` and one lookup (import,
+    ``open_store``, ``get`` of an entry) at each store size: what grows with the store."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cli = [sys.executable, "-m", "cachecompile.cli.main"]
+    rows: list[tuple[int, float, float, float, float]] = []
+    work = Path(tempfile.mkdtemp(prefix="bench_store_scale."))
+    try:
+        for n in sizes:
+            root = work / f"s{n}"
+            _fill(root, n)
+            key = make_key({"i": n // 2}).digest
+            lookup = [sys.executable, "-c",
+                      "from cachecompile.store import Hit, open_store; "
+                      f"assert isinstance(open_store({str(root)!r}).get({key!r}), Hit)"]
+
+            def run(cmd: list[str]) -> float:
+                subprocess.run(cmd, env=env, capture_output=True, check=True)  # warm caches
+                return median_time(lambda: subprocess.run(cmd, env=env, capture_output=True,
+                                                          check=True), reps)
+
+            rows.append((n, run([*cli, "ls", "--cache-dir", str(root)]),
+                         run([*cli, "ls", "--json", "--cache-dir", str(root)]),
+                         run([*cli, "stats", "--cache-dir", str(root)]), run(lookup)))
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"| entries | `ls` | `ls --json` | `stats` | lookup (fresh process) | (median of {reps}, "
+          "whole processes) |")
+    print("|---|---|---|---|---|---|")
+    base = rows[0]
+    for r in rows:
+        growth = "" if r is base else (f"x{r[0] / base[0]:.0f} entries: ls x{r[1] / base[1]:.1f}, "
+                                       f"stats x{r[3] / base[3]:.1f}, lookup x{r[4] / base[4]:.1f}")
+        print(f"| {r[0]:,} | {fmt_s(r[1])} | {fmt_s(r[2])} | {fmt_s(r[3])} | {fmt_s(r[4])} | "
+              f"{growth} |")
 
 
 if __name__ == "__main__":
