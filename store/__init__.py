@@ -29,9 +29,9 @@ from .readonly import ReadOnlyStore
 if TYPE_CHECKING:
     from .tiered import TieredStore
 
-    # What open_store returns (a read-only node with a remote is a ReadOnlyStore too);
+    # What open_store returns (a read-only node with a remote: a tier over ReadOnlyStore);
     # ``.local`` of any of them is the Store or ReadOnlyStore that maintenance works on.
-    OpenStore: TypeAlias = Store | ReadOnlyStore | TieredStore[Store]
+    OpenStore: TypeAlias = Store | ReadOnlyStore | TieredStore[Store] | TieredStore[ReadOnlyStore]
 
 logger = logging.getLogger(__name__)
 

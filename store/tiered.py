@@ -9,11 +9,14 @@ upload local publishes in the background.
   store's own ``put`` (so it is not uploaded back) and returned as a Hit of that LOCAL
   entry. A ``put`` through the tier publishes locally, then queues an upload for the
   :class:`Uploader` thread. Everything else is the local store's (:attr:`TieredStore.local`).
-* :class:`ReadOnlyTieredStore` is a :class:`~cachecompile.store.readonly.ReadOnlyStore`
-  whose lookups go through such a tier over the read-only local root: a remote hit is
-  published into a private scratch store that lives as long as the process.
+* Over a read-only local store (:class:`~cachecompile.store.readonly.ReadOnlyStore`) the
+  tier is the same class composed with that view: every write is refused as on any
+  read-only store, nothing is uploaded, and a remote hit is published into a private
+  scratch store that lives as long as the process (:func:`scratch_store`).
 
-Remote faults never reach the caller: the tier logs (once, see cachecompile.store.remote)
+The remote is any :class:`~cachecompile.store.remote.base.Remote` (Redis, S3).
+
+Remote faults never reach the caller: the tier logs (once, see cachecompile.store.remote.base)
 and the lookup is the local miss. A remote entry refused (untrusted or damaged) is warned
 about once per process, however many lookups and stores meet it.
 """
@@ -43,12 +46,12 @@ from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
 from .protocol import DiskStorage, FileSource
 from .readonly import ReadOnlyStore
-from .remote import RedisRemote
+from .remote.base import Remote, open_remote
 from .wrapper import Wrapper
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReadOnlyTieredStore", "TieredStore", "Uploader", "scratch_store", "wrap"]
+__all__ = ["TieredStore", "Uploader", "scratch_store", "wrap"]
 
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
@@ -68,7 +71,7 @@ _refusals: set[tuple[str, str, str]] = set()
 _refusals_lock = threading.Lock()
 
 
-def _warn_once(remote: RedisRemote, subject: str, message: str) -> None:
+def _warn_once(remote: Remote, subject: str, message: str) -> None:
     """Warn ``message`` about ``subject`` (an entry's digest, a local path) once per process."""
     with _refusals_lock:
         first = (remote.config.display, subject, message) not in _refusals
@@ -87,7 +90,7 @@ class Uploader:
     ``$CACHECOMPILE_REMOTE_FLUSH_TIMEOUT`` seconds (default 5) for the queue to drain.
     """
 
-    def __init__(self, remote: RedisRemote, maxsize: int | None = None) -> None:
+    def __init__(self, remote: Remote, maxsize: int | None = None) -> None:
         self.remote = remote
         size = maxsize or env_int("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE, lenient=True) or 1
         self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
@@ -171,7 +174,7 @@ class TieredStore(Wrapper[S]):
     itself); an OSError from it is a local miss.
     """
 
-    def __init__(self, local: S, remote: RedisRemote, *,
+    def __init__(self, local: S, remote: Remote, *,
                  backfill: Callable[[], DiskStorage] | None = None) -> None:
         super().__init__(local)
         self.remote = remote
@@ -360,37 +363,19 @@ def scratch_store(max_size: int) -> Callable[[], Store]:
     return get
 
 
-class ReadOnlyTieredStore(ReadOnlyStore):
-    """A read-only local root plus a remote: a :class:`ReadOnlyStore` (every write is
-    refused as on any read-only store) whose lookups go through a :class:`TieredStore`
-    over the read-only view, with remote hits landing in a per-process scratch store."""
-
-    def __init__(self, local: ReadOnlyStore, remote: RedisRemote) -> None:
-        super().__init__(local.inner, local.why)
-        self.tier = TieredStore(local, remote, backfill=scratch_store(local.max_size))
-
-    def __repr__(self) -> str:
-        return f"ReadOnlyTieredStore({self.inner!r}, {self.remote!r})"
-
-    @property
-    def remote(self) -> RedisRemote:
-        return self.tier.remote
-
-    def get(self, key: Key | str) -> Hit | Miss:
-        return self.tier.get(key)
-
-    def close(self) -> None:
-        self.tier.close()
-
-
 @overload
-def wrap(local: ReadOnlyStore, remote: str | RedisRemote) -> ReadOnlyTieredStore: ...
+def wrap(local: ReadOnlyStore, remote: str | Remote) -> TieredStore[ReadOnlyStore]: ...
 @overload
-def wrap(local: Store, remote: str | RedisRemote) -> TieredStore[Store]: ...
+def wrap(local: Store, remote: str | Remote) -> TieredStore[Store]: ...
 def wrap(local: Store | ReadOnlyStore,
-         remote: str | RedisRemote) -> TieredStore[Store] | ReadOnlyTieredStore:
-    """Put ``remote`` behind ``local``; a bad URL raises ValueError."""
-    r = remote if isinstance(remote, RedisRemote) else RedisRemote(remote)
+         remote: str | Remote) -> TieredStore[Store] | TieredStore[ReadOnlyStore]:
+    """Put ``remote`` behind ``local``; a bad URL raises RemoteConfigError (a ValueError).
+
+    Over a read-only local store the tier is the same class, composed with the read-only
+    view: lookups go local, then remote; remote hits land in a per-process scratch store
+    (the view refuses writes), and nothing is uploaded (the view says it is read-only).
+    """
+    r = open_remote(remote) if isinstance(remote, str) else remote
     if isinstance(local, ReadOnlyStore):
-        return ReadOnlyTieredStore(local, r)
+        return TieredStore(local, r, backfill=scratch_store(local.max_size))
     return TieredStore(local, r)

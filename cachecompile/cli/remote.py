@@ -1,6 +1,6 @@
 """``cachectl`` verbs of the remote tier and of bundles (registered in cachecompile.cli.main).
 
-    cachectl remote ls | stats | purge        the Redis tier itself
+    cachectl remote ls | stats | purge        the remote tier itself (Redis or S3)
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
     cachectl export OUT.tar.zst [KEY...]      entries, manifests, signatures in one file
     cachectl import IN.tar.zst                verify everything, then publish everything
@@ -31,7 +31,7 @@ from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
 from cachecompile.store.readonly import ReadOnlyStore
-from cachecompile.store.remote import RedisRemote
+from cachecompile.store.remote import Remote, open_remote
 from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
 
@@ -53,14 +53,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 def remote_option(f: F) -> F:
     return click.option(
         "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
-        help="redis://host:port/db[?mode=ro] (default: $CACHECOMPILE_REMOTE).")(f)
+        help="redis://host:port/db or s3://bucket/prefix, [?mode=ro] "
+             "(default: $CACHECOMPILE_REMOTE).")(f)
 
 
-def _remote(url: str | None) -> RedisRemote:
+def _remote(url: str | None) -> Remote:
     if not url:
-        raise click.UsageError("no remote: pass --remote redis://host:port/db or set "
-                               "CACHECOMPILE_REMOTE")
-    r = RedisRemote(url)
+        raise click.UsageError("no remote: pass --remote redis://host:port/db or "
+                               "s3://bucket/prefix, or set CACHECOMPILE_REMOTE")
+    r = open_remote(url)
     r.ping()  # fail now, with one clear line, rather than per entry
     return r
 
@@ -113,7 +114,7 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
 
 @click.group("remote")
 def remote_group() -> None:
-    """The remote (Redis) tier: list, statistics, purge."""
+    """The remote tier (Redis or S3): list, statistics, purge."""
 
 
 @remote_group.command("ls")
@@ -140,7 +141,8 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
 @remote_option
 @click.option("--json", "as_json", is_flag=True)
 def remote_stats(remote_url: str | None, as_json: bool) -> None:
-    """Entries, bytes (logical), signed entries and the server's memory use."""
+    """Entries, bytes (logical), signed entries and the server's space: Redis's memory
+    use, or the bucket prefix's objects and bytes."""
     r = _remote(remote_url)
     recs = list(r.records())
     s: dict[str, Any] = {"remote": r.config.display, "readonly": r.readonly,
@@ -152,9 +154,13 @@ def remote_stats(remote_url: str | None, as_json: bool) -> None:
     for k in ("remote", "entries", "signed"):
         click.echo(f"{k:<16} {s[k]}")
     click.echo(f"{'size':<16} {human_size(s['bytes'])}")
-    cap = human_size(s["maxmemory"]) if s["maxmemory"] else "no limit"
-    click.echo(f"{'server memory':<16} {human_size(s['used_memory'])} of {cap} "
-               f"({s['maxmemory_policy'] or '-'})")
+    if "used_memory" in s:
+        cap = human_size(s["maxmemory"]) if s["maxmemory"] else "no limit"
+        click.echo(f"{'server memory':<16} {human_size(s['used_memory'])} of {cap} "
+                   f"({s['maxmemory_policy'] or '-'})")
+    if "stored_bytes" in s:
+        click.echo(f"{'bucket objects':<16} {s['objects']} "
+                   f"({human_size(s['stored_bytes'])} stored, blobs shared)")
     if s["readonly"]:
         click.echo(f"{'read-only':<16} yes")
 

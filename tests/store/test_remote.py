@@ -25,8 +25,9 @@ from cachecompile import store
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key
 from cachecompile.store.errors import UntrustedEntryError
 from cachecompile.store.remote import RedisRemote, RemoteConfig
+from cachecompile.store.remote.base import may_replace, record_state
 from cachecompile.store.signing import Trust, make_record, parse_record
-from cachecompile.store.tiered import ReadOnlyTieredStore, TieredStore
+from cachecompile.store.tiered import TieredStore
 
 KEY_A = "fleet-secret-1"
 
@@ -211,7 +212,9 @@ def test_read_only_local_root_with_a_remote(tmp_path: Path, srv: RedisServer,
     assert rw.flush(10)
     store.open_store(tmp_path / "ro")  # exists, empty
     st = store.open_store(tmp_path / "ro", readonly=True, remote=srv.url())
-    assert isinstance(st, ReadOnlyTieredStore) and isinstance(st, ReadOnlyStore)
+    # The tier composed with the read-only view: no subclass, the same class.
+    assert type(st) is TieredStore and isinstance(st.local, ReadOnlyStore) and st.readonly
+    assert st.uploader is None
     hit = st.get(key)
     assert isinstance(hit, Hit) and not hit.entry.path.is_relative_to(tmp_path / "ro")
     assert local_manifests(tmp_path / "ro") == []
@@ -658,22 +661,22 @@ def test_record_states_and_who_may_replace_them(tmp_path: Path, srv: RedisServer
     cases = {"absent": None, "garbage": b"\x00 not json", "unsigned": unsigned,
              "signed": signed, "newer": json.dumps(newer).encode(),
              "moved": json.dumps(moved).encode()}
-    seen = {name: (keyed.state(d, raw), other.state(d, raw), plain.state(d, raw))
+    seen = {name: (record_state(keyed.trust, d, raw), record_state(other.trust, d, raw), record_state(plain.trust, d, raw))
             for name, raw in cases.items()}
     assert seen == {"absent": ("absent",) * 3, "garbage": ("malformed",) * 3,
                     "unsigned": ("unsigned",) * 3, "signed": ("ours", "foreign", "foreign"),
                     "newer": ("ours", "foreign", "foreign"), "moved": ("malformed",) * 3}
     for r in (keyed, other, plain):
-        assert r.may_replace("absent", overwrite=False, repair=False)
-        assert r.may_replace("malformed", overwrite=False, repair=False)
-        assert not r.may_replace("ours", overwrite=False, repair=True)
-        assert r.may_replace("ours", overwrite=True, repair=False)
-    assert keyed.may_replace("unsigned", overwrite=False, repair=False)
-    assert not plain.may_replace("unsigned", overwrite=False, repair=False)
-    assert plain.may_replace("unsigned", overwrite=True, repair=False)
-    assert not keyed.may_replace("foreign", overwrite=True, repair=False)
-    assert keyed.may_replace("foreign", overwrite=False, repair=True)
-    assert not plain.may_replace("foreign", overwrite=True, repair=True)
+        assert may_replace(r.trust, "absent", overwrite=False, repair=False)
+        assert may_replace(r.trust, "malformed", overwrite=False, repair=False)
+        assert not may_replace(r.trust, "ours", overwrite=False, repair=True)
+        assert may_replace(r.trust, "ours", overwrite=True, repair=False)
+    assert may_replace(keyed.trust, "unsigned", overwrite=False, repair=False)
+    assert not may_replace(plain.trust, "unsigned", overwrite=False, repair=False)
+    assert may_replace(plain.trust, "unsigned", overwrite=True, repair=False)
+    assert not may_replace(keyed.trust, "foreign", overwrite=True, repair=False)
+    assert may_replace(keyed.trust, "foreign", overwrite=False, repair=True)
+    assert not may_replace(plain.trust, "foreign", overwrite=True, repair=True)
 
 
 def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
@@ -696,7 +699,8 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
     assert isinstance(node("step1", old, new).get(key), Hit)
     switched = node("step2", new, old)
     assert isinstance(switched.get(key), Hit)          # OLD's record, verified by OLD
-    assert switched.remote.state(key.digest, switched.remote._raw_record(key.digest)) \
+    raw = switched.remote.read_record(key.digest)
+    assert raw is not None and record_state(switched.remote.trust, key.digest, raw[0]) \
         == "trusted"
     # Without the old key a node on NEW alone misses: what the rotation must avoid.
     assert isinstance(node("too-early", new).get(key), Miss)

@@ -24,7 +24,7 @@ from cachecompile.store import (
     open_store,
 )
 from cachecompile.store.remote import RedisRemote
-from cachecompile.store.tiered import ReadOnlyTieredStore, TieredStore
+from cachecompile.store.tiered import TieredStore
 
 
 def _closed_port() -> int:
@@ -51,7 +51,8 @@ def test_every_store_implements_the_protocols(tmp_path: Path, down: str) -> None
     tiered = open_store(tmp_path / "b", remote=down)
     ro_tiered = open_store(tmp_path / "b", readonly=True, remote=down)
     assert (type(plain), type(ro), type(tiered), type(ro_tiered)) == (
-        Store, ReadOnlyStore, TieredStore, ReadOnlyTieredStore)
+        Store, ReadOnlyStore, TieredStore, TieredStore)
+    assert isinstance(ro_tiered.local, ReadOnlyStore)  # a tier over the read-only view
     for st in (plain, ro, tiered, ro_tiered):
         for proto in (Storage, Catalog, Locking, LocalStorage, DiskStorage):
             assert isinstance(st, proto), (st, proto)

@@ -1,0 +1,512 @@
+"""What every remote tier is and shares: the :class:`Remote` protocol the tiered store and
+``cachectl`` type against, the URL's settings, the circuit breaker, and the one upload and
+download flow that every remote runs over its own :class:`Blobs` (Redis keys, S3 objects).
+
+The rules, the same on every remote:
+
+* An entry is a signed *record* (:mod:`cachecompile.store.signing`) plus its files as
+  blobs addressed by SHA-256, so identical files are stored once and a planted blob
+  cannot pass for another.
+* An upload pins its blobs, writes them, then writes the record last and only if the
+  record is still the one it judged (a conditional write), so an entry is visible whole
+  or not at all and two uploaders never tear or blindly replace it.
+* A download checks the record's signature before it fetches a byte, and every file's
+  SHA-256 after.
+* Any failure trips the breaker: ONE warning, then every call is a quick
+  :class:`~cachecompile.store.errors.RemoteError` (the process goes on local-only) until
+  one call is let through again after a backoff (1 s, doubling, at most 60 s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .. import errors
+from ..config import parse_size
+from ..outcomes import Entry
+from ..signing import Record, Trust, make_record, parse_record, sha256_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Blobs", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
+           "download_entry", "may_replace", "record_state", "redact",
+           "upload_entry"]
+
+MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
+# 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
+# 16 MiB ones 440 (tools/bench_remote.py), and smaller ones add round trips.
+DEFAULT_CHUNK = 4 * 1024**2
+# How long an upload's pins keep ``purge`` off its blobs after their last refresh. A
+# killed upload's blobs are swept this long after it died, not before.
+DEFAULT_LEASE = 600.0
+CAS_TRIES = 5  # records rewritten under us this often in a row: give up this upload
+_OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
+SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "s3": "s3"}
+# A blob download counts as one request on S3: its timeout bounds a whole file.
+_DEFAULT_TIMEOUT = {"redis": 5.0, "s3": 60.0}
+_DEFAULT_PREFIX = {"redis": "cachecompile:v1", "s3": "cachecompile"}
+
+# What a remote record is, as this node sees it: "ours" verifies under our signing key;
+# "trusted" under one of our other verify keys (an old key, while it is rotated out);
+# "foreign" is signed but not verifiable here (another key, tampered, or we have none).
+RecordState = Literal["absent", "malformed", "unsigned", "ours", "trusted", "foreign"]
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """What an upload did: true if it wrote the record.
+
+    ``found`` is the record that was there before: the one replaced, or the one kept.
+    """
+
+    written: bool
+    found: RecordState
+
+    def __bool__(self) -> bool:
+        return self.written
+
+
+def redact(url: str) -> str:
+    """``url`` with its password masked, however malformed the rest of it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    creds, at, host = netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = creds.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{tail}"
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the remote is and how to use it, parsed from its URL.
+
+    ``redis://host:port/db``, ``rediss://``, ``unix://`` or ``s3://bucket/prefix`` (the
+    endpoint, keys and region from the usual ``AWS_*`` variables). Our own query
+    parameters are taken out before the URL reaches the client: ``mode=ro`` (consume,
+    never publish), ``chunk=4M`` (Redis: value size; S3: multipart part size),
+    ``timeout`` (seconds per request: 5 on Redis, 60 on S3 where one request carries a
+    whole file), ``backoff=1`` (first retry delay), ``prefix`` (Redis key prefix,
+    ``cachecompile:v1``; on S3 the URL's path), ``lease=600`` (seconds an upload's pins
+    hold off ``purge``).
+    """
+
+    url: str
+    target: str  # what the client is given: the URL without our parameters, or the bucket
+    kind: str = "redis"
+    readonly: bool = False
+    chunk: int = DEFAULT_CHUNK
+    timeout: float = 5.0
+    backoff: float = 1.0
+    max_backoff: float = 60.0
+    prefix: str = "cachecompile:v1"
+    lease: float = DEFAULT_LEASE
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str) -> RemoteConfig:
+        """Parse a remote URL; RemoteConfigError (a ValueError) names what is wrong, with
+        the password masked (``redis://:***@host``): it ends up in logs and terminals."""
+        try:
+            return cls._parse(url)
+        except errors.RemoteConfigError:
+            raise
+        except (ValueError, TypeError) as e:
+            why = str(e)
+            password = urllib.parse.urlsplit(url).password if "@" in url else None
+            if password:
+                why = why.replace(password, "***")
+            raise errors.RemoteConfigError(
+                f"remote {redact(url)} (CACHECOMPILE_REMOTE or --remote): {why}") from None
+
+    @classmethod
+    def _parse(cls, url: str) -> RemoteConfig:
+        parts = urllib.parse.urlsplit(url)
+        kind = SCHEMES.get(parts.scheme)
+        if kind is None:
+            raise ValueError("only redis://, rediss://, unix:// and s3:// URLs are supported")
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        ours: dict[str, str] = {}
+        rest: list[tuple[str, str]] = []
+        for k, v in query:
+            if k in _OURS:
+                ours[k] = v
+            else:
+                rest.append((k, v))
+        mode = ours.get("mode", "rw").lower()
+        if mode not in ("rw", "ro"):
+            raise ValueError(f"mode must be rw or ro, not {mode!r}")
+        chunk = parse_size(ours["chunk"]) if "chunk" in ours else DEFAULT_CHUNK
+        if not 0 < chunk <= MAX_CHUNK:
+            raise ValueError("chunk must be between 1 byte and 64M")
+        lease = float(ours.get("lease", DEFAULT_LEASE))
+        if not lease >= 1:
+            raise ValueError("lease must be at least 1 second")
+        if kind == "s3":
+            if rest:
+                raise ValueError(f"unknown parameters {sorted(k for k, _ in rest)} (the "
+                                 "endpoint, keys and region come from the AWS_* variables)")
+            if len(parts.hostname or "") < 3 or parts.username or parts.port:
+                raise ValueError("s3:// takes a bucket name (3 characters or more) and an "
+                                 "optional prefix: s3://bucket/prefix")
+            if "prefix" in ours:
+                raise ValueError("on s3:// the prefix is the URL's path: s3://bucket/prefix")
+            target = parts.hostname or ""
+            prefix = parts.path.strip("/") or _DEFAULT_PREFIX["s3"]
+        else:
+            target = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(rest)))
+            prefix = ours.get("prefix", _DEFAULT_PREFIX["redis"])
+        return cls(url=url, target=target, kind=kind, readonly=mode == "ro", chunk=chunk,
+                   timeout=float(ours.get("timeout", _DEFAULT_TIMEOUT[kind])),
+                   backoff=float(ours.get("backoff", 1.0)), prefix=prefix, lease=lease)
+
+    @property
+    def display(self) -> str:
+        """The URL without a password or parameters, for logs."""
+        if self.kind == "s3":
+            return f"s3://{self.target}/{self.prefix}"
+        p = urllib.parse.urlsplit(self.target)
+        host = p.hostname or ""
+        netloc = f"{host}:{p.port}" if p.port else host
+        return urllib.parse.urlunsplit(p._replace(netloc=netloc, query=""))
+
+
+class Breaker:
+    """Trips on a remote failure; lets one call through again after a growing backoff."""
+
+    def __init__(self, name: str, backoff: float, max_backoff: float) -> None:
+        self.name = name
+        self.base = backoff
+        self.max = max_backoff
+        self.down_since: float | None = None
+        self.retry_at = 0.0
+        self.delay = backoff
+        self.failures = 0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def allow(self) -> bool:
+        with self._lock:
+            return self.down_since is None or time.monotonic() >= self.retry_at
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            now = time.monotonic()
+            if self.down_since is None:
+                self.down_since = now
+                self.delay = self.base
+                if not self._warned:
+                    # One warning per process: a flapping remote must not flood the log.
+                    self._warned = True
+                    logger.warning("remote cache %s failed (%s: %s): continuing local-only; "
+                                   "it is retried with backoff", self.name,
+                                   type(exc).__name__, _first_line(exc))
+                else:
+                    logger.info("remote cache %s failed again (%s: %s)", self.name,
+                                type(exc).__name__, _first_line(exc))
+            else:
+                self.delay = min(self.delay * 2, self.max)
+            self.retry_at = now + self.delay
+            logger.debug("remote cache %s: next try in %.1f s", self.name, self.delay)
+
+    def ok(self) -> None:
+        if self.down_since is None:
+            return
+        with self._lock:
+            if self.down_since is not None:
+                logger.info("remote cache %s is back after %.1f s", self.name,
+                            time.monotonic() - self.down_since)
+                self.down_since = None
+
+    def guard(self, what: str) -> None:
+        """Raise the quick RemoteError of an open breaker."""
+        if not self.allow():
+            raise errors.RemoteError(f"remote cache {self.name} is unavailable (waiting "
+                                     f"before the next try; {what} not sent)")
+
+
+def _first_line(exc: BaseException) -> str:
+    # Object-store clients put the whole HTTP exchange in their messages.
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+@runtime_checkable
+class Remote(Protocol):
+    """A remote tier: what the tiered store and ``cachectl``'s remote verbs use.
+
+    Every method raises :class:`~cachecompile.store.errors.RemoteError` on a failure of
+    the remote (the breaker has logged it); writes on a ``mode=ro`` remote raise
+    ReadOnlyStoreError.
+    """
+
+    config: RemoteConfig
+    trust: Trust
+    breaker: Breaker
+
+    @property
+    def readonly(self) -> bool: ...
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open and its backoff has not elapsed (no network)."""
+        ...
+
+    def ping(self) -> bool: ...
+
+    def contains(self, digest: str) -> bool: ...
+
+    def record(self, digest: str) -> Record | None:
+        """The parsed record of ``digest`` (not yet trusted), or None if absent."""
+        ...
+
+    def records(self) -> Iterator[Record]:
+        """Every parsable record (unverified); malformed ones are logged and skipped."""
+        ...
+
+    def download(self, digest: str, dest: Path,
+                 progress: Callable[[int], None] | None = None) -> Record | None:
+        """Fetch a trusted entry's files into ``dest`` (a fresh dir); None if absent.
+
+        Raises UntrustedEntryError before any byte of a file is fetched if the record is
+        not trusted; CorruptEntryError if a file is short, missing or fails its SHA-256.
+        The caller discards ``dest`` on error.
+        """
+        ...
+
+    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               resign: bool = False,
+               progress: Callable[[int], None] | None = None) -> Uploaded:
+        """Publish a local entry unless the remote record should stay (:func:`may_replace`)."""
+        ...
+
+    def delete(self, digest: str) -> bool:
+        """Remove the record; its blobs go with the next :meth:`sweep`."""
+        ...
+
+    def sweep(self) -> int:
+        """Delete blobs no record references and no upload has pinned; how many."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What the server says about its space, for ``cachectl remote stats``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Blobs(Protocol):
+    """The half of a remote that differs by server, under the shared flow.
+
+    ``tag`` is whatever the server compares a conditional write with: the record's bytes
+    on Redis, its ETag on S3.
+    """
+
+    config: RemoteConfig
+    trust: Trust
+    bad_blobs: set[str]
+
+    def read_record(self, digest: str) -> tuple[bytes, object] | None:
+        """The raw record and its tag, or None if absent."""
+        ...
+
+    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+        """Write the record if it is still the one tagged ``tag`` (None: still absent)."""
+        ...
+
+    def put_blobs(self, entry: Entry, sha: dict[str, str],
+                  progress: Callable[[int], None] | None) -> dict[str, int]:
+        """Pin, then store every blob of ``entry`` the remote lacks (``sha``: file ->
+        SHA-256); each blob's chunk size for the record."""
+        ...
+
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
+                      chunks: dict[str, int]) -> None:
+        """After the record is written: store again any blob a purge took meanwhile."""
+        ...
+
+    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
+                   target: Path, mode: int,
+                   progress: Callable[[int], None] | None) -> tuple[int, str]:
+        """Stream one blob into ``target`` (a new file); (bytes, SHA-256 hex)."""
+        ...
+
+
+def record_state(trust: Trust, digest: str, raw: bytes | None) -> RecordState:
+    """What the record ``raw`` of ``digest`` is to this node (see :data:`RecordState`)."""
+    if raw is None:
+        return "absent"
+    try:
+        rec = parse_record(raw, digest)
+        body, sig = rec.body, rec.sig
+    except errors.ManifestError:
+        # Not a record this version reads (garbage, or a newer format): signed is
+        # still signed, and only a key that verifies it may replace it.
+        body, sig = _lenient_signed(raw, digest)
+        if not sig:
+            return "malformed"
+    if not sig:
+        return "unsigned"
+    if trust.signed_by_us(body, sig):
+        return "ours"
+    return "trusted" if trust.verifies(body, sig) else "foreign"
+
+
+def may_replace(trust: Trust, found: RecordState, *, overwrite: bool, repair: bool,
+                resign: bool = False) -> bool:
+    """Whether our upload may take the place of a record in state ``found``.
+
+    The record is what every node loads, so a node that cannot vouch for a signed
+    record never replaces it: without a key ours would be unsigned, and keyed nodes
+    refuse that fleet-wide; with another key we cannot tell whose key is the wrong
+    one, unless the caller says ours is right (``repair``: ``cachectl push``).
+    """
+    if found in ("absent", "malformed"):
+        return True  # nobody can load it: anything well-formed is better
+    if found == "ours":
+        return overwrite  # same signer: only to replace damaged blobs, or --force
+    if found == "trusted":
+        # Signed with a key being rotated out: every node that loads it now may also
+        # load ours; re-signing it with the current key is what ``push --resign`` asks.
+        return resign or overwrite
+    if trust.key is None:
+        return found == "unsigned" and overwrite
+    if found == "unsigned":
+        return True  # signing it only adds trust: keyed nodes refuse it as it is
+    return repair
+
+
+def _lenient_signed(raw: bytes, digest: str) -> tuple[bytes, str | None]:
+    """(body, signature) of a record we cannot parse, if it has that much shape.
+
+    A body that names another key is no signed record of ``digest`` (a copy moved here).
+    """
+    try:
+        outer = json.loads(raw)
+        body, sig = outer["body"], outer["sig"]
+        doc = json.loads(body)
+    except (ValueError, KeyError, TypeError):
+        return b"", None
+    if (not isinstance(sig, str) or not sig or not isinstance(doc, dict)
+            or doc.get("key") != digest):
+        return b"", None
+    return body.encode("utf-8"), sig
+
+
+def refuse_readonly(config: RemoteConfig) -> None:
+    if config.readonly:
+        raise errors.ReadOnlyStoreError(f"remote cache {config.display} is read-only (mode=ro)")
+
+
+def _kept(remote: Blobs, digest: str, found: RecordState) -> None:
+    if found == "foreign":
+        logger.info("not replacing remote entry %s: it is signed, and not with %s", digest,
+                    "our key" if remote.trust.key else "a key we have")
+    else:
+        logger.debug("remote has %s already (%s)", digest, found)
+
+
+def upload_entry(remote: Blobs, entry: Entry, *, overwrite: bool = False,
+                 repair: bool = False, resign: bool = False,
+                 progress: Callable[[int], None] | None = None) -> Uploaded:
+    """The one upload: judge the record there, store the blobs, write the record last,
+    and only if it is still the one judged (else judge again, :data:`CAS_TRIES` times)."""
+    refuse_readonly(remote.config)
+    digest = entry.key
+    got = remote.read_record(digest)
+    raw, tag = got if got is not None else (None, None)
+    found = record_state(remote.trust, digest, raw)
+    judge = dict(overwrite=overwrite, repair=repair, resign=resign)
+    if not may_replace(remote.trust, found, **judge):
+        _kept(remote, digest, found)
+        return Uploaded(False, found)
+    names = sorted(entry.manifest["files"])
+    sha = {n: sha256_file(entry.files[n]) for n in names}
+    executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
+    chunks = remote.put_blobs(entry, sha, progress)
+    rec = make_record(entry.manifest, sha, {s: chunks[s] for s in sorted(set(sha.values()))},
+                      remote.trust, executable)
+    data = rec.to_bytes()
+    for _ in range(CAS_TRIES):
+        if remote.write_record(digest, data, tag):
+            remote.recheck_blobs(entry, sha, chunks)
+            logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
+            return Uploaded(True, found)
+        # Another node wrote the record since we looked: judge what is there now.
+        got = remote.read_record(digest)
+        raw, tag = got if got is not None else (None, None)
+        found = record_state(remote.trust, digest, raw)
+        if not may_replace(remote.trust, found, **judge):
+            _kept(remote, digest, found)
+            return Uploaded(False, found)
+    raise errors.RemoteError(f"remote cache {remote.config.display}: the record of {digest} "
+                             f"changed {CAS_TRIES} times while we wrote it")
+
+
+def download_entry(remote: Blobs, digest: str, dest: Path,
+                   progress: Callable[[int], None] | None = None) -> Record | None:
+    """The one download (see :meth:`Remote.download`)."""
+    got = remote.read_record(digest)
+    if got is None:
+        return None
+    rec = parse_record(got[0], digest)
+    remote.trust.check(rec.body, rec.sig, digest)
+    for name, frec in rec.manifest["files"].items():
+        sha = rec.sha256[name]
+        size = int(frec["size"])
+        chunk = rec.chunks.get(sha)
+        if chunk is None and size:
+            raise errors.CorruptEntryError(digest, f"record has no chunk size for {name!r}")
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            n, actual = remote.fetch_blob(digest, name, sha, size, chunk or 1, target,
+                                          0o700 if name in rec.executable else 0o600, progress)
+        except errors.CorruptEntryError:
+            remote.bad_blobs.add(sha)
+            raise
+        if n != size or actual != sha:
+            remote.bad_blobs.add(sha)
+            raise errors.CorruptEntryError(digest, f"file {name!r} fails its SHA-256 "
+                                                   f"({n} of {size} bytes)")
+    return rec
+
+
+def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:
+    """Records from (digest, raw) pairs; malformed ones are logged and skipped."""
+    for digest, raw in raws:
+        if raw is None:
+            continue
+        try:
+            yield parse_record(raw, digest)
+        except errors.ManifestError as e:
+            logger.warning("remote entry %s is malformed: %s", digest, e)
+
+
+def open_remote(url: str | RemoteConfig, trust: Trust | None = None) -> Remote:
+    """The remote a URL names (RemoteConfigError if it is malformed); no network yet."""
+    config = RemoteConfig.parse(url) if isinstance(url, str) else url
+    if config.kind == "s3":
+        from .s3 import S3Remote
+
+        return S3Remote(config, trust)
+    from .redis import RedisRemote
+
+    return RedisRemote(config, trust)

@@ -1,0 +1,351 @@
+"""The Redis tier: a :class:`~cachecompile.store.remote.base.Remote` over Redis keys.
+
+Layout under a key prefix (default ``cachecompile:v1``)::
+
+    <p>:entry:<digest>        the record (cachecompile.store.signing): manifest, SHA-256s, signature
+    <p>:blob:<sha256>         blob marker, value = its chunk size; written after the chunks
+    <p>:chunk:<sha256>:<i>    the i-th chunk of a file's bytes (at most 64 MiB each)
+    <p>:pin:<sha256>          "an upload needs this blob"; expires ``lease`` s after its
+                              last refresh
+
+The upload and download flow is the shared one (:mod:`.base`). Here: the record is
+written only if it is still what the uploader looked at (compare-and-set in Lua); a
+killed upload leaves only unreferenced chunks, which ``cachectl remote purge`` sweeps
+once their pins have expired. The sweep deletes a blob only where no pin is (atomically,
+in a Lua script), so it cannot take the chunks of an upload in flight, nor a blob that an
+upload has just decided to reuse. ``redis`` is imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from ..fsutil import write_new_file
+from ..outcomes import Entry
+from ..signing import Record, Trust, parse_record
+from .base import (
+    Breaker,
+    RemoteConfig,
+    Uploaded,
+    download_entry,
+    parse_records,
+    refuse_readonly,
+    upload_entry,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RedisRemote"]
+
+# Write the record only if it is still what the uploader judged ('' = there was none).
+_SET_IF = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false then cur = '' end
+if cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+# Delete one blob (KEYS[2..]: marker and chunks) unless an upload pinned it (KEYS[1]).
+_DROP_UNPINNED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local n = 0
+for i = 2, #KEYS do n = n + redis.call('DEL', KEYS[i]) end
+return n
+"""
+
+
+class RedisRemote:
+    """One Redis remote (:class:`~cachecompile.store.remote.base.Remote` and its
+    :class:`~cachecompile.store.remote.base.Blobs`)."""
+
+    def __init__(self, config: RemoteConfig | str, trust: Trust | None = None,
+                 client: Any = None) -> None:
+        self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
+        if self.config.kind != "redis":
+            raise errors.RemoteConfigError(f"{self.config.display} is not a Redis URL")
+        self.trust = trust if trust is not None else Trust.from_env()
+        self.breaker = Breaker(self.config.display, self.config.backoff, self.config.max_backoff)
+        self._client = client
+        self._client_lock = threading.Lock()
+        # Blobs this process downloaded and found damaged: an upload rewrites them instead
+        # of trusting their marker (content addressing alone would keep the bad bytes).
+        self.bad_blobs: set[str] = set()
+        p = self.config.prefix
+        self._entry_k = f"{p}:entry:"
+        self._blob_k = f"{p}:blob:"
+        self._chunk_k = f"{p}:chunk:"
+        self._pin_k = f"{p}:pin:"
+
+    def __repr__(self) -> str:
+        return f"RedisRemote({self.config.display!r}, readonly={self.readonly})"
+
+    @property
+    def readonly(self) -> bool:
+        return self.config.readonly
+
+    @property
+    def available(self) -> bool:
+        return self.breaker.allow()
+
+    # -- plumbing ----------------------------------------------------------------------
+    def client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                import redis
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+
+                # No retries inside redis-py: our breaker decides when to try again, so a
+                # dead remote costs one connect timeout per backoff period, not per call.
+                self._client = redis.Redis.from_url(
+                    self.config.target, socket_timeout=self.config.timeout,
+                    socket_connect_timeout=min(self.config.timeout, 2.0),
+                    retry=Retry(NoBackoff(), 0), health_check_interval=0)
+            return self._client
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        self.breaker.guard(what)
+        try:
+            import redis
+        except ImportError as e:  # the extra is missing: as good as unreachable
+            self.breaker.failed(e)
+            raise errors.RemoteError(f"the redis client library is not installed: {e}") from e
+        try:
+            out = fn(self.client())
+        except (redis.RedisError, OSError) as e:
+            self.breaker.failed(e)
+            raise errors.RemoteError(f"remote cache {self.config.display}: {what} failed: "
+                                     f"{type(e).__name__}: {e}") from e
+        self.breaker.ok()
+        return out
+
+    def _cmd(self, what: str, *args: Any) -> Any:
+        return self._call(what, lambda r: r.execute_command(*args))
+
+    def _scan(self, prefix: str) -> list[str]:
+        """Every key starting with ``prefix`` (SCAN: never blocks the server like KEYS)."""
+        def scan(r: Any) -> list[str]:
+            return [k.decode() if isinstance(k, bytes) else str(k)
+                    for k in r.scan_iter(match=prefix + "*", count=1000)]
+
+        return list(self._call("scan", scan))
+
+    def key_of(self, digest: str) -> str:
+        return self._entry_k + digest
+
+    def _chunk_keys(self, sha: str, size: int, chunk: int) -> list[str]:
+        return [f"{self._chunk_k}{sha}:{i}" for i in range(math.ceil(size / chunk))]
+
+    # -- reads ---------------------------------------------------------------------------
+    def ping(self) -> bool:
+        return bool(self._call("ping", lambda r: r.ping()))
+
+    def contains(self, digest: str) -> bool:
+        return bool(self._call("exists", lambda r: r.exists(self.key_of(digest))))
+
+    def record(self, digest: str) -> Record | None:
+        got = self.read_record(digest)
+        return None if got is None else parse_record(got[0], digest)
+
+    def read_record(self, digest: str) -> tuple[bytes, object] | None:
+        raw = self._cmd("get record", "GET", self.key_of(digest))
+        # The tag is the record itself: _SET_IF compares values.
+        return None if raw is None else (bytes(raw), bytes(raw))
+
+    def download(self, digest: str, dest: Path,
+                 progress: Callable[[int], None] | None = None) -> Record | None:
+        return download_entry(self, digest, dest, progress)
+
+    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
+                   target: Path, mode: int,
+                   progress: Callable[[int], None] | None) -> tuple[int, str]:
+        """Stream chunks into ``target``; (bytes written, SHA-256 hex)."""
+        keys = self._chunk_keys(sha, size, chunk)
+        h = hashlib.sha256()
+        got = 0
+
+        def fetched() -> Iterator[tuple[str, Any]]:
+            if len(keys) <= 1:
+                yield from ((k, self._cmd("get chunk", "GET", k)) for k in keys)
+                return
+            # Two GETs in flight: the next chunk crosses the network while this one is
+            # hashed and written (the pure-Python reply parser is the bottleneck otherwise).
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cc-get") as pool:
+                window: deque[tuple[str, Future[Any]]] = deque()
+                for k in keys:
+                    window.append((k, pool.submit(self._cmd, "get chunk", "GET", k)))
+                    if len(window) == 2:
+                        k0, fut = window.popleft()
+                        yield k0, fut.result()
+                while window:
+                    k0, fut = window.popleft()
+                    yield k0, fut.result()
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal got
+            for k, data in fetched():
+                if data is None:
+                    # Evicted (maxmemory policy) or purged under us: a partial entry.
+                    raise errors.CorruptEntryError(digest, f"chunk {k} of {name!r} is gone")
+                h.update(data)
+                got += len(data)
+                if progress is not None:
+                    progress(len(data))
+                yield data
+
+        write_new_file(target, chunks(), mode)
+        return got, h.hexdigest()
+
+    def records(self, *, batch: int = 500) -> Iterator[Record]:
+        keys = self._scan(self._entry_k)
+
+        def raws() -> Iterator[tuple[str, bytes | None]]:
+            for i in range(0, len(keys), batch):
+                part = keys[i:i + batch]
+                for k, raw in zip(part, self._cmd("mget", "MGET", *part), strict=True):
+                    yield k[len(self._entry_k):], raw
+
+        return parse_records(raws())
+
+    def info(self) -> dict[str, Any]:
+        raw = self._call("info", lambda r: r.info("memory"))
+        return {"used_memory": int(raw.get("used_memory", 0)),
+                "maxmemory": int(raw.get("maxmemory", 0)),
+                "maxmemory_policy": str(raw.get("maxmemory_policy", ""))}
+
+    # -- writes --------------------------------------------------------------------------
+    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               resign: bool = False,
+               progress: Callable[[int], None] | None = None) -> Uploaded:
+        return upload_entry(self, entry, overwrite=overwrite, repair=repair, resign=resign,
+                            progress=progress)
+
+    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+        judged = tag if isinstance(tag, bytes) else b""
+        return bool(self._cmd("set record", "EVAL", _SET_IF, 1, self.key_of(digest),
+                              judged, data))
+
+    def put_blobs(self, entry: Entry, sha: dict[str, str],
+                  progress: Callable[[int], None] | None) -> dict[str, int]:
+        """Pins, chunks, then each blob's marker (what says the blob is whole)."""
+        blobs = sorted(set(sha.values()))
+        # Pinned before we look for them: a purge then either deleted a blob before this
+        # (we see no marker and upload it whole) or leaves it alone.
+        pinned = self._pin(blobs)
+        markers = self._cmd("mget", "MGET", *[self._blob_k + s for s in blobs]) if blobs else []
+        chunks: dict[str, int] = {}
+        for s, m in zip(blobs, markers, strict=True):
+            if m is not None and s not in self.bad_blobs:
+                with contextlib.suppress(ValueError):
+                    chunks[s] = int(m)
+        for n in sorted(sha):
+            s = sha[n]
+            if s in chunks:
+                continue  # dedup: another entry (or file) stored these bytes already
+            chunk = self.config.chunk
+            with open(entry.files[n], "rb") as f:
+                # An empty file has no chunks; its marker alone says it is stored.
+                for i, data in enumerate(iter(functools.partial(f.read, chunk), b"")):
+                    self._cmd("set chunk", "SET", f"{self._chunk_k}{s}:{i}", data)
+                    if progress is not None:
+                        progress(len(data))
+                    if time.monotonic() - pinned > self.config.lease / 4:
+                        pinned = self._pin(blobs)
+            self._cmd("set marker", "SET", self._blob_k + s, chunk)
+            self.bad_blobs.discard(s)
+            chunks[s] = chunk
+        return chunks
+
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
+                      chunks: dict[str, int]) -> None:
+        # Nothing to do: the sweep's Lua script never deletes a pinned blob, and our pins
+        # outlive the record write.
+        return None
+
+    def _pin(self, blobs: list[str]) -> float:
+        """(Re)pin ``blobs`` for ``lease`` seconds; the time it was done."""
+        now = time.monotonic()
+        if not blobs:
+            return now
+        ttl = max(1, math.ceil(self.config.lease))
+
+        def pin(r: Any) -> None:
+            pipe = r.pipeline(transaction=False)
+            for s in blobs:
+                pipe.set(self._pin_k + s, b"1", ex=ttl)
+            pipe.execute()
+
+        self._call("pin blobs", pin)
+        return now
+
+    def delete(self, digest: str) -> bool:
+        refuse_readonly(self.config)
+        return bool(self._call("del", lambda r: r.delete(self.key_of(digest))))
+
+    def sweep(self, *, batch: int = 200) -> int:
+        """Delete blobs and chunks that no record references and no upload has pinned.
+
+        The number of keys deleted. Safe while others upload: an upload pins its blobs
+        before it writes or reuses them and the pin outlives its record by more than
+        ``lease / 2``; each blob is deleted in one script that checks its pin, and only
+        within ``lease / 2`` of starting to read the records (a record written after
+        that start is covered by its pin). A sweep that runs longer stops, and says so.
+        """
+        refuse_readonly(self.config)
+        chunk_keys = self._scan(self._chunk_k)
+        marker_keys = self._scan(self._blob_k)
+        deadline = time.monotonic() + self.config.lease / 2
+        used: set[str] = set()
+        for rec in self.records():
+            used.update(rec.sha256.values())
+        doomed: dict[str, list[str]] = {}
+        for k in marker_keys:
+            if (s := k[len(self._blob_k):]) not in used:
+                doomed.setdefault(s, []).append(k)
+        for k in chunk_keys:
+            if (s := k[len(self._chunk_k):].rsplit(":", 1)[0]) not in used:
+                doomed.setdefault(s, []).append(k)
+        todo = sorted(doomed)
+        deleted = pinned = 0
+        for i in range(0, len(todo), batch):
+            if time.monotonic() > deadline:
+                logger.warning("remote sweep stopped after %.0f s, with %d unreferenced blobs "
+                               "left: run it again", self.config.lease / 2, len(todo) - i)
+                break
+            part = todo[i:i + batch]
+
+            def drop(r: Any, part: list[str] = part) -> list[int]:
+                pipe = r.pipeline(transaction=False)
+                for s in part:
+                    pipe.eval(_DROP_UNPINNED, 1 + len(doomed[s]), self._pin_k + s, *doomed[s])
+                return list(pipe.execute())
+
+            for n in self._call("sweep blobs", drop):
+                if int(n) < 0:
+                    pinned += 1
+                else:
+                    deleted += int(n)
+        if pinned:
+            logger.info("remote sweep kept %d unreferenced blobs that uploads have pinned",
+                        pinned)
+        return deleted
+
+    def close(self) -> None:
+        with self._client_lock:
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    self._client.close()
+                self._client = None
+
