@@ -25,8 +25,8 @@ went, and a download that finds one missing is a miss that the next upload repai
 Client: obstore (Rust's object_store; an optional extra, ``pip install
 'cachecompile[s3]'``): conditional puts by ETag, streamed multipart uploads and
 streamed downloads are built in, its import costs ~5 ms against boto3's ~150 ms, and
-it moves 80 MB at several hundred MB/s from Python (tools/bench_remote.py). Retries are
-off: the breaker decides when to try again.
+it moves 80 MB at several hundred MB/s from Python (tools/bench_remote.py). It retries
+a failed request twice, quickly; beyond that the breaker decides when to try again.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,12 @@ __all__ = ["S3Remote"]
 
 EXTRA = "pip install 'cachecompile[s3]'"
 _LAYOUT = "v1"
+# Two quick retries of a 5xx or a dropped connection, as the AWS SDKs do: object stores
+# answer 500/503 now and then under load. A dead endpoint still fails within ~0.2 s
+# (refused connections), and the breaker then decides when to try again.
+_RETRY: Any = {"max_retries": 2, "retry_timeout": timedelta(seconds=10),
+               "backoff": {"init_backoff": timedelta(milliseconds=50),
+                           "max_backoff": timedelta(milliseconds=400), "base": 2}}
 
 
 class _Gone(Exception):
@@ -108,21 +115,23 @@ class S3Remote:
                     options["allow_http"] = True  # a MinIO or a test server on loopback
                 extra: dict[str, Any] = {"endpoint": endpoint} if endpoint else {}
                 self._store = S3Store(self.config.target, prefix=self.config.prefix,
-                                      client_options=options, retry_config={"max_retries": 0},
-                                      **extra)
+                                      client_options=options, retry_config=_RETRY, **extra)
             return self._store
 
-    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        """``fn(store)``: a missing object raises :class:`_Gone`; any other failure trips
-        the breaker and is a RemoteError."""
+    def _call(self, what: str, fn: Callable[[Any, Any], Any]) -> Any:
+        """``fn(obstore, store)``: a missing object raises :class:`_Gone`; any other
+        failure trips the breaker and is a RemoteError. obstore is imported here, so a
+        missing extra is one clear failure like any other."""
         self.breaker.guard(what)
         try:
+            import obstore as ob
             import obstore.exceptions as ox
         except ImportError as e:  # the extra is missing: as good as unreachable
-            self.breaker.failed(e)
-            raise errors.RemoteError(f"the S3 tier needs obstore: {EXTRA}") from e
+            missing = errors.RemoteError(f"the S3 tier needs obstore ({e}): {EXTRA}")
+            self.breaker.failed(missing)
+            raise missing from e
         try:
-            out = fn(self.client())
+            out = fn(ob, self.client())
         except FileNotFoundError as e:  # obstore's NotFound: the object, or the bucket
             if "NoSuchBucket" in str(e):
                 self.breaker.failed(e)
@@ -142,10 +151,9 @@ class S3Remote:
 
     def _get(self, what: str, key: str) -> tuple[bytes, str] | None:
         """(bytes, ETag) of a small object, or None if it is not there."""
-        import obstore
 
-        def get(s: Any) -> tuple[bytes, str]:
-            r = obstore.get(s, key)
+        def get(ob: Any, s: Any) -> tuple[bytes, str]:
+            r = ob.get(s, key)
             return bytes(r.bytes()), str(r.meta.get("e_tag") or "")
 
         try:
@@ -154,35 +162,31 @@ class S3Remote:
             return None
 
     def _head(self, what: str, key: str) -> dict[str, Any] | None:
-        import obstore
 
         try:
-            return dict(self._call(what, lambda s: obstore.head(s, key)))
+            return dict(self._call(what, lambda ob, s: ob.head(s, key)))
         except _Gone:
             return None
 
     def _list(self, kind: str) -> list[Any]:
-        import obstore
 
-        def ls(s: Any) -> list[Any]:
-            return [m for batch in obstore.list(s, f"{_LAYOUT}/{kind}/") for m in batch]
+        def ls(ob: Any, s: Any) -> list[Any]:
+            return [m for batch in ob.list(s, f"{_LAYOUT}/{kind}/") for m in batch]
 
         return list(self._call(f"list {kind}s", ls))
 
     def _delete(self, what: str, key: str) -> None:
-        import obstore
 
         try:
-            self._call(what, lambda s: obstore.delete(s, key))
+            self._call(what, lambda ob, s: ob.delete(s, key))
         except _Gone:
             pass
 
     # -- reads ---------------------------------------------------------------------------
     def ping(self) -> bool:
-        import obstore
 
-        def first(s: Any) -> bool:
-            for _ in obstore.list(s, f"{_LAYOUT}/entry/", chunk_size=1):
+        def first(ob: Any, s: Any) -> bool:
+            for _ in ob.list(s, f"{_LAYOUT}/entry/", chunk_size=1):
                 break
             return True
 
@@ -205,13 +209,12 @@ class S3Remote:
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
-        import obstore
 
         h = hashlib.sha256()
         got = 0
         key = self._key("blob", sha)
         try:
-            result = self._call("get blob", lambda s: obstore.get(s, key))
+            result = self._call("get blob", lambda ob, s: ob.get(s, key))
         except _Gone:
             raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone") from None
 
@@ -220,7 +223,7 @@ class S3Remote:
             stream = iter(result.stream(min_chunk_size=self.config.chunk))
             while True:
                 # The body arrives as we iterate: a dropped connection fails here.
-                part = self._call("read blob", lambda _s: next(stream, None))
+                part = self._call("read blob", lambda _ob, _s: next(stream, None))
                 if part is None:
                     return
                 data = memoryview(part)
@@ -248,10 +251,9 @@ class S3Remote:
         return parse_records(raws())
 
     def info(self) -> dict[str, Any]:
-        import obstore
 
-        def ls(s: Any) -> list[Any]:
-            return [m for batch in obstore.list(s, f"{_LAYOUT}/") for m in batch]
+        def ls(ob: Any, s: Any) -> list[Any]:
+            return [m for batch in ob.list(s, f"{_LAYOUT}/") for m in batch]
 
         objs = list(self._call("list", ls))
         return {"objects": len(objs), "stored_bytes": sum(int(m["size"]) for m in objs)}
@@ -264,16 +266,14 @@ class S3Remote:
                             progress=progress)
 
     def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
-        import obstore
-        import obstore.exceptions as ox
 
         mode: Any = "create" if tag is None else {"e_tag": str(tag)}
         key = self._key("entry", digest)
 
-        def put(s: Any) -> bool:
+        def put(ob: Any, s: Any) -> bool:
             try:
-                obstore.put(s, key, data, mode=mode)
-            except (ox.AlreadyExistsError, ox.PreconditionError):
+                ob.put(s, key, data, mode=mode)
+            except (ob.exceptions.AlreadyExistsError, ob.exceptions.PreconditionError):
                 return False  # another node wrote it since we judged: 412
             return True
 
@@ -305,16 +305,15 @@ class S3Remote:
         return chunks
 
     def _put_blob(self, path: Path, sha: str, progress: Callable[[int], None] | None) -> int:
-        import obstore
 
         size = os.path.getsize(path)
         key = self._key("blob", sha)
         chunk = max(self.config.chunk, 5 * 1024**2)  # S3's smallest multipart part
 
-        def put(s: Any) -> None:
+        def put(ob: Any, s: Any) -> None:
             with open(path, "rb") as f:
                 if size <= chunk:
-                    obstore.put(s, key, f.read(), use_multipart=False)
+                    ob.put(s, key, f.read(), use_multipart=False)
                 else:
                     def parts() -> Iterator[bytes]:
                         for data in iter(functools.partial(f.read, chunk), b""):
@@ -322,7 +321,7 @@ class S3Remote:
                                 progress(len(data))
                             yield data
 
-                    obstore.put(s, key, parts(), chunk_size=chunk, max_concurrency=4)
+                    ob.put(s, key, parts(), chunk_size=chunk, max_concurrency=4)
 
         self._call("put blob", put)
         if size <= chunk and progress is not None:
@@ -343,14 +342,13 @@ class S3Remote:
 
     def _pin(self, blobs: list[str]) -> float:
         """(Re)pin ``blobs``: their pin objects' Last-Modified is now."""
-        import obstore
 
         now = time.monotonic()
         for s in blobs:
             key = self._key("pin", s)
 
-            def pin(st: Any, key: str = key) -> None:
-                obstore.put(st, key, b"")
+            def pin(ob: Any, st: Any, key: str = key) -> None:
+                ob.put(st, key, b"")
 
             self._call("pin blob", pin)
         return now

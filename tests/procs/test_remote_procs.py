@@ -187,3 +187,25 @@ def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: P
         assert remote_lines(k2.stderr) == [], k2.stderr
     finally:
         srv.stop()
+
+
+def test_a_fresh_node_serves_from_s3_with_zero_compiles(tmp_path: Path) -> None:
+    from s3_util import MotoServer
+
+    srv = MotoServer(tmp_path / "moto").start()
+    try:
+        box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
+        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet",
+               "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
+        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
+        assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
+        assert box.compiler_calls() > 0
+        box.reset_compiler_log()
+        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **env)
+        assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
+        assert box.compiler_calls() == 0, box.gxx_log.read_text()
+        assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
+        assert remote_lines(b.stderr) == [], b.stderr
+        assert manifests(tmp_path / "b")  # backfilled locally
+    finally:
+        srv.stop()

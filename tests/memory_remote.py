@@ -1,0 +1,151 @@
+"""An in-memory remote: the shared upload/download flow (store/remote/base.py) over dicts,
+so the tier's logic is tested without a server as well as against the real ones.
+
+``down = True`` makes every call fail as a dead server would (through the breaker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from cachecompile.store import errors
+from cachecompile.store.fsutil import write_new_file
+from cachecompile.store.outcomes import Entry
+from cachecompile.store.remote.base import (
+    Breaker,
+    RemoteConfig,
+    Uploaded,
+    download_entry,
+    parse_records,
+    refuse_readonly,
+    upload_entry,
+)
+from cachecompile.store.signing import Record, Trust, parse_record
+
+
+class MemoryRemote:
+    def __init__(self, trust: Trust, *, readonly: bool = False) -> None:
+        self.config = RemoteConfig(url="memory://", target="memory", kind="memory",
+                                   readonly=readonly, backoff=0.05, max_backoff=0.05)
+        self.trust = trust
+        self.breaker = Breaker("memory://", 0.05, 0.05)
+        self.bad_blobs: set[str] = set()
+        self.records_: dict[str, bytes] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.down = False
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _io(self, what: str) -> None:
+        self.breaker.guard(what)
+        self.calls += 1
+        if self.down:
+            e = ConnectionRefusedError(f"{what}: memory remote is down")
+            self.breaker.failed(e)
+            raise errors.RemoteError(str(e))
+        self.breaker.ok()
+
+    @property
+    def readonly(self) -> bool:
+        return self.config.readonly
+
+    @property
+    def available(self) -> bool:
+        return self.breaker.allow()
+
+    # -- Blobs -------------------------------------------------------------------------
+    def read_record(self, digest: str) -> tuple[bytes, object] | None:
+        self._io("get record")
+        raw = self.records_.get(digest)
+        return None if raw is None else (raw, raw)
+
+    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+        self._io("put record")
+        with self._lock:
+            if self.records_.get(digest) != tag:
+                return False
+            self.records_[digest] = data
+            return True
+
+    def put_blobs(self, entry: Entry, sha: dict[str, str],
+                  progress: Callable[[int], None] | None) -> dict[str, int]:
+        self._io("put blobs")
+        for name, s in sha.items():
+            if s not in self.blobs or s in self.bad_blobs:
+                self.blobs[s] = Path(entry.files[name]).read_bytes()
+                self.bad_blobs.discard(s)
+        return {s: max(len(self.blobs[s]), 1) for s in sha.values()}
+
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
+                      chunks: dict[str, int]) -> None:
+        return None
+
+    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
+                   target: Path, mode: int,
+                   progress: Callable[[int], None] | None) -> tuple[int, str]:
+        self._io("get blob")
+        data = self.blobs.get(sha)
+        if data is None:
+            raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone")
+        write_new_file(target, [data], mode)
+        return len(data), hashlib.sha256(data).hexdigest()
+
+    # -- Remote --------------------------------------------------------------------------
+    def ping(self) -> bool:
+        self._io("ping")
+        return True
+
+    def contains(self, digest: str) -> bool:
+        self._io("exists")
+        return digest in self.records_
+
+    def record(self, digest: str) -> Record | None:
+        got = self.read_record(digest)
+        return None if got is None else parse_record(got[0], digest)
+
+    def records(self) -> Iterator[Record]:
+        self._io("list")
+        return parse_records(iter(list(self.records_.items())))
+
+    def download(self, digest: str, dest: Path,
+                 progress: Callable[[int], None] | None = None) -> Record | None:
+        return download_entry(self, digest, dest, progress)
+
+    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               resign: bool = False,
+               progress: Callable[[int], None] | None = None) -> Uploaded:
+        return upload_entry(self, entry, overwrite=overwrite, repair=repair, resign=resign,
+                            progress=progress)
+
+    def delete(self, digest: str) -> bool:
+        refuse_readonly(self.config)
+        self._io("delete")
+        return self.records_.pop(digest, None) is not None
+
+    def sweep(self) -> int:
+        refuse_readonly(self.config)
+        used = {s for r in self.records() for s in r.sha256.values()}
+        gone = [s for s in self.blobs if s not in used]
+        for s in gone:
+            del self.blobs[s]
+        return len(gone)
+
+    def info(self) -> dict[str, Any]:
+        return {"objects": len(self.records_) + len(self.blobs),
+                "stored_bytes": sum(map(len, self.blobs.values()))}
+
+    def close(self) -> None:
+        return None
+
+
+def tamper(remote: MemoryRemote, sha: str) -> None:
+    """Flip a byte of one stored blob (bit rot, or an attacker with write access)."""
+    data = bytearray(remote.blobs[sha])
+    data[0] ^= 0xFF if data else 0
+    remote.blobs[sha] = bytes(data) or os.urandom(1)

@@ -1,0 +1,149 @@
+"""A real S3-compatible server for tests: moto's server mode on a free loopback port.
+
+``moto_server`` speaks the S3 API over HTTP, refuses a conditional put that does not hold
+with 412, and (with ``auth=True``) enforces IAM policies, so a user whose policy allows
+only reads gets a real 403 on every write. The test extras install it
+(``moto[server]``); without it the S3 tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_util import free_port
+
+SKIP_REASON = ("moto[server] or obstore is not installed: pip install -e '.[test]' to run "
+               "the S3-tier tests")
+# Any keys do before auth is on; these are the admin's for the setup calls.
+ADMIN = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+def available() -> bool:
+    try:
+        import moto.server  # noqa: F401
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MotoServer:
+    """One moto_server process; ``kill()`` it (SIGKILL) to simulate a crash."""
+
+    def __init__(self, workdir: Path, *, auth_after: int | None = None) -> None:
+        if not available():
+            pytest.skip(SKIP_REASON)
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.auth_after = auth_after
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, keys: dict[str, str] | None = None) -> dict[str, str]:
+        """The AWS variables a node uses to reach this server (admin keys by default)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1",
+                **(keys or ADMIN)}
+
+    def start(self) -> MotoServer:
+        env = dict(os.environ)
+        if self.auth_after is not None:
+            # IAM enforced after this many requests: the setup calls go first.
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
+        log = open(self.dir / "moto.log", "ab")  # noqa: SIM115 - the server keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=log, stderr=log, env=env)
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited: {self.log()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("moto_server did not come up in 30 s")
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "moto.log").read_text(errors="replace")
+        return ""
+
+    def client(self, service: str = "s3", keys: dict[str, str] | None = None) -> Any:
+        import boto3
+
+        k = keys or ADMIN
+        return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=k["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=k["AWS_SECRET_ACCESS_KEY"])
+
+    def bucket(self) -> str:
+        """A new, empty bucket (names need 3+ characters)."""
+        name = f"cc-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def user(self, name: str, bucket: str, actions: list[str]) -> dict[str, str]:
+        """An IAM user allowed only ``actions`` on ``bucket``; its AWS_* keys."""
+        iam = self.client("iam")
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="cc", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{
+                "Effect": "Allow", "Action": actions,
+                "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}]}))
+        k = iam.create_access_key(UserName=name)["AccessKey"]
+        return {"AWS_ACCESS_KEY_ID": k["AccessKeyId"],
+                "AWS_SECRET_ACCESS_KEY": k["SecretAccessKey"]}
+
+    def objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix``: key -> size."""
+        out: dict[str, int] = {}
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                         Prefix=prefix)
+        for page in pages:
+            for o in page.get("Contents", []):
+                out[o["Key"]] = int(o["Size"])
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def running(workdir: Path, **kw: Any) -> Iterator[MotoServer]:
+    srv = MotoServer(workdir, **kw).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
