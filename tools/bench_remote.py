@@ -2,9 +2,11 @@
 
     python tools/bench_remote.py                 # --reps 5 --big-mb 200
     python tools/bench_remote.py --url redis://127.0.0.1:6379/0   # an existing server
+    python tools/bench_remote.py --tiers --entry-mb 80    # local vs Redis vs S3, 80 MB
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (no
-persistence) and stops it at the end.
+persistence) and stops it at the end; ``--tiers`` also starts a moto S3 server
+(tests/s3_util.py; the test extras install it).
 
 1. Warm start of the demo model (``python -m cachecompile.demo``'s child, prefill +
    decode, Inductor): whole fresh processes, time from spawn to first output, each with
@@ -14,6 +16,9 @@ persistence) and stops it at the end.
 2. Throughput for one large entry (``--big-mb``, random bytes): upload (SHA-256 +
    chunked SETs), raw download (GETs + SHA-256 into a file) and a full tiered ``get``
    (download + verify + local publish with fsync).
+3. ``--tiers``: one entry of ``--entry-mb`` (random bytes) looked up by a whole fresh
+   process (spawn to Hit: import, open the store, download, verify, publish locally)
+   from a local store that holds it, and from an empty one with Redis or S3 behind it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cachecompile import store  # noqa: E402
-from cachecompile.demo import _fresh_env, _run  # noqa: E402
+from cachecompile.demo.__main__ import _fresh_env, _run  # noqa: E402
 from cachecompile.store import Hit, make_key  # noqa: E402
-from cachecompile.store.remote import RedisRemote  # noqa: E402
+from cachecompile.store.remote import RedisRemote, open_remote  # noqa: E402
 from cachecompile.store.signing import Trust  # noqa: E402
 from cachecompile.store.tiered import TieredStore  # noqa: E402
 
@@ -113,12 +118,60 @@ def throughput(base: Path, url: str, mb: int) -> dict[str, float]:
             "remote-hit get MB/s": size / full}
 
 
+FRESH_GET = """
+import sys, time, json
+t0 = time.perf_counter()
+from cachecompile import store
+st = store.open_store(sys.argv[1])
+hit = st.get(sys.argv[2])
+assert isinstance(hit, store.Hit), hit
+print(json.dumps({"get_s": time.perf_counter() - t0}))
+"""
+
+
+def tiers(base: Path, redis_url: str, mb: int, reps: int) -> dict[str, list[float]]:
+    """Whole fresh processes: spawn to Hit of one ``mb`` MB entry, per tier."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from s3_util import MotoServer
+
+    srv = MotoServer(base / "moto").start()
+    try:
+        os.environ.update(srv.env())  # this process uploads the entry too
+        env = {**os.environ, "CACHECOMPILE_SIGNING_KEY": "bench-key"}
+        urls = {"Redis": redis_url, "S3 (moto)": f"s3://{srv.bucket()}/bench"}
+        seed = base / "tier-seed"
+        with open(base / "entry.bin", "wb") as f:
+            for _ in range(mb):
+                f.write(os.urandom(1 << 20))
+        key = make_key({"bench": "tiers", "mb": mb, "t": time.time()})
+        local = store.open_store(seed, remote="")
+        entry = local.put(key, {"weights.bin": base / "entry.bin"})
+        for url in urls.values():
+            assert open_remote(url, Trust(key=b"bench-key")).upload(entry)
+        out: dict[str, list[float]] = {"local hit": [], **{f"{n} hit": [] for n in urls}}
+        for i in range(reps):
+            runs = [("local hit", seed, "")] + [
+                (f"{n} hit", base / f"tier-{n[:2]}-{i}", u) for n, u in urls.items()]
+            for name, root, url in runs:
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-c", FRESH_GET, str(root), key.digest],
+                               check=True, capture_output=True,
+                               env={**env, "CACHECOMPILE_REMOTE": url})
+                out[name].append(time.perf_counter() - t0)
+        return out
+    finally:
+        srv.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big-mb", type=int, default=200)
     ap.add_argument("--url", default=None, help="an existing Redis (default: start one)")
     ap.add_argument("--skip-warm", action="store_true", help="only the throughput figures")
+    ap.add_argument("--tiers", action="store_true",
+                    help="only: a fresh process's hit of one entry, local vs Redis vs S3")
+    ap.add_argument("--entry-mb", type=int, default=80)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         base = Path(tmp)
@@ -127,6 +180,16 @@ def main() -> int:
         if url is None:
             proc, url = start_redis(base)
         try:
+            if args.tiers:
+                print(f"one {args.entry_mb} MB entry, whole fresh processes (spawn to Hit), "
+                      f"median of {args.reps}:")
+                res = tiers(base, url, args.entry_mb, args.reps)
+                local = statistics.median(res["local hit"])
+                for name, xs in res.items():
+                    med = statistics.median(xs)
+                    print(f"  {name:<16} {med:6.2f} s  ({med / local:.2f}x local)  "
+                          f"[{', '.join(f'{x:.2f}' for x in xs)}]")
+                return 0
             if not args.skip_warm:
                 print(f"warm start, demo model, whole fresh processes, median of {args.reps}:")
                 res = warm_start(base, url, args.reps)
