@@ -1,39 +1,115 @@
-"""Compile-path adapters, by name. Each adapter module holds what is particular to its
-backend; torch's private names, and their differences between releases, live in
-``cachecompile._torch`` (docs/design.md)."""
+"""Compile-path adapters, by name: the built-in ones and those a vendor package brings.
+
+A backend plugs in as an *adapter* (:class:`cachecompile.backends.base.Adapter`: compile
+a Dynamo graph into a program, load a program in a fresh process, name its key
+factors). The built-in adapters are registered below through :func:`register`, the same
+call a vendor package makes; a package that is installed can instead declare an entry
+point in the group ``cachecompile.backends`` (``name = "package.module:ADAPTER"``), read
+only when a name is not registered already. Each adapter module holds what is particular
+to its backend; torch's private names, and their differences between releases, live in
+``cachecompile._torch`` (docs/design.md). A bare backend callable (``backend=fn``, any
+``torch.compile`` backend) gets :mod:`cachecompile.backends.bare`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from cachecompile.backends.base import Adapter
 
-# name -> module that defines ADAPTER. Imported lazily: a warm process imports only its own.
-_REGISTRY: dict[str, str] = {
-    "inductor": "cachecompile.backends.inductor",
-    "aot_eager": "cachecompile.backends.aot_eager",
-    "torchair": "cachecompile.backends.torchair",
-}
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "cachecompile.backends"
+
+# name -> the adapter, or "module:attribute" (module alone: its ADAPTER), imported lazily:
+# a warm process imports only its own adapter.
+_REGISTRY: dict[str, Adapter | str] = {}
+_lock = threading.Lock()
+_scanned = False
+
+
+def register(name: str, adapter: Adapter | str) -> None:
+    """Make ``backend=name`` mean ``adapter``: an object implementing
+    :class:`~cachecompile.backends.base.Adapter`, or where to import it from
+    (``"package.module:ADAPTER"``; a module alone means its ``ADAPTER``). A vendor package
+    calls this on import, or declares the same string as an entry point in the group
+    ``cachecompile.backends``. Registering a name again replaces it."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a backend name must be a non-empty str, got {name!r}")
+    if not isinstance(adapter, str):
+        problem = _not_an_adapter(adapter)
+        if problem:
+            raise TypeError(f"backend {name!r}: {problem}")
+    with _lock:
+        _REGISTRY[name] = adapter
+
+
+def _not_an_adapter(obj: Any) -> str | None:
+    missing = [a for a in ("name", "shares_graphs", "torch_parts", "factors", "compile",
+                           "load", "plain_backend") if not hasattr(obj, a)]
+    if missing:
+        return (f"{type(obj).__qualname__} is not an adapter: it lacks {', '.join(missing)} "
+                "(cachecompile.backends.base.Adapter)")
+    return None
+
+
+def _scan_entry_points() -> None:
+    """Add the installed packages' entry points (never over a registered name)."""
+    global _scanned
+    with _lock:
+        if _scanned:
+            return
+        _scanned = True
+        try:
+            eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        except Exception:  # noqa: BLE001 - broken metadata elsewhere must not break us
+            logger.warning("reading the %s entry points failed", ENTRY_POINT_GROUP,
+                           exc_info=True)
+            return
+        for ep in eps:
+            _REGISTRY.setdefault(ep.name, ep.value)
 
 
 def names() -> list[str]:
+    _scan_entry_points()
     return sorted(_REGISTRY)
 
 
 def get(name: str) -> Adapter:
-    try:
-        module = _REGISTRY[name]
-    except KeyError:
-        raise KeyError(name) from None
-    adapter: Adapter = importlib.import_module(module).ADAPTER
+    """The adapter registered as ``name`` (KeyError if none; TypeError if what is
+    registered is not an adapter, naming where it came from)."""
+    ref = _REGISTRY.get(name)
+    if ref is None:
+        _scan_entry_points()
+        ref = _REGISTRY.get(name)
+    if ref is None:
+        raise KeyError(name)
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module.strip())
+    for part in (attr.strip() or "ADAPTER").split("."):
+        obj = getattr(obj, part)
+    problem = _not_an_adapter(obj)
+    if problem:
+        raise TypeError(f"backend {name!r} ({ref}): {problem}")
+    if obj.name != name:
+        raise TypeError(f"backend {name!r} ({ref}) calls itself {obj.name!r}: an entry names "
+                        "its adapter, so the two must agree")
+    with _lock:
+        _REGISTRY[name] = obj
+    adapter: Adapter = obj
     return adapter
 
 
-def register(name: str, module: str) -> None:
-    """Register an adapter module (it must define ``ADAPTER``)."""
-    _REGISTRY[name] = module
+register("inductor", "cachecompile.backends.inductor:ADAPTER")
+register("aot_eager", "cachecompile.backends.aot_eager:ADAPTER")
+register("torchair", "cachecompile.backends.torchair:ADAPTER")
 
 
 def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapter, dict[str, Any]]:
@@ -45,25 +121,39 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
     if _wants_torchair(backend, config, ge_cache):
         return _resolve_torchair(backend, config, ge_cache)
     if backend is None:
-        name = "inductor"
+        adapter = get("inductor")
     elif isinstance(backend, str):
-        name = backend
+        try:
+            adapter = get(backend)
+        except KeyError:
+            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(names())} (a "
+                             "vendor's backend registers itself: cachecompile.backends."
+                             "register, or the 'cachecompile.backends' entry-point "
+                             "group)") from None
+    elif _not_an_adapter(backend) is None:
+        adapter = backend  # an adapter object, given directly
+    elif callable(backend):
+        from cachecompile.backends.bare import BareAdapter
+
+        adapter = BareAdapter(backend)  # any torch.compile backend: its Dynamo half
     else:
-        raise TypeError(f"backend must be an adapter name ({', '.join(names())}) or a "
-                        f"torchair npu backend, got {type(backend).__qualname__}")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(names())}")
+        raise TypeError(f"backend must be an adapter name ({', '.join(names())}), an "
+                        "adapter, a torch.compile backend callable or a torchair npu "
+                        f"backend, got {type(backend).__qualname__}")
     if ge_cache:
         raise ValueError(f"ge_cache=True is an option of the Ascend torchair backend, not of "
-                         f"{name!r}; use backend='torchair' (or leave backend unset)")
+                         f"{adapter.name!r}; use backend='torchair' (or leave backend unset)")
+    make_options = getattr(adapter, "make_options", None)
+    if make_options is not None:
+        return adapter, dict(make_options(config))  # the adapter reads its own config
     if config is None:
         options: dict[str, Any] = {}
     elif isinstance(config, Mapping):
         options = dict(config)
     else:
-        raise TypeError(f"config for backend {name!r} must be a dict of options, got "
+        raise TypeError(f"config for backend {adapter.name!r} must be a dict of options, got "
                         f"{type(config).__qualname__}")
-    return get(name), options
+    return adapter, options
 
 
 def _looks_like_compiler_config(obj: Any) -> bool:

@@ -44,7 +44,7 @@ from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
-from cachecompile.warm.replay import BUILTINS_DICT
+from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ class TraceSession:
         for n in [*_all_names(code), *sorted(guard_globals)]:
             if n.startswith("__compiled_fn"):
                 compiled_fn_names.append(n)
-            elif n.startswith("__") and n in g and n not in original_names and not n.endswith("__"):
+            elif is_dynamo_global(n) and n in g and n not in original_names:
                 # Dynamo installs module references under generated names
                 # (__import_torch_dot_nn..., ___module_torch_<id>_c1) and the builtins dict
                 # (__builtins_dict___0): rebind them by name in the warm process.

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 # Dynamo's transformed bytecode for the method, marshalled (entry.codeobj).
 BYTECODE_FILE = "bytecode.bin"
-# The backend's program, by adapter (backends.inductor / aot_eager, backends.torchair).
+# The backend's program, by adapter (backends.inductor / aot_eager, backends.torchair);
+# for a bare backend callable (backends.bare), Dynamo's FX graph as Python code.
 INDUCTOR_PROGRAM = "program.py"
 AOT_EAGER_PROGRAM = "program.py"
 TORCHAIR_PROGRAM = "torchair_program.py"
-PROGRAM_FILES = tuple(dict.fromkeys((INDUCTOR_PROGRAM, AOT_EAGER_PROGRAM, TORCHAIR_PROGRAM)))
+BARE_GRAPH = "dynamo_graph.json"
+PROGRAM_FILES = tuple(dict.fromkeys((INDUCTOR_PROGRAM, AOT_EAGER_PROGRAM, TORCHAIR_PROGRAM,
+                                     BARE_GRAPH)))
 # A bytecode constant marshal cannot hold is stored as this prefix + its index in the
 # entry's ``consts`` (entry.codeobj); ``cachectl program`` shows the constant in its place.
 CONST_PREFIX = "\x00cachecompile-const\x00"

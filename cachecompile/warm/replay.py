@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import re
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,11 +54,25 @@ def _resolve_module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+# Dynamo's global by object id, with no prefix (install_global_by_id("", module)): a
+# module it reached through a closure or another module's attribute.
+_BY_ID = re.compile(r"_\d+_c\d+")
+
+
+def is_dynamo_global(name: str) -> bool:
+    """A global Dynamo installs in the method's module for the transformed bytecode or its
+    guards (``__import_torch``, ``___module_torch_<id>_c1``, ``__builtins_dict___0``,
+    ``_<id>_c1``), which a warm process binds again by what it stood for."""
+    if name.startswith("__"):
+        return not name.endswith("__")
+    return _BY_ID.fullmatch(name) is not None
+
+
 def replay_globals(func: types.FunctionType, imports: Mapping[str, str],
                    extra: Mapping[str, Any] | None = None) -> ReplayGlobals:
     names: dict[str, Any] = {}
     for gname, modname in imports.items():
-        if not gname.startswith("__") or gname.endswith("__"):
+        if not is_dynamo_global(gname):
             raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
         names[gname] = _resolve_module(modname)
     names.update(extra or {})
