@@ -39,6 +39,13 @@ class CompileSpec:
         # Frozen all the way down: nothing the key hashed may change under it.
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
 
+    @property
+    def freezes(self) -> bool:
+        """Whether the backend bakes the module's weights into its program (Inductor's
+        ``freezing``): then the weights' content is a key factor."""
+        freezes = getattr(self.adapter, "freezes", None)
+        return bool(freezes is not None and freezes(self.options))
+
     def backend_factors(self) -> dict[str, Any]:
         """The backend as the key names it: the adapter's name and its own factors."""
         return {"name": self.adapter.name, **self.adapter.factors(self.options)}

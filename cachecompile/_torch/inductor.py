@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import unittest.mock
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from cachecompile._torch import inductor_runtime
 NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.compile_fx", "compile_fx"),
     ("torch._inductor.compile_fx", "compile_fx_inner"),
+    ("torch._inductor.freezing", "freeze"),
     ("torch._functorch.config", "patch"),
     ("torch._functorch.config", "enable_autograd_cache"),
     ("torch._inductor.config", "get_config_copy"),
@@ -35,22 +37,33 @@ def compile_capturing(gm: Any, example_inputs: Sequence[Any], options: Mapping[s
     """``compile_fx`` as torch.compile runs it, keeping what ``compile_fx_inner`` returned.
 
     Returns the live callable and a list that fills, as graphs compile, with
-    ``(compiled graph, AOTAutograd's graph module)`` pairs.
+    ``(compiled graph, AOTAutograd's graph module, kept)`` triples. ``kept`` is None, or
+    under freezing the indices of the inputs the compiled graph still takes (the others,
+    the weights, became its constants): what ``freeze`` returned.
     """
     import torch._functorch.config as functorch_config
+    import torch._inductor.freezing as freezing
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     captured: list[Any] = []
+    kept: list[list[int]] = []
+    real_freeze = freezing.freeze
+
+    def freeze(*args: Any, **kwargs: Any) -> Any:
+        opt_model, preserved = real_freeze(*args, **kwargs)
+        kept.append([int(i) for i in preserved])
+        return opt_model, preserved
 
     def inner(gm2: Any, ex2: Sequence[Any], **kwargs: Any) -> Any:
         out = compile_fx_inner(gm2, ex2, **kwargs)
-        captured.append((out, gm2))
+        captured.append((out, gm2, kept.pop() if kept else None))
         return out
 
     # AOTAutograd's cache would hand back a compiled graph without calling
     # inner_compile, so there would be nothing to capture. Inductor's FX graph
     # cache below it stays on: a cache hit still yields a CompiledFxGraph.
-    with functorch_config.patch(enable_autograd_cache=False):
+    with functorch_config.patch(enable_autograd_cache=False), \
+            unittest.mock.patch.object(freezing, "freeze", freeze):
         live = compile_fx(gm, example_inputs, inner_compile=inner,
                           config_patches=dict(options) or None,
                           decompositions=dict(decompositions) if decompositions else None)

@@ -13,9 +13,15 @@ those binaries are the entry: a warm process execs the program with a
 Triton kernels (CUDA) keep the real ``AsyncCompile``: the warm path stays correct but
 imports Inductor and relies on Triton's own cache for the binaries (not yet bundled).
 
+Freezing (``config={"freezing": True}``, inference): the weights become the program's
+constants, stored in the entry (``constants.pt``) with the indices of the inputs the
+program still takes; the key holds the weights' content (``frozen_state``), so other
+weights are a miss, never the old ones. Only the module's own state may be frozen.
+
 Refused (the call goes on with a live compile and a warning): more than one Inductor
 graph, AOTAutograd changing the argument list (duplicate or synthetic-base inputs),
-``cpp_wrapper``, freezing, CUDA graphs.
+``cpp_wrapper``, CUDA graphs, freezing set in ``torch._inductor.config`` rather than
+given to ``cache_compile`` (the key would not hold the weights).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ _ENV_IGNORED = {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                 "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE",
                 "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_COMPILE_THREADS",
                 "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_VEC_ISA_OK"}
-_UNSUPPORTED_OPTIONS = ("cpp_wrapper", "freezing", "triton.cudagraphs", "aot_inductor.package")
+_UNSUPPORTED_OPTIONS = ("cpp_wrapper", "triton.cudagraphs", "aot_inductor.package")
 
 
 @functools.cache
@@ -113,13 +119,20 @@ class InductorAdapter:
         }
         return f
 
+    def freezes(self, options: Mapping[str, Any]) -> bool:
+        return bool(options.get("freezing"))
+
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
+        from cachecompile._torch import dynamo  # cold only: the warm path never needs it
+
         n_inputs = len(example_inputs)
+        sources = [dynamo.placeholder_source(n) or "" for n in gm.graph.nodes
+                   if n.op == "placeholder"]
         live, captured = inductor.compile_capturing(gm, example_inputs, options, decompositions)
 
         def program() -> Program:
-            return _capture_program(captured, n_inputs, options)
+            return _capture_program(captured, n_inputs, options, sources)
 
         return Compiled(live=live, program=program)
 
@@ -135,7 +148,7 @@ class InductorAdapter:
             constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
         src = files[PROGRAM_FILE].read_text(encoding="utf-8")
         return _exec_program(src, str(files[PROGRAM_FILE]), async_compile, constants,
-                             meta.get("inputs_to_check", []))
+                             meta.get("inputs_to_check", []), meta.get("kept_inputs"))
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
@@ -144,13 +157,23 @@ class InductorAdapter:
 
 
 def _exec_program(src: str, filename: str, async_compile: Callable[[], Any],
-                  constants: Mapping[str, Any], inputs_to_check: Sequence[int]) -> GraphCallable:
+                  constants: Mapping[str, Any], inputs_to_check: Sequence[int],
+                  kept: Sequence[int] | None = None) -> GraphCallable:
     ns: dict[str, Any] = {"__name__": "cachecompile_program", "__file__": filename,
                           "__cachecompile_async_compile__": async_compile}
     exec(compile(src, filename, "exec"), ns)  # noqa: S102 - the entry was verified and owned
     ns.update(constants)
-    call = ns["call"]
+    program_call = ns["call"]
     check = tuple(inputs_to_check)
+    if kept is None:
+        call = program_call
+    else:
+        # Frozen: the weights are the program's constants; it takes the other inputs
+        # (Inductor's own wrapper in fw_compiler_freezing does the same).
+        keep = tuple(kept)
+
+        def call(args: list[Any]) -> Any:
+            return program_call([args[i] for i in keep])
 
     if not check:
         def compiled_fn(*args: Any) -> Any:
@@ -196,19 +219,22 @@ class _RecordingAsyncCompile:
         return getattr(self._real, attr)
 
 
-def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, Any]) -> Program:
+def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, Any],
+                     sources: Sequence[str]) -> Program:
     for opt in _UNSUPPORTED_OPTIONS:
         value = options.get(opt, inductor.config_value(opt))
         if value:
             raise UnsupportedProgramError(f"Inductor option {opt}={value!r} is not replayable")
     if len(captured) != 1:
         raise UnsupportedProgramError(f"expected one Inductor graph, got {len(captured)}")
-    out, aot_gm = captured[0]
+    out, aot_gm, kept = captured[0]
     code = inductor.output_code(out)
     if code is None or not code.source_code:
         raise UnsupportedProgramError(f"Inductor returned {type(out).__name__}, not a CompiledFxGraph")
     n_aot = sum(1 for n in aot_gm.graph.nodes if n.op == "placeholder")
-    if n_aot != n_inputs:
+    if kept is not None:
+        _check_frozen(kept, n_inputs, n_aot, options, sources)
+    elif n_aot != n_inputs:
         # AOTAutograd deduplicated or merged inputs: its runtime wrappers would be needed.
         raise UnsupportedProgramError(
             f"AOTAutograd changed the inputs ({n_inputs} graph inputs, {n_aot} compiled)")
@@ -224,7 +250,7 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
     # Execute the program exactly as a warm process would, except that kernels come from
     # Inductor's cache (already built) so we learn their paths.
     light = _exec_program(src, "<cachecompile capture>", lambda: recorder, constants,
-                          inputs_to_check)
+                          inputs_to_check, kept)
 
     files: dict[str, bytes | Path] = {PROGRAM_FILE: src.encode("utf-8")}
     operators = passes.operators_in(src)
@@ -247,6 +273,8 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
         "inputs_to_check": inputs_to_check,
         "mutated_inputs": sorted(code.mutated_inputs),
         "n_inputs": n_inputs,
+        # Under freezing: the inputs the program still takes (the others are constants).
+        "kept_inputs": kept,
         "python": sys.version_info[:2],
         # Custom operators (a fusion pass's, torch.library's) the program calls by name: a
         # warm process that has not registered one gets a miss that names it.
@@ -255,6 +283,24 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
     }
     return Program(files=files, meta=meta, light=light,
                    mutated_inputs=tuple(meta["mutated_inputs"]))
+
+
+def _check_frozen(kept: Sequence[int], n_inputs: int, n_aot: int,
+                  options: Mapping[str, Any], sources: Sequence[str]) -> None:
+    """A frozen program is replayable only where the key holds what was frozen."""
+    if not options.get("freezing"):
+        raise UnsupportedProgramError(
+            "freezing is on in torch._inductor.config, not in cache_compile's config: the "
+            "key would not hold the weights it bakes in. Pass config={'freezing': True}")
+    if n_aot != n_inputs or len(sources) != n_inputs:
+        raise UnsupportedProgramError(
+            f"AOTAutograd changed the inputs ({n_inputs} graph inputs, {n_aot} compiled)")
+    frozen = sorted(set(range(n_inputs)) - set(kept))
+    foreign = [sources[i] or "?" for i in frozen if not sources[i].startswith("L['self']")]
+    if foreign:
+        # The key digests the module's own parameters and buffers, nothing else.
+        raise UnsupportedProgramError(f"freezing would bake in {foreign[0]}, which is not "
+                                      "the module's own state")
 
 
 ADAPTER = InductorAdapter()

@@ -181,6 +181,8 @@ class Keyed(Protocol):
     def ranks(self) -> Ranks: ...
     @property
     def extra_factors(self) -> Mapping[str, Any] | None: ...
+    @property
+    def freezes(self) -> bool: ...
 
     def backend_factors(self) -> dict[str, Any]: ...
 
@@ -206,5 +208,23 @@ def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
     }
     if spec.extra_factors:
         f["extra"] = canonical(dict(spec.extra_factors))
+    if spec.freezes:
+        # The program holds the weights as constants: other weights, another program.
+        f["frozen_state"] = state_digest(module)
     return f
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """The content of every parameter and buffer, by name, dtype and shape (XXH3-128;
+    GPU tensors are copied to the host to be read). What a frozen program depends on."""
+    h = xxhash.xxh3_128()
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}\n".encode())
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        data = t.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        h.update(data.contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
 

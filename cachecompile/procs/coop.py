@@ -173,10 +173,12 @@ def graph_digest(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str
     return h.hexdigest()
 
 
-# "input_marks" is present only when an input is marked (see signature.input_marks), so
-# unmarked graphs keep their keys.
+# "input_marks" is present only when an input is marked (see signature.input_marks), and
+# "frozen_state" only under freezing (the weights a frozen program holds: the graph's
+# code and its inputs' metadata are the same for other weights), so other graphs keep
+# their keys.
 GRAPH_FACTORS = ("backend", "config", "dynamic", "decompositions", "versions", "device",
-                 "torch_flags", "input_marks")
+                 "torch_flags", "input_marks", "frozen_state")
 
 
 class GraphShare:

@@ -1,0 +1,56 @@
+"""Inductor's freezing (``config={"freezing": True}``, inference on CPU), cached: a warm
+process loads the program with results equal to torch.compile with freezing at every
+call, and other weights are a miss that names them (``frozen_state``), never the old
+program, not even through the shared-graph path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ccutil import Sandbox
+
+pytestmark = pytest.mark.slow
+
+CHILD = """
+import logging, os, torch, transformers
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from cachecompile import cache_compile
+torch.manual_seed(int(os.environ.get("SEED", "0")))
+
+class Serve(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=128,
+                                      max_position_embeddings=64)
+        self.bert = transformers.BertModel(cfg).eval()
+        self.cached = cache_compile(self._encode, config={"freezing": True})
+    def _encode(self, ids):
+        return self.bert(input_ids=ids).last_hidden_state
+
+s = Serve()
+ref = torch.compile(s._encode, options={"freezing": True}, dynamic=True)
+same, close = [], []
+with torch.no_grad():
+    for seq in (11, 17, 5):
+        ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(seq))
+        out = s.cached(ids)
+        same.append(bool(torch.equal(out, ref(ids))))
+        close.append(bool(torch.allclose(out, s._encode(ids), atol=1e-4)))
+report({"events": [e for e, _ in s.cached.events], "same": same, "close": close})
+"""
+
+
+def test_freezing_is_cached_with_torch_compile_parity(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path / "box")
+    cold = box.run(CHILD)
+    assert cold["events"] == ["miss"] and all(cold["same"]) and all(cold["close"]), cold.value
+    warm = box.run(CHILD)
+    assert warm["events"] == ["hit"] and all(warm["same"]) and all(warm["close"]), warm.value
+    other = box.run(CHILD, SEED="1")
+    # Other weights: a miss naming them (not the other weights' graph through the
+    # shared-graph path either); its results are its own weights'.
+    assert other["events"] == ["miss"] and all(other["same"]) and all(other["close"])
+    miss = next(ln for ln in other.stderr.splitlines() if "cachecompile miss" in ln)
+    assert "frozen_state" in miss, miss
