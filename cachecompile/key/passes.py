@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sys
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -215,7 +216,38 @@ def _globals(fn: types.FunctionType, what: str, depth: int, seen: set[int]) -> d
             out[name] = identify(v, f"{what} (global {name})")
         elif isinstance(v, types.FunctionType) and not _versioned(v) and id(v) not in seen:
             out[name] = _function(v, f"{what} (global {name})", depth + 1, seen)
+        elif _config_object(v):
+            # A settings object the code reads (MindIE SD's CompilationConfig, a vendor's
+            # fusion switches): what it holds decides what the code does.
+            out[name] = _settings(v, f"{what} (global {name})")
     return out
+
+
+def _config_object(v: Any) -> bool:
+    """An instance of a user class that is not itself callable: settings, read as values."""
+    root = (getattr(type(v), "__module__", None) or "").split(".")[0]
+    return (hasattr(v, "__dict__") and not callable(v)
+            and not isinstance(v, (types.ModuleType, type))
+            and root not in sys.stdlib_module_names and root not in _VERSIONED)
+
+
+def _settings(v: Any, what: str, depth: int = 0) -> JSON:
+    """A settings object's public attributes (its class's defaults too) as values; nested
+    settings objects likewise. One that holds something with no identity is refused."""
+    if depth > _MAX_GLOBAL_DEPTH:
+        raise UnidentifiedPassError(f"{what} nests settings objects too deeply to key")
+    attrs: dict[str, JSON] = {}
+    unknown: list[str] = []
+    for k in sorted(dir(v)):
+        if k.startswith("_"):
+            continue
+        x = getattr(v, k, None)
+        if _config_object(x):
+            attrs[k] = _settings(x, f"{what}.{k}", depth + 1)
+        elif not callable(x):
+            attrs[k] = identity.value_token(x, 0, unknown)
+    _refuse_unknown(unknown, f"an attribute of {_qual(type(v))}", what)
+    return {"settings": _qual(type(v)), "attrs": attrs}
 
 
 def _object(obj: Any, what: str) -> JSON:

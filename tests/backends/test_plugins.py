@@ -311,3 +311,45 @@ def test_a_bare_backend_callable_skips_the_trace_in_a_warm_process(tmp_path: Pat
     manifest = next((box.store / "v1").rglob("manifest.json"))
     factors = json.loads(manifest.read_text())["factors"]
     assert "silu_as_sigmoid_mul" in json.dumps(factors)
+
+
+class _Patterns:
+    enable_fast_gelu = True
+
+
+class _CompilationConfig:
+    """MindIE SD's style: a global settings object with nested switches."""
+
+    def __init__(self) -> None:
+        self.fusion_patterns = _Patterns()
+        self.aclgraph_only = False
+
+
+SETTINGS = _CompilationConfig()
+
+
+def _reads_settings(gm: Any, example_inputs: list[Any]) -> Any:
+    if SETTINGS.fusion_patterns.enable_fast_gelu and not SETTINGS.aclgraph_only:
+        pass
+    return gm.forward
+
+
+def test_a_backend_is_keyed_by_the_settings_object_it_reads() -> None:
+    seen = {BareAdapter(_reads_settings).identity}
+    SETTINGS.fusion_patterns.enable_fast_gelu = False  # an instance's switch
+    seen.add(BareAdapter(_reads_settings).identity)
+    SETTINGS.aclgraph_only = True
+    seen.add(BareAdapter(_reads_settings).identity)
+    try:
+        _Patterns.enable_fast_gelu = False  # a class default, through a new instance
+        SETTINGS.fusion_patterns = _Patterns()
+        SETTINGS.aclgraph_only = False
+        assert BareAdapter(_reads_settings).identity in seen  # same values, same key
+        assert len(seen) == 3
+        SETTINGS.aclgraph_only = threading.Lock()  # no identity: refused, not ignored
+        with pytest.raises(ContractError, match="_CompilationConfig holds _thread.lock"):
+            BareAdapter(_reads_settings)
+    finally:
+        _Patterns.enable_fast_gelu = True
+        SETTINGS.fusion_patterns = _Patterns()
+        SETTINGS.aclgraph_only = False
