@@ -50,6 +50,7 @@ from cachecompile.errors import (
 )
 from cachecompile.key.signature import describe, signature
 from cachecompile.procs import coop
+from cachecompile.store.config import env_float
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +317,14 @@ class _Worker:
     def stop(self) -> None:
         self.close()
         if self.proc.poll() is None:
+            # Its stdin is closed: a worker then exits by itself, after waiting for its
+            # uploads to a remote tier (CACHECOMPILE_REMOTE_FLUSH_TIMEOUT). A SIGTERM
+            # straight away killed that flush, and no build ever reached the remote.
+            try:
+                self.proc.wait(timeout=_EXIT_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
@@ -326,6 +335,10 @@ class _Worker:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.log.close()
+
+
+# How long a worker whose input is closed may take to exit: its uploads' flush, plus a margin.
+_EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
 
 
 def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,

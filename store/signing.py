@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import env_flag
-from .errors import ManifestError, UntrustedEntryError
+from .errors import ManifestError, RemoteConfigError, UntrustedEntryError
 from .manifest import parse_manifest
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,16 @@ class Trust:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Trust:
         env = os.environ if env is None else env
         raw = env.get("CACHECOMPILE_SIGNING_KEY") or ""
-        key = _load_key(raw) if raw else None
-        extra = _load_keys(env.get("CACHECOMPILE_VERIFY_KEYS") or "")
+        try:
+            key = _load_key(raw) if raw else None
+        except OSError as e:
+            raise RemoteConfigError(f"CACHECOMPILE_SIGNING_KEY={raw}: cannot read the key "
+                                    f"file ({e.strerror}); fix the path, or unset it") from None
+        try:
+            extra = _load_keys(env.get("CACHECOMPILE_VERIFY_KEYS") or "")
+        except OSError as e:
+            raise RemoteConfigError(f"CACHECOMPILE_VERIFY_KEYS: cannot read the key file "
+                                    f"{e.filename} ({e.strerror})") from None
         return cls(key=key or None, accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env),
                    verify_keys=tuple(k for k in extra if k != key))
 

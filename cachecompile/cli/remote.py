@@ -62,6 +62,7 @@ def _remote(url: str | None) -> Remote:
         raise click.UsageError("no remote: pass --remote redis://host:port/db or "
                                "s3://bucket/prefix, or set CACHECOMPILE_REMOTE")
     r = open_remote(url)
+    r.breaker.quiet = True  # a failure is this command's error line, not a warning too
     r.ping()  # fail now, with one clear line, rather than per entry
     return r
 

@@ -133,7 +133,7 @@ class MissPath:
             share = None
             if not st.readonly and self._spec.adapter.shares_graphs:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
-                                        who)
+                                        who, model=type(self._method.__self__).__qualname__)
                 held.callback(share.finish)
             session = TraceSession(self._method, self._spec, share=share, phases=phases)
             session.on_recompile_limit = self._on_recompile_limit

@@ -192,8 +192,11 @@ class GraphShare:
     """
 
     def __init__(self, st: LocalStorage, factors: Mapping[str, Any], adapter: Adapter,
-                 who: str) -> None:
+                 who: str, model: str | None = None) -> None:
         self._st = st
+        # The model that published it, as a label: ``cachectl purge --model`` (local or
+        # remote) then retires a model's shared programs with its entries.
+        self._labels = {"kind": "graph", **({"model": model} if model else {})}
         self._factors = {k: factors[k] for k in GRAPH_FACTORS if k in factors}
         self._adapter = adapter
         self._who = who
@@ -281,7 +284,7 @@ class GraphShare:
         try:
             writer.write(self._st, self.key, program.files, adapter=self._adapter.name,
                          program=program.meta, who=self._who, function="(shared graph)",
-                         labels={"kind": "graph"})
+                         labels=self._labels)
         except (StoreError, OSError) as e:
             logger.warning("%s: could not share graph %s (%s)", self._who,
                            self.key.digest[:12], e)

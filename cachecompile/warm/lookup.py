@@ -115,11 +115,13 @@ class Lookup:
         self._module = method.__self__
         self._spec = spec
         self._pins: list[Any] = []   # leases on loaded entries (eviction leaves them be)
+        self._fetched: dict[str, Hit] = {}  # fetched for their meta, not yet loaded
 
     def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
         """Walk the frame's variants in order; load the first whose guards hold."""
         out = Probe()
+        self._fetched.clear()  # only this walk's fetches
         for i in range(MAX_VARIANTS):
             key = variant_key(frame, i)
             try:
@@ -172,6 +174,9 @@ class Lookup:
             pass
         outcome = st.get(key)
         if isinstance(outcome, Hit):
+            # Fetched (a remote tier downloaded it): the variant's load uses this outcome,
+            # so one lookup is one hit, not two.
+            self._fetched[key.digest] = outcome
             return dict(outcome.entry.meta)
         if outcome.kind == "absent":
             raise _Absent()
@@ -217,7 +222,7 @@ class Lookup:
             out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
             out.reject("guard", f"{name}: guard failed: {reason}")
             return None
-        outcome = st.get(key)
+        outcome = self._fetched.pop(key.digest, None) or st.get(key)
         if not isinstance(outcome, Hit):
             if outcome.kind != "absent":
                 fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")

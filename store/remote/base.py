@@ -52,8 +52,8 @@ DEFAULT_LEASE = 600.0
 CAS_TRIES = 5  # records rewritten under us this often in a row: give up this upload
 _OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
 SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "s3": "s3"}
-# A blob download counts as one request on S3: its timeout bounds a whole file.
-_DEFAULT_TIMEOUT = {"redis": 5.0, "s3": 60.0}
+# Seconds: Redis, per socket operation; S3, a stall (no byte for that long).
+_DEFAULT_TIMEOUT = {"redis": 5.0, "s3": 5.0}
 _DEFAULT_PREFIX = {"redis": "cachecompile:v1", "s3": "cachecompile"}
 
 # What a remote record is, as this node sees it: "ours" verifies under our signing key;
@@ -96,9 +96,10 @@ class RemoteConfig:
     ``redis://host:port/db``, ``rediss://``, ``unix://`` or ``s3://bucket/prefix`` (the
     endpoint, keys and region from the usual ``AWS_*`` variables). Our own query
     parameters are taken out before the URL reaches the client: ``mode=ro`` (consume,
-    never publish), ``chunk=4M`` (Redis: value size; S3: multipart part size),
-    ``timeout`` (seconds per request: 5 on Redis, 60 on S3 where one request carries a
-    whole file), ``backoff=1`` (first retry delay), ``prefix`` (Redis key prefix,
+    never publish), ``chunk=4M`` (Redis: value size; S3: multipart part size, at least
+    5M), ``timeout=5`` (seconds: Redis, per socket operation; S3, a stall with no byte,
+    and twice that for a request that carries no file), ``backoff=1`` (first retry
+    delay), ``prefix`` (Redis key prefix,
     ``cachecompile:v1``; on S3 the URL's path), ``lease=600`` (seconds an upload's pins
     hold off ``purge``).
     """
@@ -195,6 +196,8 @@ class Breaker:
         self.retry_at = 0.0
         self.delay = backoff
         self.failures = 0
+        # cachectl raises every failure to its user as one error line: no warning too.
+        self.quiet = False
         self._warned = False
         self._lock = threading.Lock()
 
@@ -213,7 +216,7 @@ class Breaker:
             if self.down_since is None:
                 self.down_since = now
                 self.delay = self.base
-                if not self._warned:
+                if not self._warned and not self.quiet:
                     # One warning per process: a flapping remote must not flood the log.
                     self._warned = True
                     logger.warning("remote cache %s failed (%s: %s): continuing local-only; "

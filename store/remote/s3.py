@@ -31,10 +31,12 @@ a failed request twice, quickly; beyond that the breaker decides when to try aga
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,7 +68,9 @@ _LAYOUT = "v1"
 # Two quick retries of a 5xx or a dropped connection, as the AWS SDKs do: object stores
 # answer 500/503 now and then under load. A dead endpoint still fails within ~0.2 s
 # (refused connections), and the breaker then decides when to try again.
-_RETRY: Any = {"max_retries": 2, "retry_timeout": timedelta(seconds=10),
+# A whole request's limit: a big file on a slow link may take long; a stall may not.
+_TRANSFER_LIMIT_S = 1800
+_RETRY: Any = {"max_retries": 2,
                "backoff": {"init_backoff": timedelta(milliseconds=50),
                            "max_backoff": timedelta(milliseconds=400), "base": 2}}
 
@@ -88,6 +92,7 @@ class S3Remote:
         self.bad_blobs: set[str] = set()
         self._store: Any = None
         self._store_lock = threading.Lock()
+        self._checked = False
 
     def __repr__(self) -> str:
         return f"S3Remote({self.config.display!r}, readonly={self.readonly})"
@@ -109,19 +114,27 @@ class S3Remote:
                 endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3")
                             or os.environ.get("AWS_ENDPOINT_URL") or "")
                 t = self.config.timeout
-                options: Any = {"timeout": f"{t}s",
-                                           "connect_timeout": f"{min(t, 2.0)}s"}
+                # ``timeout`` bounds a stall (no byte for that long: read_timeout), not a
+                # whole transfer, which may take minutes for a big file on a slow link.
+                options: Any = {"read_timeout": f"{t}s", "connect_timeout": f"{min(t, 2.0)}s",
+                                "timeout": f"{_TRANSFER_LIMIT_S}s"}
                 if endpoint.startswith("http://"):
                     options["allow_http"] = True  # a MinIO or a test server on loopback
                 extra: dict[str, Any] = {"endpoint": endpoint} if endpoint else {}
+                retry: Any = {**_RETRY, "retry_timeout": timedelta(seconds=t)}
                 self._store = S3Store(self.config.target, prefix=self.config.prefix,
-                                      client_options=options, retry_config=_RETRY, **extra)
+                                      client_options=options, retry_config=retry, **extra)
             return self._store
 
-    def _call(self, what: str, fn: Callable[[Any, Any], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[Any, Any], Any], *,
+              bounded: bool = True) -> Any:
         """``fn(obstore, store)``: a missing object raises :class:`_Gone`; any other
         failure trips the breaker and is a RemoteError. obstore is imported here, so a
-        missing extra is one clear failure like any other."""
+        missing extra is one clear failure like any other.
+
+        ``bounded``: give up after :meth:`deadline` even if the client has not (a server,
+        or the credentials' metadata service, that accepts and never answers): the caller
+        goes on local-only and the request finishes, or not, in the background."""
         self.breaker.guard(what)
         try:
             import obstore as ob
@@ -131,20 +144,56 @@ class S3Remote:
             self.breaker.failed(missing)
             raise missing from e
         try:
-            out = fn(ob, self.client())
+            if not self._checked:
+                # Once per process: a missing bucket is named, not read as "every entry
+                # absent" (a GET's 404 does not say which is missing).
+                self._run(lambda: self._check_bucket(ob), bounded)
+                self._checked = True
+            out = self._run(lambda: fn(ob, self.client()), bounded)
+        except errors.RemoteError as e:
+            self.breaker.failed(e)
+            raise
         except FileNotFoundError as e:  # obstore's NotFound: the object, or the bucket
             if "NoSuchBucket" in str(e):
-                self.breaker.failed(e)
-                raise errors.RemoteError(f"remote cache {self.config.display}: the bucket "
-                                         f"{self.config.target!r} does not exist") from None
+                raise self._no_bucket(e) from None
             self.breaker.ok()
             raise _Gone(what) from None
         except (ox.BaseError, OSError, ValueError) as e:
-            self.breaker.failed(e)
-            raise errors.RemoteError(f"remote cache {self.config.display}: {what} failed: "
-                                     f"{type(e).__name__}: {_brief(e)}") from None
+            if "NoSuchBucket" in str(e):
+                raise self._no_bucket(e) from None
+            err = errors.RemoteError(f"{what} failed: {type(e).__name__}: {_brief(e)}")
+            self.breaker.failed(err)  # its one warning says what _brief makes of it
+            raise errors.RemoteError(f"remote cache {self.config.display}: {err}") from None
         self.breaker.ok()
         return out
+
+    @property
+    def deadline(self) -> float:
+        """How long a bounded call may take: the stall timeout, once retried."""
+        return 2 * self.config.timeout + 1.0
+
+    def _run(self, fn: Callable[[], Any], bounded: bool) -> Any:
+        if not bounded:
+            return fn()
+        future = _watchdog().submit(fn)
+        try:
+            return future.result(timeout=self.deadline)
+        except concurrent.futures.TimeoutError:
+            raise errors.RemoteError(
+                f"remote cache {self.config.display}: no answer in {self.deadline:.0f} s "
+                "(the endpoint, or the credentials' metadata service when no AWS keys are "
+                "set, accepts and does not answer)") from None
+
+    def _check_bucket(self, ob: Any) -> None:
+        for _ in ob.list(self.client(), f"{_LAYOUT}/entry/", chunk_size=1):
+            break
+
+    def _no_bucket(self, e: BaseException) -> errors.RemoteError:
+        err = errors.RemoteError(f"remote cache {self.config.display}: the bucket "
+                                 f"{self.config.target!r} does not exist (create it, or fix "
+                                 "CACHECOMPILE_REMOTE)")
+        self.breaker.failed(err)
+        return err
 
     def _key(self, kind: str, name: str) -> str:
         return f"{_LAYOUT}/{kind}/{name}"
@@ -323,7 +372,7 @@ class S3Remote:
 
                     ob.put(s, key, parts(), chunk_size=chunk, max_concurrency=4)
 
-        self._call("put blob", put)
+        self._call("put blob", put, bounded=False)  # a whole file: bounded by stalls only
         if size <= chunk and progress is not None:
             progress(size)
         self.bad_blobs.discard(sha)
@@ -404,6 +453,31 @@ class S3Remote:
 
 
 def _brief(exc: BaseException) -> str:
-    """The first line of an object-store error (the rest is the whole HTTP exchange)."""
+    """An object-store error in a line: its first line without the HTTP body, the S3
+    error's code and message, and what a missing credential looks like."""
     text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0].split("<?xml")[0].rstrip(" :")[:300]
+    code = re.search(r"<Code>(.*?)</Code>", text)
+    message = re.search(r"<Message>(.*?)</Message>", text)
+    if code:
+        line += f" ({code.group(1)}{': ' + message.group(1) if message else ''})"
+    if "169.254.169.254" in text or "api/token" in text:
+        line += (" (no AWS credentials were found: set AWS_ACCESS_KEY_ID and "
+                 "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")
+    return line
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _watchdog() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads bounded calls run in (a few: a hung request holds one until it ends)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                          thread_name_prefix="cc-s3-call")
+        return _pool

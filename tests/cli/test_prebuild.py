@@ -101,3 +101,29 @@ def test_cachectl_build_reports_a_bad_factory(tmp_path: Path) -> None:
     assert broken.returncode == 1
     assert "RuntimeError: the model did not load" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+@pytest.mark.slow
+def test_cachectl_build_uploads_to_the_remote(tmp_path: Path) -> None:
+    # docs/deploy.md: build with the remote set, and every publish reaches it. The build
+    # used to SIGTERM each worker as soon as its input closed, killing its upload flush:
+    # the remote got nothing.
+    from redis_util import RedisServer
+
+    from cachecompile.store import open_store
+    from cachecompile.store.remote import RedisRemote
+    from cachecompile.store.signing import Trust
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        box = Sandbox(tmp_path / "box")
+        (box.root / "served.py").write_text(SERVED)
+        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_SIGNING_KEY": "k",
+               "CACHECOMPILE_COMPILE_SLOTS": "2"}
+        p = _cachectl(box, "build", "served:factory", "--jobs", "2", **env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        local = {i.key for i in open_store(box.store, remote="").entries()}
+        remote = {r.key for r in RedisRemote(srv.url(), trust=Trust(key=b"k")).records()}
+        assert local and remote == local, (sorted(local - remote), p.stdout)
+    finally:
+        srv.stop()

@@ -206,3 +206,42 @@ def test_a_malformed_remote_falls_back_to_the_local_entry(tmp_path: Path, model:
         assert torch.equal(fresh(X), model.run(X))
     assert [e[0] for e in fresh.events] == ["hit"]
     assert all("s3cret" not in str(w.message) for w in caught)
+
+
+def test_an_unreadable_signing_key_file_keeps_the_local_cache(tmp_path: Path, model: Scaled,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    # A mistyped key file used to make the whole store "unusable" (no cache at all) with
+    # a message that never named the variable.
+    _cached(model, FakeAdapter(), tmp_path)(X)
+    monkeypatch.setattr(state, "_stores", {})
+    monkeypatch.setenv("CACHECOMPILE_REMOTE", "redis://localhost:6379/0")
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", f"file:{tmp_path / 'no-such-key'}")
+    fresh = _cached(model, FakeAdapter(), tmp_path)
+    with pytest.warns(CacheFaultWarning, match="CACHECOMPILE_SIGNING_KEY=file:.*no-such-key"):
+        assert torch.equal(fresh(X), model.run(X))
+    assert [e[0] for e in fresh.events] == ["hit"]
+
+
+def test_a_remote_hit_counts_one_hit(tmp_path: Path, model: Scaled,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # One lookup served by a download is one hit, and a remote one ('cachectl stats'
+    # showed 2: the entry was read once for its meta, then again to load it).
+    from memory_remote import MemoryRemote
+
+    from cachecompile.store import open_store
+    from cachecompile.store.signing import Trust
+    from cachecompile.store.tiered import wrap
+
+    remote = MemoryRemote(Trust(key=b"k"))
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a = wrap(open_store(a_dir, remote=""), remote)  # type: ignore[arg-type]
+    monkeypatch.setattr(state, "_stores", {str(a_dir): a})
+    _cached(model, FakeAdapter(), a_dir)(X)
+    assert a.flush(5) and remote.records_
+    b = wrap(open_store(b_dir, remote=""), remote)  # type: ignore[arg-type]
+    monkeypatch.setattr(state, "_stores", {str(b_dir): b})
+    fresh = _cached(model, FakeAdapter(), b_dir)
+    assert torch.equal(fresh(X), model.run(X)) and [e[0] for e in fresh.events] == ["hit"]
+    s = b.stats()
+    assert (s["hits"], s["hits_local"], s["hits_remote"]) == (1, 0, 1), s

@@ -70,7 +70,7 @@ def cachectl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 def test_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
     c = RemoteConfig.parse("s3://models-cache/team/a?mode=ro&lease=30")
     assert (c.kind, c.target, c.prefix, c.readonly, c.lease, c.timeout) == (
-        "s3", "models-cache", "team/a", True, 30.0, 60.0)
+        "s3", "models-cache", "team/a", True, 30.0, 5.0)
     assert c.display == "s3://models-cache/team/a"
     assert RemoteConfig.parse("s3://models-cache").prefix == "cachecompile"
     for bad, why in (("s3://ab/p", "3 characters"), ("s3://bkt/p?region=x", "AWS_"),
@@ -286,3 +286,58 @@ def test_without_the_client_library_the_extra_is_named(
     assert isinstance(st.get(make_key({"n": 1})), Hit)
     ws = warnings_of(caplog)
     assert len(ws) == 1 and "obstore" in ws[0], ws
+
+
+@pytest.mark.parametrize("what", ["endpoint", "metadata service"])
+def test_a_server_that_never_answers_costs_a_bounded_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        what: str) -> None:
+    # Accepts connections and never answers: the S3 endpoint, or (no AWS keys set) the
+    # instance metadata service the client asks for credentials. A first lookup took
+    # minutes (245 s with the metadata service); now it gives up within 2 x timeout + 1 s,
+    # once, with one warning; the breaker makes the next lookup quick.
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    hanging = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    if what == "endpoint":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", hanging)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached
+        monkeypatch.setenv("AWS_METADATA_ENDPOINT", hanging)
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    try:
+        st = tiered(tmp_path / "a", "s3://hangs/x?timeout=1")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert isinstance(st.get(make_key({"n": 1})), Miss)
+            assert isinstance(st.get(make_key({"n": 2})), Miss)  # the breaker: no wait
+        assert time.monotonic() - t0 < 6, time.monotonic() - t0
+        ws = warnings_of(caplog)
+        assert len(ws) == 1 and "continuing local-only" in ws[0], ws
+        if what == "metadata service":
+            assert "no AWS credentials were found" in ws[0], ws
+    finally:
+        listener.close()
+
+
+def test_a_missing_bucket_is_named(tmp_path: Path, server: MotoServer, bucket: str,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    st = tiered(tmp_path / "a", "s3://no-such-bucket-here/x")
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(st.get(make_key({"n": 1})), Miss)
+    ws = warnings_of(caplog)
+    assert len(ws) == 1 and "bucket 'no-such-bucket-here' does not exist" in ws[0], ws
+    p = cachectl("remote", "ls", "--remote", "s3://no-such-bucket-here/x",
+                 env={**server.env(), "CACHECOMPILE_SIGNING_KEY": FLEET_KEY})
+    # One line, as every cachectl error: no warning beside it, no XML.
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 7 and len(lines) == 1, p.stderr
+    assert "does not exist" in lines[0] and "<?xml" not in lines[0], lines

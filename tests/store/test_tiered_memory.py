@@ -59,9 +59,10 @@ def test_a_remote_hit_is_backfilled_locally_and_not_uploaded_back(tmp_path: Path
 def test_a_dead_remote_is_a_local_miss_with_one_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     remote = MemoryRemote(TRUST)
-    node(tmp_path / "a", remote).put(make_key({"n": 1}), FILES)
+    a = node(tmp_path / "a", remote)
+    a.put(make_key({"n": 1}), FILES)
+    assert a.flush(5)
     b = node(tmp_path / "b", remote)
-    b.flush(5)
     remote.down = True
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
@@ -97,7 +98,9 @@ def test_a_damaged_remote_entry_is_refused_once_and_repaired_by_the_next_upload(
 def test_a_read_only_node_downloads_into_scratch_and_uploads_nothing(tmp_path: Path) -> None:
     remote = MemoryRemote(TRUST)
     key = make_key({"n": 3})
-    node(tmp_path / "a", remote).put(key, FILES)
+    a = node(tmp_path / "a", remote)
+    a.put(key, FILES)
+    assert a.flush(5)
     store.open_store(tmp_path / "ro")
     view = store.open_store(tmp_path / "ro", readonly=True, remote="")
     assert isinstance(view, ReadOnlyStore)
@@ -112,7 +115,9 @@ def test_a_read_only_node_downloads_into_scratch_and_uploads_nothing(tmp_path: P
 
 def test_a_read_only_remote_is_consumed_never_written(tmp_path: Path) -> None:
     shared = MemoryRemote(TRUST)
-    node(tmp_path / "a", shared).put(make_key({"n": 5}), FILES)
+    a = node(tmp_path / "a", shared)
+    a.put(make_key({"n": 5}), FILES)
+    assert a.flush(5)  # the upload is in the background
     ro = MemoryRemote(TRUST, readonly=True)
     ro.records_, ro.blobs = shared.records_, shared.blobs
     b = node(tmp_path / "b", ro)
