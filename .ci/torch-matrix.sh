@@ -21,8 +21,8 @@ export PIP_CONSTRAINT=/dev/null
 # One test per promise, not the whole suite: the full suite runs on 2.13 (the README's
 # command). Per release: the warm path (no torch._dynamo/_inductor import, zero compiler
 # calls), Dynamo's guards, the private-torch layer and its probe, the API contract, ranks
-# sharing one compile, bundles, the remote tier end to end, and a real HF model with its
-# decorated forward. (The diffusers UNet and DiT, and the other LLM families, run on 2.13.)
+# sharing one compile, bundles, the remote tier end to end, a real HF model with its
+# decorated forward, and a bare backend callable's Dynamo half rebuilt from data. (The diffusers UNet and DiT, and the other LLM families, run on 2.13.)
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/e2e/test_guard_matrix.py
         tests/_torch/test_torch_layer.py
@@ -30,7 +30,8 @@ SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/procs/test_ranks.py::test_four_ranks_compile_one_shared_graph_once
         tests/store/test_bundle.py
         tests/procs/test_remote_procs.py::test_node_b_loads_node_a_entry_with_zero_compiles
-        "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]")
+        "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]"
+        tests/backends/test_plugins.py::test_a_bare_backend_callable_skips_the_trace_in_a_warm_process)
 
 for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
   echo "== torch $tv"
