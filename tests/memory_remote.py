@@ -1,4 +1,4 @@
-"""An in-memory remote: the shared upload/download flow (store/remote/base.py) over dicts,
+"""An in-memory remote: the shared upload/download flow (store/remote/base.py's BlobRemote) over dicts,
 so the tier's logic is tested without a server as well as against the real ones.
 
 ``down = True`` makes every call fail as a dead server would (through the breaker).
@@ -17,24 +17,21 @@ from cachecompile.store import errors
 from cachecompile.store.fsutil import write_new_file
 from cachecompile.store.outcomes import Entry
 from cachecompile.store.remote.base import (
-    Breaker,
+    BlobRemote,
     RemoteConfig,
-    Uploaded,
-    download_entry,
     parse_records,
     refuse_readonly,
-    upload_entry,
 )
-from cachecompile.store.signing import Record, Trust, parse_record
+from cachecompile.store.signing import Record, Trust
 
 
-class MemoryRemote:
+class MemoryRemote(BlobRemote):
+    kind = "memory"
+
     def __init__(self, trust: Trust, *, readonly: bool = False) -> None:
-        self.config = RemoteConfig(url="memory://", target="memory", kind="memory",
-                                   readonly=readonly, backoff=0.05, max_backoff=0.05)
-        self.trust = trust
-        self.breaker = Breaker("memory://", 0.05, 0.05)
-        self.bad_blobs: set[str] = set()
+        super().__init__(RemoteConfig(url="memory://", target="memory", kind="memory",
+                                      readonly=readonly, backoff=0.05, max_backoff=0.05),
+                         trust)
         self.records_: dict[str, bytes] = {}
         self.blobs: dict[str, bytes] = {}
         self.down = False
@@ -50,14 +47,6 @@ class MemoryRemote:
             self.breaker.failed(e)
             raise errors.RemoteError(str(e))
         self.breaker.ok()
-
-    @property
-    def readonly(self) -> bool:
-        return self.config.readonly
-
-    @property
-    def available(self) -> bool:
-        return self.breaker.allow()
 
     # -- Blobs -------------------------------------------------------------------------
     def read_record(self, digest: str) -> tuple[bytes, object] | None:
@@ -105,23 +94,9 @@ class MemoryRemote:
         self._io("exists")
         return digest in self.records_
 
-    def record(self, digest: str) -> Record | None:
-        got = self.read_record(digest)
-        return None if got is None else parse_record(got[0], digest)
-
     def records(self) -> Iterator[Record]:
         self._io("list")
         return parse_records(iter(list(self.records_.items())))
-
-    def download(self, digest: str, dest: Path,
-                 progress: Callable[[int], None] | None = None) -> Record | None:
-        return download_entry(self, digest, dest, progress)
-
-    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
-               resign: bool = False,
-               progress: Callable[[int], None] | None = None) -> Uploaded:
-        return upload_entry(self, entry, overwrite=overwrite, repair=repair, resign=resign,
-                            progress=progress)
 
     def delete(self, digest: str) -> bool:
         refuse_readonly(self.config)

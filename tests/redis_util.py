@@ -27,7 +27,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
+class ServerProcess:
+    """A test server's process: ``kill()`` it (SIGKILL) to simulate a crash, ``stop()`` it."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case (no goodbye to clients, no final save)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+class RedisServer(ServerProcess):
     """One redis-server process; ``kill()`` it to simulate a crash, ``start()`` it again."""
 
     def __init__(self, workdir: Path, *, appendonly: bool = False,
@@ -75,23 +98,6 @@ class RedisServer:
         with contextlib.suppress(OSError):
             return (self.dir / "redis.log").read_text()
         return ""
-
-    def kill(self) -> None:
-        """SIGKILL: the crash case (no goodbye to clients, no final save)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
 
     def client(self) -> object:
         import redis

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_util import free_port
+from redis_util import ServerProcess, free_port
 
 SKIP_REASON = ("moto[server] or obstore is not installed: pip install -e '.[test]' to run "
                "the S3-tier tests")
@@ -39,7 +38,7 @@ def available() -> bool:
     return True
 
 
-class MotoServer:
+class MotoServer(ServerProcess):
     """One moto_server process; ``kill()`` it (SIGKILL) to simulate a crash."""
 
     def __init__(self, workdir: Path, *, auth_after: int | None = None) -> None:
@@ -122,22 +121,6 @@ class MotoServer:
                 out[o["Key"]] = int(o["Size"])
         return out
 
-    def kill(self) -> None:
-        """SIGKILL: the crash case."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
 
 
 @contextlib.contextmanager

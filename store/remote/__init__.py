@@ -3,7 +3,7 @@
 ::
 
     base     the Remote protocol (what tiered.py and cachectl use), RemoteConfig (the
-             URL), the breaker, and the one upload / download flow over a Blobs half
+             URL), the breaker, and BlobRemote: the one upload / download flow
     redis    RedisRemote: records, chunked blobs and pins as Redis keys
     s3       S3Remote: records, blobs and pins as objects in an S3-compatible bucket
 

@@ -1,6 +1,6 @@
 """What every remote tier is and shares: the :class:`Remote` protocol the tiered store and
-``cachectl`` type against, the URL's settings, the circuit breaker, and the one upload and
-download flow that every remote runs over its own :class:`Blobs` (Redis keys, S3 objects).
+``cachectl`` type against, the URL's settings, the circuit breaker, and :class:`BlobRemote`: the one upload and
+download flow, which every remote runs over its own keys or objects (Redis, S3).
 
 The rules, the same on every remote:
 
@@ -38,9 +38,8 @@ from ..signing import Record, Trust, make_record, parse_record, sha256_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Blobs", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
-           "download_entry", "may_replace", "record_state", "redact",
-           "upload_entry"]
+__all__ = ["BlobRemote", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
+           "may_replace", "open_remote", "record_state", "redact"]
 
 MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
@@ -315,43 +314,6 @@ class Remote(Protocol):
     def close(self) -> None: ...
 
 
-class Blobs(Protocol):
-    """The half of a remote that differs by server, under the shared flow.
-
-    ``tag`` is whatever the server compares a conditional write with: the record's bytes
-    on Redis, its ETag on S3.
-    """
-
-    config: RemoteConfig
-    trust: Trust
-    bad_blobs: set[str]
-
-    def read_record(self, digest: str) -> tuple[bytes, object] | None:
-        """The raw record and its tag, or None if absent."""
-        ...
-
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
-        """Write the record if it is still the one tagged ``tag`` (None: still absent)."""
-        ...
-
-    def put_blobs(self, entry: Entry, sha: dict[str, str],
-                  progress: Callable[[int], None] | None) -> dict[str, int]:
-        """Pin, then store every blob of ``entry`` the remote lacks (``sha``: file ->
-        SHA-256); each blob's chunk size for the record."""
-        ...
-
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        """After the record is written: store again any blob a purge took meanwhile."""
-        ...
-
-    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
-                   target: Path, mode: int,
-                   progress: Callable[[int], None] | None) -> tuple[int, str]:
-        """Stream one blob into ``target`` (a new file); (bytes, SHA-256 hex)."""
-        ...
-
-
 def record_state(trust: Trust, digest: str, raw: bytes | None) -> RecordState:
     """What the record ``raw`` of ``digest`` is to this node (see :data:`RecordState`)."""
     if raw is None:
@@ -418,78 +380,144 @@ def refuse_readonly(config: RemoteConfig) -> None:
         raise errors.ReadOnlyStoreError(f"remote cache {config.display} is read-only (mode=ro)")
 
 
-def _kept(remote: Blobs, digest: str, found: RecordState) -> None:
-    if found == "foreign":
-        logger.info("not replacing remote entry %s: it is signed, and not with %s", digest,
-                    "our key" if remote.trust.key else "a key we have")
-    else:
-        logger.debug("remote has %s already (%s)", digest, found)
+class BlobRemote:
+    """What every remote shares: its settings, trust, breaker, and the one upload and
+    download flow. A server's module (redis.py, s3.py) implements the half that differs,
+    the methods below that raise NotImplementedError, and the rest of :class:`Remote`
+    (ping, contains, records, delete, sweep, info, close).
 
+    ``tag`` is whatever the server compares a conditional write with: the record's bytes
+    on Redis, its ETag on S3.
+    """
 
-def upload_entry(remote: Blobs, entry: Entry, *, overwrite: bool = False,
-                 repair: bool = False, resign: bool = False,
-                 progress: Callable[[int], None] | None = None) -> Uploaded:
-    """The one upload: judge the record there, store the blobs, write the record last,
-    and only if it is still the one judged (else judge again, :data:`CAS_TRIES` times)."""
-    refuse_readonly(remote.config)
-    digest = entry.key
-    got = remote.read_record(digest)
-    raw, tag = got if got is not None else (None, None)
-    found = record_state(remote.trust, digest, raw)
-    judge = dict(overwrite=overwrite, repair=repair, resign=resign)
-    if not may_replace(remote.trust, found, **judge):
-        _kept(remote, digest, found)
-        return Uploaded(False, found)
-    names = sorted(entry.manifest["files"])
-    sha = {n: sha256_file(entry.files[n]) for n in names}
-    executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
-    chunks = remote.put_blobs(entry, sha, progress)
-    rec = make_record(entry.manifest, sha, {s: chunks[s] for s in sorted(set(sha.values()))},
-                      remote.trust, executable)
-    data = rec.to_bytes()
-    for _ in range(CAS_TRIES):
-        if remote.write_record(digest, data, tag):
-            remote.recheck_blobs(entry, sha, chunks)
-            logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
-            return Uploaded(True, found)
-        # Another node wrote the record since we looked: judge what is there now.
-        got = remote.read_record(digest)
+    kind = ""  # the RemoteConfig.kind it serves
+
+    def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
+        self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
+        if self.config.kind != self.kind:
+            raise errors.RemoteConfigError(f"{self.config.display} is not a {self.kind} URL")
+        self.trust = trust if trust is not None else Trust.from_env()
+        self.breaker = Breaker(self.config.display, self.config.backoff, self.config.max_backoff)
+        # Blobs this process downloaded and found damaged: an upload rewrites them instead
+        # of trusting that they are stored (content addressing alone keeps bad bytes).
+        self.bad_blobs: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.display!r}, readonly={self.readonly})"
+
+    @property
+    def readonly(self) -> bool:
+        return self.config.readonly
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open and its backoff has not elapsed (no network)."""
+        return self.breaker.allow()
+
+    # -- the half that differs by server -------------------------------------------------
+    def read_record(self, digest: str) -> tuple[bytes, object] | None:
+        """The raw record and its tag, or None if absent."""
+        raise NotImplementedError
+
+    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+        """Write the record if it is still the one tagged ``tag`` (None: still absent)."""
+        raise NotImplementedError
+
+    def put_blobs(self, entry: Entry, sha: dict[str, str],
+                  progress: Callable[[int], None] | None) -> dict[str, int]:
+        """Pin, then store every blob of ``entry`` the remote lacks (``sha``: file ->
+        SHA-256); each blob's chunk size for the record."""
+        raise NotImplementedError
+
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
+                      chunks: dict[str, int]) -> None:
+        """After the record is written: store again any blob a purge took meanwhile."""
+        raise NotImplementedError
+
+    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
+                   target: Path, mode: int,
+                   progress: Callable[[int], None] | None) -> tuple[int, str]:
+        """Stream one blob into ``target`` (a new file); (bytes, SHA-256 hex)."""
+        raise NotImplementedError
+
+    # -- the shared flow -----------------------------------------------------------------
+    def record(self, digest: str) -> Record | None:
+        """The parsed record of ``digest`` (not yet trusted), or None if absent."""
+        got = self.read_record(digest)
+        return None if got is None else parse_record(got[0], digest)
+
+    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
+               resign: bool = False,
+               progress: Callable[[int], None] | None = None) -> Uploaded:
+        """The one upload: judge the record there, store the blobs, write the record last,
+        and only if it is still the one judged (else judge again, :data:`CAS_TRIES` times)."""
+        refuse_readonly(self.config)
+        digest = entry.key
+        got = self.read_record(digest)
         raw, tag = got if got is not None else (None, None)
-        found = record_state(remote.trust, digest, raw)
-        if not may_replace(remote.trust, found, **judge):
-            _kept(remote, digest, found)
+        found = record_state(self.trust, digest, raw)
+        judge = dict(overwrite=overwrite, repair=repair, resign=resign)
+        if not may_replace(self.trust, found, **judge):
+            self._kept(digest, found)
             return Uploaded(False, found)
-    raise errors.RemoteError(f"remote cache {remote.config.display}: the record of {digest} "
-                             f"changed {CAS_TRIES} times while we wrote it")
+        names = sorted(entry.manifest["files"])
+        sha = {n: sha256_file(entry.files[n]) for n in names}
+        executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
+        chunks = self.put_blobs(entry, sha, progress)
+        rec = make_record(entry.manifest, sha,
+                          {s: chunks[s] for s in sorted(set(sha.values()))}, self.trust,
+                          executable)
+        data = rec.to_bytes()
+        for _ in range(CAS_TRIES):
+            if self.write_record(digest, data, tag):
+                self.recheck_blobs(entry, sha, chunks)
+                logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
+                return Uploaded(True, found)
+            # Another node wrote the record since we looked: judge what is there now.
+            got = self.read_record(digest)
+            raw, tag = got if got is not None else (None, None)
+            found = record_state(self.trust, digest, raw)
+            if not may_replace(self.trust, found, **judge):
+                self._kept(digest, found)
+                return Uploaded(False, found)
+        raise errors.RemoteError(f"remote cache {self.config.display}: the record of {digest} "
+                                 f"changed {CAS_TRIES} times while we wrote it")
 
+    def download(self, digest: str, dest: Path,
+                 progress: Callable[[int], None] | None = None) -> Record | None:
+        """The one download (see :meth:`Remote.download`)."""
+        got = self.read_record(digest)
+        if got is None:
+            return None
+        rec = parse_record(got[0], digest)
+        self.trust.check(rec.body, rec.sig, digest)
+        for name, frec in rec.manifest["files"].items():
+            sha = rec.sha256[name]
+            size = int(frec["size"])
+            chunk = rec.chunks.get(sha)
+            if chunk is None and size:
+                raise errors.CorruptEntryError(digest, f"record has no chunk size for {name!r}")
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                n, actual = self.fetch_blob(digest, name, sha, size, chunk or 1, target,
+                                            0o700 if name in rec.executable else 0o600,
+                                            progress)
+            except errors.CorruptEntryError:
+                self.bad_blobs.add(sha)
+                raise
+            if n != size or actual != sha:
+                self.bad_blobs.add(sha)
+                raise errors.CorruptEntryError(digest, f"file {name!r} fails its SHA-256 "
+                                                       f"({n} of {size} bytes)")
+        return rec
 
-def download_entry(remote: Blobs, digest: str, dest: Path,
-                   progress: Callable[[int], None] | None = None) -> Record | None:
-    """The one download (see :meth:`Remote.download`)."""
-    got = remote.read_record(digest)
-    if got is None:
-        return None
-    rec = parse_record(got[0], digest)
-    remote.trust.check(rec.body, rec.sig, digest)
-    for name, frec in rec.manifest["files"].items():
-        sha = rec.sha256[name]
-        size = int(frec["size"])
-        chunk = rec.chunks.get(sha)
-        if chunk is None and size:
-            raise errors.CorruptEntryError(digest, f"record has no chunk size for {name!r}")
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            n, actual = remote.fetch_blob(digest, name, sha, size, chunk or 1, target,
-                                          0o700 if name in rec.executable else 0o600, progress)
-        except errors.CorruptEntryError:
-            remote.bad_blobs.add(sha)
-            raise
-        if n != size or actual != sha:
-            remote.bad_blobs.add(sha)
-            raise errors.CorruptEntryError(digest, f"file {name!r} fails its SHA-256 "
-                                                   f"({n} of {size} bytes)")
-    return rec
+    def _kept(self, digest: str, found: RecordState) -> None:
+        if found == "foreign":
+            logger.info("not replacing remote entry %s: it is signed, and not with %s",
+                        digest, "our key" if self.trust.key else "a key we have")
+        else:
+            logger.debug("remote has %s already (%s)", digest, found)
 
 
 def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:

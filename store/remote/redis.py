@@ -34,16 +34,8 @@ from typing import Any
 from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
-from ..signing import Record, Trust, parse_record
-from .base import (
-    Breaker,
-    RemoteConfig,
-    Uploaded,
-    download_entry,
-    parse_records,
-    refuse_readonly,
-    upload_entry,
-)
+from ..signing import Record, Trust
+from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly
 
 logger = logging.getLogger(__name__)
 
@@ -66,38 +58,22 @@ return n
 """
 
 
-class RedisRemote:
-    """One Redis remote (:class:`~cachecompile.store.remote.base.Remote` and its
-    :class:`~cachecompile.store.remote.base.Blobs`)."""
+class RedisRemote(BlobRemote):
+    """One Redis remote: the half of :class:`~cachecompile.store.remote.base.BlobRemote`
+    that differs by server, over Redis keys."""
+
+    kind = "redis"
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None,
                  client: Any = None) -> None:
-        self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
-        if self.config.kind != "redis":
-            raise errors.RemoteConfigError(f"{self.config.display} is not a Redis URL")
-        self.trust = trust if trust is not None else Trust.from_env()
-        self.breaker = Breaker(self.config.display, self.config.backoff, self.config.max_backoff)
+        super().__init__(config, trust)
         self._client = client
         self._client_lock = threading.Lock()
-        # Blobs this process downloaded and found damaged: an upload rewrites them instead
-        # of trusting their marker (content addressing alone would keep the bad bytes).
-        self.bad_blobs: set[str] = set()
         p = self.config.prefix
         self._entry_k = f"{p}:entry:"
         self._blob_k = f"{p}:blob:"
         self._chunk_k = f"{p}:chunk:"
         self._pin_k = f"{p}:pin:"
-
-    def __repr__(self) -> str:
-        return f"RedisRemote({self.config.display!r}, readonly={self.readonly})"
-
-    @property
-    def readonly(self) -> bool:
-        return self.config.readonly
-
-    @property
-    def available(self) -> bool:
-        return self.breaker.allow()
 
     # -- plumbing ----------------------------------------------------------------------
     def client(self) -> Any:
@@ -155,18 +131,10 @@ class RedisRemote:
     def contains(self, digest: str) -> bool:
         return bool(self._call("exists", lambda r: r.exists(self.key_of(digest))))
 
-    def record(self, digest: str) -> Record | None:
-        got = self.read_record(digest)
-        return None if got is None else parse_record(got[0], digest)
-
     def read_record(self, digest: str) -> tuple[bytes, object] | None:
         raw = self._cmd("get record", "GET", self.key_of(digest))
         # The tag is the record itself: _SET_IF compares values.
         return None if raw is None else (bytes(raw), bytes(raw))
-
-    def download(self, digest: str, dest: Path,
-                 progress: Callable[[int], None] | None = None) -> Record | None:
-        return download_entry(self, digest, dest, progress)
 
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
@@ -226,12 +194,6 @@ class RedisRemote:
                 "maxmemory_policy": str(raw.get("maxmemory_policy", ""))}
 
     # -- writes --------------------------------------------------------------------------
-    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
-               resign: bool = False,
-               progress: Callable[[int], None] | None = None) -> Uploaded:
-        return upload_entry(self, entry, overwrite=overwrite, repair=repair, resign=resign,
-                            progress=progress)
-
     def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
         judged = tag if isinstance(tag, bytes) else b""
         return bool(self._cmd("set record", "EVAL", _SET_IF, 1, self.key_of(digest),

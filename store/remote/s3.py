@@ -31,7 +31,6 @@ a failed request twice, quickly; beyond that the breaker decides when to try aga
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -48,16 +47,8 @@ from typing import Any
 from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
-from ..signing import Record, Trust, parse_record
-from .base import (
-    Breaker,
-    RemoteConfig,
-    Uploaded,
-    download_entry,
-    parse_records,
-    refuse_readonly,
-    upload_entry,
-)
+from ..signing import Record, Trust
+from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly
 
 logger = logging.getLogger(__name__)
 
@@ -79,31 +70,17 @@ class _Gone(Exception):
     """The object is not there (HTTP 404), told apart from a failure of the remote."""
 
 
-class S3Remote:
-    """One bucket and prefix (:class:`~cachecompile.store.remote.base.Remote` and its
-    :class:`~cachecompile.store.remote.base.Blobs`)."""
+class S3Remote(BlobRemote):
+    """One bucket and prefix: the half of :class:`~cachecompile.store.remote.base.BlobRemote`
+    that differs by server, over S3 objects."""
+
+    kind = "s3"
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
-        self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
-        if self.config.kind != "s3":
-            raise errors.RemoteConfigError(f"{self.config.display} is not an s3:// URL")
-        self.trust = trust if trust is not None else Trust.from_env()
-        self.breaker = Breaker(self.config.display, self.config.backoff, self.config.max_backoff)
-        self.bad_blobs: set[str] = set()
+        super().__init__(config, trust)
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._checked = False
-
-    def __repr__(self) -> str:
-        return f"S3Remote({self.config.display!r}, readonly={self.readonly})"
-
-    @property
-    def readonly(self) -> bool:
-        return self.config.readonly
-
-    @property
-    def available(self) -> bool:
-        return self.breaker.allow()
 
     # -- plumbing ----------------------------------------------------------------------
     def client(self) -> Any:
@@ -175,14 +152,29 @@ class S3Remote:
     def _run(self, fn: Callable[[], Any], bounded: bool) -> Any:
         if not bounded:
             return fn()
-        future = _watchdog().submit(fn)
-        try:
-            return future.result(timeout=self.deadline)
-        except concurrent.futures.TimeoutError:
+        # A daemon thread per call, not an executor: uploads run at interpreter exit (the
+        # uploader's flush), when executors refuse new work.
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller as raised
+                box.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="cc-s3-call", daemon=True).start()
+        if not done.wait(self.deadline):
             raise errors.RemoteError(
                 f"remote cache {self.config.display}: no answer in {self.deadline:.0f} s "
                 "(the endpoint, or the credentials' metadata service when no AWS keys are "
-                "set, accepts and does not answer)") from None
+                "set, accepts and does not answer)")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
 
     def _check_bucket(self, ob: Any) -> None:
         for _ in ob.list(self.client(), f"{_LAYOUT}/entry/", chunk_size=1):
@@ -247,14 +239,6 @@ class S3Remote:
     def read_record(self, digest: str) -> tuple[bytes, object] | None:
         return self._get("get record", self._key("entry", digest))
 
-    def record(self, digest: str) -> Record | None:
-        got = self.read_record(digest)
-        return None if got is None else parse_record(got[0], digest)
-
-    def download(self, digest: str, dest: Path,
-                 progress: Callable[[int], None] | None = None) -> Record | None:
-        return download_entry(self, digest, dest, progress)
-
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
@@ -308,12 +292,6 @@ class S3Remote:
         return {"objects": len(objs), "stored_bytes": sum(int(m["size"]) for m in objs)}
 
     # -- writes --------------------------------------------------------------------------
-    def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
-               resign: bool = False,
-               progress: Callable[[int], None] | None = None) -> Uploaded:
-        return upload_entry(self, entry, overwrite=overwrite, repair=repair, resign=resign,
-                            progress=progress)
-
     def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
 
         mode: Any = "create" if tag is None else {"e_tag": str(tag)}
@@ -467,17 +445,3 @@ def _brief(exc: BaseException) -> str:
         line += (" (no AWS credentials were found: set AWS_ACCESS_KEY_ID and "
                  "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")
     return line
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _watchdog() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads bounded calls run in (a few: a hung request holds one until it ends)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4,
-                                                          thread_name_prefix="cc-s3-call")
-        return _pool

@@ -5,7 +5,10 @@ A server killed mid-transfer or absent costs a warning and a compile, never a re
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ccutil import Sandbox
@@ -61,24 +64,42 @@ def remote_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if "remote" in ln.lower()]
 
 
-def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path) -> None:
-    srv = RedisServer(tmp_path / "redis").start()
+@contextlib.contextmanager
+def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
+    """A real server of the tier on loopback; the environment a node uses to reach it."""
+    if tier == "redis":
+        srv: Any = RedisServer(tmp_path / "redis").start()
+        env = {"CACHECOMPILE_REMOTE": srv.url()}
+    else:
+        from s3_util import MotoServer
+
+        srv = MotoServer(tmp_path / "moto").start()
+        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
     try:
+        yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("tier", ["redis", "s3"])
+def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str) -> None:
+    with remote_server(tmp_path, tier) as env:
         box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
-        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
         a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
         assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
         assert box.compiler_calls() > 0
+        # The shared graph (the compiled program) names its model: purge --model finds it.
+        graphs = [i for i in open_store(tmp_path / "a", remote="").entries()
+                  if i.labels.get("kind") == "graph"]
+        assert graphs and all(g.labels.get("model") == "MLP" for g in graphs), graphs
         box.reset_compiler_log()
-        # Node B: its own empty store, empty Inductor dirs; the entry comes from Redis.
+        # Node B: its own empty store, empty Inductor dirs; the entry comes from the tier.
         b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **env)
         assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
         assert box.compiler_calls() == 0, box.gxx_log.read_text()
         assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
         assert remote_lines(b.stderr) == [], b.stderr
         assert manifests(tmp_path / "b")  # backfilled locally
-    finally:
-        srv.stop()
 
 
 def test_killed_server_mid_download_and_mid_upload(tmp_path: Path) -> None:
@@ -188,24 +209,3 @@ def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: P
     finally:
         srv.stop()
 
-
-def test_a_fresh_node_serves_from_s3_with_zero_compiles(tmp_path: Path) -> None:
-    from s3_util import MotoServer
-
-    srv = MotoServer(tmp_path / "moto").start()
-    try:
-        box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet",
-               "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
-        assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
-        assert box.compiler_calls() > 0
-        box.reset_compiler_log()
-        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **env)
-        assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
-        assert box.compiler_calls() == 0, box.gxx_log.read_text()
-        assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
-        assert remote_lines(b.stderr) == [], b.stderr
-        assert manifests(tmp_path / "b")  # backfilled locally
-    finally:
-        srv.stop()
