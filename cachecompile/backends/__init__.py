@@ -45,6 +45,9 @@ def register(name: str, adapter: Adapter | str) -> None:
         problem = _not_an_adapter(adapter)
         if problem:
             raise TypeError(f"backend {name!r}: {problem}")
+        if adapter.name != name:
+            raise TypeError(f"backend {name!r} calls itself {adapter.name!r}: an entry names "
+                            "its adapter, so the two must agree")
     with _lock:
         _REGISTRY[name] = adapter
 
@@ -132,6 +135,11 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
                              "group)") from None
     elif _not_an_adapter(backend) is None:
         adapter = backend  # an adapter object, given directly
+        if adapter.name in _REGISTRY and get(adapter.name) is not adapter:
+            # Entries name their adapter: two adapters under one name would load each
+            # other's programs.
+            raise ValueError(f"an adapter named {adapter.name!r} is registered already, "
+                             "and this is another one; give it a name of its own")
     elif callable(backend):
         from cachecompile.backends.bare import BareAdapter
 

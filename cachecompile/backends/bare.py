@@ -7,9 +7,10 @@ gave it: the transformed bytecode and the guards (as for every entry) and the FX
 as data (each node's op, name, target by import path and arguments: no code, no pickle)
 with its constants. A warm process skips Dynamo, rebuilds that exact graph and hands it to
 the same backend with the call's own inputs as the examples. So a warm start saves the
-trace and pays the backend. The rebuilt graph has no ``node.meta`` (Dynamo's fake
-tensors are not stored): a backend that reads it computes it itself; one that fails on
-the rebuilt graph is a warning, and that process runs the graph eagerly.
+trace and pays the backend (once per set of symbolic sizes: a backend that traces again
+specialises to the ints it is handed). The rebuilt graph has no ``node.meta`` (Dynamo's
+fake tensors are not stored): a backend that reads it computes it itself; one that fails
+on the rebuilt graph is a warning, and that process runs the graph eagerly.
 
 The backend's identity is a key factor, found the way custom Inductor passes are keyed
 (:mod:`cachecompile.key.passes`): its code, closures, defaults, the plain globals and
@@ -19,12 +20,14 @@ that cannot be identified is refused when ``cache_compile`` is called.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import json
 import logging
 import math
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,8 +100,11 @@ def _encode(v: Any, index: Mapping[Any, int]) -> JSON:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, torch.Size):
+        return {"size": [_encode(x, index) for x in v]}
     if isinstance(v, (list, tuple)):
-        return {type(v).__name__: [_encode(x, index) for x in v]}
+        # FX's immutable_list and other subclasses: as the plain kind they are.
+        return {"list" if isinstance(v, list) else "tuple": [_encode(x, index) for x in v]}
     if isinstance(v, dict) and all(isinstance(k, str) for k in v):
         return {"dict": [[k, _encode(x, index)] for k, x in v.items()]}
     if isinstance(v, slice):
@@ -125,9 +131,10 @@ def _decode(v: JSON, nodes: list[Any]) -> Any:
         return nodes[x]
     if kind == "float":
         return float(x)
-    if kind in ("list", "tuple"):
+    if kind in ("list", "tuple", "size"):
         items = [_decode(i, nodes) for i in x]
-        return items if kind == "list" else tuple(items)
+        return items if kind == "list" else tuple(items) if kind == "tuple" else \
+            torch.Size(items)
     if kind == "dict":
         return {k: _decode(i, nodes) for k, i in x}
     if kind == "slice":
@@ -136,7 +143,9 @@ def _decode(v: JSON, nodes: list[Any]) -> Any:
         return Ellipsis
     if kind == "device":
         return torch.device(x)
-    return getattr(torch, x)  # a dtype, memory format or layout, by its name
+    if kind in ("dtype", "memory_format", "layout"):
+        return getattr(torch, x)  # by its name
+    raise ValueError(f"unknown value kind {kind!r} in a stored graph")
 
 
 def dump_graph(graph: Any) -> dict[str, JSON]:
@@ -163,6 +172,16 @@ def rebuild(doc: Mapping[str, JSON], constants: Mapping[str, torch.Tensor]) -> A
         nodes.append(graph.create_node(rec["op"], target, _decode(rec["args"], nodes),
                                        _decode(rec["kwargs"], nodes), name=rec["name"]))
     return torch.fx.GraphModule(_Holder(constants), graph)
+
+
+def _name_of(fn: Any) -> str:
+    """A readable name for the key and the messages: a function's, a partial's function's,
+    an object's class's."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_name_of(fn.func)})"
+    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return identity.qualified_name(fn)
+    return f"{identity.qualified_name(type(fn))} instance"
 
 
 def structure(graph: Any) -> list[tuple[Any, ...]]:
@@ -207,7 +226,7 @@ class BareAdapter:
                 f"{e}. A backend callable is keyed by what it does (its code and what it "
                 "reads); give a function, a functools.partial or an object of your own "
                 "class, or register an adapter (docs/usage.md, 'Backends')") from None
-        self.qualname = identity.qualified_name(fn)
+        self.qualname = _name_of(fn)
         self.identity = xxhash.xxh3_128_hexdigest(repr(ident).encode())
 
     def make_options(self, config: Any) -> dict[str, Any]:
@@ -238,6 +257,8 @@ class BareAdapter:
                 value = getattr(gm, str(node.target), None)
                 if isinstance(value, torch.Tensor):
                     constants[str(node.target)] = value.detach().clone()
+        int_inputs = [i for i, x in enumerate(example_inputs)
+                      if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)]
         live = self.fn(gm, example_inputs)
         n_inputs = len(example_inputs)
 
@@ -262,8 +283,8 @@ class BareAdapter:
                 torch.save(constants, buf)
                 files[CONSTANTS_FILE] = buf.getvalue()
             # The warm process runs the backend's output for this same graph: the live one.
-            return Program(files=files, meta={"n_inputs": n_inputs, "backend": self.qualname},
-                           light=live)
+            return Program(files=files, meta={"n_inputs": n_inputs, "backend": self.qualname,
+                                              "int_inputs": int_inputs}, light=live)
 
         return Compiled(live=live, program=program)
 
@@ -272,9 +293,14 @@ class BareAdapter:
         if CONSTANTS_FILE in files:
             constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
         doc = json.loads(files[GRAPH_FILE].read_bytes())
-        compiled: list[Callable[..., Any]] = []
+        compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
         lock = threading.Lock()
         fn, qualname = self.fn, self.qualname
+        # The graph's int inputs: the sizes Dynamo made symbolic. A backend given plain
+        # ints and real tensors specialises to them (aot_autograd, compile_fx), so a
+        # dynamic graph gets its backend output per set of sizes, as Dynamo would
+        # recompile it; a static graph has none and compiles once.
+        ints = [int(i) for i in meta.get("int_inputs", [])]
 
         def first(args: tuple[Any, ...]) -> Callable[..., Any]:
             # The backend's half, in this process: the graph Dynamo gave it when it
@@ -286,16 +312,19 @@ class BareAdapter:
                 # As torch.compile with suppress_errors: the graph runs eagerly, said once.
                 logger.debug("backend %s failed on the rebuilt graph", qualname, exc_info=True)
                 fault(f"the backend {qualname} failed on the graph rebuilt from the cache "
-                      f"({type(e).__name__}: {e}); this process runs that graph eagerly. "
-                      "A backend that reads node.meta must compute it itself (FakeTensorProp)")
+                      f"({type(e).__name__}: {e}); this process runs that graph eagerly "
+                      "(docs/usage.md, 'A bare backend callable')")
                 return gm  # type: ignore[no-any-return]
 
         def call(*args: Any) -> Any:
-            if not compiled:
+            sizes = tuple(args[i] for i in ints)
+            out = compiled.get(sizes)
+            if out is None:
                 with lock:
-                    if not compiled:
-                        compiled.append(first(args))
-            return compiled[0](*args)
+                    out = compiled.get(sizes)
+                    if out is None:
+                        out = compiled[sizes] = first(args)
+            return out(*args)
 
         return call
 

@@ -225,6 +225,7 @@ def state_digest(module: torch.nn.Module) -> str:
         data = t.detach()
         if data.device.type != "cpu":
             data = data.cpu()
-        h.update(data.contiguous().view(torch.uint8).numpy().data)
+        # reshape(-1): a 0-d tensor (a logit scale) cannot be viewed as bytes otherwise.
+        h.update(data.contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 

@@ -160,10 +160,10 @@ def _uuid_json(v: Any, what: str) -> JSON:
 def _refuse_unknown(unknown: list[str], where: str, what: str) -> None:
     if unknown:
         raise UnidentifiedPassError(
-            f"{what}: {where} holds {', '.join(sorted(set(unknown)))} "
-            "(in a closure, a default or a partial argument), which has no identity to key it "
-            "by. Hold plain values, functions or passes there, or make the pass a "
-            "CustomGraphPass with a uuid()")
+            f"{what}: {where} holds {', '.join(sorted(set(unknown)))}, which has no "
+            "identity to key it by. Hold plain values, functions or settings objects there"
+            + ("" if "backend" in what else ", or make the pass a CustomGraphPass with a "
+               "uuid()"))
 
 
 def _function(fn: Any, what: str, depth: int = 0,
@@ -207,11 +207,21 @@ def _globals(fn: types.FunctionType, what: str, depth: int, seen: set[int]) -> d
         if name not in g:
             continue
         v = g[name]
-        if isinstance(v, (types.ModuleType, type)):
+        if isinstance(v, types.ModuleType):
+            if _user_module(v):
+                # A helper module the code calls into (helpers.apply(graph)): its source.
+                out[name] = {"module": v.__name__, "source": _module_source(v)}
+            continue
+        if isinstance(v, type):
             continue
         if isinstance(v, _PLAIN) or isinstance(v, (tuple, frozenset)) and all(
                 isinstance(x, _PLAIN) for x in v):
             out[name] = repr(v)
+        elif isinstance(v, (dict, list, set, tuple)):
+            # A settings dict or a list of switches, read as values.
+            unknown: list[str] = []
+            out[name] = identity.value_token(v, 0, unknown)
+            _refuse_unknown(unknown, f"global {name}", what)
         elif torch_passes.is_pattern_pass(v) or _has_uuid(v):
             out[name] = identify(v, f"{what} (global {name})")
         elif isinstance(v, types.FunctionType) and not _versioned(v) and id(v) not in seen:
@@ -221,6 +231,27 @@ def _globals(fn: types.FunctionType, what: str, depth: int, seen: set[int]) -> d
             # fusion switches): what it holds decides what the code does.
             out[name] = _settings(v, f"{what} (global {name})")
     return out
+
+
+def _user_module(m: types.ModuleType) -> bool:
+    root = m.__name__.split(".")[0]
+    return (getattr(m, "__file__", None) is not None and root not in sys.stdlib_module_names
+            and root not in _VERSIONED and not _installed(m))
+
+
+def _installed(m: types.ModuleType) -> bool:
+    """A module from site-packages: a third-party library, not the user's own code (its
+    version pins it as well as its code would; hashing it on every key would be slow)."""
+    f = str(getattr(m, "__file__", "") or "")
+    return "site-packages" in f or "dist-packages" in f
+
+
+def _module_source(m: types.ModuleType) -> str:
+    try:
+        with open(str(m.__file__), "rb") as f:
+            return xxhash.xxh3_128_hexdigest(f.read())
+    except OSError:
+        return "unreadable"
 
 
 def _config_object(v: Any) -> bool:
@@ -254,6 +285,11 @@ def _object(obj: Any, what: str) -> JSON:
     """A callable of a user class: its class's code and its attributes as values."""
     cls = type(obj)
     code = identity.class_digest(cls)
+    if code is None and (getattr(cls, "__module__", "") or "").split(".")[0] in (
+            "torch", "functorch"):
+        # torch's own callable classes (aot_autograd's AotAutograd): the torch version
+        # pins their code; what they hold (fw_compiler...) is keyed below.
+        code = f"versioned:{_qual(cls)}"
     if code is None:
         raise UnidentifiedPassError(
             f"{what} is {_qual(cls)}, a callable with no code of its own to key it by; pass a "

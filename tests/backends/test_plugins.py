@@ -240,7 +240,9 @@ def test_the_stored_graph_rebuilds_node_for_node() -> None:
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             y = torch.nn.functional.gelu(self.lin(x)).view(x.shape[0], -1)
-            return y * 2 + x.shape[0], y[:, :2].clone()
+            z = torch.cat([y, x], -1)  # a list argument
+            z = z.view(z.size())  # a torch.Size argument
+            return y * 2 + x.shape[0] + z[:, :8], y[:, :2].clone()
 
     torch._dynamo.reset()
     torch.compile(M(), backend=grab, dynamic=True)(torch.randn(4, 8))
@@ -304,10 +306,12 @@ def test_a_bare_backend_callable_skips_the_trace_in_a_warm_process(tmp_path: Pat
     # Cold: Dynamo traced, the backend ran (once for the cache, once for torch.compile).
     assert cold["event"] == "miss" and cold["traced"] >= 1 and cold["same"], cold.value
     warm = box.run(CHILD_BARE)
-    # Warm: no trace; the backend ran once on the rebuilt graph, and the results are
+    # Warm: no trace; the backend ran on the rebuilt graph, and the results are
     # torch.compile's with the same backend, exactly, at two sequence lengths.
     assert (warm["event"], warm["traced"]) == ("hit", 0), warm.stderr[-3000:]
-    assert warm["calls"] == 2 and warm["same"], warm.value
+    # The backend ran once per length (a dynamic graph's sizes: see the tracing test
+    # below), and once for the torch.compile it is compared with.
+    assert warm["calls"] == 3 and warm["same"], warm.value
     manifest = next((box.store / "v1").rglob("manifest.json"))
     factors = json.loads(manifest.read_text())["factors"]
     assert "silu_as_sigmoid_mul" in json.dumps(factors)
@@ -353,3 +357,98 @@ def test_a_backend_is_keyed_by_the_settings_object_it_reads() -> None:
         _Patterns.enable_fast_gelu = True
         SETTINGS.fusion_patterns = _Patterns()
         SETTINGS.aclgraph_only = False
+
+
+def test_registering_an_adapter_under_another_name_is_refused() -> None:
+    aot = backends.get("aot_eager")
+    with pytest.raises(TypeError, match="calls itself 'aot_eager'"):
+        backends.register("renamed", aot)
+    impostor = type("Impostor", (), {k: getattr(aot, k) for k in (
+        "shares_graphs", "torch_parts", "factors", "compile", "load", "plain_backend")})()
+    impostor.name = "inductor"
+    with pytest.raises(ContractError, match="registered already"):
+        cache_compile(Small().run, backend=impostor)
+
+
+def test_torch_own_backend_objects_and_what_a_backend_reads_are_keyed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(gm: Any, ex: list[Any]) -> Any:
+        return gm.forward
+
+    # aot_autograd(...)'s object: torch's class (the version pins it), keyed by what it holds.
+    a = BareAdapter(aot_autograd(fw_compiler=fw))
+    assert a.qualname.endswith("AotAutograd instance") and a.identity
+    # A helper module the backend calls into, and a settings dict it reads.
+    helper = tmp_path / "bk_helper.py"
+    helper.write_text("def rewrite(gm):\n    return gm\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import bk_helper  # type: ignore[import-not-found]
+
+    ns: dict[str, Any] = {"bk_helper": bk_helper, "SETTINGS": {"fast": True}}
+    exec("def backend(gm, ex):\n    bk_helper.rewrite(gm)\n"
+         "    return gm.forward if SETTINGS['fast'] else gm\n", ns)
+    first = BareAdapter(ns["backend"]).identity
+    ns["SETTINGS"]["fast"] = False
+    second = BareAdapter(ns["backend"]).identity
+    helper.write_text("def rewrite(gm):\n    return None\n")
+    third = BareAdapter(ns["backend"]).identity
+    assert len({first, second, third}) == 3
+
+
+def test_the_weights_digest_reads_every_tensor() -> None:
+    from cachecompile.key.factors import state_digest
+
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("scale", torch.tensor(2.0))  # 0-d: CLIP's logit_scale
+    m.register_buffer("mask", torch.tensor([True, False]))
+    before = state_digest(m)
+    with torch.no_grad():
+        m.scale.fill_(3.0)
+    assert state_digest(m) != before
+
+
+CHILD_TRACING = """
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from cachecompile import cache_compile
+
+def fw(gm, example_inputs):
+    return gm.forward
+
+_aot = aot_autograd(fw_compiler=fw)
+
+def tracing_backend(gm, example_inputs):  # traces the graph again: specialises to inputs
+    return _aot(gm, example_inputs)
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.cached = cache_compile(self._run, backend=tracing_backend)
+    def _run(self, x):
+        return torch.relu(self.lin(x)).sum(-1) * x.shape[0]
+
+m = M().eval()
+ok = []
+with torch.no_grad():
+    for rows in (2, 5, 2, 7):
+        x = torch.randn(rows, 8)
+        ok.append(bool(torch.allclose(m.cached(x), m._run(x), atol=1e-6)))
+report({"events": [e for e, _ in m.cached.events], "ok": ok})
+"""
+
+
+@pytest.mark.slow
+def test_a_tracing_backend_gets_each_size_of_a_dynamic_graph(tmp_path: Path) -> None:
+    # aot_autograd / compile_fx trace the graph they are given: handed plain ints and
+    # real tensors in a warm process, their output held for one size only ("size of
+    # tensor a (9) must match ... (16)" on the next). Each set of sizes gets its own.
+    box = Sandbox(tmp_path / "box")
+    cold = box.run(CHILD_TRACING)
+    assert cold["events"] == ["miss"] and all(cold["ok"]), cold.value
+    warm = box.run(CHILD_TRACING)
+    assert warm["events"] == ["hit"] and all(warm["ok"]), (warm.value, warm.stderr[-2000:])
+    assert "CacheFaultWarning" not in warm.stderr, warm.stderr[-2000:]
