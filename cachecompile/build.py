@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ from cachecompile.errors import (
     OutOfGearWarning,
     SignatureLimitWarning,
 )
+from cachecompile.key import identity
 from cachecompile.key.signature import describe, signature
 from cachecompile.procs import coop
 from cachecompile.store.config import env_float
@@ -196,9 +196,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     if "" not in sys.path and os.getcwd() not in sys.path:
         # As `python -m` and servers do: the factory's module is found from the cwd.
         sys.path.insert(0, os.getcwd())
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    obj = identity.import_attr(module_name, attr)
     if not callable(obj):
         raise ContractError(f"{spec} is {type(obj).__qualname__}, not a callable")
     return obj  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachecompile.backends.base import Adapter
+from cachecompile.key import identity
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +43,19 @@ def register(name: str, adapter: Adapter | str) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a backend name must be a non-empty str, got {name!r}")
     if not isinstance(adapter, str):
-        problem = _not_an_adapter(adapter)
-        if problem:
-            raise TypeError(f"backend {name!r}: {problem}")
-        if adapter.name != name:
-            raise TypeError(f"backend {name!r} calls itself {adapter.name!r}: an entry names "
-                            "its adapter, so the two must agree")
+        _check(name, adapter, f"backend {name!r}")
     with _lock:
         _REGISTRY[name] = adapter
+
+
+def _check(name: str, obj: Any, what: str) -> None:
+    """TypeError unless ``obj`` is an adapter that calls itself ``name``."""
+    problem = _not_an_adapter(obj)
+    if problem:
+        raise TypeError(f"{what}: {problem}")
+    if obj.name != name:
+        raise TypeError(f"{what} calls itself {obj.name!r}: an entry names its adapter, so "
+                        "the two must agree")
 
 
 def _not_an_adapter(obj: Any) -> str | None:
@@ -95,15 +101,8 @@ def get(name: str) -> Adapter:
     if not isinstance(ref, str):
         return ref
     module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module.strip())
-    for part in (attr.strip() or "ADAPTER").split("."):
-        obj = getattr(obj, part)
-    problem = _not_an_adapter(obj)
-    if problem:
-        raise TypeError(f"backend {name!r} ({ref}): {problem}")
-    if obj.name != name:
-        raise TypeError(f"backend {name!r} ({ref}) calls itself {obj.name!r}: an entry names "
-                        "its adapter, so the two must agree")
+    obj = identity.import_attr(module.strip(), attr.strip() or "ADAPTER")
+    _check(name, obj, f"backend {name!r} ({ref})")
     with _lock:
         _REGISTRY[name] = obj
     adapter: Adapter = obj

@@ -21,7 +21,6 @@ that cannot be identified is refused when ``cache_compile`` is called.
 from __future__ import annotations
 
 import functools
-import importlib
 import io
 import json
 import logging
@@ -87,10 +86,7 @@ def _resolve(ref: Mapping[str, str]) -> Any:
             obj = getattr(obj, part)
         return obj
     module, _, name = ref["fn"].partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return identity.import_attr(module, name)
 
 
 def _encode(v: Any, index: Mapping[Any, int]) -> JSON:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import enum
 import functools
+import importlib
 import types
 from typing import Any
 
@@ -62,6 +63,15 @@ def _const_token(v: Any) -> str:
 
 def qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+
+
+def import_attr(module: str, path: str) -> Any:
+    """The object at ``module``'s dotted attribute ``path`` (``"torch.nn.functional",
+    "gelu"``; ``"pkg.mod", "Cls.ADAPTER"``): ImportError or AttributeError if none."""
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 # Classes from these packages are pinned by the torch and Python version factors.

@@ -203,21 +203,21 @@ class S3Remote(BlobRemote):
             return None
 
     def _head(self, what: str, key: str) -> dict[str, Any] | None:
-
         try:
             return dict(self._call(what, lambda ob, s: ob.head(s, key)))
         except _Gone:
             return None
 
-    def _list(self, kind: str) -> list[Any]:
+    def _list(self, kind: str = "") -> list[Any]:
+        """Every object's meta under ``v1/<kind>/`` (everything under ``v1/`` without one)."""
+        prefix = f"{_LAYOUT}/{kind}/" if kind else f"{_LAYOUT}/"
 
         def ls(ob: Any, s: Any) -> list[Any]:
-            return [m for batch in ob.list(s, f"{_LAYOUT}/{kind}/") for m in batch]
+            return [m for batch in ob.list(s, prefix) for m in batch]
 
-        return list(self._call(f"list {kind}s", ls))
+        return list(self._call(f"list {kind or 'object'}s", ls))
 
     def _delete(self, what: str, key: str) -> None:
-
         try:
             self._call(what, lambda ob, s: ob.delete(s, key))
         except _Gone:
@@ -225,13 +225,8 @@ class S3Remote(BlobRemote):
 
     # -- reads ---------------------------------------------------------------------------
     def ping(self) -> bool:
-
-        def first(ob: Any, s: Any) -> bool:
-            for _ in ob.list(s, f"{_LAYOUT}/entry/", chunk_size=1):
-                break
-            return True
-
-        return bool(self._call("list", first))
+        self._call("list", lambda ob, _s: self._check_bucket(ob))
+        return True
 
     def contains(self, digest: str) -> bool:
         return self._head("head record", self._key("entry", digest)) is not None
@@ -284,16 +279,11 @@ class S3Remote(BlobRemote):
         return parse_records(raws())
 
     def info(self) -> dict[str, Any]:
-
-        def ls(ob: Any, s: Any) -> list[Any]:
-            return [m for batch in ob.list(s, f"{_LAYOUT}/") for m in batch]
-
-        objs = list(self._call("list", ls))
+        objs = self._list()
         return {"objects": len(objs), "stored_bytes": sum(int(m["size"]) for m in objs)}
 
     # -- writes --------------------------------------------------------------------------
     def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
-
         mode: Any = "create" if tag is None else {"e_tag": str(tag)}
         key = self._key("entry", digest)
 
@@ -332,7 +322,6 @@ class S3Remote(BlobRemote):
         return chunks
 
     def _put_blob(self, path: Path, sha: str, progress: Callable[[int], None] | None) -> int:
-
         size = os.path.getsize(path)
         key = self._key("blob", sha)
         chunk = max(self.config.chunk, 5 * 1024**2)  # S3's smallest multipart part
