@@ -8,6 +8,7 @@ banned-api rule, TID251, keeps it so; see pyproject.toml), one module per concer
 * :mod:`.runtime`          warm path, ``torch`` only: global state, function modes,
                            SDPBackend, operators, pytree, what is imported
 * :mod:`.dynamo_shim`      the stand-in for ``torch._dynamo.utils`` in replayed bytecode
+* :mod:`.guard_tree`       warm path: Dynamo's C++ guard tree, built without Dynamo
 * :mod:`.inductor_runtime` the stand-ins for the Inductor names that output code imports
 * :mod:`.dynamo`           cold path: tracing, guards, transformed bytecode, AOTAutograd
 * :mod:`.inductor`         cold path: compile_fx, output code, kernels, import rewriting

@@ -461,7 +461,7 @@ def _rng_snapshot() -> Callable[[], None]:
 
 
 def _guard_text(gd: dict[str, Any]) -> str:
-    if gd["kind"] == "alias":
+    if gd["kind"] in ("alias", "overlap"):
         return " ".join(gd["value"]["exprs"])
     return str(gd.get("expr", ""))
 

@@ -259,6 +259,22 @@ class _Builder:
                         for grp in shared))
             self.out.append({"kind": "alias", "expr": "", "args": per_call, "text": text,
                              "value": {"exprs": exprs, "groups": list(groups.values())}})
+            if per_call:
+                self.overlap(chosen)
+
+    def overlap(self, chosen: list[tuple[str, Any]]) -> None:
+        """Which input tensors share memory (views of one buffer): a program traced with
+        inputs apart must not run on overlapping views that one of them writes through.
+        Dynamo guards this only when the views overlapped at trace time, with dynamic
+        shapes (AOTAutograd's StorageOverlap); the entry always guards it."""
+        exprs = [x for x, _ in chosen]
+        groups = g.overlap_groups([v for _, v in chosen])
+        text = ("input tensors do not share memory" if not groups else
+                "input tensors share memory: " + "; ".join(
+                    " and ".join(g.user_text(exprs[i], self.module_name) for i in grp)
+                    for grp in groups))
+        self.out.append({"kind": "overlap", "expr": "", "args": True, "text": text,
+                         "value": {"exprs": exprs, "groups": groups}})
 
 
 def tensor_dims_from_graph(gm: Any) -> dict[str, tuple[list[Any], list[Any]]]:

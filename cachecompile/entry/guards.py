@@ -74,7 +74,7 @@ class GuardMode(enum.Enum):
 # Kinds, in the order a checker evaluates them (cheap ones first).
 GLOBAL_KINDS = ("global_state", "modes", "default_device")
 KINDS = ("global_state", "modes", "default_device", "type", "eq", "len", "keys", "hasattr",
-         "contains", "not_in_dict", "ident", "tensor", "alias", "expr")
+         "contains", "not_in_dict", "ident", "tensor", "alias", "overlap", "expr")
 
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
 GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
@@ -181,6 +181,63 @@ def _tensor_check(facts: Mapping[str, JSON]) -> Callable[[Any], bool]:
     return check
 
 
+# -- memory overlap between input tensors ---------------------------------------------------
+def overlap_groups(tensors: Sequence[Any]) -> list[list[int]]:
+    """Which of ``tensors`` may share memory: groups (two or more indices) of tensors whose
+    byte ranges in one storage intersect, chained; tensors alone are left out.
+
+    A program traced with distinct inputs assumes that a write to one is not seen through
+    another (AOTAutograd builds a synthetic base only for inputs that overlapped at trace
+    time, and Dynamo's own identity guard passes two views of one buffer). Intersecting
+    ranges is conservative (interleaved strided views count as overlapping), which is safe
+    because the same rule runs at trace time and at the check.
+    """
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    if all(len(v) < 2 for v in by_storage.values()):
+        return []           # the common case: every tensor has its own storage
+    groups: list[list[int]] = []
+    for members in by_storage.values():
+        if len(members) < 2:
+            continue
+        spans = sorted((_byte_span(tensors[i]), i) for i in members)
+        current: list[int] = []
+        end = -1
+        for (lo, hi), i in spans:
+            if current and lo < end:
+                current.append(i)
+                end = max(end, hi)
+                continue
+            if len(current) > 1:
+                groups.append(sorted(current))
+            current, end = [i], hi
+        if len(current) > 1:
+            groups.append(sorted(current))
+    return sorted(groups)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor can reach: [start, end)."""
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    if t.numel() == 0:
+        return start, start
+    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(),
+                                                                 strict=True))
+    return start, start + extent * size
+
+
+def _overlap_check(groups: JSON) -> Callable[..., bool]:
+    expected = sorted(sorted(grp) for grp in groups)
+
+    def check(*tensors: Any) -> bool:
+        return overlap_groups(tensors) == expected
+
+    return check
+
+
 # -- global state ---------------------------------------------------------------------------
 def function_modes() -> list[str]:
     """The active torch function modes, innermost last, by class."""
@@ -211,12 +268,34 @@ _EXPR_HELPERS: dict[str, Any] = {
 
 
 # -- checkers -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the checker was compiled from, for :mod:`cachecompile.entry.guard_tree`:
+    the guards in check order, each one's Python condition, and the namespace and
+    parameter text those conditions run in."""
+
+    func: types.FunctionType
+    guards: list[GuardDict]
+    conds: list[str]
+    env: dict[str, Any]
+    params: str
+    names: list[str]
+
+    def function(self, name: str, src: str) -> Callable[..., Any]:
+        """``src`` (defining ``name``) compiled in the checker's namespace."""
+        exec(compile(src, f"<cachecompile {name} {self.func.__qualname__}>", "exec"),  # noqa: S102
+             self.env)
+        fn: Callable[..., Any] = self.env[name]
+        return fn
+
+
 class Checker:
     """The compiled guard functions of one entry, bound to the live method."""
 
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
                  explain: Callable[..., str | None], n_guards: int, n_per_call: int,
-                 failure: Callable[..., tuple[str, str] | None] | None = None) -> None:
+                 failure: Callable[..., tuple[str, str] | None] | None = None,
+                 parts: Parts | None = None) -> None:
         self.per_call = per_call
         self.full = full
         self.explain = explain
@@ -226,6 +305,7 @@ class Checker:
         self.failure = failure or (lambda *a, **k: None)
         self.n_guards = n_guards
         self.n_per_call = n_per_call
+        self.parts = parts
 
 
 def _params(func: types.FunctionType) -> tuple[str, list[str]]:
@@ -326,6 +406,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             for grp in groups:
                 parts.extend(f"{exprs[grp[0]]} is {exprs[i]}" for i in grp[1:])
             cond = "(" + " and ".join(parts) + ")"
+        elif kind == "overlap":
+            exprs = [rewrite(x) for x in value["exprs"]]
+            cond = f"{const(_overlap_check(value['groups']))}({', '.join(exprs)})"
         elif kind == "expr":
             cond = f"({e})"
         else:
@@ -341,8 +424,8 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         # path they read (``self.m._modules['h']...``) is evaluated once, where a guard
         # first needs it, as Dynamo's guard tree shares its accessors. A guard that raises
         # (a missing attribute, a wrong type) is a failed guard.
-        body = _guard_lines(selected, share)
-        return (f"def {name}({params}):\n    try:\n{_indent(prologue)}{_indent(_indent(body))}"
+        body = guard_lines(selected, share)
+        return (f"def {name}({params}):\n    try:\n{indent(prologue)}{indent(indent(body))}"
                 "        return True\n    except Exception:\n        return False\n")
 
     per = [c for c, p, _ in conds if p]
@@ -375,7 +458,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
                      f"        except Exception:\n            return {i}\n"
                      for i, (c, _, _) in enumerate(conds)]
             try:
-                compiled(f"def __cc_first_failure({params}):\n    try:\n{_indent(prologue)}"
+                compiled(f"def __cc_first_failure({params}):\n    try:\n{indent(prologue)}"
                          + "".join(lines) + "    except Exception:\n        return -2\n"
                          "    return -1\n", ("__cc_first_failure",), "guard report")
             except UnsupportedProgramError:  # the same guards compiled as ``full``: unseen
@@ -432,7 +515,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         return _explain_at(i, args, kwargs) or "a guard failed", _subject_at(i)
 
     return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
-                   n_guards=len(conds), n_per_call=len(per), failure=failure)
+                   n_guards=len(conds), n_per_call=len(per), failure=failure,
+                   parts=Parts(func=func, guards=list(ordered), conds=[c for c, _, _ in conds],
+                               env=env, params=params, names=names))
 
 
 class _PathSharer(ast.NodeTransformer):
@@ -478,7 +563,7 @@ class _PathSharer(ast.NodeTransformer):
         return node  # its names are its own parameters: nothing to share
 
 
-def _guard_lines(conds: Sequence[str], share_paths: bool) -> str:
+def guard_lines(conds: Sequence[str], share_paths: bool) -> str:
     """``if not (cond): return False`` per guard; with ``share_paths`` each object path is
     bound to a local once, where a guard first reads it (this parses every guard)."""
     sharer = _PathSharer() if share_paths else None
@@ -564,5 +649,5 @@ def _tensor_differences(t: torch.Tensor, facts: Any) -> list[str]:
     return out
 
 
-def _indent(block: str) -> str:
+def indent(block: str) -> str:
     return "".join("    " + line + "\n" for line in block.splitlines())

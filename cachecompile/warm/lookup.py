@@ -19,6 +19,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from cachecompile.entry import guard_tree
 from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.files import BYTECODE_FILE
 from cachecompile.entry.guards import GuardMode
@@ -242,10 +243,16 @@ class Lookup:
     def check_of(self, checker: guards_mod.Checker) -> Callable[..., bool] | None:
         """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
         or the argument guards only (FIRST; None when there are none)."""
-        fn = checker.full if self._spec.guards is GuardMode.ALWAYS else checker.per_call
-        if fn is checker.per_call and checker.n_per_call == 0:
+        if self._spec.guards is GuardMode.ALWAYS:
+            if checker.parts is None:
+                return types.MethodType(checker.full, self._module)
+            # Every guard on every call: Dynamo's C++ tree once the Python check has
+            # passed, the Python check whenever the tree does not hold.
+            return types.MethodType(guard_tree.EveryCall(checker.parts, checker.full),
+                                    self._module)
+        if checker.n_per_call == 0:
             return None
-        return types.MethodType(fn, self._module)
+        return types.MethodType(checker.per_call, self._module)
 
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.

@@ -260,6 +260,20 @@ class AliasedInputs(Base):
         return a + b
 
 
+class OverlappingViews(Base):
+    """two views of one buffer, both written: Dynamo's identity guard passes them"""
+    expect = "share memory"
+    def inputs(self):
+        if CHANGED:
+            buf = torch.zeros(6)
+            return (buf[0:4], buf[2:6])
+        return (torch.zeros(4), torch.zeros(4))
+    def run(self, a, b):
+        a.add_(1)
+        b.mul_(2)
+        return a + b
+
+
 class EqualSizesThenNot(Base):
     expect = "size()"
     def inputs(self):
@@ -359,7 +373,8 @@ class NamedTupleArgument(Base):
 ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, EnvReadWhileUnset, PrivateAttr,
        DictValue, ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
        DtypeAttr, FunctionAttr, PartialKeywords, InstanceMethodPatched, ClassMethodPatched,
-       UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, EqualSizesThenNot,
+       UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, OverlappingViews,
+       EqualSizesThenNot,
        ShapeBranch, TensorAttrReshaped, NonModuleTensorState, DecoratedMethod,
        DataclassArgument, NamedTupleArgument]
 '''
@@ -444,7 +459,7 @@ CASE_NAMES = [
     "ListOfLists", "NamespaceConfig", "PlainObjectConfig", "DataclassConfig", "ClassAttr",
     "DtypeAttr", "FunctionAttr", "PartialKeywords", "InstanceMethodPatched",
     "ClassMethodPatched", "UnderAutocast", "UnderFunctionMode", "SubclassInput",
-    "AliasedInputs", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
+    "AliasedInputs", "OverlappingViews", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
     "NonModuleTensorState", "DecoratedMethod", "DataclassArgument", "NamedTupleArgument",
 ]
 

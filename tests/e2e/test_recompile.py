@@ -227,3 +227,113 @@ def test_sharing_lost_after_the_first_call_is_a_miss(tmp_path: Path, backend: st
             again = cache_compile(m2.run, backend=backend, cache_dir=d)
             assert torch.allclose(again(ids), m2.run(ids), atol=1e-6)
             assert [e for e, _ in again.events] == ["hit"], (tie, again.events)
+
+
+class WritesBoth(nn.Module):
+    def run(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        b.mul_(2)
+        return a + b
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_overlapping_views_after_the_first_call_are_a_miss(tmp_path: Path, backend: str) -> None:
+    """Two views of one buffer, both written, passed where the entry was traced with two
+    buffers: the program assumes a write to one is not seen through the other. Dynamo's
+    identity guard lets the views through (torch.compile gives a wrong result here with
+    static shapes); the entry's memory-overlap guard misses."""
+    d = tmp_path / "cc"
+    m = WritesBoth()
+
+    def views() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = torch.zeros(6)
+        return buf, buf[0:4], buf[2:6]
+
+    cache_compile(m.run, backend=backend, cache_dir=d)(torch.zeros(4), torch.zeros(4))
+    warm = cache_compile(m.run, backend=backend, cache_dir=d)   # loads the entry
+    assert torch.equal(warm(torch.zeros(4), torch.zeros(4)), torch.full((4,), 1.0))
+    buf, a, b = views()
+    ref_buf, ra, rb = views()
+    got, want = warm(a, b), m.run(ra, rb)
+    assert torch.equal(got, want) and torch.equal(buf, ref_buf), (got, want, buf, ref_buf)
+    assert [e for e, _ in warm.events] == ["hit", "miss"], warm.events
+    # Views that do not overlap (one buffer, disjoint halves) behave as two buffers: a hit.
+    buf = torch.zeros(8)
+    again = cache_compile(m.run, backend=backend, cache_dir=d)
+    assert torch.equal(again(buf[0:4], buf[4:8]), torch.full((4,), 1.0))
+    assert [e for e, _ in again.events] == ["hit"], again.events
+
+
+TREE_MODEL = '''
+import torch
+from torch import nn
+ACT = "tanh"
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.table = {"scale": 2}
+        self.use_gate = True
+    def run(self, x):
+        y = getattr(torch, ACT)(self.lin(x)) * self.table["scale"]
+        return y.relu() if self.use_gate else y
+'''
+
+TREE_CHILD = '''
+import os, sys, torch
+import tree_model as tm
+from cachecompile import cache_compile
+m = tm.Gated().eval()
+f = cache_compile(m.run, backend=os.environ["BACKEND"])
+x = torch.randn(3, 4)
+ok = []
+steps = [None, None, None, ("use_gate", False), None, None, ("act", "sigmoid"), None, None,
+         ("use_gate", True), None]
+if os.environ.get("NEW_STATE"):   # a state no process published: compiled live here
+    steps += [("scale", 5), None, None]
+dynamo_before_change = None
+for step in steps:
+    if step is not None and dynamo_before_change is None:
+        dynamo_before_change = "torch._dynamo" in sys.modules
+    if step and step[0] == "use_gate":
+        m.use_gate = step[1]
+    elif step and step[0] == "scale":
+        m.table["scale"] = step[1]
+    elif step and step[0] == "act":
+        tm.ACT = step[1]
+    with torch.no_grad():
+        ok.append(bool(torch.allclose(f(x), m.run(x), atol=1e-6)))
+v = [v for vs in f._runners.values() for v in vs]
+report({"ok": ok, "events": [e for e, _ in f.events], "dynamo_before_change":
+        dynamo_before_change, "trees": [getattr(x.check.__func__, "tree", None) is not None
+                                        for x in v if x.check is not None]})
+'''
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_state_changes_after_the_tree_is_built_in_a_warm_process(tmp_path: Path,
+                                                                  backend: str) -> None:
+    """A warm process (no Dynamo imported) checks by the C++ tree from its second call;
+    changes after that (an attribute, a dict value, a module global) each fail the tree
+    and are looked up, or compiled live with the real Dynamo imported then; every output
+    equals eager's."""
+    from ccutil import Sandbox
+
+    box = Sandbox(tmp_path)
+    (tmp_path / "tree_model.py").write_text(TREE_MODEL)
+    cold = box.run(TREE_CHILD, BACKEND=backend)
+    assert all(cold["ok"]), cold.value
+    warm = box.run(TREE_CHILD, BACKEND=backend)
+    assert all(warm["ok"]), warm.value
+    assert warm["dynamo_before_change"] is False, warm.value
+    # Every state the cold process published is a hit here; the tree was built on them.
+    assert set(warm["events"]) == {"hit"}, (cold.value["events"], warm.value["events"])
+    assert all(warm["trees"]), warm.value
+    # A new state after trees were built without Dynamo: the real Dynamo compiles it live
+    # in this process (it adopts the stand-in's manager type), right, and its own later
+    # calls check by a tree too.
+    new = box.run(TREE_CHILD, BACKEND=backend, NEW_STATE="1")
+    assert all(new["ok"]), new.value
+    assert new["events"] == ["hit"] * len(warm["events"]) + ["miss"], new.value
+    assert all(new["trees"]), new.value

@@ -1,0 +1,311 @@
+"""Dynamo's C++ guard tree (``torch._C._dynamo.guards``), built without importing Dynamo.
+
+``import torch`` already loads the C++ classes: ``RootGuardManager``, its accessors
+(``getattr_manager``, ``dict_getitem_manager``, ...) and leaf guards. Creating a child
+accessor makes the C++ import ``torch._dynamo.guards`` (for ``GuardManagerType``) and
+``torch._dynamo.config`` (a few flags), which would pull in all of Dynamo (~2.5 s). While a
+tree is built, and only if Dynamo is not imported yet, stand-ins for those two modules sit
+in ``sys.modules`` under the import lock; the finished tree no longer reads them, and a
+later real ``import torch._dynamo`` works (tested).
+
+Every name here is private and per release: :func:`probe` builds a small tree and checks
+that it accepts and rejects what it should; where it fails, :func:`available` is False and
+cachecompile checks guards in Python only.
+
+What a leaf takes, side by side per release (2.13-2.15 agree): ``add_*_guard(value...,
+verbose_code_parts, user_stack)``; ``add_tensor_match_guard(value, sizes, strides, name,
+verbose_code_parts, user_stack, pytype, dispatch_keys)``.
+"""
+
+from __future__ import annotations
+
+import _imp
+import ast
+import contextlib
+import enum
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("torch", "_C._dynamo.guards.RootGuardManager"),
+    ("torch", "_C._dynamo.guards.GlobalStateGuard"),
+    ("torch", "_C._dynamo.guards.install_no_tensor_aliasing_guard"),
+    ("torch", "_C._dynamo.guards.install_object_aliasing_guard"),
+    ("torch", "_C._dispatch_keys"),
+)
+
+_G: Any = getattr(torch._C, "_dynamo", None) and torch._C._dynamo.guards  # type: ignore[attr-defined]
+
+
+# The flags the C++ reads from torch._dynamo.config when it creates a manager; their
+# defaults are read from this torch's config.py (:func:`_config_defaults`).
+_CONFIG_FLAGS = ("max_saved_pointers_for_recursive_dict_tags_check",
+                 "skip_tensor_guards_with_matching_dict_tags", "verbose")
+_STAND_INS = ("torch._dynamo", "torch._dynamo.guards", "torch._dynamo.config")
+
+
+def _module_ast(name: str) -> ast.Module | None:
+    """The parsed source of a torch module, without importing it."""
+    spec = importlib.util.find_spec(name) if "torch._dynamo" in sys.modules else \
+        importlib.machinery.PathFinder.find_spec(name.rsplit(".", 1)[-1], _dynamo_path())
+    if spec is None or not spec.origin:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def _dynamo_path() -> list[str]:
+    return [os.path.join(os.path.dirname(torch.__file__), "_dynamo")]
+
+
+@functools.cache
+def _manager_type() -> type[enum.Enum] | None:
+    """A copy of this torch's ``GuardManagerType`` (names and values, read from the
+    source of torch/_dynamo/guards.py), or None if it is not there as expected."""
+    tree = _module_ast("torch._dynamo.guards")
+    for node in tree.body if tree else ():
+        if isinstance(node, ast.ClassDef) and node.name == "GuardManagerType":
+            members = {t.id: v.value for a in node.body if isinstance(a, ast.Assign)
+                       for t in a.targets if isinstance(t, ast.Name)
+                       for v in (a.value,) if isinstance(v, ast.Constant)}
+            if "GUARD_MANAGER" in members:
+                return enum.Enum("GuardManagerType", members)  # type: ignore[return-value]
+    return None
+
+
+@functools.cache
+def _config_defaults() -> dict[str, Any] | None:
+    """The defaults of the flags the C++ reads, from the source of torch/_dynamo/config.py."""
+    tree = _module_ast("torch._dynamo.config")
+    found: dict[str, Any] = {}
+    for node in tree.body if tree else ():
+        target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+                  else node.target if isinstance(node, ast.AnnAssign) else None)
+        if isinstance(target, ast.Name) and target.id in _CONFIG_FLAGS:
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Constant):
+                found[target.id] = value.value
+            elif target.id == "verbose":   # set from the environment in every release
+                found[target.id] = os.environ.get("TORCHDYNAMO_VERBOSE", "0") == "1"
+    return found if set(found) == set(_CONFIG_FLAGS) else None
+
+
+class _AdoptStandIn(importlib.abc.MetaPathFinder):
+    """Once a stand-in ``GuardManagerType`` has been used, the C++ compares every later
+    manager type with the stand-in's members (by identity, cached on first use). So the
+    real ``torch._dynamo.guards``, when it is imported later, adopts the stand-in class
+    (same names and values; only that module uses it), and torch.compile keeps working."""
+
+    def __init__(self, stand_in: type[enum.Enum]) -> None:
+        self.stand_in = stand_in
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo.guards":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+        stand_in = self.stand_in
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            module.GuardManagerType = stand_in  # type: ignore[attr-defined]
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_adopting: list[_AdoptStandIn] = []
+
+Manager = Any   # a torch._C._dynamo.guards.GuardManager
+
+
+@contextlib.contextmanager
+def building() -> Iterator[Any]:
+    """Hold the import lock, with stand-ins for Dynamo's modules unless it is imported.
+
+    Yields the ``GuardManagerType`` member to pass to accessors."""
+    _imp.acquire_lock()
+    try:
+        if "torch._dynamo.guards" in sys.modules:
+            yield sys.modules["torch._dynamo.guards"].GuardManagerType.GUARD_MANAGER
+            return
+        manager_type, defaults = _manager_type(), _config_defaults()
+        if manager_type is None or defaults is None:
+            raise RuntimeError("torch._dynamo's GuardManagerType or config flags are not "
+                               "where this release is expected to keep them")
+        if not _adopting:
+            _adopting.append(_AdoptStandIn(manager_type))
+            sys.meta_path.insert(0, _adopting[0])
+        saved = {k: sys.modules.get(k) for k in _STAND_INS}
+        pkg = types.ModuleType("torch._dynamo")
+        pkg.__path__ = []
+        gmod = types.ModuleType("torch._dynamo.guards")
+        gmod.GuardManagerType = manager_type  # type: ignore[attr-defined]
+        cfg = types.ModuleType("torch._dynamo.config")
+        cfg.__dict__.update(defaults)
+        pkg.guards, pkg.config = gmod, cfg  # type: ignore[attr-defined]
+        sys.modules.update({"torch._dynamo": pkg, "torch._dynamo.guards": gmod,
+                            "torch._dynamo.config": cfg})
+        try:
+            yield manager_type.GUARD_MANAGER  # type: ignore[attr-defined]
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+    finally:
+        _imp.release_lock()
+
+
+def root() -> Manager:
+    return _G.RootGuardManager()
+
+
+def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source: str,
+          enum_: Any) -> Manager:
+    """The accessor for one step of an object path from ``parent`` (the value ``mgr``
+    guards): ``("attr", name)``, ``("item", key)``, ``("type", None)`` (``type(parent)``)
+    or ``("__dict__", None)`` (the instance dict, without running ``__getattr__``).
+
+    Dicts whose lookup is dict's (no ``__missing__``) use the dict accessor, lists and tuples theirs, anything
+    else Python's ``obj[key]`` (the same lookup the Python check makes)."""
+    how, key = step
+    if how == "type":
+        return mgr.type_manager(source=source, example_value=example, guard_manager_enum=enum_)
+    if how == "__dict__":
+        return mgr.get_generic_dict_manager(source=source, example_value=example,
+                                            guard_manager_enum=enum_)
+    if how == "attr":
+        return mgr.getattr_manager(attr=key, source=source, example_value=example,
+                                   guard_manager_enum=enum_)
+    kw = {"key": key, "source": source, "example_value": example, "guard_manager_enum": enum_}
+    parent = type(parent)
+    if (issubclass(parent, dict) and parent.__getitem__ is dict.__getitem__
+            and not hasattr(parent, "__missing__")):   # the C++ lookup skips __missing__
+        return mgr.dict_getitem_manager(**kw)
+    if parent is list and isinstance(key, int):
+        return mgr.list_getitem_manager(**kw)
+    if parent is tuple and isinstance(key, int):
+        return mgr.tuple_getitem_manager(**kw)
+    return mgr.getitem_manager(**kw)
+
+
+def type_match(mgr: Manager, cls: type, text: str) -> None:
+    mgr.add_type_match_guard(id(cls), [text], None)
+
+
+def id_match(mgr: Manager, obj: Any, text: str) -> None:
+    mgr.add_id_match_guard(id(obj), [text], None)
+
+
+def equals(mgr: Manager, value: Any, text: str) -> None:
+    """``type(x) is type(value) and x == value`` (EQUALS_MATCH checks the type first)."""
+    mgr.add_equals_match_guard(value, [text], None)
+
+
+def length(mgr: Manager, obj: Any, n: int, text: str) -> bool:
+    """A length leaf where C++ has one for ``obj``'s kind (dicts, lists, tuples)."""
+    if isinstance(obj, dict):
+        mgr.add_dict_length_check_guard(n, [text], None)
+        return True
+    if type(obj) in (list, tuple):
+        mgr.add_length_check_guard(n, [text], None)
+        return True
+    return False
+
+
+def no_hasattr(mgr: Manager, attr: str, text: str) -> None:
+    mgr.add_no_hasattr_guard(attr, [text], None)
+
+
+def dict_contains(mgr: Manager, obj: Any, present: bool, key: Any, text: str) -> bool:
+    if type(obj) is not dict and (not isinstance(obj, dict)
+                                  or type(obj).__contains__ is not dict.__contains__):
+        return False
+    mgr.add_dict_contains_guard(present, key, [text], None)
+    return True
+
+
+def tensor(mgr: Manager, t: torch.Tensor, sizes: Sequence[int | None],
+           strides: Sequence[int | None], name: str, text: str) -> None:
+    """TENSOR_MATCH: class, dispatch keys, dtype, device, requires_grad, the static dims."""
+    mgr.add_tensor_match_guard(t, list(sizes), list(strides), name, [text], None, type(t),
+                               torch._C._dispatch_keys(t))
+
+
+def global_state(mgr: Manager, text: str) -> None:
+    """The global state as it is now (built right after the Python check passed)."""
+    mgr.add_global_state_guard(_G.GlobalStateGuard(), [text], None)
+
+
+def predicate(mgr: Manager, fn: Callable[[Any], bool], text: str) -> None:
+    """A Python check of the manager's value (a leaf with no native form)."""
+    mgr.add_lambda_guard(fn, [text], None)
+
+
+def distinct(mgrs: Sequence[Manager], names: Sequence[str], text: str) -> None:
+    """The values of ``mgrs`` are distinct objects (Dynamo's NO_TENSOR_ALIASING)."""
+    _G.install_no_tensor_aliasing_guard(list(mgrs), list(names), [text], None)
+
+
+def same_object(a: Manager, b: Manager, text: str) -> None:
+    _G.install_object_aliasing_guard(a, b, [text], None)
+
+
+def check(tree: Manager, frame: dict[str, Any]) -> bool:
+    return bool(tree.check(frame))
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch builds and checks a tree as this module expects (once per process)."""
+    if _G is None:
+        return False
+    try:
+        lin = torch.nn.Linear(2, 2)
+        x = torch.randn(3, 2)
+        with building() as enum_:
+            r = root()
+            frame = {"self": lin, "x": x}
+            m = child(r, frame, ("item", "self"), lin, "self", enum_)
+            type_match(m, type(lin), "type")
+            hooks = child(m, lin, ("attr", "_forward_hooks"), lin._forward_hooks, "hooks", enum_)
+            length(hooks, lin._forward_hooks, 0, "no hooks")
+            w = child(m, lin, ("attr", "weight"), lin.weight, "w", enum_)
+            tensor(w, lin.weight, [2, 2], [2, 1], "w", "w")
+            xm = child(r, frame, ("item", "x"), x, "x", enum_)
+            tensor(xm, x, [None, 2], [2, 1], "x", "x")
+            distinct([w, xm], ["w", "x"], "distinct")
+            predicate(r, lambda d: d["x"].shape[0] <= 8, "x.size(0) <= 8")
+            global_state(r, "global state")
+        ok = (check(r, frame) and check(r, {"self": lin, "x": torch.randn(5, 2)})
+              and not check(r, {"self": lin, "x": torch.randn(9, 2)})
+              and not check(r, {"self": lin, "x": torch.randn(3, 3)})
+              and not check(r, {"self": lin, "x": lin.weight}))
+        with torch.set_grad_enabled(not torch.is_grad_enabled()):   # global state flipped
+            ok = ok and not check(r, frame)
+        h = lin.register_forward_hook(lambda *a: None)
+        ok = ok and not check(r, {"self": lin, "x": x})
+        h.remove()
+    except Exception:  # noqa: BLE001 - any difference in this release: Python checks only
+        logger.debug("the C++ guard tree is unavailable on this torch", exc_info=True)
+        return False
+    if not ok:
+        logger.debug("the C++ guard tree checks differently on this torch: not used")
+    return ok

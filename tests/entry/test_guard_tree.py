@@ -1,0 +1,273 @@
+"""The C++ guard tree a loaded entry checks on every call (entry/guard_tree.py).
+
+The tree is built from the same guards as the Python checker, on the objects a passing
+Python check just saw. What it must keep: it never passes where the Python check fails
+(each change below, to the very objects it was built on), and where it fails on state the
+Python check accepts (an equal replacement object) the Python check decides and the tree
+is built again. Building it imports no Dynamo.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cachecompile._torch import guard_tree as native
+from cachecompile.entry import guard_tree, values
+from cachecompile.entry import guards as g
+
+
+class Cfg:
+    def __init__(self) -> None:
+        self.act = "relu"
+        self.width = 3
+        self.table = [[1, 2], [3, 4]]
+        self.dims = (2, 3)
+
+
+class M(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cfg = Cfg()
+        self.fn = F.relu
+        self.opts = {"mode": "a"}
+        self.dtype = torch.float32
+
+    def helper(self, y: torch.Tensor) -> torch.Tensor:
+        return y * 2
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _guard(kind: str, expr: str, value: Any, args: bool = False) -> dict[str, Any]:
+    return {"kind": kind, "expr": expr, "value": value, "text": g.user_text(expr), "args": args}
+
+
+LIN = "___odict_getitem(L['self']._modules, 'lin')"
+
+
+def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
+    return [
+        _guard("global_state", "", None),   # value filled in below
+        _guard("type", "L['self']", g.type_value(M)),
+        _guard("type", "L['self'].cfg", g.type_value(Cfg)),
+        _guard("eq", "L['self'].cfg.act", values.encode_value("relu")),
+        _guard("eq", "L['self'].cfg.width", values.encode_value(3)),
+        _guard("eq", "L['self'].cfg.dims", values.encode_value((2, 3))),
+        _guard("eq", "L['self'].dtype", values.encode_value(torch.float32)),
+        _guard("len", "L['self'].cfg.table", 2),
+        _guard("eq", "L['self'].cfg.table[1]", values.encode_value([3, 4])),
+        _guard("eq", "L['self'].opts['mode']", values.encode_value("a")),
+        _guard("keys", "L['self'].opts", [values.encode_value("mode")]),
+        _guard("contains", "L['self'].opts", {"key": values.encode_value("extra"),
+                                             "present": False}),
+        _guard("hasattr", "L['self']", {"attr": "cfg", "present": True}),
+        _guard("hasattr", "L['self']", {"attr": "mask", "present": False}),
+        _guard("not_in_dict", "L['self']", "run"),
+        _guard("len", f"{LIN}._forward_hooks", 0),
+        _guard("len", f"{LIN}._forward_pre_hooks", 0),
+        _guard("ident", "L['self'].fn", g.identity(F.relu)),
+        _guard("ident", "L['self'].helper", g.identity(m.helper)),
+        _guard("ident", "dict(type(L['self']).__dict__)['helper'].__code__",
+               g.identity(M.helper.__code__)),
+        _guard("tensor", f"{LIN}._parameters['weight']", g.tensor_facts(m.lin.weight)),
+        _guard("tensor", f"{LIN}._parameters['bias']", g.tensor_facts(m.lin.bias)),
+        _guard("tensor", "L['x']", g.tensor_facts(x, sizes=[None, 4]), args=True),
+        _guard("tensor", "L['y']", g.tensor_facts(y), args=True),
+        {"kind": "alias", "expr": "", "args": True, "text": "inputs alias as at trace time",
+         "value": {"exprs": ["L['x']", "L['y']"], "groups": [[0], [1]]}},
+        {"kind": "overlap", "expr": "", "args": True, "text": "no shared memory",
+         "value": {"exprs": ["L['x']", "L['y']"], "groups": []}},
+        _guard("expr", "L['x'].size()[0] <= 8", None, args=True),
+    ]
+
+
+def _checker(m: M, x: torch.Tensor, y: torch.Tensor) -> g.Checker:
+    guards = _guards(m, x, y)
+    guards[0]["value"] = g.runtime.global_state()
+    return g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+
+
+def _tree(c: g.Checker, m: M, x: torch.Tensor, y: torch.Tensor) -> guard_tree.Tree:
+    assert c.parts is not None and c.full(m, x, y)
+    tree = guard_tree.build(c.parts, (m, x, y), {})
+    assert tree is not None
+    return tree
+
+
+CHANGES = {
+    "cfg.act": lambda m: setattr(m.cfg, "act", "silu"),
+    "cfg.width": lambda m: setattr(m.cfg, "width", 2),
+    "cfg.width bool": lambda m: setattr(m.cfg, "width", 3.0),
+    "tuple": lambda m: setattr(m.cfg, "dims", (2, 4)),
+    "dtype": lambda m: setattr(m, "dtype", torch.float16),
+    "table in place": lambda m: m.cfg.table[1].__setitem__(1, 5),
+    "table len": lambda m: m.cfg.table.append([0]),
+    "dict value": lambda m: m.opts.__setitem__("mode", "b"),
+    "dict key added": lambda m: m.opts.__setitem__("extra", 1),
+    "function attr": lambda m: setattr(m, "fn", F.silu),
+    "partial attr": lambda m: setattr(m, "fn", functools.partial(F.relu)),
+    "instance method": lambda m: setattr(m, "helper", types.MethodType(lambda s, y: y, m)),
+    "class method code": lambda m: setattr(type(m), "helper", lambda s, y: y),
+    "method of another": lambda m: setattr(m, "helper", M().helper),
+    "attribute added": lambda m: setattr(m, "mask", 1),
+    "method shadowed": lambda m: m.__dict__.__setitem__("run", None),
+    "forward hook": lambda m: m.lin.register_forward_hook(lambda *a: None),
+    "pre hook": lambda m: m.lin.register_forward_pre_hook(lambda *a: None),
+    "weight dtype": lambda m: setattr(m.lin, "weight", nn.Parameter(m.lin.weight.double())),
+    "weight requires_grad in place": lambda m: m.lin.weight.requires_grad_(False),
+    "bias data replaced": lambda m: setattr(m.lin.bias, "data", torch.zeros(5)),
+    "missing attr": lambda m: delattr(m, "cfg"),
+    "cfg replaced": lambda m: setattr(m, "cfg", object()),
+    "class swapped": lambda m: setattr(m, "__class__", type("M2", (M,), {})),
+}
+
+
+@pytest.mark.parametrize("what", list(CHANGES))
+def test_the_tree_never_passes_where_the_python_check_fails(what: str) -> None:
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    helper = M.helper
+    try:
+        m = M()
+        c = _checker(m, x, y)
+        tree = _tree(c, m, x, y)
+        assert tree.n_native >= 20, (tree.n_native, tree.n_python)
+        assert tree.check(m, x, y)
+        CHANGES[what](m)
+        assert not tree.check(m, x, y), f"{what}: the tree passed a changed call"
+        every = guard_tree.EveryCall(c.parts, c.full)  # type: ignore[arg-type]
+        # The Python check decides: a portable identity accepts another instance's bound
+        # method of the same function (the tree, matching ids, is stricter); every other
+        # change fails it.
+        assert every(m, x, y) is c.full(m, x, y) is (what == "method of another"), what
+    finally:
+        M.helper = helper  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("what", ["bigger", "dtype", "rank", "aliased", "overlapping",
+                                  "too long", "grad mode", "autocast"])
+def test_argument_and_global_changes_fail_the_tree(what: str) -> None:
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    c = _checker(m, x, y)
+    tree = _tree(c, m, x, y)
+    assert tree.check(m, torch.randn(5, 4), torch.randn(2, 3)), "a dynamic size still fits"
+    buf = torch.zeros(20)
+    calls = {
+        "bigger": (torch.randn(3, 5), y), "dtype": (x.double(), y), "rank": (x[None], y),
+        "aliased": (x, x), "overlapping": (buf[:12].view(3, 4), buf[6:12].view(2, 3)),
+        "too long": (torch.randn(9, 4), y),
+    }
+    if what in calls:
+        args = calls[what]
+        assert not c.full(m, *args) and not tree.check(m, *args), what
+        return
+    ctx = (torch.set_grad_enabled(not torch.is_grad_enabled()) if what == "grad mode"
+           else torch.autocast("cpu", dtype=torch.bfloat16))
+    with ctx:
+        assert not c.full(m, x, y) and not tree.check(m, x, y), what
+
+
+ACT = "relu"
+
+
+class Globals(dict):  # type: ignore[type-arg]
+    """Like the warm path's replay globals: Dynamo's names, then the module's."""
+
+    def __missing__(self, key: str) -> Any:
+        return globals()[key]
+
+
+def test_module_globals_read_through_a_dict_with_missing() -> None:
+    global ACT
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    guards = [_guard("eq", "G['ACT']", values.encode_value("relu")),
+              _guard("ident", "G['F'].relu", g.identity(F.relu))]
+    c = g.build_checker(M.run, guards, Globals(), every_call=True)  # type: ignore[arg-type]
+    tree = _tree(c, m, x, y)
+    assert tree.n_native == 2 and tree.check(m, x, y)
+    try:
+        ACT = "silu"
+        assert not c.full(m, x, y) and not tree.check(m, x, y)
+    finally:
+        ACT = "relu"
+    assert tree.check(m, x, y)
+
+
+def test_equal_replacements_rebuild_the_tree_a_bounded_number_of_times() -> None:
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    c = _checker(m, x, y)
+    assert c.parts is not None
+    every = guard_tree.EveryCall(c.parts, c.full)
+    assert every(m, x, y) and every.tree is not None        # the first pass builds it
+    first = every.tree
+    assert every(m, x, y) and every.tree is first            # and then checks by it
+    m.cfg = Cfg()               # read through its attributes: the same tree holds
+    assert every(m, x, y) and every.tree is first
+    m.fn = _copy(F.relu)        # the same function by identity, another object
+    assert every(m, x, y) and every.tree is not first        # Python passes: rebuilt
+    for _ in range(guard_tree.MAX_BUILDS + 3):
+        m.fn = _copy(F.relu)
+        assert every(m, x, y)
+    m.fn = F.silu
+    assert not every(m, x, y)                                # past the limit: Python decides
+    m.fn = _copy(F.relu)
+    assert every(m, x, y)
+
+
+def _copy(fn: Any) -> Any:
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    out.__qualname__, out.__module__ = fn.__qualname__, fn.__module__
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def test_building_imports_no_dynamo_and_dynamo_still_works_after() -> None:
+    src = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        from cachecompile._torch import guard_tree as native
+        from cachecompile.entry import guard_tree, guards as g
+        class N(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+            def run(self, x):
+                return self.lin(x)
+        m, x = N(), torch.randn(3, 2)
+        guards = [{"kind": "len", "expr": "___odict_getitem(L['self']._modules, 'lin')._forward_hooks",
+                   "value": 0, "text": "hooks", "args": False},
+                  {"kind": "tensor", "expr": "L['x']", "value": g.tensor_facts(x), "text": "x",
+                   "args": True}]
+        c = g.build_checker(N.run, guards, {}, every_call=True)
+        tree = guard_tree.build(c.parts, (m, x), {})
+        assert native.available() and tree is not None and tree.n_native == 2
+        assert tree.check(m, x) and not tree.check(m, torch.randn(3, 3))
+        assert "torch._dynamo" not in sys.modules, sorted(k for k in sys.modules if "dynamo" in k)
+        out = torch.compile(m.run, backend="eager")(x)
+        assert torch.allclose(out, m.run(x))
+        assert tree.check(m, x)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_this_torch_has_the_tree() -> None:
+    """The probe holds on every torch of the matrix: a tree build that silently fell back
+    would make every warm call pay the Python check."""
+    assert native.available()
