@@ -1,7 +1,8 @@
 """``cachectl program KEY``: an entry's program, readably (TorchAir's ``readable_cache``).
 
 Prints what a warm process runs for the entry: the guards that decide whether it fits
-(in the user's terms), the custom operators its program calls, Dynamo's transformed
+(in the user's terms; with ``--tree`` as Dynamo's C++ guard tree checks them), the
+custom operators its program calls, Dynamo's transformed
 bytecode for the method (disassembled, when this Python is the one that wrote it), and
 the backend's program (Inductor's output code, the FX code, TorchAir's generated code).
 
@@ -23,6 +24,7 @@ from typing import Any
 import click
 from rich.syntax import Syntax
 
+from cachecompile.entry import guard_paths
 from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
 
 from .common import _console, _open, cache_dir_option
@@ -57,7 +59,10 @@ def disassemble(data: bytes, consts: list[Any]) -> str:
 @cache_dir_option
 @click.argument("key")
 @click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
-def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool) -> None:
+@click.option("--tree", is_flag=True,
+              help="Show the guards as Dynamo's C++ guard tree checks them on every call: "
+                   "each object path once, with its leaves; then what runs in Python.")
+def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) -> None:
     """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
     st = _open(cache_dir)
     digest = st.resolve(key)
@@ -82,6 +87,9 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool) -> None:
                  for i, g in enumerate(guards)]
         out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
                     "\n".join(lines), "text"))
+        if tree:
+            out.append(("the guard tree a warm process checks on every call (guards=always)",
+                        guard_paths.render(guards), "text"))
     bytecode = data_dir / BYTECODE_FILE
     if not no_bytecode and bytecode.is_file():
         written = _python_of(m) or "?"

@@ -37,7 +37,7 @@ from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import guard_capture
-from cachecompile.entry import codeobj
+from cachecompile.entry import codeobj, guard_kinds
 from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
@@ -211,7 +211,7 @@ class TraceSession:
         # The guards are checked here, before the graph runs, against the very call being
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
-        local = [gd for gd in portable if gd["kind"] not in guards_mod.GLOBAL_KINDS]
+        local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
         probe = guards_mod.build_checker(self._fn, local, self._fn.__globals__)
         args, kwargs = self._call_args
         call = (self._orig.__self__, *args)

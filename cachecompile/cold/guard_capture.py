@@ -28,8 +28,8 @@ import torch
 
 from cachecompile._torch import dynamo, runtime
 from cachecompile._torch.dynamo import GuardEntry
+from cachecompile.entry import guard_kinds, values
 from cachecompile.entry import guards as g
-from cachecompile.entry import values
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import identity as idn
 
@@ -268,7 +268,7 @@ class _Builder:
         Dynamo guards this only when the views overlapped at trace time, with dynamic
         shapes (AOTAutograd's StorageOverlap); the entry always guards it."""
         exprs = [x for x, _ in chosen]
-        groups = g.overlap_groups([v for _, v in chosen])
+        groups = guard_kinds.overlap_groups([v for _, v in chosen])
         text = ("input tensors do not share memory" if not groups else
                 "input tensors share memory: " + "; ".join(
                     " and ".join(g.user_text(exprs[i], self.module_name) for i in grp)
@@ -312,7 +312,7 @@ def translate(entries: Sequence[Any], *, arg_names: set[str],
 
 def state_snapshot() -> dict[str, JSON]:
     """The global state Dynamo sees at frame entry (taken just before the traced call)."""
-    return {"global_state": runtime.global_state(), "modes": g.function_modes(),
+    return {"global_state": runtime.global_state(), "modes": guard_kinds.function_modes(),
             "default_device": runtime.default_device()}
 
 

@@ -21,17 +21,16 @@ passes it and the tree is built again, up to :data:`MAX_BUILDS` times.
 
 from __future__ import annotations
 
-import ast
 import logging
 import time
 import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from cachecompile._torch import guard_tree as native
-from cachecompile.entry import values
+from cachecompile.entry import guard_paths
+from cachecompile.entry.guard_kinds import TABLE
+from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
 from cachecompile.entry.guards import Parts, guard_lines, indent
 
 logger = logging.getLogger(__name__)
@@ -39,62 +38,33 @@ logger = logging.getLogger(__name__)
 # Builds per loaded variant: past this many (state replaced by equal objects call after
 # call), the variant keeps the Python check.
 MAX_BUILDS = 8
-_FRAME_GLOBALS = "__cc_G"
-
-Step = tuple[str, Any]
-
-
-def _path(expr: str) -> list[Step] | None:
-    """``L['self']._modules['lin'].weight`` -> steps from the frame dict; None if the
-    expression is not a plain object path (a call, an operator)."""
-    try:
-        node = ast.parse(expr, mode="eval").body
-    except SyntaxError:
-        return None
-    steps: list[Step] = []
-    while True:
-        if isinstance(node, ast.Attribute):
-            steps.append(("attr", node.attr))
-            node = node.value
-        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
-              and isinstance(node.value, ast.Name) and node.value.id in ("L", "G")):
-            key = node.slice.value
-            steps.append(("item", key))
-            if node.value.id == "G":
-                steps.append(("item", _FRAME_GLOBALS))
-            break
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-            steps.append(("item", node.slice.value))
-            node = node.value
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("type", "dict") and len(node.args) == 1
-              and not node.keywords):
-            # type(x) is an accessor; dict(m) over a class's mapping proxy reads as m.
-            steps.append(("type", None) if node.func.id == "type" else ("dict", None))
-            node = node.args[0]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id == "___odict_getitem" and len(node.args) == 2
-              and isinstance(node.args[1], ast.Constant) and not node.keywords):
-            steps.append(("item", node.args[1].value))
-            node = node.args[0]
-        else:
-            return None
-    return steps[::-1]
 
 
 class _Builder:
+    """The tree being built (guard_kinds.Tree): accessors shared by path."""
+
     def __init__(self, frame: dict[str, Any], enum_: Any) -> None:
         self.frame = frame
         self.enum = enum_
         self.root = native.root()
         self.nodes: dict[tuple[Step, ...], tuple[Any, Any]] = {(): (self.root, frame)}
-        self.keep: list[Any] = []     # objects matched by id: held so the id stays theirs
-        self.native = 0
+        self.children: dict[tuple[int, Step], Any] = {}
+        self.kept: list[Any] = []     # objects matched by id: held so the id stays theirs
+
+    def keep(self, obj: Any) -> None:
+        self.kept.append(obj)
+
+    def child(self, mgr: Any, obj: Any, step: Step, value: Any, source: str) -> Any:
+        key = (id(mgr), step)
+        found = self.children.get(key)
+        if found is None:
+            found = self.children[key] = native.child(mgr, obj, step, value, source, self.enum)
+        return found
 
     def node(self, expr: str) -> tuple[Any, Any] | None:
         """(manager, live value) for an object path, accessors shared; None if it is not
         one or cannot be read now."""
-        steps = _path(expr)
+        steps = guard_paths.path(expr)
         if steps is None:
             return None
         mgr, obj = self.root, self.frame
@@ -114,116 +84,23 @@ class _Builder:
                                  getattr(obj, name) if how == "attr" else obj[name])
                     except Exception:  # noqa: BLE001 - not readable now: Python checks it
                         return None
-                    hit = (native.child(mgr, obj, steps[i], value, expr, self.enum), value)
+                    hit = (self.child(mgr, obj, steps[i], value, expr), value)
                 self.nodes[key] = hit
             mgr, obj = hit
         return mgr, obj
 
     def leaf(self, g: dict[str, Any], text: str) -> bool:
-        """A native leaf for guard ``g``; False if it has none (it stays Python)."""
-        kind = g["kind"]
-        value: Any = g.get("value")
-        if kind == "global_state":
-            native.global_state(self.root, text)
-            return True
-        if kind == "alias":
-            return self.alias(value, text)
-        if kind not in _PATH_KINDS or not g.get("expr"):
+        """The native leaf for guard ``g`` (guard_kinds.TABLE); False if it has none."""
+        kind = TABLE.get(str(g["kind"]))
+        if kind is None or kind.native is None:
             return False
-        expr = str(g["expr"])
-        found = self.node(expr)
-        if found is None:
-            return False
-        mgr, obj = found
-        if isinstance(obj, types.MappingProxyType) and kind not in ("len", "contains"):
-            return False    # the guard reads dict(proxy) itself: Python checks it
-        if kind == "type":
-            self.keep.append(type(obj))
-            native.type_match(mgr, type(obj), text)
-        elif kind == "ident":
-            if type(obj) is types.MethodType:   # a new object on every access: match its parts
-                for part in ("__func__", "__self__"):
-                    sub = getattr(obj, part)
-                    self.keep.append(sub)
-                    native.id_match(native.child(mgr, obj, ("attr", part), sub, part, self.enum),
-                                    sub, text)
-            else:
-                self.keep.append(obj)
-                native.id_match(mgr, obj, text)
-        elif kind == "eq":
-            expected = values.decode_value(value)
-            if type(expected) is type(obj) and isinstance(expected, _IMMUTABLE):
-                native.equals(mgr, expected, text)
-            elif not isinstance(expected, (bool, int, float)):
-                # Python's own comparison, against the decoded value (a fresh object: the
-                # live one would follow its own later in-place changes).
-                native.predicate(mgr, _equals(expected), text)
-            else:
-                return False
-        elif kind == "len":
-            n = int(value)
-            if not native.length(mgr, obj, n, text):
-                native.predicate(mgr, lambda o: len(o) == n, text)
-        elif kind == "keys":
-            keys = [values.decode_value(k) for k in value]
-            native.predicate(mgr, lambda o: list(o.keys()) == keys, text)
-        elif kind == "hasattr":
-            attr, present = str(value["attr"]), bool(value["present"])
-            if present:
-                native.predicate(mgr, lambda o: hasattr(o, attr), text)
-            else:
-                native.no_hasattr(mgr, attr, text)
-        elif kind == "contains":
-            key, present = values.decode_value(value["key"]), bool(value["present"])
-            if not native.dict_contains(mgr, obj, present, key, text):
-                native.predicate(mgr, lambda o: (key in o) is present, text)
-        elif kind == "not_in_dict":
-            d = getattr(obj, "__dict__", None)
-            if type(d) is not dict:
-                return False
-            where = (*(_path(expr) or ()), ("__dict__", None))
-            sub = self.nodes.get(where)
-            if sub is None:
-                sub = (native.child(mgr, obj, ("__dict__", None), d, expr, self.enum), d)
-                self.nodes[where] = sub
-            native.dict_contains(sub[0], d, False, value, text)
-        elif kind == "tensor":
-            if not isinstance(obj, torch.Tensor):
-                return False
-            native.tensor(mgr, obj, value["sizes"], value["strides"], str(g["expr"]), text)
-        else:
-            return False
-        return True
-
-    def alias(self, value: dict[str, Any], text: str) -> bool:
-        found = [self.node(x) for x in value["exprs"]]
-        if any(f is None for f in found):
-            return False
-        mgrs = [f[0] for f in found if f is not None]
-        groups = value["groups"]
-        if len(groups) > 1:
-            native.distinct([mgrs[grp[0]] for grp in groups],
-                            [value["exprs"][grp[0]] for grp in groups], text)
-        for grp in groups:
-            for i in grp[1:]:
-                native.same_object(mgrs[grp[0]], mgrs[i], text)
-        return True
-
-
-def _equals(expected: Any) -> Callable[[Any], bool]:
-    return lambda o: bool(o == expected)
-
-
-_PATH_KINDS = ("type", "ident", "eq", "len", "keys", "hasattr", "contains", "not_in_dict",
-               "tensor")
-# Values an equality leaf may hold as they are (their type is checked, then ==).
-_IMMUTABLE = (bool, int, float, str, bytes, type(None), torch.device, torch.dtype)
+        return kind.native(self, str(g.get("expr") or ""), g.get("value"), text)
 
 
 def _frame_source(parts: Parts) -> str:
     """``{'self': self, 'x': x, ..., '__cc_G': __cc_G, 'n': <closure cell>}``."""
     items = [f"{n!r}: {n}" for n in parts.names]
-    items.append(f"{_FRAME_GLOBALS!r}: {_FRAME_GLOBALS}")
+    items.append(f"{FRAME_GLOBALS!r}: {FRAME_GLOBALS}")
     items += [f"{n!r}: __cc_closure[{i}].cell_contents"
               for i, n in enumerate(parts.func.__code__.co_freevars)]
     return "{" + ", ".join(items) + "}"
@@ -280,7 +157,7 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
     ms = (time.perf_counter() - t0) * 1e3
     logger.debug("guard tree for %s: %d guards native, %d in Python, built in %.1f ms",
                  parts.func.__qualname__, n - len(rest), len(rest), ms)
-    return Tree(check, n - len(rest), len(rest), b.keep, ms)
+    return Tree(check, n - len(rest), len(rest), b.kept, ms)
 
 
 def _defaults(fn: Callable[..., Any], parts: Parts) -> None:

@@ -43,8 +43,9 @@ import torch
 
 from cachecompile._torch import runtime
 from cachecompile.entry import values
+from cachecompile.entry.guard_kinds import KINDS, TABLE, TypeRef
 from cachecompile.errors import UnsupportedProgramError
-from cachecompile.key.identity import class_digest, identity, qualified_name, type_value
+from cachecompile.key.identity import qualified_name, type_value
 
 logger = logging.getLogger(__name__)
 
@@ -71,45 +72,9 @@ class GuardMode(enum.Enum):
             return cls.ALWAYS
 
 
-# Kinds, in the order a checker evaluates them (cheap ones first).
-GLOBAL_KINDS = ("global_state", "modes", "default_device")
-KINDS = ("global_state", "modes", "default_device", "type", "eq", "len", "keys", "hasattr",
-         "contains", "not_in_dict", "ident", "tensor", "alias", "overlap", "expr")
 
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
 GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
-
-
-class _IdentMatch:
-    """An identity guard: ``identity(obj) == value``, remembered per object.
-
-    Dynamo's ID_MATCH / FUNCTION_MATCH compare ``id(obj)`` in its process; once an object
-    has matched the portable identity, the same object matches again (what it reads, such
-    as closure cells, is guarded on its own), so later checks are one ``is``. Bound methods
-    are new objects on every attribute access: they are remembered by function and self.
-    """
-
-    __slots__ = ("value", "_last", "_last_self")
-
-    def __init__(self, value: str) -> None:
-        self.value = value
-        self._last: Any = self      # nothing matched yet (self is never a guarded object)
-        self._last_self: Any = self
-
-    def __call__(self, obj: Any) -> bool:
-        if type(obj) is types.MethodType:
-            if obj.__func__ is self._last and obj.__self__ is self._last_self:
-                return True
-            if identity(obj) != self.value:
-                return False
-            self._last, self._last_self = obj.__func__, obj.__self__
-            return True
-        if obj is self._last:
-            return True
-        if identity(obj) != self.value:
-            return False
-        self._last = obj
-        return True
 
 
 # -- tensors ------------------------------------------------------------------------------
@@ -124,124 +89,6 @@ def tensor_facts(t: torch.Tensor, sizes: Sequence[int | None] | None = None,
         "sizes": list(t.shape) if sizes is None else list(sizes),
         "strides": list(t.stride()) if strides is None else list(strides),
     }
-
-
-class _TypeRef:
-    """A class to compare with: same qualified name and same method code.
-
-    The first class that matches is remembered, so later checks are one ``is``.
-    """
-
-    __slots__ = ("qual", "code", "_cls")
-
-    def __init__(self, value: JSON) -> None:
-        if isinstance(value, str):
-            value = {"qual": value, "code": None}
-        self.qual: str = value["qual"]
-        self.code: str | None = value.get("code")
-        self._cls: Any = None
-
-    def matches(self, cls: type) -> bool:
-        if cls is self._cls:
-            return True
-        if qualified_name(cls) != self.qual or class_digest(cls) != self.code:
-            return False
-        if self._cls is None:
-            self._cls = cls
-        return True
-
-
-def _tensor_check(facts: Mapping[str, JSON]) -> Callable[[Any], bool]:
-    tref = _TypeRef(facts["type"])
-    dtype = getattr(torch, facts["dtype"])
-    device = torch.device(facts["device"])
-    rg = bool(facts["requires_grad"])
-    sizes = [(i, s) for i, s in enumerate(facts["sizes"]) if s is not None]
-    strides = [(i, s) for i, s in enumerate(facts["strides"]) if s is not None]
-    ndim = len(facts["sizes"])
-
-    def check(t: Any) -> bool:
-        if not tref.matches(type(t)):
-            return False
-        if t.dtype is not dtype or t.device != device or t.requires_grad is not rg:
-            return False
-        if t.dim() != ndim:
-            return False
-        shape = t.shape
-        for i, s in sizes:
-            if shape[i] != s:
-                return False
-        if strides:
-            st = t.stride()
-            for i, s in strides:
-                if st[i] != s:
-                    return False
-        return True
-
-    return check
-
-
-# -- memory overlap between input tensors ---------------------------------------------------
-def overlap_groups(tensors: Sequence[Any]) -> list[list[int]]:
-    """Which of ``tensors`` may share memory: groups (two or more indices) of tensors whose
-    byte ranges in one storage intersect, chained; tensors alone are left out.
-
-    A program traced with distinct inputs assumes that a write to one is not seen through
-    another (AOTAutograd builds a synthetic base only for inputs that overlapped at trace
-    time, and Dynamo's own identity guard passes two views of one buffer). Intersecting
-    ranges is conservative (interleaved strided views count as overlapping), which is safe
-    because the same rule runs at trace time and at the check.
-    """
-    by_storage: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if isinstance(t, torch.Tensor) and t.layout is torch.strided:
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
-    if all(len(v) < 2 for v in by_storage.values()):
-        return []           # the common case: every tensor has its own storage
-    groups: list[list[int]] = []
-    for members in by_storage.values():
-        if len(members) < 2:
-            continue
-        spans = sorted((_byte_span(tensors[i]), i) for i in members)
-        current: list[int] = []
-        end = -1
-        for (lo, hi), i in spans:
-            if current and lo < end:
-                current.append(i)
-                end = max(end, hi)
-                continue
-            if len(current) > 1:
-                groups.append(sorted(current))
-            current, end = [i], hi
-        if len(current) > 1:
-            groups.append(sorted(current))
-    return sorted(groups)
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a tensor can reach: [start, end)."""
-    size = t.element_size()
-    start = int(t.storage_offset()) * size
-    if t.numel() == 0:
-        return start, start
-    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride(),
-                                                                 strict=True))
-    return start, start + extent * size
-
-
-def _overlap_check(groups: JSON) -> Callable[..., bool]:
-    expected = sorted(sorted(grp) for grp in groups)
-
-    def check(*tensors: Any) -> bool:
-        return overlap_groups(tensors) == expected
-
-    return check
-
-
-# -- global state ---------------------------------------------------------------------------
-def function_modes() -> list[str]:
-    """The active torch function modes, innermost last, by class."""
-    return [qualified_name(type(mode)) for mode in runtime.function_modes()]
 
 
 # -- rendering in the user's terms ----------------------------------------------------------
@@ -287,6 +134,14 @@ class Parts:
              self.env)
         fn: Callable[..., Any] = self.env[name]
         return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What a kind's Python check is compiled with (guard_kinds.Source)."""
+
+    const: Callable[[Any], str]
+    rewrite: Callable[[str], str]
 
 
 class Checker:
@@ -365,54 +220,14 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
 
     ordered = sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99)
+    src = _Source(const, rewrite)
     for g in ordered:
         kind, text = g["kind"], g.get("text", "")
-        value: Any = g.get("value")
         per_call = bool(g.get("args"))
         e = rewrite(g.get("expr", "")) if g.get("expr") else ""
-        if kind == "global_state":
-            cond = f"{const(runtime.global_state_check(value))}()"
-        elif kind == "modes":
-            cond = f"{const(function_modes)}() == {const(list(value))}"
-        elif kind == "default_device":
-            cond = f"{const(runtime.default_device)}() == {const(value)}"
-        elif kind == "type":
-            cond = f"{const(_TypeRef(value))}.matches(type({e}))"
-        elif kind == "eq":
-            expected = values.decode_value(value)
-            if isinstance(expected, (bool, int, float)):
-                cond = f"(type({e}) is {const(type(expected))} and {e} == {const(expected)})"
-            else:
-                cond = f"{e} == {const(expected)}"
-        elif kind == "len":
-            cond = f"len({e}) == {int(value)}"
-        elif kind == "keys":
-            cond = f"list({e}.keys()) == {const([values.decode_value(k) for k in value])}"
-        elif kind == "hasattr":
-            cond = f"hasattr({e}, {const(value['attr'])}) is {const(bool(value['present']))}"
-        elif kind == "contains":
-            key = const(values.decode_value(value["key"]))
-            cond = f"({key} in {e}) is {const(bool(value['present']))}"
-        elif kind == "not_in_dict":
-            cond = f"{const(value)} not in {e}.__dict__"
-        elif kind == "ident":
-            cond = f"{const(_IdentMatch(value))}({e})"
-        elif kind == "tensor":
-            cond = f"{const(_tensor_check(value))}({e})"
-        elif kind == "alias":
-            exprs = [rewrite(x) for x in value["exprs"]]
-            groups = value["groups"]
-            parts = [f"len({{{', '.join(f'id({x})' for x in exprs)}}}) == {len(groups)}"]
-            for grp in groups:
-                parts.extend(f"{exprs[grp[0]]} is {exprs[i]}" for i in grp[1:])
-            cond = "(" + " and ".join(parts) + ")"
-        elif kind == "overlap":
-            exprs = [rewrite(x) for x in value["exprs"]]
-            cond = f"{const(_overlap_check(value['groups']))}({', '.join(exprs)})"
-        elif kind == "expr":
-            cond = f"({e})"
-        else:
+        if kind not in TABLE:
             raise UnsupportedProgramError(f"entry holds a guard of unknown kind {kind!r}")
+        cond = TABLE[kind].python(src, e, g.get("value"))
         conds.append((cond, per_call, text))
         observed.append((e, kind))
 
@@ -591,7 +406,7 @@ def describe(v: Any, kind: str, expected: Any = None) -> str:
         differs = _tensor_differences(v, expected) if kind == "tensor" else []
         return f"{got}: {'; '.join(differs)}" if differs else got
     if isinstance(v, type):
-        want = _TypeRef(expected) if expected is not None else None
+        want = TypeRef(expected) if expected is not None else None
         if want is not None and qualified_name(v) == want.qual:
             return f"{qualified_name(v)} with other method code"
         return qualified_name(v)

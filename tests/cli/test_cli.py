@@ -390,3 +390,37 @@ def test_import_refuses_a_symlinked_tmp_before_staging(cache: Store, tmp_path: P
     # in the directory the link points at.
     assert list(outside.iterdir()) == [] and os.stat(outside).st_mtime_ns == before
     assert list(dst.digests()) == []
+
+
+def test_program_tree_shows_each_path_once_with_its_leaves(tmp_path: Path,
+                                                          child_env: dict[str, str]) -> None:
+    """`cachectl program --tree`: the guards as the C++ tree checks them, torch-free."""
+    st = open_store(tmp_path / "cache")
+    lin = "___odict_getitem(L['self']._modules, 'lin')"
+    guards = [
+        {"kind": "global_state", "expr": "", "value": "{}", "text": "global torch state"},
+        {"kind": "type", "expr": "L['self']", "value": "M", "text": "type(self) is M"},
+        {"kind": "len", "expr": f"{lin}._forward_hooks", "value": 0,
+         "text": "len(self.lin._forward_hooks) == 0"},
+        {"kind": "tensor", "expr": f"{lin}._parameters['weight']", "value": {},
+         "text": "self.lin.weight is a float32[4,4] Parameter"},
+        {"kind": "eq", "expr": "G['ACT']", "value": "relu", "text": "mod.ACT == 'relu'"},
+        {"kind": "expr", "expr": "L['x'].size()[0] <= 8", "value": None,
+         "text": "x.size()[0] <= 8"},
+    ]
+    e = st.put(make_key({"model": "M", "fn": "run"}), {"p": b"1"},
+               labels={"model": "M", "function": "run"}, meta={"guards": guards})
+    r = cachectl(child_env, "program", "--cache-dir", str(tmp_path / "cache"), e.key, "--tree",
+                 "--no-bytecode")
+    assert r.returncode == 0, r.stderr
+    tree = r.stdout.split("the guard tree")[1]
+    lines = [line.rstrip() for line in tree.splitlines()]
+    assert "  GLOBAL_STATE  global torch state" in lines
+    # self's path is walked once; the hooks and weight hang off the shared ['lin'] step.
+    assert sum(1 for line in lines if line.strip() == "['lin']") == 1
+    at = lines.index("        ._forward_hooks")
+    assert lines[at - 1].strip() == "['lin']", lines
+    assert lines[at + 1] == "          - DICT_LENGTH / LENGTH_CHECK  len(self.lin._forward_hooks) == 0"
+    assert any("TENSOR_MATCH  self.lin.weight" in line for line in lines)
+    assert any(line.strip() == "G (globals)" for line in lines)
+    assert lines[-2:] == ["python (1, one function on the root)", "  x.size()[0] <= 8"]

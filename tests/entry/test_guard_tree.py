@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cachecompile._torch import guard_tree as native
+from cachecompile._torch import runtime
 from cachecompile.entry import guard_tree, values
 from cachecompile.entry import guards as g
+from cachecompile.key.identity import identity, type_value
 
 
 class Cfg:
@@ -60,8 +62,8 @@ LIN = "___odict_getitem(L['self']._modules, 'lin')"
 def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
     return [
         _guard("global_state", "", None),   # value filled in below
-        _guard("type", "L['self']", g.type_value(M)),
-        _guard("type", "L['self'].cfg", g.type_value(Cfg)),
+        _guard("type", "L['self']", type_value(M)),
+        _guard("type", "L['self'].cfg", type_value(Cfg)),
         _guard("eq", "L['self'].cfg.act", values.encode_value("relu")),
         _guard("eq", "L['self'].cfg.width", values.encode_value(3)),
         _guard("eq", "L['self'].cfg.dims", values.encode_value((2, 3))),
@@ -77,10 +79,10 @@ def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
         _guard("not_in_dict", "L['self']", "run"),
         _guard("len", f"{LIN}._forward_hooks", 0),
         _guard("len", f"{LIN}._forward_pre_hooks", 0),
-        _guard("ident", "L['self'].fn", g.identity(F.relu)),
-        _guard("ident", "L['self'].helper", g.identity(m.helper)),
+        _guard("ident", "L['self'].fn", identity(F.relu)),
+        _guard("ident", "L['self'].helper", identity(m.helper)),
         _guard("ident", "dict(type(L['self']).__dict__)['helper'].__code__",
-               g.identity(M.helper.__code__)),
+               identity(M.helper.__code__)),
         _guard("tensor", f"{LIN}._parameters['weight']", g.tensor_facts(m.lin.weight)),
         _guard("tensor", f"{LIN}._parameters['bias']", g.tensor_facts(m.lin.bias)),
         _guard("tensor", "L['x']", g.tensor_facts(x, sizes=[None, 4]), args=True),
@@ -95,7 +97,7 @@ def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
 
 def _checker(m: M, x: torch.Tensor, y: torch.Tensor) -> g.Checker:
     guards = _guards(m, x, y)
-    guards[0]["value"] = g.runtime.global_state()
+    guards[0]["value"] = runtime.global_state()
     return g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
 
 
@@ -194,7 +196,7 @@ def test_module_globals_read_through_a_dict_with_missing() -> None:
     x, y = torch.randn(3, 4), torch.randn(2, 3)
     m = M()
     guards = [_guard("eq", "G['ACT']", values.encode_value("relu")),
-              _guard("ident", "G['F'].relu", g.identity(F.relu))]
+              _guard("ident", "G['F'].relu", identity(F.relu))]
     c = g.build_checker(M.run, guards, Globals(), every_call=True)  # type: ignore[arg-type]
     tree = _tree(c, m, x, y)
     assert tree.n_native == 2 and tree.check(m, x, y)

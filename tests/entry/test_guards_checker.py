@@ -20,6 +20,7 @@ from torch import nn
 
 from cachecompile.entry import guards as g
 from cachecompile.entry import values
+from cachecompile.key.identity import identity
 
 
 class Cfg:
@@ -56,8 +57,8 @@ def _guards(m: M, x: torch.Tensor) -> list[dict[str, Any]]:
         _guard("len", "L['self'].cfg.table", 2),
         _guard("eq", "L['self'].cfg.table[1][1]", values.encode_value(4)),
         _guard("eq", "L['self'].opts['mode']", values.encode_value("a")),
-        _guard("ident", "L['self'].fn", g.identity(F.relu)),
-        _guard("ident", "L['self'].helper", g.identity(m.helper)),
+        _guard("ident", "L['self'].fn", identity(F.relu)),
+        _guard("ident", "L['self'].helper", identity(m.helper)),
         _guard("tensor", f"{lin}._parameters['weight']", g.tensor_facts(m.lin.weight)),
         _guard("tensor", f"{lin}._parameters['bias']", g.tensor_facts(m.lin.bias)),
         _guard("tensor", "L['x']", g.tensor_facts(x), args=True),
