@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -84,29 +85,43 @@ class _IdentMatch:
     has matched the portable identity, the same object matches again (what it reads, such
     as closure cells, is guarded on its own), so later checks are one ``is``. Bound methods
     are new objects on every attribute access: they are remembered by function and self.
+    Remembered weakly where the object allows it: a replaced function is freed, not kept
+    alive by a guard it no longer passes.
     """
 
     __slots__ = ("value", "_last", "_last_self")
 
     def __init__(self, value: str) -> None:
         self.value = value
-        self._last: Any = self      # nothing matched yet (self is never a guarded object)
-        self._last_self: Any = self
+        self._last: Callable[[], Any] = _NOTHING     # nothing matched yet
+        self._last_self: Callable[[], Any] = _NOTHING
 
     def __call__(self, obj: Any) -> bool:
         if type(obj) is types.MethodType:
-            if obj.__func__ is self._last and obj.__self__ is self._last_self:
+            if obj.__func__ is self._last() and obj.__self__ is self._last_self():
                 return True
             if identity(obj) != self.value:
                 return False
-            self._last, self._last_self = obj.__func__, obj.__self__
+            self._last, self._last_self = _remember(obj.__func__), _remember(obj.__self__)
             return True
-        if obj is self._last:
+        if obj is self._last():
             return True
         if identity(obj) != self.value:
             return False
-        self._last = obj
+        self._last = _remember(obj)
         return True
+
+
+def _NOTHING() -> Any:
+    return _NOTHING   # a value no guarded object is
+
+
+def _remember(obj: Any) -> Callable[[], Any]:
+    """``obj`` back while it lives (a weak reference), or always if it takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 class TypeRef:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,10 +50,10 @@ class _Builder:
         self.root = native.root()
         self.nodes: dict[tuple[Step, ...], tuple[Any, Any]] = {(): (self.root, frame)}
         self.children: dict[tuple[int, Step], Any] = {}
-        self.kept: list[Any] = []     # objects matched by id: held so the id stays theirs
+        self.held = _Held()
 
     def keep(self, obj: Any) -> None:
-        self.kept.append(obj)
+        self.held.add(obj)
 
     def child(self, mgr: Any, obj: Any, step: Step, value: Any, source: str) -> Any:
         key = (id(mgr), step)
@@ -106,15 +107,39 @@ def _frame_source(parts: Parts) -> str:
     return "{" + ", ".join(items) + "}"
 
 
+class _Held:
+    """The objects a tree matches by id. An id is only that object's while it lives, so
+    the tree is used only while all of them do: held weakly where they allow it (a
+    swapped-out submodule is freed, not kept alive by a tree that no longer fits), and
+    the tree dies with the first of them (its id may be reused); held strongly otherwise
+    (builtin functions, which live as long as the process)."""
+
+    __slots__ = ("alive", "refs", "strong")
+
+    def __init__(self) -> None:
+        self.alive = True
+        self.refs: list[weakref.ref[Any]] = []
+        self.strong: list[Any] = []
+
+    def add(self, obj: Any) -> None:
+        try:
+            self.refs.append(weakref.ref(obj, self._died))
+        except TypeError:
+            self.strong.append(obj)
+
+    def _died(self, _ref: weakref.ref[Any]) -> None:
+        self.alive = False
+
+
 class Tree:
     """A built tree as a check over the method's own arguments."""
 
     def __init__(self, check: Callable[..., bool], n_native: int, n_python: int,
-                 keep: list[Any], build_ms: float) -> None:
+                 held: _Held, build_ms: float) -> None:
         self.check = check
         self.n_native = n_native
         self.n_python = n_python
-        self.keep = keep
+        self.held = held
         self.build_ms = build_ms
 
 
@@ -139,12 +164,12 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
                     rest.append(cond)
             if rest:
                 native.predicate(b.root, _python_rest(parts, rest), "the guards checked in Python")
-        root = b.root
-        env_name = f"__cc_tree_root_{id(root)}"
-        parts.env[env_name] = root
-        check = parts.function(f"__cc_tree_{id(root)}",
-                               f"def __cc_tree_{id(root)}({parts.params}):\n"
-                               f"    return {env_name}.check({frame_src})\n")
+        make = parts.env.get("__cc_make_tree") or parts.function(
+            "__cc_make_tree", f"def __cc_make_tree(__cc_root):\n"
+            f"    def __cc_tree({parts.params}):\n"
+            f"        return __cc_root.check({frame_src})\n"
+            "    return __cc_tree\n")
+        check = make(b.root)
         _defaults(check, parts)
         if not check(*args, **kwargs):
             logger.debug("guard tree for %s fails where the Python check passed: not used",
@@ -157,7 +182,7 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
     ms = (time.perf_counter() - t0) * 1e3
     logger.debug("guard tree for %s: %d guards native, %d in Python, built in %.1f ms",
                  parts.func.__qualname__, n - len(rest), len(rest), ms)
-    return Tree(check, n - len(rest), len(rest), b.kept, ms)
+    return Tree(check, n - len(rest), len(rest), b.held, ms)
 
 
 def _defaults(fn: Callable[..., Any], parts: Parts) -> None:
@@ -172,8 +197,7 @@ def _python_rest(parts: Parts, conds: list[str]) -> Callable[[dict[str, Any]], b
     src = (f"def __cc_rest(__cc_d):\n    try:\n{indent(indent(unpack))}"
            f"{indent(indent(guard_lines(conds, True)))}        return True\n"
            "    except Exception:\n        return False\n")
-    name = f"__cc_rest_{len(parts.env)}"
-    return parts.function(name, src.replace("__cc_rest(", f"{name}(", 1))
+    return parts.function("__cc_rest", src)
 
 
 class EveryCall:
@@ -194,7 +218,7 @@ class EveryCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
         tree = self._tree
-        if tree is not None:
+        if tree is not None and tree.held.alive:
             try:
                 if tree.check(*args, **kwargs):
                     return True

@@ -273,3 +273,27 @@ def test_this_torch_has_the_tree() -> None:
     """The probe holds on every torch of the matrix: a tree build that silently fell back
     would make every warm call pay the Python check."""
     assert native.available()
+
+
+def test_a_tree_is_dropped_when_an_object_it_matched_by_id_is_freed() -> None:
+    """An id is that object's only while it lives: once a matched object is freed (a
+    swapped-out function, whose id a new object may take), the tree is not used again;
+    the Python check decides and a new tree is built. The tree does not keep it alive."""
+    import gc
+    import weakref
+
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    m.fn = _copy(F.relu)
+    c = _checker(m, x, y)
+    assert c.parts is not None
+    every = guard_tree.EveryCall(c.parts, c.full)
+    assert every(m, x, y) and every.tree is not None
+    first = every.tree
+    old = weakref.ref(m.fn)
+    m.fn = _copy(F.relu)
+    gc.collect()
+    assert old() is None, "the tree kept a replaced function alive"
+    assert not first.held.alive
+    assert every(m, x, y) and every.tree is not first and every.tree is not None
+    assert every.tree.held.alive and every.tree.check(m, x, y)
