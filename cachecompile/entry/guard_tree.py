@@ -231,3 +231,36 @@ class EveryCall:
             self._tree = build(self._parts, args, kwargs)
         return True
 
+
+
+class FirstCall:
+    """``guards="first"`` (TorchAir's behaviour): the argument guards on every call, the
+    state guards when the variant is loaded and once more on its next call.
+
+    That second look is for a method whose own side effects change state it is guarded
+    on (``self.step += 1``, an append to a list it reads): the replayed program writes the
+    traced values, so after one call the state no longer fits. Such a variant then
+    checks every guard on every call, as ``"always"`` does, so that its side effects
+    happen on every call; state that only the user changes later is still not seen."""
+
+    def __init__(self, parts: Parts | None, full: Callable[..., bool],
+                 per_call: Callable[..., bool] | None) -> None:
+        self._parts = parts
+        self._full = full
+        self._per_call = per_call
+        self._every: Callable[..., bool] | None = None
+        self._looked = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> bool:
+        if self._every is not None:
+            return self._every(*args, **kwargs)
+        if not self._looked:
+            self._looked = True
+            if not self._full(*args, **kwargs):
+                logger.info("cachecompile %s: the state it is guarded on changed after one "
+                            "call; this variant checks every guard on every call",
+                            (self._parts.func.__qualname__ if self._parts else "a method"))
+                self._every = (EveryCall(self._parts, self._full) if self._parts is not None
+                               else self._full)
+                return False
+        return self._per_call is None or self._per_call(*args, **kwargs)

@@ -242,7 +242,7 @@ class Lookup:
 
     def check_of(self, checker: guards_mod.Checker) -> Callable[..., bool] | None:
         """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
-        or the argument guards only (FIRST; None when there are none)."""
+        or the argument guards, with the state guards once more on the next call (FIRST)."""
         if self._spec.guards is GuardMode.ALWAYS:
             if checker.parts is None:
                 return types.MethodType(checker.full, self._module)
@@ -250,9 +250,10 @@ class Lookup:
             # passed, the Python check whenever the tree does not hold.
             return types.MethodType(guard_tree.EveryCall(checker.parts, checker.full),
                                     self._module)
-        if checker.n_per_call == 0:
-            return None
-        return types.MethodType(checker.per_call, self._module)
+        return types.MethodType(
+            guard_tree.FirstCall(checker.parts, checker.full,
+                                 checker.per_call if checker.n_per_call else None),
+            self._module)
 
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.

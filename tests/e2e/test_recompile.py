@@ -85,12 +85,13 @@ def test_the_default_follows_a_change_after_the_first_call(tmp_path: Path) -> No
         with torch.no_grad():
             assert torch.allclose(always(x), torch.tanh(m.lin(x)))
             assert torch.allclose(first(x), torch.tanh(m.lin(x)))
+            assert torch.allclose(first(x), torch.tanh(m.lin(x)))  # its state looked at again
             _set_act("sigmoid")
             # Every guard on every call: the change is seen, variant 1 is loaded.
             assert torch.allclose(always(x), torch.sigmoid(m.lin(x)))
             assert [e[0] for e in always.events] == ["hit", "hit"]
-            # The opt-in "first" checks state once per signature and process (documented):
-            # the loaded variant keeps running.
+            # The opt-in "first" checks state on a variant's first two calls only
+            # (documented): the loaded variant keeps running.
             assert torch.allclose(first(x), torch.tanh(m.lin(x)))
     finally:
         _set_act("tanh")
@@ -337,3 +338,24 @@ def test_state_changes_after_the_tree_is_built_in_a_warm_process(tmp_path: Path,
     assert all(new["ok"]), new.value
     assert new["events"] == ["hit"] * len(warm["events"]) + ["miss"], new.value
     assert all(new["trees"]), new.value
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_first_mode_runs_the_methods_own_side_effects_on_every_call(tmp_path: Path,
+                                                                     backend: str) -> None:
+    """guards="first" in a process that loaded the entry: a method that bumps a counter it
+    is guarded on (self.state.n += 1) must count on every call. The replayed program
+    writes the traced value, so the state no longer fits after one call; the second look
+    at the state guards sees it and the variant checks every guard from then on."""
+    d = tmp_path / "cc"
+    cold_m = Stepper()
+    cold = cache_compile(cold_m.step, backend=backend, cache_dir=d)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        cold(x)
+        m, ref = Stepper(), Stepper()
+        first = cache_compile(m.step, backend=backend, cache_dir=d, guards="first")
+        for _ in range(4):
+            assert torch.allclose(first(x), ref.step(x), atol=1e-6)
+    assert m.state.n == ref.state.n == 4
+    assert first.events[0][0] == "hit", first.events
