@@ -143,6 +143,13 @@ class CachedFunction:
         sig = signature(args, kwargs, self.spec.dynamic)
         variants = self._runners.get(sig)
         if variants is not None:
+            if len(variants) > 1:
+                # Each variant's C++ tree first: a full check of a variant that does not
+                # fit costs a Python walk, which every call would pay for each variant
+                # ahead of the one that fits.
+                for v in variants:
+                    if v.fast is not None and v.fast(*args, **kwargs):
+                        return v.run(*args, **kwargs)
             for v in variants:
                 if v.check is None or v.check(*args, **kwargs):
                     return v.run(*args, **kwargs)

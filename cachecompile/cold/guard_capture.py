@@ -58,6 +58,10 @@ def reads_args(expr: str, arg_names: set[str]) -> bool:
     return any(m.group(1) in arg_names for m in g.LOCAL_RE.finditer(expr))
 
 
+# torch.nn.modules.module's registries of global hooks, as Dynamo's guards name them.
+_GLOBAL_HOOKS = re.compile(r"\._global_\w*hooks\w*$")
+
+
 class _Builder:
     def __init__(self, arg_names: set[str], tensor_dims: Mapping[str, tuple[list[Any], list[Any]]],
                  module_name: str, state: Mapping[str, JSON]) -> None:
@@ -220,6 +224,14 @@ class _Builder:
         self.classes.add(cls)
         self.add("type", expr, idn.type_value(cls),
                  f"type({g.user_text(expr, self.module_name)}) is {idn.qualified_name(cls)}")
+        if isinstance(value, dict) and _GLOBAL_HOOKS.search(expr):
+            # torch.nn's global module hooks (register_module_forward_hook & co.): Dynamo
+            # guards only these dicts' type, so a program traced without a global hook
+            # would run where one is registered (a wrong result, torch.compile's too once
+            # compiled). The entry also guards how many there are.
+            self.add("len", expr, len(value),
+                     f"len({g.user_text(expr, self.module_name)}) == {len(value)} "
+                     "(global module hooks)")
 
     def tensor(self, expr: str, value: Any) -> None:
         if not isinstance(value, torch.Tensor):

@@ -143,9 +143,9 @@ class MissPath:
             checker = session.checker
             # Dynamo guards its own live compile; our per-call check routes calls whose
             # arguments no longer fit to another variant, as a hit would.
-            variant = Variant(run=session, name="live",
-                              check=self._lookup.check_of(checker) if checker is not None
-                              else None)
+            check, fast = (self._lookup.check_of(checker) if checker is not None
+                           else (None, None))
+            variant = Variant(run=session, name="live", check=check, fast=fast)
             served = Served(Outcome.SHARED if share is not None and share.shared
                             else Outcome.MISS, variant, result)
             if not publish:

@@ -216,6 +216,16 @@ class EveryCall:
     def tree(self) -> Tree | None:
         return self._tree
 
+    def fast(self, *args: Any, **kwargs: Any) -> bool:
+        """The tree alone: True only if it is built and holds (no Python check)."""
+        tree = self._tree
+        if tree is None or not tree.held.alive:
+            return False
+        try:
+            return bool(tree.check(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - the full check decides
+            return False
+
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
         tree = self._tree
         if tree is not None and tree.held.alive:

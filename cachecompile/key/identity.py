@@ -85,7 +85,9 @@ def class_digest(cls: type) -> str | None:
 
     Dynamo matches a class by ``id``, which in one process also pins its methods; across
     processes the same name may hold other code (an edited file, a method patched at
-    import). None for classes whose package is pinned by a version factor.
+    import). A class whose package is pinned by a version factor (torch's, the standard
+    library's) counts only the methods patched into it from outside (``nn.LayerNorm.forward
+    = my_forward``, as kernel-patching libraries do); None if it has none.
     """
     hit = _class_digests.get(id(cls))
     if hit is not None and hit[0] is cls:
@@ -93,12 +95,17 @@ def class_digest(cls: type) -> str | None:
     h = xxhash.xxh3_128()
     n = 0
     for klass in cls.__mro__:
-        if (klass.__module__ or "").split(".")[0] in _VERSIONED_PACKAGES:
-            continue
-        h.update(qualified_name(klass).encode())
+        pinned = _top(klass.__module__) in _VERSIONED_PACKAGES
+        if not pinned:
+            h.update(qualified_name(klass).encode())
         for name, value in sorted(vars(klass).items(), key=lambda kv: kv[0]):
             fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
             fn = fn.fget if isinstance(fn, property) else fn
+            if pinned:
+                if not isinstance(getattr(fn, "__code__", None), types.CodeType) or \
+                        _top(getattr(fn, "__module__", None)) in _VERSIONED_PACKAGES:
+                    continue
+                h.update(f"{qualified_name(klass)}.{name}@{qualified_name(fn)}".encode())
             # A decorated method (functools.wraps): the wrapper's code and what it wraps.
             for depth in range(8):
                 code = getattr(fn, "__code__", None)
@@ -111,6 +118,10 @@ def class_digest(cls: type) -> str | None:
     digest = h.hexdigest() if n else None
     _class_digests[id(cls)] = (cls, digest)
     return digest
+
+
+def _top(module: str | None) -> str:
+    return (module or "").split(".")[0]
 
 
 def type_value(cls: type) -> JSON:

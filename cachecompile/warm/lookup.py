@@ -60,6 +60,9 @@ class Variant:
     run: Callable[..., Any]
     check: Callable[..., bool] | None    # bound to the module; None: nothing to check per call
     name: str
+    # The C++ guard tree alone: cheap, and may say no where ``check`` says yes. Where a
+    # signature has several variants, every variant's is tried before any full check.
+    fast: Callable[..., bool] | None = None
 
 
 @dataclasses.dataclass
@@ -238,22 +241,25 @@ class Lookup:
             self._pins.append(st.pin(entry))
         except Exception:  # noqa: BLE001 - a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
-        return Variant(run=bound, check=self.check_of(checker), name=name)
+        check, fast = self.check_of(checker)
+        return Variant(run=bound, check=check, name=name, fast=fast)
 
-    def check_of(self, checker: guards_mod.Checker) -> Callable[..., bool] | None:
+    def check_of(self, checker: guards_mod.Checker
+                 ) -> tuple[Callable[..., bool], Callable[..., bool] | None]:
         """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
-        or the argument guards, with the state guards once more on the next call (FIRST)."""
+        or the argument guards, with the state guards once more on the next call (FIRST);
+        and the tree alone (ALWAYS), which dispatch tries first among several variants."""
+        m = self._module
         if self._spec.guards is GuardMode.ALWAYS:
             if checker.parts is None:
-                return types.MethodType(checker.full, self._module)
+                return types.MethodType(checker.full, m), None
             # Every guard on every call: Dynamo's C++ tree once the Python check has
             # passed, the Python check whenever the tree does not hold.
-            return types.MethodType(guard_tree.EveryCall(checker.parts, checker.full),
-                                    self._module)
+            every = guard_tree.EveryCall(checker.parts, checker.full)
+            return types.MethodType(every, m), types.MethodType(every.fast, m)
         return types.MethodType(
             guard_tree.FirstCall(checker.parts, checker.full,
-                                 checker.per_call if checker.n_per_call else None),
-            self._module)
+                                 checker.per_call if checker.n_per_call else None), m), None
 
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.

@@ -359,3 +359,68 @@ def test_first_mode_runs_the_methods_own_side_effects_on_every_call(tmp_path: Pa
             assert torch.allclose(first(x), ref.step(x), atol=1e-6)
     assert m.state.n == ref.state.n == 4
     assert first.events[0][0] == "hit", first.events
+
+
+PATCH_CHILD = '''
+import os, torch
+from torch import nn
+if os.environ.get("PATCH") == "1":
+    # A kernel-patching library's way: replace a torch class's method at import.
+    _orig = nn.LayerNorm.forward
+    def forward(self, x):
+        return _orig(self, x) * 3.0
+    nn.LayerNorm.forward = forward
+from cachecompile import cache_compile
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+    def run(self, x):
+        return self.norm(self.lin(x))
+
+def doubled(module, args, out):
+    return out * 2.0 if isinstance(module, nn.LayerNorm) else out
+
+m = Net().eval()
+f = cache_compile(m.run, backend=os.environ["BACKEND"])
+x = torch.randn(3, 4)
+ok, handle = [], None
+if os.environ.get("HOOK") == "1":   # a global module hook present before the first call
+    handle = nn.modules.module.register_module_forward_hook(doubled)
+with torch.no_grad():
+    for step in range(4):
+        if os.environ.get("HOOK") == "late" and step == 2:   # ... or registered later
+            handle = nn.modules.module.register_module_forward_hook(doubled)
+        ok.append(bool(torch.allclose(f(x), m.run(x), atol=1e-6)))
+if handle is not None:
+    handle.remove()
+report({"ok": ok, "events": [e for e, _ in f.events]})
+'''
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_global_module_hooks_and_patched_torch_classes_are_guarded(tmp_path: Path,
+                                                                     backend: str) -> None:
+    """Two wrong hits a new-user trial found: an entry made without a global module hook
+    (register_module_forward_hook) ran where one is registered, and an entry made with
+    torch's nn.LayerNorm.forward pristine ran where a library patched it (and back).
+    Dynamo guards only the global hook dicts' type and pins torch's classes by version."""
+    from ccutil import Sandbox
+
+    box = Sandbox(tmp_path)
+
+    def run(**env: str) -> dict:
+        r = box.run(PATCH_CHILD, BACKEND=backend, **env).value
+        assert all(r["ok"]), (env, r)
+        return r
+
+    assert run()["events"] == ["miss"]                       # publishes the plain entry
+    assert run(HOOK="1")["events"] == ["miss"]               # a global hook: not that entry
+    late = run(HOOK="late")["events"]                        # registered after a call: the
+    assert late[0] == "hit" and late[1] in ("miss", "shared"), late   # hook's program
+    assert run(PATCH="1")["events"] == ["miss"]              # torch's class patched
+    assert run(PATCH="1")["events"] == ["hit"]               # ... has its own entry
+    assert run()["events"] == ["hit"]                        # pristine again: the first

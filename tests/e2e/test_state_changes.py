@@ -1,9 +1,11 @@
 """State changed after the first call, in a process that loaded the entry, on code we did
-not write (a transformers Llama): with the default guards every call gives eager's
-result, as torch.compile's does.
+not write (a transformers Llama, a diffusers UNet): with the default guards every call
+gives eager's result, as torch.compile's does.
 
 Each change is made after a warm wrapper (one that loaded the entry, as a fresh process
-does) has served a call, then undone; eager runs the same calls beside it."""
+does) has served calls (so its variant checks by the C++ guard tree), then undone; eager
+runs the same calls beside it, several times each, so that the tree built for the new
+state is exercised too."""
 
 from __future__ import annotations
 
@@ -73,12 +75,84 @@ def test_llama_state_changes_after_the_first_call(tmp_path: Path, backend: str) 
             undo = change(r)
             try:
                 n = len(warm.events)
-                got, want = logits(warm), logits(r.prefill)
-                assert torch.allclose(got, want, atol=1e-5), name
+                for _ in range(3):
+                    got, want = logits(warm), logits(r.prefill)
+                    assert torch.allclose(got, want, atol=1e-5), name
                 # The check saw the change: a new lookup (a miss, or another variant).
                 assert len(warm.events) > n, (name, warm.events)
                 if name in NUMERIC:  # a change that must make a difference to the output
                     assert not torch.allclose(want, plain, atol=1e-5), name
             finally:
                 undo()
-            assert torch.allclose(logits(warm), logits(r.prefill), atol=1e-5), name
+            for _ in range(3):
+                assert torch.allclose(logits(warm), logits(r.prefill), atol=1e-5), name
+
+
+def _unet() -> Any:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8).eval()
+
+
+class UNetRunner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unet = _unet()
+
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        return self.unet(x, t, encoder_hidden_states=enc).sample
+
+
+def _unet_attn_processor(r: UNetRunner) -> Callable[[], None]:
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    r.unet.set_attn_processor(AttnProcessor())   # diffusers' attention switch
+    return lambda: r.unet.set_attn_processor(AttnProcessor2_0())
+
+
+def _unet_residual_flag(r: UNetRunner) -> Callable[[], None]:
+    # An adapter-style toggle: a bool the attention processor branches on (a plain
+    # attribute of a module we did not write).
+    attn = r.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1
+    attn.residual_connection = True
+    return lambda: setattr(attn, "residual_connection", False)
+
+
+# Two changes (each an Inductor compile of the UNet): diffusers' attention switch and an
+# adapter-style flag; the Llama above covers late hooks, swaps and train mode.
+UNET_CHANGES = {"attn_processor": _unet_attn_processor, "residual_flag": _unet_residual_flag}
+
+
+def test_diffusers_unet_state_changes_after_the_first_call(tmp_path: Path) -> None:
+    """On the default backend (inductor); the Llama above runs on both."""
+    backend = "inductor"
+    r = UNetRunner()
+    g = torch.Generator().manual_seed(1)
+    x, t, enc = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([10]), \
+        torch.randn(1, 3, 32, generator=g)
+    with torch.no_grad():
+        cache_compile(r.denoise, backend=backend, cache_dir=tmp_path)(x, t, enc)  # publish
+        warm = cache_compile(r.denoise, backend=backend, cache_dir=tmp_path)
+        for _ in range(3):
+            assert torch.allclose(warm(x, t, enc), r.denoise(x, t, enc), atol=1e-5)
+        assert [e for e, _ in warm.events] == ["hit"]
+        plain = r.denoise(x, t, enc)
+        for name, change in UNET_CHANGES.items():
+            undo = change(r)
+            try:
+                n = len(warm.events)
+                for _ in range(3):
+                    got, want = warm(x, t, enc), r.denoise(x, t, enc)
+                    assert torch.allclose(got, want, atol=1e-5), name
+                assert len(warm.events) > n, (name, warm.events)
+                if name != "attn_processor":   # the two processors agree numerically
+                    assert not torch.allclose(want, plain, atol=1e-5), name
+            finally:
+                undo()
+            for _ in range(3):
+                assert torch.allclose(warm(x, t, enc), r.denoise(x, t, enc), atol=1e-5), name
