@@ -7,9 +7,10 @@ own C++ guard managers from the same guards and the live objects it just verifie
 
 * each object path (``L['self']._modules['lin'].weight``) becomes a chain of accessors,
   shared between guards as Dynamo shares them;
-* a portable identity becomes an identity match on the object that passed (held strongly,
-  so its id cannot be reused), a class a type match, a value an equality match, a tensor
-  Dynamo's TENSOR_MATCH, aliasing its aliasing guards, the global state its own guard;
+* a portable identity becomes an identity match on the object that passed (held weakly:
+  the tree is retired when one of them dies, since its id may be reused), a class a type
+  match, a value an equality match, a tensor Dynamo's TENSOR_MATCH, aliasing its aliasing
+  guards, the global state its own guard;
 * what has no native leaf (shape relations, environment reads, memory overlap, function
   modes) runs as one Python function on the tree's root, the checker's own conditions.
 
