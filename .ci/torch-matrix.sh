@@ -25,6 +25,7 @@ export PIP_CONSTRAINT=/dev/null
 # decorated forward, and a bare backend callable's Dynamo half rebuilt from data. (The diffusers UNet and DiT, and the other LLM families, run on 2.13.)
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/e2e/test_guard_matrix.py
+        tests/entry/test_guard_tree.py
         tests/_torch/test_torch_layer.py
         tests/e2e/test_cache_compile_api.py
         tests/procs/test_ranks.py::test_four_ranks_compile_one_shared_graph_once
