@@ -8,8 +8,8 @@ tree is built, and only if Dynamo is not imported yet, stand-ins for those two m
 in ``sys.modules`` under the import lock; the finished tree no longer reads them, and a
 later real ``import torch._dynamo`` works (tested).
 
-Every name here is private and per release: :func:`probe` builds a small tree and checks
-that it accepts and rejects what it should; where it fails, :func:`available` is False and
+Every name here is private and per release: :func:`available` builds a small tree once
+per process and checks that it accepts and rejects what it should; where it does not,
 cachecompile checks guards in Python only.
 
 What a leaf takes, side by side per release (2.13-2.15 agree): ``add_*_guard(value...,
@@ -26,7 +26,6 @@ import enum
 import functools
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import logging
 import os
 import sys
@@ -57,9 +56,8 @@ _STAND_INS = ("torch._dynamo", "torch._dynamo.guards", "torch._dynamo.config")
 
 
 def _module_ast(name: str) -> ast.Module | None:
-    """The parsed source of a torch module, without importing it."""
-    spec = importlib.util.find_spec(name) if "torch._dynamo" in sys.modules else \
-        importlib.machinery.PathFinder.find_spec(name.rsplit(".", 1)[-1], _dynamo_path())
+    """The parsed source of a module of torch._dynamo, without importing it (or Dynamo)."""
+    spec = importlib.machinery.PathFinder.find_spec(name.rsplit(".", 1)[-1], _dynamo_path())
     if spec is None or not spec.origin:
         return None
     with open(spec.origin, encoding="utf-8") as f:
@@ -183,8 +181,9 @@ def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source
     guards): ``("attr", name)``, ``("item", key)``, ``("type", None)`` (``type(parent)``)
     or ``("__dict__", None)`` (the instance dict, without running ``__getattr__``).
 
-    Dicts whose lookup is dict's (no ``__missing__``) use the dict accessor, lists and tuples theirs, anything
-    else Python's ``obj[key]`` (the same lookup the Python check makes)."""
+    Dicts whose lookup is dict's (no ``__missing__``) use the dict accessor, lists and
+    tuples theirs, anything else Python's ``obj[key]`` (the same lookup the Python check
+    makes)."""
     how, key = step
     if how == "type":
         return mgr.type_manager(source=source, example_value=example, guard_manager_enum=enum_)

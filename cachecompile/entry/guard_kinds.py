@@ -242,21 +242,21 @@ def function_modes() -> list[str]:
     return [qualified_name(type(mode)) for mode in runtime.function_modes()]
 
 
-
 # -- the table ---------------------------------------------------------------------------
 # Each ``python`` gets the guard's expression already rewritten (``self.cfg.act``) and its
 # stored value; each ``native`` gets the tree, the raw expression (``L['self'].cfg.act``),
 # the value and the text, and returns False where that guard has no native form here.
 
-def _on_path(build: Callable[[Tree, Any, Any, JSON, str], bool]
+def _on_path(build: Callable[[Tree, Any, Any, JSON, str], bool], *, proxy_ok: bool = False
              ) -> Callable[[Tree, str, JSON, str], bool]:
-    """A native leaf on the object an expression names."""
+    """A native leaf on the object an expression names. ``dict(proxy)`` is walked as the
+    proxy itself, which only a length or membership test reads the same (``proxy_ok``)."""
     def native_(tree: Tree, expr: str, value: JSON, text: str) -> bool:
         found = tree.node(expr) if expr else None
         if found is None:
             return False
         mgr, obj = found
-        if isinstance(obj, types.MappingProxyType) and build not in (_len_leaf, _contains_leaf):
+        if isinstance(obj, types.MappingProxyType) and not proxy_ok:
             return False    # the guard reads dict(proxy) itself: Python checks it
         return build(tree, mgr, obj, value, text)
     return native_
@@ -394,7 +394,7 @@ _TABLE = (
          lambda src, e, v: f"{src.const(TypeRef(v))}.matches(type({e}))", _on_path(_type_leaf)),
     Kind("eq", ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"), _eq_python, _on_path(_eq_leaf)),
     Kind("len", ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"),
-         lambda src, e, v: f"len({e}) == {int(v)}", _on_path(_len_leaf)),
+         lambda src, e, v: f"len({e}) == {int(v)}", _on_path(_len_leaf, proxy_ok=True)),
     Kind("keys", ("DICT_KEYS_MATCH",),
          lambda src, e, v: f"list({e}.keys()) == "
                            f"{src.const([values.decode_value(k) for k in v])}",
@@ -404,7 +404,8 @@ _TABLE = (
                            f"{src.const(bool(v['present']))}", _on_path(_hasattr_leaf)),
     Kind("contains", ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"),
          lambda src, e, v: f"({src.const(values.decode_value(v['key']))} in {e}) is "
-                           f"{src.const(bool(v['present']))}", _on_path(_contains_leaf)),
+                           f"{src.const(bool(v['present']))}",
+         _on_path(_contains_leaf, proxy_ok=True)),
     Kind("not_in_dict", ("NOT_PRESENT_IN_GENERIC_DICT",),
          lambda src, e, v: f"{src.const(v)} not in {e}.__dict__", _on_path(_not_in_dict_leaf)),
     Kind("ident", ("ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "NONE_MATCH", "MODULE_MATCH",

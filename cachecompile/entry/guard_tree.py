@@ -153,8 +153,10 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
     frame_src = _frame_source(parts)
     n = len(parts.guards)
     try:
-        make_frame = parts.function("__cc_frame", f"def __cc_frame({parts.params}):\n"
-                                    f"    return {frame_src}\n")
+        # The frame builder and the tree's check are compiled once per checker; a rebuild
+        # only binds a new root.
+        make_frame = parts.env.get("__cc_frame") or parts.function(
+            "__cc_frame", f"def __cc_frame({parts.params}):\n    return {frame_src}\n")
         _defaults(make_frame, parts)
         frame = make_frame(*args, **kwargs)
         rest: list[str] = []
@@ -225,23 +227,18 @@ class EveryCall:
         try:
             return bool(tree.check(*args, **kwargs))
         except Exception:  # noqa: BLE001 - the full check decides
+            logger.debug("guard tree raised", exc_info=True)
             return False
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
-        tree = self._tree
-        if tree is not None and tree.held.alive:
-            try:
-                if tree.check(*args, **kwargs):
-                    return True
-            except Exception:  # noqa: BLE001 - the Python check decides
-                logger.debug("guard tree raised", exc_info=True)
+        if self.fast(*args, **kwargs):
+            return True
         if not self._python(*args, **kwargs):
             return False
         if self._builds < MAX_BUILDS:
             self._builds += 1
             self._tree = build(self._parts, args, kwargs)
         return True
-
 
 
 class FirstCall:
@@ -254,7 +251,7 @@ class FirstCall:
     checks every guard on every call, as ``"always"`` does, so that its side effects
     happen on every call; state that only the user changes later is still not seen."""
 
-    def __init__(self, parts: Parts | None, full: Callable[..., bool],
+    def __init__(self, parts: Parts, full: Callable[..., bool],
                  per_call: Callable[..., bool] | None) -> None:
         self._parts = parts
         self._full = full
@@ -270,8 +267,7 @@ class FirstCall:
             if not self._full(*args, **kwargs):
                 logger.info("cachecompile %s: the state it is guarded on changed after one "
                             "call; this variant checks every guard on every call",
-                            (self._parts.func.__qualname__ if self._parts else "a method"))
-                self._every = (EveryCall(self._parts, self._full) if self._parts is not None
-                               else self._full)
+                            self._parts.func.__qualname__)
+                self._every = EveryCall(self._parts, self._full)
                 return False
         return self._per_call is None or self._per_call(*args, **kwargs)

@@ -72,7 +72,6 @@ class GuardMode(enum.Enum):
             return cls.ALWAYS
 
 
-
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
 GLOBAL_RE = re.compile(r"\bG\[['\"]([^'\"]+)['\"]\]")
 
@@ -149,8 +148,8 @@ class Checker:
 
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
                  explain: Callable[..., str | None], n_guards: int, n_per_call: int,
-                 failure: Callable[..., tuple[str, str] | None] | None = None,
-                 parts: Parts | None = None) -> None:
+                 parts: Parts,
+                 failure: Callable[..., tuple[str, str] | None] | None = None) -> None:
         self.per_call = per_call
         self.full = full
         self.explain = explain

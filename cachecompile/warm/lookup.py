@@ -251,8 +251,6 @@ class Lookup:
         and the tree alone (ALWAYS), which dispatch tries first among several variants."""
         m = self._module
         if self._spec.guards is GuardMode.ALWAYS:
-            if checker.parts is None:
-                return types.MethodType(checker.full, m), None
             # Every guard on every call: Dynamo's C++ tree once the Python check has
             # passed, the Python check whenever the tree does not hold.
             every = guard_tree.EveryCall(checker.parts, checker.full)

@@ -142,7 +142,7 @@ def test_the_tree_never_passes_where_the_python_check_fails(what: str) -> None:
         assert tree.check(m, x, y)
         CHANGES[what](m)
         assert not tree.check(m, x, y), f"{what}: the tree passed a changed call"
-        every = guard_tree.EveryCall(c.parts, c.full)  # type: ignore[arg-type]
+        every = guard_tree.EveryCall(c.parts, c.full)
         # The Python check decides: a portable identity accepts another instance's bound
         # method of the same function (the tree, matching ids, is stricter); every other
         # change fails it.
