@@ -24,6 +24,7 @@ import ast
 import contextlib
 import enum
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import logging
@@ -136,11 +137,25 @@ Manager = Any   # a torch._C._dynamo.guards.GuardManager
 def building() -> Iterator[Any]:
     """Hold the import lock, with stand-ins for Dynamo's modules unless it is imported.
 
-    Yields the ``GuardManagerType`` member to pass to accessors."""
+    Yields the ``GuardManagerType`` member to pass to accessors.
+
+    Tensors are never taken for immutable while building (Dynamo's
+    ``skip_tensor_guards_with_matching_dict_tags``, on by default, lets the C++ skip a
+    tensor's TENSOR_MATCH while the dict holding it is unchanged, which misses an in-place
+    ``requires_grad_()`` or ``.data =``)."""
     _imp.acquire_lock()
     try:
         if "torch._dynamo.guards" in sys.modules:
-            yield sys.modules["torch._dynamo.guards"].GuardManagerType.GUARD_MANAGER
+            cfg_real = sys.modules.get("torch._dynamo.config")
+            flag = "skip_tensor_guards_with_matching_dict_tags"
+            before = getattr(cfg_real, flag, None)
+            if before:
+                setattr(cfg_real, flag, False)
+            try:
+                yield sys.modules["torch._dynamo.guards"].GuardManagerType.GUARD_MANAGER
+            finally:
+                if before:
+                    setattr(cfg_real, flag, before)
             return
         manager_type, defaults = _manager_type(), _config_defaults()
         if manager_type is None or defaults is None:
@@ -155,7 +170,7 @@ def building() -> Iterator[Any]:
         gmod = types.ModuleType("torch._dynamo.guards")
         gmod.GuardManagerType = manager_type  # type: ignore[attr-defined]
         cfg = types.ModuleType("torch._dynamo.config")
-        cfg.__dict__.update(defaults)
+        cfg.__dict__.update(defaults, skip_tensor_guards_with_matching_dict_tags=False)
         pkg.guards, pkg.config = gmod, cfg  # type: ignore[attr-defined]
         sys.modules.update({"torch._dynamo": pkg, "torch._dynamo.guards": gmod,
                             "torch._dynamo.config": cfg})
@@ -178,8 +193,10 @@ def root() -> Manager:
 def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source: str,
           enum_: Any) -> Manager:
     """The accessor for one step of an object path from ``parent`` (the value ``mgr``
-    guards): ``("attr", name)``, ``("item", key)``, ``("type", None)`` (``type(parent)``)
-    or ``("__dict__", None)`` (the instance dict, without running ``__getattr__``).
+    guards): ``("attr", name)``, ``("item", key)``, ``("type", _)`` (``type(parent)``),
+    ``("__dict__", None)`` (the instance dict, without running ``__getattr__``),
+    ``("type_dict", None)`` (a class's own dict, :func:`class_dict`), ``("key", i)`` or
+    ``("value", i)`` (a dict's i-th key, or its value).
 
     Dicts whose lookup is dict's (no ``__missing__``) use the dict accessor, lists and
     tuples theirs, anything else Python's ``obj[key]`` (the same lookup the Python check
@@ -187,22 +204,53 @@ def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source
     how, key = step
     if how == "type":
         return mgr.type_manager(source=source, example_value=example, guard_manager_enum=enum_)
+    if how in ("key", "value"):
+        # By position in a dict (Dynamo's own DictGuardManager takes over the whole dict):
+        # a Python accessor, which runs only where the dict is checked leaf by leaf.
+        fn = _key_at(key) if how == "key" else _value_at(key)
+        return mgr.lambda_manager(python_lambda=fn, source=source, example_value=example,
+                                  guard_manager_enum=enum_)
     if how == "__dict__":
         return mgr.get_generic_dict_manager(source=source, example_value=example,
                                             guard_manager_enum=enum_)
+    if how == "type_dict":
+        return mgr.type_dict_manager(source=source, example_value=example,
+                                     guard_manager_enum=enum_)
     if how == "attr":
         return mgr.getattr_manager(attr=key, source=source, example_value=example,
                                    guard_manager_enum=enum_)
     kw = {"key": key, "source": source, "example_value": example, "guard_manager_enum": enum_}
-    parent = type(parent)
-    if (issubclass(parent, dict) and parent.__getitem__ is dict.__getitem__
-            and not hasattr(parent, "__missing__")):   # the C++ lookup skips __missing__
+    if plain_dict(parent):
         return mgr.dict_getitem_manager(**kw)
-    if parent is list and isinstance(key, int):
+    if type(parent) is list and isinstance(key, int):
         return mgr.list_getitem_manager(**kw)
-    if parent is tuple and isinstance(key, int):
+    if type(parent) is tuple and isinstance(key, int):
         return mgr.tuple_getitem_manager(**kw)
     return mgr.getitem_manager(**kw)
+
+
+def _key_at(i: int) -> Callable[[Any], Any]:
+    return lambda d: list(dict.keys(d))[i]
+
+
+def _value_at(i: int) -> Callable[[Any], Any]:
+    return lambda d: dict.__getitem__(d, list(dict.keys(d))[i])
+
+
+def class_dict(cls: type) -> dict[str, Any]:
+    """The dict a class keeps its attributes in (``cls.__dict__`` is a read-only view of
+    it): what the C++ class-dict accessor reads, so that its changes are seen."""
+    found = [d for d in gc.get_referents(cls.__dict__) if type(d) is dict]
+    if len(found) != 1:
+        raise TypeError(f"no dict behind {cls!r}.__dict__")
+    return found[0]
+
+
+def plain_dict(obj: Any) -> bool:
+    """A dict whose item lookup is dict's own (the C++ dict accessor skips ``__missing__``)."""
+    cls = type(obj)
+    return (issubclass(cls, dict) and cls.__getitem__ is dict.__getitem__
+            and not hasattr(cls, "__missing__"))
 
 
 def type_match(mgr: Manager, cls: type, text: str) -> None:
@@ -253,6 +301,18 @@ def global_state(mgr: Manager, text: str) -> None:
     mgr.add_global_state_guard(_G.GlobalStateGuard(), [text], None)
 
 
+def function_modes(mgr: Manager, text: str) -> None:
+    """The torch function mode stack holds modes of the classes it holds now."""
+    mgr.add_torch_function_mode_stack_guard(
+        [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())],
+        [text], None)
+
+
+def default_device(mgr: Manager, text: str) -> None:
+    """``torch.set_default_device`` is what it is now."""
+    mgr.add_default_device_guard([text], None)
+
+
 def predicate(mgr: Manager, fn: Callable[[Any], bool], text: str) -> None:
     """A Python check of the manager's value (a leaf with no native form)."""
     mgr.add_lambda_guard(fn, [text], None)
@@ -269,6 +329,38 @@ def same_object(a: Manager, b: Manager, text: str) -> None:
 
 def check(tree: Manager, frame: dict[str, Any]) -> bool:
     return bool(tree.check(frame))
+
+
+def skip_while_unchanged(anchor: Manager) -> int:
+    """Check ``anchor``'s subtree only when something in it changed (Dynamo's recursive
+    dict tags). On its first check the C++ records every dict-valued node of the subtree
+    with its version and keeps a weak reference to the anchor object; while the anchor is
+    that object and none of those dicts has changed, later checks skip the whole subtree,
+    the anchor's own leaves included. A changed dict, a failing check or a dead anchor
+    turns the skipping off for good: the subtree is then checked leaf by leaf.
+
+    The caller answers for the subtree: each of its leaves must hold as long as the anchor
+    is the same object and those dicts are unchanged. Answers the managers marked."""
+    seen = 0
+    stack = [anchor]
+    while stack:
+        mgr = stack.pop()
+        mgr.mark_tag_safe()
+        seen += 1
+        stack.extend(mgr.get_child_managers())
+    anchor.mark_tag_safe_root()
+    return seen
+
+
+def weakref_call(mgr: Manager, obj: Any, source: str, enum_: Any) -> Manager:
+    """The object a weak reference (the value ``mgr`` guards) points to."""
+    return mgr.weakref_call_manager(source=source, example_value=obj, guard_manager_enum=enum_)
+
+
+def dict_identity(mgr: Manager, obj: Any, d: dict[str, Any], text: str, enum_: Any) -> None:
+    """``obj.__dict__ is d`` (``d`` held by the caller: an id is only its own while it lives)."""
+    sub = mgr.get_generic_dict_manager(source=text, example_value=d, guard_manager_enum=enum_)
+    sub.add_id_match_guard(id(d), [text], None)
 
 
 @functools.cache
@@ -293,11 +385,17 @@ def available() -> bool:
             distinct([w, xm], ["w", "x"], "distinct")
             predicate(r, lambda d: d["x"].shape[0] <= 8, "x.size(0) <= 8")
             global_state(r, "global state")
+            function_modes(r, "no function mode")
+            default_device(r, "no default device")
         ok = (check(r, frame) and check(r, {"self": lin, "x": torch.randn(5, 2)})
               and not check(r, {"self": lin, "x": torch.randn(9, 2)})
               and not check(r, {"self": lin, "x": torch.randn(3, 3)})
               and not check(r, {"self": lin, "x": lin.weight}))
         with torch.set_grad_enabled(not torch.is_grad_enabled()):   # global state flipped
+            ok = ok and not check(r, frame)
+        with torch.overrides.TorchFunctionMode():
+            ok = ok and not check(r, frame)
+        with torch.device("meta"):
             ok = ok and not check(r, frame)
         h = lin.register_forward_hook(lambda *a: None)
         ok = ok and not check(r, {"self": lin, "x": x})
@@ -308,3 +406,77 @@ def available() -> bool:
     if not ok:
         logger.debug("the C++ guard tree checks differently on this torch: not used")
     return ok
+
+
+@functools.cache
+def tags_available() -> bool:
+    """Whether this torch skips a subtree while its dicts are unchanged the way
+    :func:`skip_while_unchanged` says (once per process): it skips an unchanged subtree,
+    notices a changed value, an added key and a replaced object in any dict below the
+    anchor, then checks leaf by leaf; and a tensor under an unchanged dict is still
+    checked where it is not in a skipped subtree. Where it does not, trees check every
+    leaf on every call."""
+    if not available():
+        return False
+    try:
+        return _tags_probe()
+    except Exception:  # noqa: BLE001 - any difference in this release: check every leaf
+        logger.debug("skipping unchanged subtrees is unavailable on this torch", exc_info=True)
+        return False
+
+
+def _tags_probe() -> bool:
+    def tree(lin: torch.nn.Linear, seen: list[int]) -> tuple[Manager, dict[str, Any]]:
+        frame = {"self": lin, "live": lin.weight}
+
+        def checked(_value: Any) -> bool:
+            seen.append(1)
+            return True
+
+        with building() as enum_:
+            r = root()
+            a = child(r, frame, ("item", "self"), lin, "self", enum_)
+            predicate(a, checked, "checked")
+            d = child(a, lin, ("__dict__", None), lin.__dict__, "__dict__", enum_)
+            equals(child(d, lin.__dict__, ("item", "training"), True, "training", enum_),
+                   True, "training")
+            hooks = child(d, lin.__dict__, ("item", "_forward_hooks"), lin._forward_hooks,
+                          "hooks", enum_)
+            length(hooks, lin._forward_hooks, 0, "no hooks")
+            ps = child(d, lin.__dict__, ("item", "_parameters"), lin._parameters, "ps", enum_)
+            id_match(child(ps, lin._parameters, ("item", "weight"), lin.weight, "w", enum_),
+                     lin.weight, "weight")
+            # A tensor under a dict whose tag is unchanged, outside the skipped subtree.
+            live = child(r, frame, ("item", "live"), lin.weight, "live", enum_)
+            tensor(live, lin.weight, [2, 2], [2, 1], "live", "live")
+            if skip_while_unchanged(a) != 6:
+                raise RuntimeError("unexpected subtree")
+        return r, frame
+
+    def new_weight(m: torch.nn.Linear) -> None:
+        m.weight = torch.nn.Parameter(torch.randn(2, 2))
+
+    # Each change, and how to undo it (None: the tree cannot pass again).
+    changes: list[tuple[Callable[[torch.nn.Linear], Any], Callable[[Any], Any] | None]] = [
+        (lambda m: m.eval(), lambda m: m.train()),
+        (lambda m: m.register_forward_hook(lambda *a: None), lambda h: h.remove()),
+        (new_weight, None),
+    ]
+    for change, undo in changes:
+        seen: list[int] = []
+        lin = torch.nn.Linear(2, 2)
+        r, frame = tree(lin, seen)
+        if not (r.check(frame) and r.check(frame) and r.check(frame)) or len(seen) != 1:
+            return False                       # records once, then skips
+        undone = change(lin)
+        if r.check(frame) or len(seen) != 2:
+            return False                       # the change is seen: checked, and fails
+        if undo is not None:
+            undo(undone if undone is not None else lin)
+            if not r.check(frame) or len(seen) != 3:
+                return False                   # leaf by leaf from now on
+    lin = torch.nn.Linear(2, 2)
+    r, frame = tree(lin, [])
+    r.check(frame)
+    lin.weight.requires_grad_(False)           # in place: no dict changes
+    return not r.check(frame)

@@ -16,7 +16,10 @@ order of :data:`KINDS` is the order a checker evaluates them (cheap ones first).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import os
+import re
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -45,22 +48,40 @@ class Source(Protocol):
         ...
 
 
+class Node(Protocol):
+    """A place in the tree being built: a manager and the live value it guards."""
+
+    mgr: Any
+    obj: Any
+    # In an anchor's subtree, checked only while the anchor's state has changed: a leaf
+    # here must hold as long as the object is the same one.
+    pinned: bool
+
+    def live(self) -> Node:
+        """The same object's node that is checked on every call."""
+        ...
+
+    def child(self, step: tuple[str, Any]) -> Node:
+        """One more step from here (pinned where the step keeps it so)."""
+        ...
+
+
 class Tree(Protocol):
     """What a kind's ``native`` gets from the tree being built."""
 
     root: Any
     enum: Any
 
-    def node(self, expr: str) -> tuple[Any, Any] | None:
-        """(manager, live value) for an object path; None if it is not one or unreadable."""
-        ...
-
-    def child(self, mgr: Any, obj: Any, step: tuple[str, Any], value: Any, source: str) -> Any:
-        """A manager for one more step from ``mgr`` (shared with other guards)."""
+    def node(self, expr: str) -> Node | None:
+        """The node an object path names; None if it is not one or unreadable."""
         ...
 
     def keep(self, obj: Any) -> None:
         """Hold ``obj`` for the tree's life (its id is matched)."""
+        ...
+
+    def const(self, obj: Any) -> Node:
+        """A node for ``obj`` itself, checked on every call (no path leads to it)."""
         ...
 
 
@@ -190,12 +211,18 @@ def overlap_groups(tensors: Sequence[Any]) -> list[list[int]]:
     ranges is conservative (interleaved strided views count as overlapping), which is safe
     because the same rule runs at trace time and at the check.
     """
+    try:    # the common case, checked on every call: each tensor has its own storage
+        bases = [t.untyped_storage().data_ptr() for t in tensors]
+        if len(set(bases)) == len(bases):
+            return []
+    except Exception:  # noqa: BLE001 - not all dense tensors: the general rule below
+        pass
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor) and t.layout is torch.strided:
             by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
     if all(len(v) < 2 for v in by_storage.values()):
-        return []           # the common case: every tensor has its own storage
+        return []
     groups: list[list[int]] = []
     for members in by_storage.values():
         if len(members) < 2:
@@ -247,19 +274,86 @@ def function_modes() -> list[str]:
 # stored value; each ``native`` gets the tree, the raw expression (``L['self'].cfg.act``),
 # the value and the text, and returns False where that guard has no native form here.
 
-def _on_path(build: Callable[[Tree, Any, Any, JSON, str], bool], *, proxy_ok: bool = False
-             ) -> Callable[[Tree, str, JSON, str], bool]:
-    """A native leaf on the object an expression names. ``dict(proxy)`` is walked as the
-    proxy itself, which only a length or membership test reads the same (``proxy_ok``)."""
+def _on_path(build: Callable[[Tree, Node, JSON, str], bool], *,
+             implied: Callable[[Any, JSON], bool] = lambda obj, value: False,
+             proxy_ok: bool = False) -> Callable[[Tree, str, JSON, str], bool]:
+    """A native leaf on the object an expression names. ``implied(obj, value)``: whether
+    the guard holds as long as ``obj`` is the same object (and, for a dict, unchanged),
+    so that it may sit in an anchor's skipped subtree; otherwise it is checked on every
+    call. ``dict(proxy)`` is walked as the proxy itself, which only a length or
+    membership test reads the same (``proxy_ok``)."""
     def native_(tree: Tree, expr: str, value: JSON, text: str) -> bool:
-        found = tree.node(expr) if expr else None
-        if found is None:
+        node = tree.node(expr) if expr else None
+        if node is None:
             return False
-        mgr, obj = found
-        if isinstance(obj, types.MappingProxyType) and not proxy_ok:
+        if isinstance(node.obj, types.MappingProxyType) and not proxy_ok:
             return False    # the guard reads dict(proxy) itself: Python checks it
-        return build(tree, mgr, obj, value, text)
+        if node.pinned and not implied(node.obj, value):
+            node = node.live()
+        return build(tree, node, value, text)
     return native_
+
+
+# What an object's identity decides (guard_tree skips these while their anchor's dicts are
+# unchanged): the object is the same one, and a dict's contents are what its version says.
+def fixed_class(obj: Any, value: JSON = None) -> bool:
+    """Its class cannot be reassigned: an immutable builtin type (a Python module's can)."""
+    return bool(type(obj).__flags__ & _IMMUTABLETYPE) and not isinstance(obj, types.ModuleType)
+
+
+_IMMUTABLETYPE = 1 << 8   # Py_TPFLAGS_IMMUTABLETYPE
+
+
+def instance_dict(obj: Any) -> dict[str, Any] | None:
+    """``vars(obj)`` where it is a plain dict, without running ``__getattr__``."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return d if type(d) is dict else None
+
+
+def reads_instance_dict(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` reads ``vars(obj)[name]``: in it, not shadowed by a data
+    descriptor of its class, and the class's attribute lookup is Python's own."""
+    d = instance_dict(obj)
+    cls = type(obj)
+    if d is None or name not in d or cls.__getattribute__ not in _PLAIN_GETATTRIBUTE:
+        return False
+    for klass in cls.__mro__:
+        found = klass.__dict__.get(name, _NO_VALUE)
+        if found is not _NO_VALUE:
+            return not (hasattr(type(found), "__set__") or hasattr(type(found), "__delete__"))
+    return True
+
+
+_PLAIN_GETATTRIBUTE = (object.__getattribute__, types.ModuleType.__getattribute__)
+_NO_VALUE = object()
+
+
+def _in_instance_dict(obj: Any, value: JSON) -> bool:
+    """``hasattr(obj, a)`` is true while ``a`` stays in ``vars(obj)``."""
+    return bool(value["present"]) and reads_instance_dict(obj, str(value["attr"]))
+
+
+def _immutable(obj: Any, value: JSON = None) -> bool:
+    return type(obj) in _IMMUTABLE or type(obj) is tuple and all(_immutable(x) for x in obj)
+
+
+def _versioned(obj: Any, value: JSON = None) -> bool:
+    """A dict whose length and membership are its own (its version tracks them), or a tuple."""
+    return type(obj) is tuple or (native.plain_dict(obj) and type(obj).__len__ is dict.__len__
+                                  and type(obj).__contains__ is dict.__contains__)
+
+
+def _ordered_by_version(obj: Any, value: JSON = None) -> bool:
+    """A plain dict: its key order changes only with its version (an OrderedDict's
+    ``move_to_end`` does not touch it)."""
+    return type(obj) is dict
+
+
+def _always(obj: Any, value: JSON = None) -> bool:
+    return True
 
 
 def _global_state_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
@@ -267,9 +361,34 @@ def _global_state_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
     return True
 
 
-def _type_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
-    tree.keep(type(obj))
-    native.type_match(mgr, type(obj), text)
+def _modes_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
+    native.function_modes(tree.root, text)  # the classes now: at least as strict as names
+    return True
+
+
+def _default_device_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
+    native.default_device(tree.root, text)
+    return True
+
+
+_UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
+
+
+def _expr_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
+    """``not ___environ_has('X')`` as a membership leaf on ``os.environ``'s own dict (what
+    ``'X' in os.environ`` reads); other expressions stay Python."""
+    m = _UNSET_ENV.fullmatch(expr)
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if m is None or type(data) is not dict or encode is None:
+        return False
+    name = ast.literal_eval(m.group(1))
+    return native.dict_contains(tree.const(data).mgr, data, False, encode(name), text)
+
+
+def _type_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
+    tree.keep(type(node.obj))
+    native.type_match(node.mgr, type(node.obj), text)
     return True
 
 
@@ -284,73 +403,77 @@ def _eq_python(src: Source, e: str, value: JSON) -> str:
 _IMMUTABLE = (bool, int, float, str, bytes, type(None), torch.device, torch.dtype)
 
 
-def _eq_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _eq_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     expected = values.decode_value(value)
+    obj = node.obj
     if type(expected) is type(obj) and isinstance(expected, _IMMUTABLE):
-        native.equals(mgr, expected, text)
+        native.equals(node.mgr, expected, text)
     elif not isinstance(expected, (bool, int, float)):
         # Python's own comparison, against the decoded value (a fresh object: the live one
         # would follow its own later in-place changes).
-        native.predicate(mgr, lambda o: bool(o == expected), text)
+        native.predicate(node.mgr, lambda o: bool(o == expected), text)
     else:
         return False
     return True
 
 
-def _len_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _len_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     n = int(value)
-    if not native.length(mgr, obj, n, text):
-        native.predicate(mgr, lambda o: len(o) == n, text)
+    if not native.length(node.mgr, node.obj, n, text):
+        native.predicate(node.mgr, lambda o: len(o) == n, text)
     return True
 
 
-def _keys_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _keys_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     keys = [values.decode_value(k) for k in value]
-    native.predicate(mgr, lambda o: list(o.keys()) == keys, text)
+    native.predicate(node.mgr, lambda o: list(o.keys()) == keys, text)
     return True
 
 
-def _hasattr_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _hasattr_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     attr, present = str(value["attr"]), bool(value["present"])
+    if node.pinned:    # _in_instance_dict: in vars(obj), which the anchor's subtree records
+        sub = node.child(("__dict__", None))
+        return native.dict_contains(sub.mgr, sub.obj, True, attr, text)
     if present:
-        native.predicate(mgr, lambda o: hasattr(o, attr), text)
+        native.predicate(node.mgr, lambda o: hasattr(o, attr), text)
     else:
-        native.no_hasattr(mgr, attr, text)
+        native.no_hasattr(node.mgr, attr, text)
     return True
 
 
-def _contains_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _contains_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     key, present = values.decode_value(value["key"]), bool(value["present"])
-    if not native.dict_contains(mgr, obj, present, key, text):
-        native.predicate(mgr, lambda o: (key in o) is present, text)
+    if not native.dict_contains(node.mgr, node.obj, present, key, text):
+        native.predicate(node.mgr, lambda o: (key in o) is present, text)
     return True
 
 
-def _not_in_dict_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
-    d = getattr(obj, "__dict__", None)
+def _not_in_dict_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
+    d = getattr(node.obj, "__dict__", None)
     if type(d) is not dict:
         return False
-    sub = tree.child(mgr, obj, ("__dict__", None), d, "__dict__")
-    native.dict_contains(sub, d, False, value, text)
+    native.dict_contains(node.child(("__dict__", None)).mgr, d, False, value, text)
     return True
 
 
-def _ident_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
+def _ident_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
+    obj = node.obj
     if type(obj) is types.MethodType:   # a new object on every access: match its parts
         for part in ("__func__", "__self__"):
-            sub = getattr(obj, part)
-            tree.keep(sub)
-            native.id_match(tree.child(mgr, obj, ("attr", part), sub, part), sub, text)
+            sub = node.child(("attr", part))
+            tree.keep(sub.obj)
+            native.id_match(sub.mgr, sub.obj, text)
     else:
         tree.keep(obj)
-        native.id_match(mgr, obj, text)
+        native.id_match(node.mgr, obj, text)
     return True
 
 
-def _tensor_leaf(tree: Tree, mgr: Any, obj: Any, value: JSON, text: str) -> bool:
-    if not isinstance(obj, torch.Tensor):
+def _tensor_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
+    if not isinstance(node.obj, torch.Tensor):
         return False
-    native.tensor(mgr, obj, value["sizes"], value["strides"], text, text)
+    native.tensor(node.mgr, node.obj, value["sizes"], value["strides"], text, text)
     return True
 
 
@@ -364,8 +487,10 @@ def _alias_python(src: Source, e: str, value: JSON) -> str:
 
 
 def _alias_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
+    # Relational leaves keep state across the managers they span, so each side is one
+    # that is checked on every call.
     found = [tree.node(x) for x in value["exprs"]]
-    mgrs = [f[0] for f in found if f is not None]
+    mgrs = [f.live().mgr for f in found if f is not None]
     if len(mgrs) != len(found):
         return False
     groups = value["groups"]
@@ -387,35 +512,43 @@ _TABLE = (
     Kind("global_state", ("GLOBAL_STATE",),
          lambda src, e, v: f"{src.const(runtime.global_state_check(v))}()", _global_state_leaf),
     Kind("modes", ("TORCH_FUNCTION_STATE",),
-         lambda src, e, v: f"{src.const(function_modes)}() == {src.const(list(v))}"),
+         lambda src, e, v: f"{src.const(function_modes)}() == {src.const(list(v))}",
+         _modes_leaf),
     Kind("default_device", ("DEFAULT_DEVICE",),
-         lambda src, e, v: f"{src.const(runtime.default_device)}() == {src.const(v)}"),
+         lambda src, e, v: f"{src.const(runtime.default_device)}() == {src.const(v)}",
+         _default_device_leaf),
     Kind("type", ("TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH"),
-         lambda src, e, v: f"{src.const(TypeRef(v))}.matches(type({e}))", _on_path(_type_leaf)),
-    Kind("eq", ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"), _eq_python, _on_path(_eq_leaf)),
+         lambda src, e, v: f"{src.const(TypeRef(v))}.matches(type({e}))",
+         _on_path(_type_leaf, implied=fixed_class)),
+    Kind("eq", ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"), _eq_python,
+         _on_path(_eq_leaf, implied=_immutable)),
     Kind("len", ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"),
-         lambda src, e, v: f"len({e}) == {int(v)}", _on_path(_len_leaf, proxy_ok=True)),
+         lambda src, e, v: f"len({e}) == {int(v)}",
+         _on_path(_len_leaf, implied=_versioned, proxy_ok=True)),
     Kind("keys", ("DICT_KEYS_MATCH",),
          lambda src, e, v: f"list({e}.keys()) == "
                            f"{src.const([values.decode_value(k) for k in v])}",
-         _on_path(_keys_leaf)),
+         _on_path(_keys_leaf, implied=_ordered_by_version)),
     Kind("hasattr", ("HASATTR",),
          lambda src, e, v: f"hasattr({e}, {src.const(v['attr'])}) is "
-                           f"{src.const(bool(v['present']))}", _on_path(_hasattr_leaf)),
+                           f"{src.const(bool(v['present']))}",
+         _on_path(_hasattr_leaf, implied=_in_instance_dict)),
     Kind("contains", ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"),
          lambda src, e, v: f"({src.const(values.decode_value(v['key']))} in {e}) is "
                            f"{src.const(bool(v['present']))}",
-         _on_path(_contains_leaf, proxy_ok=True)),
+         _on_path(_contains_leaf, implied=_versioned, proxy_ok=True)),
     Kind("not_in_dict", ("NOT_PRESENT_IN_GENERIC_DICT",),
-         lambda src, e, v: f"{src.const(v)} not in {e}.__dict__", _on_path(_not_in_dict_leaf)),
+         lambda src, e, v: f"{src.const(v)} not in {e}.__dict__",
+         _on_path(_not_in_dict_leaf, implied=_always)),
     Kind("ident", ("ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "NONE_MATCH", "MODULE_MATCH",
                    "BUILTIN_MATCH", "OPAQUE_OBJ_GUARD_FN_MATCH"),
-         lambda src, e, v: f"{src.const(_IdentMatch(v))}({e})", _on_path(_ident_leaf)),
+         lambda src, e, v: f"{src.const(_IdentMatch(v))}({e})",
+         _on_path(_ident_leaf, implied=_always)),
     Kind("tensor", ("TENSOR_MATCH",),
          lambda src, e, v: f"{src.const(_tensor_check(v))}({e})", _on_path(_tensor_leaf)),
     Kind("alias", ("DUPLICATE_INPUT", "NO_TENSOR_ALIASING"), _alias_python, _alias_leaf),
     Kind("overlap", ("STORAGE_OVERLAPPING",), _overlap_python),
-    Kind("expr", ("SHAPE_ENV", "NOT_NONE_MATCH"), lambda src, e, v: f"({e})"),
+    Kind("expr", ("SHAPE_ENV", "NOT_NONE_MATCH"), lambda src, e, v: f"({e})", _expr_leaf),
 )
 
 TABLE: dict[str, Kind] = {k.name: k for k in _TABLE}

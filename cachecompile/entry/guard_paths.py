@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 # A step: ("item", key) from a dict, list or tuple; ("attr", name); ("type", None) for
-# type(x); ("dict", None) for dict(mapping proxy), which reads as the proxy itself.
+# type(x); ("dict", None) for dict(mapping proxy), which reads as the proxy itself;
+# ("key", i) for list(dict.keys(d))[i] and ("value", i) for d's value at that key, as
+# Dynamo names a dict it iterated.
 Step = tuple[str, Any]
 # The frame dict holds the replayed globals under this name (G['X'] is frame[G]['X']).
 FRAME_GLOBALS = "__cc_G"
@@ -39,7 +41,10 @@ def path(expr: str) -> list[Step] | None:
         return None
     steps: list[Step] = []
     while True:
-        if isinstance(node, ast.Attribute):
+        if (key := _key_at(node)) is not None:
+            steps.append(("key", key[1]))
+            node = key[0]
+        elif isinstance(node, ast.Attribute):
             steps.append(("attr", node.attr))
             node = node.value
         elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
@@ -62,20 +67,70 @@ def path(expr: str) -> list[Step] | None:
               and isinstance(node.args[1], ast.Constant) and not node.keywords):
             steps.append(("item", node.args[1].value))
             node = node.args[0]
+        elif (isinstance(node, ast.Call) and _is_name_attr(node.func, "dict", "__getitem__")
+              and len(node.args) == 2 and not node.keywords
+              and (key := _key_at(node.args[1])) is not None
+              and ast.dump(key[0]) == ast.dump(node.args[0])):
+            steps.append(("value", key[1]))
+            node = node.args[0]
         else:
             return None
     return steps[::-1]
 
 
-def _label(step: Step, depth: int) -> str:
+def _key_at(node: ast.expr) -> tuple[ast.expr, int] | None:
+    """``list(dict.keys(X))[i]`` -> (X, i)."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and type(node.slice.value) is int):
+        return None
+    inner = node.value
+    if not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name)
+            and inner.func.id == "list" and len(inner.args) == 1 and not inner.keywords):
+        return None
+    keys = inner.args[0]
+    if not (isinstance(keys, ast.Call) and _is_name_attr(keys.func, "dict", "keys")
+            and len(keys.args) == 1 and not keys.keywords):
+        return None
+    return keys.args[0], node.slice.value
+
+
+def _is_name_attr(node: ast.expr, name: str, attr: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == attr
+            and isinstance(node.value, ast.Name) and node.value.id == name)
+
+
+def key_at(d: Any, i: int) -> Any:
+    """``list(dict.keys(d))[i]``."""
+    return list(dict.keys(d))[i]
+
+
+def value_at(d: Any, i: int) -> Any:
+    """``dict.__getitem__(d, list(dict.keys(d))[i])``."""
+    return dict.__getitem__(d, list(dict.keys(d))[i])
+
+
+def label(step: Step) -> str:
+    """A step as text: ``.name``, ``['key']``, ``.__dict__``, ``type()``."""
     how, key = step
-    if depth == 0:
-        return "G (globals)" if key == FRAME_GLOBALS else str(key)
     if how == "attr":
         return f".{key}"
     if how == "item":
         return f"[{key!r}]"
+    if how == "__dict__":
+        return ".__dict__"
+    if how == "type_dict":
+        return ".__dict__ (the class's own)"
+    if how == "dict":
+        return ""
+    if how in ("key", "value"):
+        return f".{how}s()[{key}]"
     return f"{how}()"
+
+
+def _label(step: Step, depth: int) -> str:
+    if depth == 0:
+        return "G (globals)" if step[1] == FRAME_GLOBALS else str(step[1])
+    return label(step)
 
 
 def render(guards: Iterable[Mapping[str, Any]]) -> str:

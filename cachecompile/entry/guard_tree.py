@@ -29,74 +29,330 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cachecompile._torch import guard_tree as native
 from cachecompile.entry import guard_paths
-from cachecompile.entry.guard_kinds import TABLE
+from cachecompile.entry.guard_kinds import TABLE, fixed_class, instance_dict, reads_instance_dict
 from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
 from cachecompile.entry.guards import Parts, guard_lines, indent
 
 logger = logging.getLogger(__name__)
 
 # Builds per loaded variant: past this many (state replaced by equal objects call after
-# call), the variant keeps the Python check.
+# call), the variant keeps the Python check. The first SKIPPING_BUILDS of them skip
+# unchanged state (:class:`_Builder`); later ones check every leaf on every call.
 MAX_BUILDS = 8
+SKIPPING_BUILDS = 3
+
+
+class Node:
+    """Where a guard's leaf goes: a manager of the tree being built and its live value.
+
+    ``pinned``: the manager is in an anchor's skipped subtree, so a leaf on it runs only
+    while that anchor is checked leaf by leaf; such a leaf must hold as long as the object
+    is the same one (guard_kinds says which do). :meth:`live` is the same object's manager
+    that is checked on every call."""
+
+    __slots__ = ("_b", "key", "mgr", "obj", "pinned")
+
+    def __init__(self, b: _Builder, key: tuple[Any, ...], mgr: Any, obj: Any,
+                 pinned: bool) -> None:
+        self._b, self.key, self.mgr, self.obj, self.pinned = b, key, mgr, obj, pinned
+
+    def live(self) -> Node:
+        return self._b.front(self) if self.pinned else self
+
+    def child(self, step: Step) -> Node:
+        """One more step from this node: pinned where the step keeps it so."""
+        if self.pinned:
+            pinned = _pin(step, self.obj)
+            if pinned is not None:
+                return self._b.walk(self, pinned[0], pinned[1])
+        return self._b.walk(self.live(), [step], [])
 
 
 class _Builder:
-    """The tree being built (guard_kinds.Tree): accessors shared by path."""
+    """The tree being built (guard_kinds.Tree): accessors shared by path.
 
-    def __init__(self, frame: dict[str, Any], enum_: Any) -> None:
+    Checking less. The state a method reads hangs off a few *anchors*: the
+    ``nn.Module`` (or Python module) an object path first reaches. From an anchor, a path
+    whose every step reads a dict (an attribute from the instance ``__dict__``, an item of
+    a plain dict, a class's own dict) or an immutable link (a tuple item, a function's
+    ``__closure__``) is *pinned*: while the anchor is the same object and none of those
+    dicts has changed, the object at its end is the same object. Such paths are walked
+    through the dicts themselves under the anchor, whose subtree the C++ skips while its
+    dicts are unchanged (:func:`native.skip_while_unchanged`); a leaf goes there only if
+    the object's identity decides it (an identity, an immutable value, a dict's keys or
+    length).
+
+    Everything else about a pinned object (a tensor's facts, a class that can be
+    reassigned, what a custom ``__getattribute__`` returns, a list's items, a cell's
+    contents) is checked on every call, on the object itself: each such object is an
+    entry of the *frontier*, a tuple the tree holds (weakly where the object allows),
+    reached in two steps from the frame instead of by its whole path. While the anchor's
+    dicts are unchanged the frontier object is the one at the path's end; once they
+    change, the subtree is checked leaf by leaf, and an identity leaf there ties each path
+    to its frontier object, so a replaced object fails the tree (the Python check then
+    decides, and a new tree is built). Each object whose ``__dict__`` or class a pinned
+    path goes through is checked for both on every call (``obj.__dict__ = d`` and
+    ``obj.__class__ = C`` change no dict).
+    """
+
+    def __init__(self, frame: dict[str, Any], enum_: Any, skip: bool) -> None:
         self.frame = frame
         self.enum = enum_
+        self.skip = skip
         self.root = native.root()
-        self.nodes: dict[tuple[Step, ...], tuple[Any, Any]] = {(): (self.root, frame)}
-        self.children: dict[tuple[int, Step], Any] = {}
+        self.nodes: dict[tuple[Any, ...], Node] = {}
         self.held = _Held()
+        self.anchors: list[Any] = []
+        self.front_refs: list[Any] = []
+        self._front: dict[int, Node] = {}
+        self._front_root: Any = None
+        self._tied: set[tuple[int, int]] = set()
+        self._needs: set[tuple[int, str]] = set()
+        self.rearm = _Rearm()
 
     def keep(self, obj: Any) -> None:
         self.held.add(obj)
 
-    def child(self, mgr: Any, obj: Any, step: Step, value: Any, source: str) -> Any:
-        key = (id(mgr), step)
-        found = self.children.get(key)
-        if found is None:
-            found = self.children[key] = native.child(mgr, obj, step, value, source, self.enum)
-        return found
-
-    def node(self, expr: str) -> tuple[Any, Any] | None:
-        """(manager, live value) for an object path, accessors shared; None if it is not
-        one or cannot be read now."""
+    def node(self, expr: str) -> Node | None:
+        """The node an object path names; None if it is not one or cannot be read now."""
         steps = guard_paths.path(expr)
         if steps is None:
             return None
-        mgr, obj = self.root, self.frame
-        for i in range(len(steps)):
-            key = tuple(steps[: i + 1])
-            hit = self.nodes.get(key)
-            if hit is None:
-                how, name = steps[i]
-                if how == "dict":
+        objs = _values(self.frame, steps)
+        if objs is None:
+            return None
+        top = Node(self, ("frame",), self.root, self.frame, False)
+        a = next((i for i in range(1, len(objs)) if _is_anchor(objs[i])), None) \
+            if self.skip else None
+        if a is None:
+            return self.walk(top, steps, [])
+        node = self._anchor(self.walk(top, steps[:a], []))
+        for i in range(a, len(steps)):
+            pinned = _pin(steps[i], node.obj)
+            if pinned is None:
+                return self.walk(node.live(), steps[i:], [])
+            node = self.walk(node, *pinned)
+        return node
+
+    def _anchor(self, node: Node) -> Node:
+        """``node``'s manager as an anchor: a subtree root, skipped while unchanged."""
+        key = ("anchor", *node.key[1:])
+        found = self.nodes.get(key)
+        if found is None:
+            found = self.nodes[key] = Node(self, key, node.mgr, node.obj, True)
+            self.anchors.append(node.mgr)
+            native.predicate(node.mgr, self.rearm.note(len(self.anchors) - 1),
+                             "the anchor's state, checked leaf by leaf")
+        return found
+
+    def walk(self, node: Node, steps: list[Step], needs: list[str]) -> Node:
+        """Down ``steps`` from ``node``, sharing managers by path; ``needs``: what each
+        step asks of the object it starts from on every call ("type", "dict")."""
+        for i, step in enumerate(steps):
+            key = (*node.key, step)
+            found = self.nodes.get(key)
+            if found is None:
+                obj = node.obj
+                value = _step(obj, step)
+                if step[0] == "dict":
                     # dict(proxy)[k] is proxy[k]: the same node, for a class's __dict__ only.
                     if not isinstance(obj, types.MappingProxyType):
-                        return None
-                    hit = (mgr, obj)
+                        raise _NotAPath(step)
+                    mgr = node.mgr
                 else:
-                    try:
-                        value = (type(obj) if how == "type" else
-                                 getattr(obj, name) if how == "attr" else obj[name])
-                    except Exception:  # noqa: BLE001 - not readable now: Python checks it
-                        return None
-                    hit = (self.child(mgr, obj, steps[i], value, expr), value)
-                self.nodes[key] = hit
-            mgr, obj = hit
-        return mgr, obj
+                    mgr = native.child(node.mgr, obj, step, value, _source(node, step),
+                                       self.enum)
+                found = self.nodes[key] = Node(self, key, mgr, value, node.pinned)
+            if i < len(needs) and needs[i]:
+                self.need(node, needs[i])
+            node = found
+        return node
+
+    def need(self, node: Node, what: str) -> None:
+        """``what`` of a pinned object, checked on every call: its class or its ``__dict__``."""
+        if (id(node.obj), what) in self._needs:
+            return
+        self._needs.add((id(node.obj), what))
+        live = node.live()
+        if what == "type":
+            self.keep(type(node.obj))
+            native.type_match(live.mgr, type(node.obj), f"type({_text(node)})")
+        else:
+            d = object.__getattribute__(node.obj, "__dict__")
+            self.keep(d)
+            native.dict_identity(live.mgr, node.obj, d, f"{_text(node)}.__dict__ (same dict)",
+                                 self.enum)
+
+    def const(self, obj: Any) -> Node:
+        """A frontier entry for ``obj`` itself, reached by no path."""
+        return self._entry(obj)
+
+    def front(self, node: Node) -> Node:
+        """The frontier entry of a pinned node's object (made on first use), tied to the
+        node: the anchor's subtree, when checked leaf by leaf, matches it by identity."""
+        obj = node.obj
+        if (id(node.mgr), id(obj)) not in self._tied:
+            self._tied.add((id(node.mgr), id(obj)))
+            self.keep(obj)
+            native.id_match(node.mgr, obj, f"{_text(node)} is the object checked every call")
+        return self._entry(obj)
+
+    def _entry(self, obj: Any) -> Node:
+        found = self._front.get(id(obj))
+        if found is not None:
+            return found
+        self.keep(obj)
+        i = len(self.front_refs)
+        try:
+            ref: Any = weakref.ref(obj)
+        except TypeError:
+            ref = obj
+        self.front_refs.append(ref)
+        if self._front_root is None:
+            self._front_root = native.child(self.root, self.frame, ("item", FRONTIER),
+                                            (ref,), "frontier", self.enum)
+        mgr = native.child(self._front_root, (ref,), ("item", i), ref, f"frontier[{i}]",
+                           self.enum)
+        if ref is not obj:
+            mgr = native.weakref_call(mgr, obj, f"frontier[{i}]()", self.enum)
+        found = self._front[id(obj)] = Node(self, ("front", i), mgr, obj, False)
+        return found
+
+    def skip_unchanged(self) -> int:
+        """Mark each anchor's subtree to be skipped while unchanged; answers how many
+        managers are."""
+        sizes = [native.skip_while_unchanged(a) for a in self.anchors]
+        self.rearm.big = [n >= REARM_MIN for n in sizes]
+        return sum(sizes)
 
     def leaf(self, g: dict[str, Any], text: str) -> bool:
         """The native leaf for guard ``g`` (guard_kinds.TABLE); False if it has none."""
         kind = TABLE.get(str(g["kind"]))
         if kind is None or kind.native is None:
             return False
-        return kind.native(self, str(g.get("expr") or ""), g.get("value"), text)
+        try:
+            return kind.native(self, str(g.get("expr") or ""), g.get("value"), text)
+        except _NotAPath:
+            return False
+
+
+class _NotAPath(Exception):
+    """A step the tree cannot follow here: the guard is checked in Python."""
+
+
+class _Rearm:
+    """Notes when an anchor's subtree is checked leaf by leaf again after the check that
+    recorded its dicts: something in it changed, and the skipping is off for good in this
+    tree. Where that anchor holds much of the state (:data:`REARM_MIN` managers or more),
+    :class:`EveryCall` then builds a new tree (a bounded number of times); a small one
+    (a Python module whose globals change as it runs) is left checked leaf by leaf."""
+
+    __slots__ = ("big", "counts", "due")
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.big: list[bool] = []
+        self.due = False
+
+    def note(self, i: int) -> Callable[[Any], bool]:
+        self.counts.append(0)
+        self.big.append(False)
+
+        def seen(_value: Any) -> bool:
+            self.counts[i] += 1
+            if self.counts[i] > 1 and self.big[i]:
+                self.due = True
+            return True
+        return seen
+
+
+# Managers under an anchor for its change to be worth a new tree (_Rearm).
+REARM_MIN = 16
+# The frame entry holding the frontier (the objects checked on every call).
+FRONTIER = "__cc_F"
+def _source(node: Node, step: Step) -> str:
+    return f"{_text(node)}{guard_paths.label(step)}"
+
+
+def _text(node: Node) -> str:
+    return "".join(guard_paths.label(s) if isinstance(s, tuple) else str(s)
+                   for s in node.key[1:])
+
+
+def _step(obj: Any, step: Step) -> Any:
+    how, name = step
+    if how == "type":
+        return type(obj)
+    if how == "dict":
+        return obj
+    if how == "attr":
+        return getattr(obj, name)
+    if how == "__dict__":
+        return object.__getattribute__(obj, "__dict__")
+    if how == "type_dict":
+        return native.class_dict(obj)
+    if how == "key":
+        return guard_paths.key_at(obj, name)
+    if how == "value":
+        return guard_paths.value_at(obj, name)
+    return obj[name]
+
+
+def _values(frame: dict[str, Any], steps: list[Step]) -> list[Any] | None:
+    """The objects along a path, the frame first; None if a step cannot be read now."""
+    objs = [frame]
+    for step in steps:
+        try:
+            objs.append(_step(objs[-1], step))
+        except Exception:  # noqa: BLE001 - not readable now: Python checks it
+            return None
+    return objs
+
+
+def _is_anchor(obj: Any) -> bool:
+    """An object whose state a subtree may skip while unchanged: a ``nn.Module`` or a
+    Python module (they outlive the call and take the weak reference the C++ keeps)."""
+    return (isinstance(obj, (torch.nn.Module, types.ModuleType))
+            and type(obj).__weakrefoffset__ != 0)
+
+
+def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
+    """``step`` from a pinned ``obj`` as steps that keep the result pinned, with what each
+    needs checked on every call of the object it starts from; None if it does not."""
+    how, name = step
+    if how == "attr":
+        if name == "__dict__" and isinstance(obj, type):
+            return [("type_dict", None)], [""]
+        if name in ("__func__", "__self__") and type(obj) is types.MethodType:
+            return [step], [""]            # read-only
+        if name in ("__closure__", "__globals__") and type(obj) is types.FunctionType:
+            return [step], [""]            # read-only
+        if name == "__dict__" and instance_dict(obj) is not None:
+            return [("__dict__", None)], ["dict"]
+        if reads_instance_dict(obj, name):
+            return [("__dict__", None), ("item", name)], ["dict", ""]
+        return None
+    if how == "item":
+        if native.plain_dict(obj) or type(obj) is tuple:
+            return [step], [""]
+        return None
+    if how in ("key", "value"):
+        # dict.keys / dict.__getitem__ themselves: any dict's version pins both.
+        return ([step], [""]) if isinstance(obj, dict) else None
+    if how == "dict":
+        # dict(cls.__dict__): the class's own dict, already reached by ("type_dict").
+        return ([], []) if type(obj) is dict else None
+    if how == "type":
+        return [step], ["" if fixed_class(obj) else "type"]
+    if how in ("__dict__", "type_dict"):
+        return [step], ["dict" if how == "__dict__" else ""]
+    return None
+
+
 
 
 def _frame_source(parts: Parts) -> str:
@@ -113,16 +369,20 @@ class _Held:
     the tree is used only while all of them do: held weakly where they allow it (a
     swapped-out submodule is freed, not kept alive by a tree that no longer fits), and
     the tree dies with the first of them (its id may be reused); held strongly otherwise
-    (builtin functions, which live as long as the process)."""
+    (builtin functions, cells, dicts), until then."""
 
-    __slots__ = ("alive", "refs", "strong")
+    __slots__ = ("alive", "ids", "refs", "strong")
 
     def __init__(self) -> None:
         self.alive = True
+        self.ids: set[int] = set()
         self.refs: list[weakref.ref[Any]] = []
         self.strong: list[Any] = []
 
     def add(self, obj: Any) -> None:
+        if id(obj) in self.ids:
+            return
+        self.ids.add(id(obj))
         try:
             self.refs.append(weakref.ref(obj, self._died))
         except TypeError:
@@ -130,23 +390,30 @@ class _Held:
 
     def _died(self, _ref: weakref.ref[Any]) -> None:
         self.alive = False
+        self.strong.clear()   # the tree is not used again: let go of what it held
 
 
 class Tree:
     """A built tree as a check over the method's own arguments."""
 
     def __init__(self, check: Callable[..., bool], n_native: int, n_python: int,
-                 held: _Held, build_ms: float) -> None:
+                 skipped: int, frontier: int, held: _Held, rearm: _Rearm,
+                 build_ms: float) -> None:
         self.check = check
         self.n_native = n_native
         self.n_python = n_python
+        self.skipped = skipped      # managers skipped while their anchor is unchanged
+        self.frontier = frontier    # objects checked on every call, reached directly
         self.held = held
+        self.rearm = rearm
         self.build_ms = build_ms
 
 
-def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree | None:
+def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any],
+          skip: bool = True) -> Tree | None:
     """The tree for ``parts``'s guards on the objects of this call (whose Python check
-    just passed); None if this torch cannot build one or it does not pass here."""
+    just passed); None if this torch cannot build one or it does not pass here.
+    ``skip``: skip unchanged state (where this torch can); else every leaf on every call."""
     if not native.available():
         return None
     t0 = time.perf_counter()
@@ -154,27 +421,28 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
     n = len(parts.guards)
     try:
         # The frame builder and the tree's check are compiled once per checker; a rebuild
-        # only binds a new root.
+        # only binds a new root and frontier.
         make_frame = parts.env.get("__cc_frame") or parts.function(
             "__cc_frame", f"def __cc_frame({parts.params}):\n    return {frame_src}\n")
         _defaults(make_frame, parts)
         frame = make_frame(*args, **kwargs)
         rest: list[str] = []
         with native.building() as enum_:
-            b = _Builder(frame, enum_)
+            b = _Builder(frame, enum_, skip and native.tags_available())
             for g, cond in zip(parts.guards, parts.conds, strict=True):
                 if not b.leaf(g, str(g.get("text") or cond)):
                     rest.append(cond)
             if rest:
                 native.predicate(b.root, _python_rest(parts, rest), "the guards checked in Python")
+            skipped = b.skip_unchanged()
         make = parts.env.get("__cc_make_tree") or parts.function(
-            "__cc_make_tree", f"def __cc_make_tree(__cc_root):\n"
+            "__cc_make_tree", f"def __cc_make_tree(__cc_root, {FRONTIER}):\n"
             f"    def __cc_tree({parts.params}):\n"
-            f"        return __cc_root.check({frame_src})\n"
+            f"        return __cc_root.check({frame_src[:-1]}, {FRONTIER!r}: {FRONTIER}}})\n"
             "    return __cc_tree\n")
-        check = make(b.root)
+        check = make(b.root, tuple(b.front_refs))
         _defaults(check, parts)
-        if not check(*args, **kwargs):
+        if not check(*args, **kwargs):     # also the check that records the anchors' dicts
             logger.debug("guard tree for %s fails where the Python check passed: not used",
                          parts.func.__qualname__)
             return None
@@ -183,9 +451,12 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tree |
                      exc_info=True)
         return None
     ms = (time.perf_counter() - t0) * 1e3
-    logger.debug("guard tree for %s: %d guards native, %d in Python, built in %.1f ms",
-                 parts.func.__qualname__, n - len(rest), len(rest), ms)
-    return Tree(check, n - len(rest), len(rest), b.held, ms)
+    logger.debug("guard tree for %s: %d guards native, %d in Python; %d managers under %d "
+                 "anchors skipped while unchanged, %d objects checked on every call; built "
+                 "in %.1f ms", parts.func.__qualname__, n - len(rest), len(rest), skipped,
+                 len(b.anchors), len(b.front_refs), ms)
+    return Tree(check, n - len(rest), len(rest), skipped, len(b.front_refs), b.held, b.rearm,
+                ms)
 
 
 def _defaults(fn: Callable[..., Any], parts: Parts) -> None:
@@ -207,7 +478,12 @@ class EveryCall:
     """``guards="always"``: the tree when it holds, the Python check when it does not.
 
     Bound to the module as the variant's check. The Python check decides every failure of
-    the tree, so the tree only ever makes a passing call cheaper."""
+    the tree, so the tree only ever makes a passing call cheaper. A tree is built again
+    when the Python check passes where it failed (an equal object replaced one it matched
+    by identity) and when an anchor's state changed under it (its skipping is then off):
+    the first :data:`SKIPPING_BUILDS` builds skip unchanged state, later ones check every
+    leaf (they hold across equal replacements), and past :data:`MAX_BUILDS` the variant
+    keeps the Python check."""
 
     def __init__(self, parts: Parts, python: Callable[..., bool]) -> None:
         self._parts = parts
@@ -222,23 +498,35 @@ class EveryCall:
     def fast(self, *args: Any, **kwargs: Any) -> bool:
         """The tree alone: True only if it is built and holds (no Python check)."""
         tree = self._tree
-        if tree is None or not tree.held.alive:
+        if tree is None:
+            return False
+        if not tree.held.alive:
+            self._tree = None      # an object it matched is gone: never again
             return False
         try:
-            return bool(tree.check(*args, **kwargs))
+            ok = bool(tree.check(*args, **kwargs))
         except Exception:  # noqa: BLE001 - the full check decides
             logger.debug("guard tree raised", exc_info=True)
             return False
+        if ok and tree.rearm.due:
+            # The tree passed, so the Python check would: build one that skips again.
+            self._build(args, kwargs)
+        return ok
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
         if self.fast(*args, **kwargs):
             return True
         if not self._python(*args, **kwargs):
             return False
-        if self._builds < MAX_BUILDS:
-            self._builds += 1
-            self._tree = build(self._parts, args, kwargs)
+        self._build(args, kwargs)
         return True
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._builds >= MAX_BUILDS:
+            self._tree = None
+            return
+        self._builds += 1
+        self._tree = build(self._parts, args, kwargs, skip=self._builds <= SKIPPING_BUILDS)
 
 
 class FirstCall:

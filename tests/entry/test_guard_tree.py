@@ -74,6 +74,8 @@ def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
         _guard("not_in_dict", "L['self']", "run"),
         _guard("len", f"{LIN}._forward_hooks", 0),
         _guard("len", f"{LIN}._forward_pre_hooks", 0),
+        _guard("eq", f"{LIN}.training", values.encode_value(True)),
+        _guard("ident", "dict(type(L['self']).__dict__)['run']", identity(M.run)),
         _guard("ident", "L['self'].fn", identity(F.relu)),
         _guard("ident", "L['self'].helper", identity(m.helper)),
         _guard("ident", "dict(type(L['self']).__mro__[1].__dict__)['helper'].__code__",
@@ -128,7 +130,14 @@ CHANGES = {
     "missing attr": lambda m: delattr(m, "cfg"),
     "cfg replaced": lambda m: setattr(m, "cfg", object()),
     "class swapped": lambda m: setattr(m, "__class__", type("M2", (M,), {})),
+    "submodule eval": lambda m: m.lin.eval(),
+    "class attribute patched": lambda m: setattr(type(m), "run", lambda s, x, y: y),
+    # Changes no dict a skipped subtree records: the object's __dict__ itself replaced.
+    "cfg __dict__ replaced": lambda m: setattr(m.cfg, "__dict__", {**vars(m.cfg), "act": "silu"}),
+    "submodule __dict__ replaced": lambda m: object.__setattr__(
+        m.lin, "__dict__", {**vars(m.lin), "training": False}),
 }
+_RUN = M.run
 
 
 @pytest.mark.parametrize("what", list(CHANGES))
@@ -139,7 +148,10 @@ def test_the_tree_never_passes_where_the_python_check_fails(what: str) -> None:
         c = _checker(m, x, y)
         tree = _tree(c, m, x, y)
         assert tree.n_native >= 20, (tree.n_native, tree.n_python)
-        assert tree.check(m, x, y)
+        # Most of the module's guards are skipped while its dicts are unchanged, so each
+        # change below happens under that skipping, after calls that used it.
+        assert tree.skipped >= 10, tree.skipped
+        assert tree.check(m, x, y) and tree.check(m, x, y)
         CHANGES[what](m)
         assert not tree.check(m, x, y), f"{what}: the tree passed a changed call"
         every = guard_tree.EveryCall(c.parts, c.full)
@@ -150,6 +162,7 @@ def test_the_tree_never_passes_where_the_python_check_fails(what: str) -> None:
     finally:
         if "helper" in vars(M):   # "class method code" patched it onto M
             del M.helper
+        M.run = _RUN              # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("what", ["bigger", "dtype", "rank", "aliased", "overlapping",
@@ -211,16 +224,27 @@ def test_equal_replacements_rebuild_the_tree_a_bounded_number_of_times() -> None
     every = guard_tree.EveryCall(c.parts, c.full)
     assert every(m, x, y) and every.tree is not None        # the first pass builds it
     first = every.tree
+    assert first.skipped > 0 and first.frontier > 0
     assert every(m, x, y) and every.tree is first            # and then checks by it
-    m.cfg = Cfg()               # read through its attributes: the same tree holds
-    assert every(m, x, y) and every.tree is first
+    # A skipping tree checks a pinned object by identity: an equal replacement is a
+    # rebuild, and after SKIPPING_BUILDS of them the trees check every leaf instead.
+    for i in range(guard_tree.SKIPPING_BUILDS):
+        before = every.tree
+        m.cfg = Cfg()
+        assert every(m, x, y) and every.tree is not before
+        assert every.tree is not None
+        assert (every.tree.skipped > 0) is (i + 2 <= guard_tree.SKIPPING_BUILDS)
+    plain = every.tree
+    m.cfg = Cfg()               # read through its attributes: a plain tree holds
+    assert every(m, x, y) and every.tree is plain
     m.fn = _copy(F.relu)        # the same function by identity, another object
-    assert every(m, x, y) and every.tree is not first        # Python passes: rebuilt
+    assert every(m, x, y) and every.tree is not plain        # Python passes: rebuilt
     for _ in range(guard_tree.MAX_BUILDS + 3):
         m.fn = _copy(F.relu)
         assert every(m, x, y)
+    assert every.tree is None                                # past the limit: Python decides
     m.fn = F.silu
-    assert not every(m, x, y)                                # past the limit: Python decides
+    assert not every(m, x, y)
     m.fn = _copy(F.relu)
     assert every(m, x, y)
 
@@ -292,3 +316,95 @@ def test_a_tree_is_dropped_when_an_object_it_matched_by_id_is_freed() -> None:
     assert not first.held.alive
     assert every(m, x, y) and every.tree is not first and every.tree is not None
     assert every.tree.held.alive and every.tree.check(m, x, y)
+
+
+def test_a_changed_anchor_is_checked_leaf_by_leaf_then_skips_again_in_a_new_tree() -> None:
+    """State the guards do not read changes under the module (an attribute set on it):
+    its dicts are no longer what the tree recorded, so the tree checks that subtree leaf
+    by leaf (and still passes), and the next call gets a tree that skips again."""
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    c = _checker(m, x, y)
+    assert c.parts is not None
+    every = guard_tree.EveryCall(c.parts, c.full)
+    assert every(m, x, y) and every.tree is not None
+    first = every.tree
+    assert every(m, x, y) and not first.rearm.due
+    m.unrelated = 1
+    assert every(m, x, y) and every.tree is not first and every.tree is not None
+    assert every.tree.skipped > 0 and every(m, x, y) and not every.tree.rearm.due
+    m.cfg.act = "silu"                                       # and a real change still fails
+    assert not every(m, x, y)
+
+
+def test_a_small_changed_anchor_is_not_worth_a_new_tree() -> None:
+    """A Python module whose own globals change as it runs: its few guards are checked leaf
+    by leaf from then on, in the same tree."""
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    mod = types.ModuleType("cc_tree_test_mod")
+    mod.ACT = "relu"  # type: ignore[attr-defined]
+    env = Globals(mod=mod)
+    guards = [_guard("eq", "G['mod'].ACT", values.encode_value("relu")),
+              _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
+    c = g.build_checker(M.run, guards, env, every_call=True)  # type: ignore[arg-type]
+    assert c.parts is not None
+    every = guard_tree.EveryCall(c.parts, c.full)
+    assert every(m, x, y) and every(m, x, y)
+    tree = every.tree
+    assert tree is not None and tree.n_python == 0
+    mod.calls = 1  # type: ignore[attr-defined]
+    assert every(m, x, y) and every.tree is tree and not tree.rearm.due
+    mod.ACT = "silu"  # type: ignore[attr-defined]
+    assert not tree.check(m, x, y) and not every(m, x, y)
+
+
+def test_process_state_guards_are_native() -> None:
+    """Function modes, the default device and an environment variable read while unset
+    are leaves of the tree (no Python on the root), and each change fails it."""
+    import os
+
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    name = "CACHECOMPILE_TREE_TEST_UNSET"
+    os.environ.pop(name, None)
+    guards = [_guard("modes", "", []), _guard("default_device", "", None),
+              _guard("expr", f"not ___environ_has({name!r})", None),
+              _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
+    c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    tree = _tree(c, m, x, y)
+    assert tree.n_python == 0 and tree.n_native == 4 and tree.check(m, x, y)
+    with torch.overrides.TorchFunctionMode():
+        assert not c.full(m, x, y) and not tree.check(m, x, y)
+    with torch.device("meta"):
+        assert not c.full(m, x, y) and not tree.check(m, x, y)
+    os.environ[name] = "1"
+    try:
+        assert not c.full(m, x, y) and not tree.check(m, x, y)
+    finally:
+        del os.environ[name]
+    assert tree.check(m, x, y)
+
+
+def test_a_dict_read_by_position() -> None:
+    """Dynamo names what it read from a dict it iterated by position
+    (``list(dict.keys(d))[i]``, ``dict.__getitem__(d, ...)``): native leaves, skipped with
+    their module; reordering the dict or changing a value fails the tree."""
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    mod = types.ModuleType("cc_tree_test_registry")
+    mod.REG = {"a": {"k": 1}, "b": {"k": 2}}  # type: ignore[attr-defined]
+    reg = "G['mod'].REG"
+    guards = [_guard("eq", f"list(dict.keys({reg}))[0]", values.encode_value("a")),
+              _guard("len", f"dict.__getitem__({reg}, list(dict.keys({reg}))[1])", 1),
+              _guard("eq", f"dict.__getitem__({reg}, list(dict.keys({reg}))[1])['k']",
+                     values.encode_value(2))]
+    c = g.build_checker(M.run, guards, Globals(mod=mod), every_call=True)  # type: ignore[arg-type]
+    tree = _tree(c, m, x, y)
+    assert tree.n_python == 0 and tree.skipped >= 4 and tree.check(m, x, y)
+    mod.REG["b"]["k"] = 3  # type: ignore[attr-defined]
+    assert not c.full(m, x, y) and not tree.check(m, x, y)
+    mod.REG["b"]["k"] = 2  # type: ignore[attr-defined]
+    assert c.full(m, x, y) and tree.check(m, x, y)
+    mod.REG = {"b": {"k": 2}, "a": {"k": 1}}  # type: ignore[attr-defined]  # reordered
+    assert not c.full(m, x, y) and not tree.check(m, x, y)
