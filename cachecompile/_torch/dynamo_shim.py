@@ -52,7 +52,10 @@ def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -
 
 class _UtilsShim(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
-        return getattr(importlib.import_module(DYNAMO_UTILS), name)
+        # Kept once looked up: replayed bytecode reads it on every call.
+        value = getattr(importlib.import_module(DYNAMO_UTILS), name)
+        setattr(self, name, value)
+        return value
 
 
 utils = _UtilsShim(DYNAMO_UTILS)

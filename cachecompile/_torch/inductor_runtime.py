@@ -85,6 +85,9 @@ class _ExternKernels:
         fn = getattr(torch, name, None)
         if fn is None:
             raise AttributeError(f"no light extern kernel {name!r}")
+        # Kept, so that the program's next call (once per kernel per call) finds it
+        # without this Python lookup.
+        setattr(self, name, fn)
         return fn
 
 

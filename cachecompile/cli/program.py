@@ -61,7 +61,8 @@ def disassemble(data: bytes, consts: list[Any]) -> str:
 @click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
 @click.option("--tree", is_flag=True,
               help="Show the guards as Dynamo's C++ guard tree checks them on every call: "
-                   "each object path once, with its leaves; then what runs in Python.")
+                   "each object path once, with its leaves; then what runs in Python. "
+                   "Leaves a module's unchanged dicts decide are skipped until one changes.")
 def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) -> None:
     """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
     st = _open(cache_dir)
@@ -88,7 +89,9 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) 
         out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
                     "\n".join(lines), "text"))
         if tree:
-            out.append(("the guard tree a warm process checks on every call (guards=always)",
+            out.append(("the guard tree a warm process checks on every call (guards=always; "
+                        "leaves the identity of a module's dict-held state decides are "
+                        "skipped while those dicts are unchanged)",
                         guard_paths.render(guards), "text"))
     bytecode = data_dir / BYTECODE_FILE
     if not no_bytecode and bytecode.is_file():

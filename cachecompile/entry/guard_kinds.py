@@ -19,7 +19,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
-import re
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +29,7 @@ import torch
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
 from cachecompile.entry import values
-from cachecompile.entry.guard_paths import LEAVES
+from cachecompile.entry.guard_paths import LEAVES, UNSET_ENV
 from cachecompile.key.identity import class_digest, identity, qualified_name
 
 JSON = Any
@@ -371,13 +370,10 @@ def _default_device_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
     return True
 
 
-_UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
-
-
 def _expr_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
     """``not ___environ_has('X')`` as a membership leaf on ``os.environ``'s own dict (what
     ``'X' in os.environ`` reads); other expressions stay Python."""
-    m = _UNSET_ENV.fullmatch(expr)
+    m = UNSET_ENV.fullmatch(expr)
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)
     if m is None or type(data) is not dict or encode is None:
@@ -432,11 +428,10 @@ def _keys_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
 
 def _hasattr_leaf(tree: Tree, node: Node, value: JSON, text: str) -> bool:
     attr, present = str(value["attr"]), bool(value["present"])
-    if node.pinned:    # _in_instance_dict: in vars(obj), which the anchor's subtree records
-        sub = node.child(("__dict__", None))
-        return native.dict_contains(sub.mgr, sub.obj, True, attr, text)
     if present:
-        native.predicate(node.mgr, lambda o: hasattr(o, attr), text)
+        # The attribute's own accessor fails the tree where it is missing: shared with the
+        # guards on its value, and pinned (a dict item) where vars(obj) holds it.
+        node.child(("attr", attr))
     else:
         native.no_hasattr(node.mgr, attr, text)
     return True
@@ -540,8 +535,8 @@ _TABLE = (
     Kind("not_in_dict", ("NOT_PRESENT_IN_GENERIC_DICT",),
          lambda src, e, v: f"{src.const(v)} not in {e}.__dict__",
          _on_path(_not_in_dict_leaf, implied=_always)),
-    Kind("ident", ("ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH", "NONE_MATCH", "MODULE_MATCH",
-                   "BUILTIN_MATCH", "OPAQUE_OBJ_GUARD_FN_MATCH"),
+    Kind("ident", ("ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "NONE_MATCH",
+                   "MODULE_MATCH", "BUILTIN_MATCH", "NN_MODULE", "OPAQUE_OBJ_GUARD_FN_MATCH"),
          lambda src, e, v: f"{src.const(_IdentMatch(v))}({e})",
          _on_path(_ident_leaf, implied=_always)),
     Kind("tensor", ("TENSOR_MATCH",),

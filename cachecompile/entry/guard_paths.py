@@ -9,6 +9,7 @@ these steps with one shared accessor each (:mod:`cachecompile.entry.guard_tree`)
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,13 +24,19 @@ FRAME_GLOBALS = "__cc_G"
 # The C++ leaf each guard kind becomes in the tree ("python": checked by one Python
 # function on the tree's root); guard_kinds.TABLE reads its ``leaf`` from here.
 LEAVES: Mapping[str, str] = {
-    "global_state": "GLOBAL_STATE", "modes": "python", "default_device": "python",
+    "global_state": "GLOBAL_STATE", "modes": "TORCH_FUNCTION_MODE_STACK",
+    "default_device": "DEFAULT_DEVICE",
     "type": "TYPE_MATCH", "eq": "EQUALS_MATCH", "len": "DICT_LENGTH / LENGTH_CHECK",
     "keys": "keys ==", "hasattr": "NO_HASATTR / hasattr", "contains": "DICT_CONTAINS",
     "not_in_dict": "DICT_CONTAINS on __dict__", "ident": "ID_MATCH",
     "tensor": "TENSOR_MATCH", "alias": "NO_TENSOR_ALIASING + OBJECT_ALIASING",
     "overlap": "python", "expr": "python",
 }
+# Kinds that are leaves on the root, about the process or several paths at once.
+ROOT_KINDS = ("global_state", "alias", "modes", "default_device")
+# An expression the tree checks natively though it is no path: a variable read while
+# unset, as a membership leaf on os.environ's own dict.
+UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
 
 
 def path(expr: str) -> list[Step] | None:
@@ -137,7 +144,9 @@ def render(guards: Iterable[Mapping[str, Any]]) -> str:
     """The guards as the tree checks them: each object path once, indented by step, with
     the leaves on it; then what runs in Python on the root. The exact leaf for a length,
     key or equality test of an unusual type is chosen on the live object (and may be a
-    Python check on that node)."""
+    Python check on that node), and so is what is skipped while unchanged: a leaf that
+    the object's identity decides, on a path from a module through dict-held attributes,
+    runs only once one of those dicts changed (entry/guard_tree.py)."""
     trie: dict[Step, Any] = {}
     leaves: dict[tuple[Step, ...], list[str]] = {}
     python: list[str] = []
@@ -147,7 +156,10 @@ def render(guards: Iterable[Mapping[str, Any]]) -> str:
         leaf = LEAVES.get(kind, "python")
         text = str(g.get("text") or g.get("expr") or kind)
         steps = path(str(g["expr"])) if g.get("expr") else None
-        if leaf == "python" or steps is None and kind not in ("global_state", "alias"):
+        if kind == "expr" and UNSET_ENV.fullmatch(str(g.get("expr") or "")):
+            root.append(f"DICT_CONTAINS on os.environ  {text}")
+            continue
+        if leaf == "python" or steps is None and kind not in ROOT_KINDS:
             python.append(text)
             continue
         if steps is None:
