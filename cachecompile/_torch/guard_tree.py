@@ -217,6 +217,11 @@ def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source
         return mgr.type_dict_manager(source=source, example_value=example,
                                      guard_manager_enum=enum_)
     if how == "attr":
+        if type(parent) is types.FunctionType and key in _FUNCTION_ACCESSORS:
+            # A function's own slots, read directly (a value that is no function then
+            # fails the check instead of being read through getattr).
+            make = getattr(mgr, _FUNCTION_ACCESSORS[key])
+            return make(source=source, example_value=example, guard_manager_enum=enum_)
         return mgr.getattr_manager(attr=key, source=source, example_value=example,
                                    guard_manager_enum=enum_)
     kw = {"key": key, "source": source, "example_value": example, "guard_manager_enum": enum_}
@@ -227,6 +232,11 @@ def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source
     if type(parent) is tuple and isinstance(key, int):
         return mgr.tuple_getitem_manager(**kw)
     return mgr.getitem_manager(**kw)
+
+
+_FUNCTION_ACCESSORS = {"__code__": "code_manager", "__closure__": "closure_manager",
+                       "__defaults__": "func_defaults_manager",
+                       "__kwdefaults__": "func_kwdefaults_manager"}
 
 
 def _key_at(i: int) -> Callable[[Any], Any]:
@@ -363,6 +373,10 @@ def dict_identity(mgr: Manager, obj: Any, d: dict[str, Any], text: str, enum_: A
     sub.add_id_match_guard(id(d), [text], None)
 
 
+def _probe_fn(a: int = 1) -> int:
+    return a
+
+
 @functools.cache
 def available() -> bool:
     """Whether this torch builds and checks a tree as this module expects (once per process)."""
@@ -373,7 +387,7 @@ def available() -> bool:
         x = torch.randn(3, 2)
         with building() as enum_:
             r = root()
-            frame = {"self": lin, "x": x}
+            frame = {"self": lin, "x": x, "fn": _probe_fn}
             m = child(r, frame, ("item", "self"), lin, "self", enum_)
             type_match(m, type(lin), "type")
             hooks = child(m, lin, ("attr", "_forward_hooks"), lin._forward_hooks, "hooks", enum_)
@@ -383,14 +397,21 @@ def available() -> bool:
             xm = child(r, frame, ("item", "x"), x, "x", enum_)
             tensor(xm, x, [None, 2], [2, 1], "x", "x")
             distinct([w, xm], ["w", "x"], "distinct")
+            fn = child(r, frame, ("item", "fn"), _probe_fn, "fn", enum_)
+            id_match(child(fn, _probe_fn, ("attr", "__code__"), _probe_fn.__code__, "code",
+                           enum_), _probe_fn.__code__, "fn.__code__")
+            length(child(fn, _probe_fn, ("attr", "__defaults__"), _probe_fn.__defaults__,
+                         "defaults", enum_), _probe_fn.__defaults__, 1, "one default")
             predicate(r, lambda d: d["x"].shape[0] <= 8, "x.size(0) <= 8")
             global_state(r, "global state")
             function_modes(r, "no function mode")
             default_device(r, "no default device")
-        ok = (check(r, frame) and check(r, {"self": lin, "x": torch.randn(5, 2)})
-              and not check(r, {"self": lin, "x": torch.randn(9, 2)})
-              and not check(r, {"self": lin, "x": torch.randn(3, 3)})
-              and not check(r, {"self": lin, "x": lin.weight}))
+        ok = (check(r, frame) and check(r, {**frame, "x": torch.randn(5, 2)})
+              and not check(r, {**frame, "x": torch.randn(9, 2)})
+              and not check(r, {**frame, "x": torch.randn(3, 3)})
+              and not check(r, {**frame, "x": lin.weight})
+              and not check(r, {**frame, "fn": lambda a=1: a})
+              and not check(r, {**frame, "fn": len}))
         with torch.set_grad_enabled(not torch.is_grad_enabled()):   # global state flipped
             ok = ok and not check(r, frame)
         with torch.overrides.TorchFunctionMode():
@@ -398,7 +419,7 @@ def available() -> bool:
         with torch.device("meta"):
             ok = ok and not check(r, frame)
         h = lin.register_forward_hook(lambda *a: None)
-        ok = ok and not check(r, {"self": lin, "x": x})
+        ok = ok and not check(r, frame)
         h.remove()
     except Exception:  # noqa: BLE001 - any difference in this release: Python checks only
         logger.debug("the C++ guard tree is unavailable on this torch", exc_info=True)

@@ -331,10 +331,12 @@ def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
             return [step], [""]            # read-only
         if name in ("__closure__", "__globals__") and type(obj) is types.FunctionType:
             return [step], [""]            # read-only
+        # A Python module's __dict__ cannot be reassigned; any other object's is checked.
+        dict_need = "" if isinstance(obj, types.ModuleType) else "dict"
         if name == "__dict__" and instance_dict(obj) is not None:
-            return [("__dict__", None)], ["dict"]
+            return [("__dict__", None)], [dict_need]
         if reads_instance_dict(obj, name):
-            return [("__dict__", None), ("item", name)], ["dict", ""]
+            return [("__dict__", None), ("item", name)], [dict_need, ""]
         return None
     if how == "item":
         if native.plain_dict(obj) or type(obj) is tuple:
@@ -349,7 +351,8 @@ def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
     if how == "type":
         return [step], ["" if fixed_class(obj) else "type"]
     if how in ("__dict__", "type_dict"):
-        return [step], ["dict" if how == "__dict__" else ""]
+        return [step], ["dict" if how == "__dict__" and not isinstance(obj, types.ModuleType)
+                        else ""]
     return None
 
 
@@ -514,8 +517,18 @@ class EveryCall:
         return ok
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
-        if self.fast(*args, **kwargs):
-            return True
+        # fast(), inline: this runs on every call.
+        tree = self._tree
+        if tree is not None and tree.held.alive:
+            try:
+                if tree.check(*args, **kwargs):
+                    if tree.rearm.due:
+                        self._build(args, kwargs)
+                    return True
+            except Exception:  # noqa: BLE001 - the full check decides
+                logger.debug("guard tree raised", exc_info=True)
+        elif tree is not None:
+            self._tree = None      # an object it matched is gone: never again
         if not self._python(*args, **kwargs):
             return False
         self._build(args, kwargs)
