@@ -10,7 +10,9 @@ guard tree for torch.compile's entry against cache_compile's per-call check.
 
     python tools/bench_guards.py [--models gpt2,llama,add] [--rounds 15] [--calls 200]
 
-Prints a markdown table (the one in docs/performance.md, "Guards on every call").
+Prints a markdown table (the one in docs/performance.md, "Guards on every call"), and one
+of each model's guard tree: guards, native leaves, managers skipped while the state is
+unchanged, objects checked on every call, and the build time.
 """
 
 from __future__ import annotations
@@ -93,7 +95,22 @@ def model(name: str) -> tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]:
                                             "past_key_values": cache}, cache.reset
 
 
-def bench(name: str, rounds: int, calls: int, store: Path) -> dict[str, float | None]:
+def _tree_facts(fn: Any) -> dict[str, Any]:
+    """The loaded variant's guard tree: guards, native leaves, managers skipped while
+    unchanged, objects checked on every call, build time."""
+    variants = [v for vs in fn._runners.values() for v in vs]
+    every = getattr(variants[0].check, "__func__", None) if variants else None
+    tree = getattr(every, "tree", None)
+    if tree is None:
+        return {}
+    return {"guards": tree.n_native + tree.n_python, "native": tree.n_native,
+            "skipped managers": tree.skipped, "frontier": tree.frontier,
+            "build ms": round(tree.build_ms, 1)}
+
+
+def bench(name: str, rounds: int, calls: int, store: Path
+          ) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Medians per mechanism (us), and the facts of cache_compile's guard tree."""
     m, meth, args, frame_locals, reset = model(name)
     method = getattr(m, meth)
     with torch.no_grad():
@@ -119,7 +136,8 @@ def bench(name: str, rounds: int, calls: int, store: Path) -> dict[str, float | 
             for k, call in mechs.items():
                 if call is not None:
                     samples[k].append(_timed(call, calls, reset))
-    return {k: (statistics.median(samples[k]) if k in samples else None) for k in mechs}
+        facts = _tree_facts(always)
+    return {k: (statistics.median(samples[k]) if k in samples else None) for k in mechs}, facts
 
 
 def main() -> None:
@@ -130,9 +148,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     a = p.parse_args()
     rows = []
+    trees: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-guards-") as d:
         for name in a.models.split(","):
-            rows.append((name, bench(name, a.rounds, a.calls, Path(d) / name)))
+            times, facts = bench(name, a.rounds, a.calls, Path(d) / name)
+            rows.append((name, times))
+            trees.append((name, facts))
     cols = list(rows[0][1])
     print(f"torch {torch.__version__}; medians of {a.rounds} interleaved rounds of "
           f"{a.calls} calls, us")
@@ -148,6 +169,13 @@ def main() -> None:
         ratio = f"{al / tc:.2f}" if tc and al else "n/a"
         gratio = f"{gc / gd:.2f}" if gd and gc else "n/a"
         print(f"| {name} | " + " | ".join(us(r[c]) for c in cols) + f" | {ratio} | {gratio} |")
+    keys = next((list(f) for _, f in trees if f), [])
+    if keys:
+        print()
+        print("| model | " + " | ".join(keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
+        for name, f in trees:
+            print(f"| {name} | " + " | ".join(str(f.get(k, "n/a")) for k in keys) + " |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ these steps with one shared accessor each (:mod:`cachecompile.entry.guard_tree`)
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -39,9 +40,11 @@ ROOT_KINDS = ("global_state", "alias", "modes", "default_device")
 UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
 
 
-def path(expr: str) -> list[Step] | None:
+@functools.lru_cache(maxsize=16384)
+def path(expr: str) -> tuple[Step, ...] | None:
     """``L['self']._modules['lin'].weight`` -> steps from the frame dict; None if the
-    expression is not a plain object path (a call, an operator)."""
+    expression is not a plain object path (a call, an operator). Cached: a tree is built
+    again from the same expressions."""
     try:
         node = ast.parse(expr, mode="eval").body
     except SyntaxError:
@@ -82,7 +85,7 @@ def path(expr: str) -> list[Step] | None:
             node = node.args[0]
         else:
             return None
-    return steps[::-1]
+    return tuple(steps[::-1])
 
 
 def _key_at(node: ast.expr) -> tuple[ast.expr, int] | None:

@@ -26,7 +26,7 @@ import logging
 import time
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,13 +52,12 @@ class Node:
     ``pinned``: the manager is in an anchor's skipped subtree, so a leaf on it runs only
     while that anchor is checked leaf by leaf; such a leaf must hold as long as the object
     is the same one (guard_kinds says which do). :meth:`live` is the same object's manager
-    that is checked on every call."""
+    that is checked on every call. ``text``: the path, for the C++'s messages."""
 
-    __slots__ = ("_b", "key", "mgr", "obj", "pinned")
+    __slots__ = ("_b", "mgr", "obj", "pinned", "text")
 
-    def __init__(self, b: _Builder, key: tuple[Any, ...], mgr: Any, obj: Any,
-                 pinned: bool) -> None:
-        self._b, self.key, self.mgr, self.obj, self.pinned = b, key, mgr, obj, pinned
+    def __init__(self, b: _Builder, text: str, mgr: Any, obj: Any, pinned: bool) -> None:
+        self._b, self.text, self.mgr, self.obj, self.pinned = b, text, mgr, obj, pinned
 
     def live(self) -> Node:
         return self._b.front(self) if self.pinned else self
@@ -104,7 +103,10 @@ class _Builder:
         self.enum = enum_
         self.skip = skip
         self.root = native.root()
-        self.nodes: dict[tuple[Any, ...], Node] = {}
+        self.top = Node(self, "", self.root, frame, False)
+        # By (node, step): nodes live as long as the builder, so their identity is a key.
+        self.nodes: dict[tuple[Node, Step], Node] = {}
+        self._anchors: dict[int, Node] = {}
         self.held = _Held()
         self.anchors: list[Any] = []
         self.front_refs: list[Any] = []
@@ -118,55 +120,56 @@ class _Builder:
         self.held.add(obj)
 
     def node(self, expr: str) -> Node | None:
-        """The node an object path names; None if it is not one or cannot be read now."""
+        """The node an object path names; None if it is not one. A step that cannot be
+        read now raises :class:`_NotAPath` (Python checks that guard)."""
         steps = guard_paths.path(expr)
         if steps is None:
             return None
-        objs = _values(self.frame, steps)
-        if objs is None:
-            return None
-        top = Node(self, ("frame",), self.root, self.frame, False)
-        a = next((i for i in range(1, len(objs)) if _is_anchor(objs[i])), None) \
-            if self.skip else None
-        if a is None:
-            return self.walk(top, steps, [])
-        node = self._anchor(self.walk(top, steps[:a], []))
-        for i in range(a, len(steps)):
+        node, i = self.top, 0
+        while i < len(steps):       # from the frame to the first anchor, if any
+            node = self.walk(node, steps[i:i + 1], ())
+            i += 1
+            if self.skip and _is_anchor(node.obj):
+                node = self._anchor(node)
+                break
+        while i < len(steps):       # pinned from there, while each step keeps it so
             pinned = _pin(steps[i], node.obj)
             if pinned is None:
-                return self.walk(node.live(), steps[i:], [])
+                return self.walk(node.live(), steps[i:], ())
             node = self.walk(node, *pinned)
+            i += 1
         return node
 
     def _anchor(self, node: Node) -> Node:
         """``node``'s manager as an anchor: a subtree root, skipped while unchanged."""
-        key = ("anchor", *node.key[1:])
-        found = self.nodes.get(key)
+        found = self._anchors.get(id(node))
         if found is None:
-            found = self.nodes[key] = Node(self, key, node.mgr, node.obj, True)
+            found = self._anchors[id(node)] = Node(self, node.text, node.mgr, node.obj, True)
             self.anchors.append(node.mgr)
             native.predicate(node.mgr, self.rearm.note(len(self.anchors) - 1),
                              "the anchor's state, checked leaf by leaf")
         return found
 
-    def walk(self, node: Node, steps: list[Step], needs: list[str]) -> Node:
+    def walk(self, node: Node, steps: Sequence[Step], needs: Sequence[str]) -> Node:
         """Down ``steps`` from ``node``, sharing managers by path; ``needs``: what each
         step asks of the object it starts from on every call ("type", "dict")."""
         for i, step in enumerate(steps):
-            key = (*node.key, step)
-            found = self.nodes.get(key)
+            found = self.nodes.get((node, step))
             if found is None:
                 obj = node.obj
-                value = _step(obj, step)
+                try:
+                    value = _step(obj, step)
+                except Exception as e:  # noqa: BLE001 - not readable now: Python checks it
+                    raise _NotAPath(step) from e
+                text = node.text + guard_paths.label(step)
                 if step[0] == "dict":
                     # dict(proxy)[k] is proxy[k]: the same node, for a class's __dict__ only.
                     if not isinstance(obj, types.MappingProxyType):
                         raise _NotAPath(step)
                     mgr = node.mgr
                 else:
-                    mgr = native.child(node.mgr, obj, step, value, _source(node, step),
-                                       self.enum)
-                found = self.nodes[key] = Node(self, key, mgr, value, node.pinned)
+                    mgr = native.child(node.mgr, obj, step, value, text, self.enum)
+                found = self.nodes[(node, step)] = Node(self, text, mgr, value, node.pinned)
             if i < len(needs) and needs[i]:
                 self.need(node, needs[i])
             node = found
@@ -180,11 +183,11 @@ class _Builder:
         live = node.live()
         if what == "type":
             self.keep(type(node.obj))
-            native.type_match(live.mgr, type(node.obj), f"type({_text(node)})")
+            native.type_match(live.mgr, type(node.obj), f"type({node.text})")
         else:
             d = object.__getattribute__(node.obj, "__dict__")
             self.keep(d)
-            native.dict_identity(live.mgr, node.obj, d, f"{_text(node)}.__dict__ (same dict)",
+            native.dict_identity(live.mgr, node.obj, d, f"{node.text}.__dict__ (same dict)",
                                  self.enum)
 
     def const(self, obj: Any) -> Node:
@@ -198,7 +201,7 @@ class _Builder:
         if (id(node.mgr), id(obj)) not in self._tied:
             self._tied.add((id(node.mgr), id(obj)))
             self.keep(obj)
-            native.id_match(node.mgr, obj, f"{_text(node)} is the object checked every call")
+            native.id_match(node.mgr, obj, f"{node.text} is the object checked every call")
         return self._entry(obj)
 
     def _entry(self, obj: Any) -> Node:
@@ -219,7 +222,7 @@ class _Builder:
                            self.enum)
         if ref is not obj:
             mgr = native.weakref_call(mgr, obj, f"frontier[{i}]()", self.enum)
-        found = self._front[id(obj)] = Node(self, ("front", i), mgr, obj, False)
+        found = self._front[id(obj)] = Node(self, f"frontier[{i}]", mgr, obj, False)
         return found
 
     def skip_unchanged(self) -> int:
@@ -274,15 +277,6 @@ class _Rearm:
 REARM_MIN = 16
 # The frame entry holding the frontier (the objects checked on every call).
 FRONTIER = "__cc_F"
-def _source(node: Node, step: Step) -> str:
-    return f"{_text(node)}{guard_paths.label(step)}"
-
-
-def _text(node: Node) -> str:
-    return "".join(guard_paths.label(s) if isinstance(s, tuple) else str(s)
-                   for s in node.key[1:])
-
-
 def _step(obj: Any, step: Step) -> Any:
     how, name = step
     if how == "type":
@@ -300,17 +294,6 @@ def _step(obj: Any, step: Step) -> Any:
     if how == "value":
         return guard_paths.value_at(obj, name)
     return obj[name]
-
-
-def _values(frame: dict[str, Any], steps: list[Step]) -> list[Any] | None:
-    """The objects along a path, the frame first; None if a step cannot be read now."""
-    objs = [frame]
-    for step in steps:
-        try:
-            objs.append(_step(objs[-1], step))
-        except Exception:  # noqa: BLE001 - not readable now: Python checks it
-            return None
-    return objs
 
 
 def _is_anchor(obj: Any) -> bool:
@@ -513,7 +496,7 @@ class EveryCall:
             return False
         if ok and tree.rearm.due:
             # The tree passed, so the Python check would: build one that skips again.
-            self._build(args, kwargs)
+            self._build(args, kwargs, rearm=True)
         return ok
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
@@ -523,7 +506,7 @@ class EveryCall:
             try:
                 if tree.check(*args, **kwargs):
                     if tree.rearm.due:
-                        self._build(args, kwargs)
+                        self._build(args, kwargs, rearm=True)
                     return True
             except Exception:  # noqa: BLE001 - the full check decides
                 logger.debug("guard tree raised", exc_info=True)
@@ -534,9 +517,15 @@ class EveryCall:
         self._build(args, kwargs)
         return True
 
-    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], rearm: bool = False) -> None:
+        """A new tree from this call's objects (its check just passed). Past the budget
+        the variant keeps the Python check, unless this is a re-arm of a tree that still
+        holds (its skipping turned off): that tree stays, checking leaf by leaf."""
         if self._builds >= MAX_BUILDS:
-            self._tree = None
+            if rearm and self._tree is not None:
+                self._tree.rearm.due = False
+            else:
+                self._tree = None
             return
         self._builds += 1
         self._tree = build(self._parts, args, kwargs, skip=self._builds <= SKIPPING_BUILDS)

@@ -408,3 +408,21 @@ def test_a_dict_read_by_position() -> None:
     assert c.full(m, x, y) and tree.check(m, x, y)
     mod.REG = {"b": {"k": 2}, "a": {"k": 1}}  # type: ignore[attr-defined]  # reordered
     assert not c.full(m, x, y) and not tree.check(m, x, y)
+
+
+def test_past_the_build_budget_a_tree_that_still_holds_is_kept() -> None:
+    """A tree whose skipping turned off (an unread attribute set on the model) still
+    checks every guard; past the build budget it stays, rather than the Python check."""
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    c = _checker(m, x, y)
+    assert c.parts is not None
+    every = guard_tree.EveryCall(c.parts, c.full)
+    assert every(m, x, y)
+    every._builds = guard_tree.MAX_BUILDS       # the budget spent (equal replacements)
+    tree = every.tree
+    m.unrelated = 2
+    assert every(m, x, y) and every.tree is tree and not tree.rearm.due
+    assert every(m, x, y) and every.tree is tree
+    m.cfg.act = "silu"
+    assert not every(m, x, y)
