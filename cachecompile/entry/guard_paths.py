@@ -43,8 +43,31 @@ UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
 @functools.lru_cache(maxsize=16384)
 def path(expr: str) -> tuple[Step, ...] | None:
     """``L['self']._modules['lin'].weight`` -> steps from the frame dict; None if the
-    expression is not a plain object path (a call, an operator). Cached: a tree is built
-    again from the same expressions."""
+    expression is not a plain object path (a call, an operator).
+
+    Cached, and a trailing ``.name``, ``['key']`` or ``[i]`` is split off the text and its
+    prefix looked up the same way: an entry's guards share long prefixes, so most of a
+    tree's paths cost a dict lookup instead of a parse."""
+    m = _SUFFIX.match(expr)
+    if m is not None and not _ROOT.fullmatch(m["base"]):
+        base = path(m["base"])
+        if base is not None:
+            if m["attr"] is not None:
+                return (*base, ("attr", m["attr"]))
+            key: Any = m["key"] if m["key"] is not None else int(m["index"])
+            return (*base, ("item", key))
+        # The prefix is no path alone (list(dict.keys(d))[i]): the whole is parsed.
+    return _parse(expr)
+
+
+# A last step that needs no parse: .name, ['key'] (no quote or backslash in it), [i].
+_SUFFIX = re.compile(r"(?P<base>.+?)(?:\.(?P<attr>[A-Za-z_]\w*)|\['(?P<key>[^'\\]*)'\]"
+                     r"|\[(?P<index>0|[1-9]\d*)\])$", re.DOTALL)
+# L['x'] and G['x'] themselves: parsed (they are where a path starts).
+_ROOT = re.compile(r"[LG]\['[^'\\]*'\]")
+
+
+def _parse(expr: str) -> tuple[Step, ...] | None:
     try:
         node = ast.parse(expr, mode="eval").body
     except SyntaxError:
