@@ -28,6 +28,7 @@ groups calls that can share entries and names the group in logs and labels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +48,9 @@ def _size_class(n: int) -> int:
     return n if n < 2 else -1
 
 
+@functools.lru_cache(maxsize=4096)
 def _standard_strides(shape: torch.Size) -> tuple[int, ...]:
+    """A fresh tensor's strides for ``shape`` (a call's shapes repeat: cached)."""
     out: list[int] = []
     acc = 1
     for n in reversed(shape):
@@ -95,6 +98,9 @@ def _qual(v: Any) -> str:
 
 
 def _value_sig(v: Any, dynamic: bool, depth: int = 0) -> Any:
+    plain = _PLAIN_OBJECTS.get(type(v))
+    if plain is not None:
+        return plain
     if isinstance(v, _Tensor):
         return _tensor_sig(v, dynamic)
     if isinstance(v, _VALUE_SCALARS):
@@ -117,7 +123,16 @@ def _value_sig(v: Any, dynamic: bool, depth: int = 0) -> Any:
         return ("dc", _qual(v), tuple((f.name, _value_sig(getattr(v, f.name, None), dynamic,
                                                           depth + 1))
                                       for f in dataclasses.fields(v)))
-    return ("obj", _qual(v))
+    out = ("obj", _qual(v))
+    if len(_PLAIN_OBJECTS) < _MAX_PLAIN:
+        _PLAIN_OBJECTS[type(v)] = out    # what its class alone decides: kept for next time
+    return out
+
+
+# Classes whose objects sign as ("obj", their name): none of the kinds above, which each
+# call would otherwise test again (a cache object passed on every decode step).
+_PLAIN_OBJECTS: dict[type, tuple[str, str]] = {}
+_MAX_PLAIN = 1024
 
 
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) -> Signature:
