@@ -70,8 +70,9 @@ class Served:
 
 class Churn:
     """Whether another variant is worth publishing: not once one guard's subject has
-    forced more than CHURN_LIMIT new variants in this process, or failed in more than
-    CHURN_LIMIT of the frame's stored variants (a cache layer's position, a step counter).
+    forced more than CHURN_LIMIT new variants in this process, or the frame's stored
+    variants that failed on it were made for more than CHURN_LIMIT of its values (a cache
+    layer's position, a step counter).
     Each such entry would serve one call; publishing them fills the store and the frame's
     variant chain for nothing. The variant still runs here, as a live compile."""
 
@@ -84,8 +85,10 @@ class Churn:
         if probe.kind != "guard" or not probe.guard:
             return True
         n = self._forced[probe.guard] = self._forced.get(probe.guard, 0) + 1
-        # Across processes too: the store's variants that failed on the same subject.
-        n = max(n, probe.guard_fails.get(probe.guard, 0))
+        # Across processes too: the values the store's variants that failed on it were
+        # made for. Variants made for other changes (train(), a hook) that all hold the
+        # value this call no longer has are one value: a change made once, not churn.
+        n = max(n, len(probe.guard_values.get(probe.guard, ())))
         if n <= CHURN_LIMIT:
             return True
         if not self._warned:

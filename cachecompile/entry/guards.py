@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import enum
 import inspect
+import json
 import logging
 import math
 import os
@@ -149,13 +150,14 @@ class Checker:
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
                  explain: Callable[..., str | None], n_guards: int, n_per_call: int,
                  parts: Parts,
-                 failure: Callable[..., tuple[str, str] | None] | None = None) -> None:
+                 failure: Callable[..., tuple[str, str, str] | None] | None = None) -> None:
         self.per_call = per_call
         self.full = full
         self.explain = explain
         # The first failing guard, found once: (the explanation, what the guard is about:
         # ``input_ids``, ``self.n``, ``global state``, bounded by the code, not the values,
-        # so counters can be kept per subject); None when every guard holds.
+        # so counters can be kept per subject, and the value this entry was made for, as
+        # text); None when every guard holds.
         self.failure = failure or (lambda *a, **k: None)
         self.n_guards = n_guards
         self.n_per_call = n_per_call
@@ -322,11 +324,13 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             expr = _compared_operand(expr) or expr
         return user_text(expr) or kind
 
-    def failure(*args: Any, **kwargs: Any) -> tuple[str, str] | None:
+    def failure(*args: Any, **kwargs: Any) -> tuple[str, str, str] | None:
         i = first_failure(*args, **kwargs)
         if i == -1:
             return None
-        return _explain_at(i, args, kwargs) or "a guard failed", _subject_at(i)
+        wanted = "" if i < 0 else json.dumps(guards_by_index[i].get("value"), sort_keys=True,
+                                               default=repr)
+        return _explain_at(i, args, kwargs) or "a guard failed", _subject_at(i), wanted
 
     return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
                    n_guards=len(conds), n_per_call=len(per), failure=failure,

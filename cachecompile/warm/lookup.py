@@ -79,8 +79,9 @@ class Probe:
     kind: str | None = None
     guard: str | None = None           # with kind "guard": what the failing guard is about
     guard_reason: str = ""             # ... and how it failed (the miss line's words)
-    # How many of the frame's variants failed on a guard about each subject.
-    guard_fails: dict[str, int] = dataclasses.field(default_factory=dict)
+    # For each subject a stored variant first failed on, the values those variants were
+    # made for (a counter's steps: many; a flag changed once: one).
+    guard_values: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
     def reject(self, kind: str, why: str) -> None:
         self.rejected.append(why)
@@ -219,11 +220,11 @@ class Lookup:
             func, meta["guards"], g,  # type: ignore[arg-type]
             every_call=self._spec.guards is GuardMode.ALWAYS)
         if not checker.full(self._module, *args, **kwargs):
-            reason, subject = (checker.failure(self._module, *args, **kwargs)
-                               or ("a guard failed", "a guard"))
+            reason, subject, wanted = (checker.failure(self._module, *args, **kwargs)
+                                       or ("a guard failed", "a guard", ""))
             if out.kind is None:
                 out.guard, out.guard_reason = subject, reason
-            out.guard_fails[subject] = out.guard_fails.get(subject, 0) + 1
+            out.guard_values.setdefault(subject, set()).add(wanted)
             out.reject("guard", f"{name}: guard failed: {reason}")
             return None
         outcome = self._fetched.pop(key.digest, None) or st.get(key)

@@ -22,7 +22,7 @@ import torch
 
 from cachecompile.backends.base import Compiled, GraphCallable, Program
 from cachecompile.cached import CachedFunction
-from cachecompile.cold.miss import CHURN_LIMIT
+from cachecompile.cold.miss import CHURN_LIMIT, Churn
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import CacheFaultWarning, SignatureLimitWarning, UnsupportedProgramError
 from cachecompile.key.ranks import detect
@@ -30,6 +30,7 @@ from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import open_store
 from cachecompile.warm import state
+from cachecompile.warm.lookup import Probe
 
 _graphs: dict[str, torch.fx.GraphModule] = {}
 _tokens = itertools.count()
@@ -85,7 +86,7 @@ class Scaled(torch.nn.Module):
         return self.lin(x) * self.scale
 
 
-def _cached(module: Scaled, adapter: FakeAdapter, store: Path, **kw: Any) -> CachedFunction:
+def _cached(module: torch.nn.Module, adapter: FakeAdapter, store: Path, **kw: Any) -> CachedFunction:
     spec = CompileSpec(adapter=adapter, options={}, decompositions=None, dynamic=False,
                        guards=kw.pop("guards", GuardMode.ALWAYS), ranks=detect(),
                        cache_dir=str(store), max_signatures=8, **kw)
@@ -154,6 +155,51 @@ def test_churn_stops_publishing_after_the_limit(tmp_path: Path, model: Scaled) -
     limit = [w for w in caught if issubclass(w.category, SignatureLimitWarning)]
     assert len(limit) == 1 and "self.scale" in str(limit[0].message)
     assert len(_entries(tmp_path)) == 1 + CHURN_LIMIT
+
+
+def test_a_change_made_once_is_no_churn_however_many_variants_it_fails() -> None:
+    """Stored variants made for other changes (train(), a hook, another flag) all fail
+    first on a value changed once, each wanting the value it had then: one value, so the
+    new variant is published (it was refused, and every later process compiled again).
+    Variants made for many values of it are churn."""
+    once = Probe(kind="guard", guard="self.config.n", guard_reason="n == 2, got 1",
+                 guard_values={"self.config.n": {"2"}})
+    assert Churn("M.run").worth_publishing(once, ())
+    counter = Probe(kind="guard", guard="self.pos", guard_reason="pos == 3, got 4",
+                    guard_values={"self.pos": {str(i) for i in range(CHURN_LIMIT + 1)}})
+    with pytest.warns(SignatureLimitWarning, match="self.pos"):
+        assert not Churn("M.run").worth_publishing(counter, ())
+
+
+class Flags(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.a = self.b = self.c = 1.0
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.a * self.b * self.c
+
+
+def test_each_one_time_change_is_published_and_hits_in_the_next_process(tmp_path: Path) -> None:
+    """Processes in turn, each with one flag changed once (b, then c, then a): every
+    stored variant fails first on a, all for its one old value; a's variant is published,
+    so the next process with it hits."""
+    torch.manual_seed(0)
+    m = Flags().eval()
+    fake = FakeAdapter()
+    runs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for flag in ("", "b", "c", "a", "a"):
+            m.a = m.b = m.c = 1.0
+            if flag:
+                setattr(m, flag, 2.0)
+            cached = _cached(m, fake, tmp_path)   # as a new process would
+            assert torch.equal(cached(X), m.run(X))
+            runs.append([e[0] for e in cached.events])
+    assert runs == [["miss"], ["miss"], ["miss"], ["miss"], ["hit"]], runs
+    assert not [w for w in caught if issubclass(w.category, SignatureLimitWarning)]
 
 
 def test_readonly_store_compiles_and_publishes_nothing(tmp_path: Path, model: Scaled,
