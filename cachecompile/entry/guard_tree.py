@@ -107,6 +107,7 @@ class _Builder:
         # By (node, step): nodes live as long as the builder, so their identity is a key.
         self.nodes: dict[tuple[Node, Step], Node] = {}
         self._anchors: dict[int, Node] = {}
+        self._next: dict[tuple[Node, Step], Node | None] = {}
         self.held = _Held()
         self.anchors: list[Any] = []
         self.front_refs: list[Any] = []
@@ -125,20 +126,25 @@ class _Builder:
         steps = guard_paths.path(expr)
         if steps is None:
             return None
-        node, i = self.top, 0
-        while i < len(steps):       # from the frame to the first anchor, if any
-            node = self.walk(node, steps[i:i + 1], ())
-            i += 1
-            if self.skip and _is_anchor(node.obj):
-                node = self._anchor(node)
-                break
-        while i < len(steps):       # pinned from there, while each step keeps it so
-            pinned = _pin(steps[i], node.obj)
-            if pinned is None:
+        node = self.top
+        for i, step in enumerate(steps):
+            # Paths share long prefixes: each (node, step) is decided once per build.
+            nxt = self._next.get((node, step), _UNSEEN)
+            if nxt is _UNSEEN:
+                nxt = self._next[(node, step)] = self._step_from(node, step)
+            if nxt is None:     # no longer pinned: the rest is checked on every call
                 return self.walk(node.live(), steps[i:], ())
-            node = self.walk(node, *pinned)
-            i += 1
+            node = nxt
         return node
+
+    def _step_from(self, node: Node, step: Step) -> Node | None:
+        """One step of a path: up to the first anchor as it is, then pinned while each
+        step keeps it so (None where one does not)."""
+        if not node.pinned:
+            nxt = self.walk(node, (step,), ())
+            return self._anchor(nxt) if self.skip and _is_anchor(nxt.obj) else nxt
+        pinned = _pin(step, node.obj)
+        return None if pinned is None else self.walk(node, *pinned)
 
     def _anchor(self, node: Node) -> Node:
         """``node``'s manager as an anchor: a subtree root, skipped while unchanged."""
@@ -275,6 +281,7 @@ class _Rearm:
 
 # Managers under an anchor for its change to be worth a new tree (_Rearm).
 REARM_MIN = 16
+_UNSEEN: Any = object()
 # The frame entry holding the frontier (the objects checked on every call).
 FRONTIER = "__cc_F"
 def _step(obj: Any, step: Step) -> Any:
