@@ -260,12 +260,13 @@ class _Rearm:
     :class:`EveryCall` then builds a new tree (a bounded number of times); a small one
     (a Python module whose globals change as it runs) is left checked leaf by leaf."""
 
-    __slots__ = ("big", "counts", "due")
+    __slots__ = ("big", "counts", "due", "on_due")
 
     def __init__(self) -> None:
         self.counts: list[int] = []
         self.big: list[bool] = []
         self.due = False
+        self.on_due: Callable[[], None] | None = None
 
     def note(self, i: int) -> Callable[[Any], bool]:
         self.counts.append(0)
@@ -275,6 +276,8 @@ class _Rearm:
             self.counts[i] += 1
             if self.counts[i] > 1 and self.big[i]:
                 self.due = True
+                if self.on_due is not None:
+                    self.on_due()
             return True
         return seen
 
@@ -364,10 +367,11 @@ class _Held:
     the tree dies with the first of them (its id may be reused); held strongly otherwise
     (builtin functions, cells, dicts), until then."""
 
-    __slots__ = ("alive", "ids", "refs", "strong")
+    __slots__ = ("alive", "ids", "on_death", "refs", "strong")
 
     def __init__(self) -> None:
         self.alive = True
+        self.on_death: Callable[[], None] | None = None
         self.ids: set[int] = set()
         self.refs: list[weakref.ref[Any]] = []
         self.strong: list[Any] = []
@@ -384,6 +388,8 @@ class _Held:
     def _died(self, _ref: weakref.ref[Any]) -> None:
         self.alive = False
         self.strong.clear()   # the tree is not used again: let go of what it held
+        if self.on_death is not None:
+            self.on_death()
 
 
 class Tree:
@@ -482,6 +488,9 @@ class EveryCall:
         self._parts = parts
         self._python = python
         self._tree: Tree | None = None
+        # The tree's check while it may answer alone; None once an object it matched died
+        # or its skipping turned off (the tree calls _off), and while there is no tree.
+        self._check: Callable[..., bool] | None = None
         self._builds = 0
 
     @property
@@ -490,52 +499,73 @@ class EveryCall:
 
     def fast(self, *args: Any, **kwargs: Any) -> bool:
         """The tree alone: True only if it is built and holds (no Python check)."""
+        check = self._check
+        if check is None:
+            return self._settle(args, kwargs)
+        try:
+            return bool(check(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - the full check decides
+            logger.debug("guard tree raised", exc_info=True)
+            return False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> bool:
+        # fast(), inline: this runs on every call.
+        check = self._check
+        if check is not None:
+            try:
+                if check(*args, **kwargs):
+                    return True
+            except Exception:  # noqa: BLE001 - the full check decides
+                logger.debug("guard tree raised", exc_info=True)
+        elif self._settle(args, kwargs):
+            return True
+        if not self._python(*args, **kwargs):
+            return False
+        self._build(args, kwargs)
+        return True
+
+    def _off(self) -> None:
+        self._check = None
+
+    def _settle(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """The tree in hand once its check is off: dropped if an object it matched died
+        (its id may be reused); else its skipping turned off, so it is checked leaf by
+        leaf and, where it holds (the Python check would), built again to skip again."""
         tree = self._tree
         if tree is None:
             return False
         if not tree.held.alive:
-            self._tree = None      # an object it matched is gone: never again
+            self._tree = None
             return False
         try:
             ok = bool(tree.check(*args, **kwargs))
         except Exception:  # noqa: BLE001 - the full check decides
             logger.debug("guard tree raised", exc_info=True)
             return False
-        if ok and tree.rearm.due:
-            # The tree passed, so the Python check would: build one that skips again.
+        if ok:
             self._build(args, kwargs, rearm=True)
         return ok
-
-    def __call__(self, *args: Any, **kwargs: Any) -> bool:
-        # fast(), inline: this runs on every call.
-        tree = self._tree
-        if tree is not None and tree.held.alive:
-            try:
-                if tree.check(*args, **kwargs):
-                    if tree.rearm.due:
-                        self._build(args, kwargs, rearm=True)
-                    return True
-            except Exception:  # noqa: BLE001 - the full check decides
-                logger.debug("guard tree raised", exc_info=True)
-        elif tree is not None:
-            self._tree = None      # an object it matched is gone: never again
-        if not self._python(*args, **kwargs):
-            return False
-        self._build(args, kwargs)
-        return True
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], rearm: bool = False) -> None:
         """A new tree from this call's objects (its check just passed). Past the budget
         the variant keeps the Python check, unless this is a re-arm of a tree that still
         holds (its skipping turned off): that tree stays, checking leaf by leaf."""
         if self._builds >= MAX_BUILDS:
-            if rearm and self._tree is not None:
-                self._tree.rearm.due = False
+            tree = self._tree
+            if rearm and tree is not None:
+                tree.rearm.on_due = None
+                self._check = tree.check
             else:
-                self._tree = None
+                self._tree = self._check = None
             return
         self._builds += 1
-        self._tree = build(self._parts, args, kwargs, skip=self._builds <= SKIPPING_BUILDS)
+        tree = self._tree = build(self._parts, args, kwargs,
+                                  skip=self._builds <= SKIPPING_BUILDS)
+        self._check = None
+        if tree is not None:
+            tree.held.on_death = tree.rearm.on_due = self._off
+            if tree.held.alive:
+                self._check = tree.check
 
 
 class FirstCall:

@@ -331,6 +331,7 @@ def test_a_changed_anchor_is_checked_leaf_by_leaf_then_skips_again_in_a_new_tree
     first = every.tree
     assert every(m, x, y) and not first.rearm.due
     m.unrelated = 1
+    assert every(m, x, y) and every.tree is first            # leaf by leaf, still passes
     assert every(m, x, y) and every.tree is not first and every.tree is not None
     assert every.tree.skipped > 0 and every(m, x, y) and not every.tree.rearm.due
     m.cfg.act = "silu"                                       # and a real change still fails
@@ -422,7 +423,7 @@ def test_past_the_build_budget_a_tree_that_still_holds_is_kept() -> None:
     every._builds = guard_tree.MAX_BUILDS       # the budget spent (equal replacements)
     tree = every.tree
     m.unrelated = 2
-    assert every(m, x, y) and every.tree is tree and not tree.rearm.due
-    assert every(m, x, y) and every.tree is tree
+    for _ in range(3):
+        assert every(m, x, y) and every.tree is tree
     m.cfg.act = "silu"
     assert not every(m, x, y)
