@@ -10,9 +10,13 @@ own C++ guard managers from the same guards and the live objects it just verifie
 * a portable identity becomes an identity match on the object that passed (held weakly:
   the tree is retired when one of them dies, since its id may be reused), a class a type
   match, a value an equality match, a tensor Dynamo's TENSOR_MATCH, aliasing its aliasing
-  guards, the global state its own guard;
-* what has no native leaf (shape relations, environment reads, memory overlap, function
-  modes) runs as one Python function on the tree's root, the checker's own conditions.
+  guards, the global state, function modes, the default device and an unset environment
+  variable their own leaves;
+* what has no native leaf (shape relations, memory overlap) runs as one Python function
+  on the tree's root, the checker's own conditions.
+
+It checks less than it holds: a module's state is skipped while the module's dicts are
+unchanged, and only what no dict decides is checked on every call (:class:`_Builder`).
 
 Every native leaf is at least as strict as its Python guard, so a tree that passes means
 the Python check would. When the tree fails, the Python check decides
