@@ -207,9 +207,8 @@ def child(mgr: Manager, parent: Any, step: tuple[str, Any], example: Any, source
     if how in ("key", "value"):
         # By position in a dict (Dynamo's own DictGuardManager takes over the whole dict):
         # a Python accessor, which runs only where the dict is checked leaf by leaf.
-        fn = _key_at(key) if how == "key" else _value_at(key)
-        return mgr.lambda_manager(python_lambda=fn, source=source, example_value=example,
-                                  guard_manager_enum=enum_)
+        return mgr.lambda_manager(python_lambda=by_position(how, key), source=source,
+                                  example_value=example, guard_manager_enum=enum_)
     if how == "__dict__":
         return mgr.get_generic_dict_manager(source=source, example_value=example,
                                             guard_manager_enum=enum_)
@@ -239,11 +238,11 @@ _FUNCTION_ACCESSORS = {"__code__": "code_manager", "__closure__": "closure_manag
                        "__kwdefaults__": "func_kwdefaults_manager"}
 
 
-def _key_at(i: int) -> Callable[[Any], Any]:
-    return lambda d: list(dict.keys(d))[i]
-
-
-def _value_at(i: int) -> Callable[[Any], Any]:
+def by_position(how: str, i: int) -> Callable[[Any], Any]:
+    """A dict's i-th key (``list(dict.keys(d))[i]``, ``how="key"``) or its value
+    (``dict.__getitem__(d, ...)``, ``how="value"``), as Dynamo reads a dict it iterated."""
+    if how == "key":
+        return lambda d: list(dict.keys(d))[i]
     return lambda d: dict.__getitem__(d, list(dict.keys(d))[i])
 
 

@@ -74,7 +74,7 @@ def _parse(expr: str) -> tuple[Step, ...] | None:
         return None
     steps: list[Step] = []
     while True:
-        if (key := _key_at(node)) is not None:
+        if (key := _indexed_key(node)) is not None:
             steps.append(("key", key[1]))
             node = key[0]
         elif isinstance(node, ast.Attribute):
@@ -102,7 +102,7 @@ def _parse(expr: str) -> tuple[Step, ...] | None:
             node = node.args[0]
         elif (isinstance(node, ast.Call) and _is_name_attr(node.func, "dict", "__getitem__")
               and len(node.args) == 2 and not node.keywords
-              and (key := _key_at(node.args[1])) is not None
+              and (key := _indexed_key(node.args[1])) is not None
               and ast.dump(key[0]) == ast.dump(node.args[0])):
             steps.append(("value", key[1]))
             node = node.args[0]
@@ -111,7 +111,7 @@ def _parse(expr: str) -> tuple[Step, ...] | None:
     return tuple(steps[::-1])
 
 
-def _key_at(node: ast.expr) -> tuple[ast.expr, int] | None:
+def _indexed_key(node: ast.expr) -> tuple[ast.expr, int] | None:
     """``list(dict.keys(X))[i]`` -> (X, i)."""
     if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
             and type(node.slice.value) is int):
@@ -130,16 +130,6 @@ def _key_at(node: ast.expr) -> tuple[ast.expr, int] | None:
 def _is_name_attr(node: ast.expr, name: str, attr: str) -> bool:
     return (isinstance(node, ast.Attribute) and node.attr == attr
             and isinstance(node.value, ast.Name) and node.value.id == name)
-
-
-def key_at(d: Any, i: int) -> Any:
-    """``list(dict.keys(d))[i]``."""
-    return list(dict.keys(d))[i]
-
-
-def value_at(d: Any, i: int) -> Any:
-    """``dict.__getitem__(d, list(dict.keys(d))[i])``."""
-    return dict.__getitem__(d, list(dict.keys(d))[i])
 
 
 def label(step: Step) -> str:

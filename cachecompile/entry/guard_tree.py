@@ -303,10 +303,8 @@ def _step(obj: Any, step: Step) -> Any:
         return object.__getattribute__(obj, "__dict__")
     if how == "type_dict":
         return native.class_dict(obj)
-    if how == "key":
-        return guard_paths.key_at(obj, name)
-    if how == "value":
-        return guard_paths.value_at(obj, name)
+    if how in ("key", "value"):
+        return native.by_position(how, name)(obj)
     return obj[name]
 
 
