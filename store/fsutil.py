@@ -124,7 +124,7 @@ def rmtree_quiet(path: Path) -> None:
         except OSError:
             pass
 
-    shutil.rmtree(path, onerror=onerror)  # noqa: B026 - onexc is 3.12+
+    shutil.rmtree(path, onerror=onerror)  # onexc is 3.12+
 
 
 def group_name(gid: int) -> str:

@@ -50,7 +50,7 @@ def stats_dir(root: Path | str) -> Path:
     digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]
     # /tmp itself, not $TMPDIR: a server and the shell that runs `cachectl stats` often
     # differ in TMPDIR (a launcher, a test harness), rarely in /tmp.
-    base = Path("/tmp") if os.access("/tmp", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())  # noqa: S108
+    base = Path("/tmp") if os.access("/tmp", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
     return base / f"cachecompile-{os.getuid()}" / "stats" / digest
 
 

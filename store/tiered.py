@@ -141,7 +141,7 @@ class Uploader:
                 # The local entry went away (gc, delete) or cannot be read: nothing to share.
                 self.failed += 1
                 logger.info("not uploading %s: %s", entry.key[:12], e)
-            except Exception:  # noqa: BLE001 - a daemon thread must outlive any one upload
+            except Exception:  # a daemon thread must outlive any one upload
                 self.failed += 1
                 logger.warning("upload of %s failed unexpectedly", entry.key[:12], exc_info=True)
             finally:

@@ -90,6 +90,6 @@ def _lacks(module: str, attr: str) -> str | None:
         obj = importlib.import_module(module)
         for name in attr.split(".") if attr else ():
             obj = getattr(obj, name)
-    except Exception:  # noqa: BLE001 - AttributeError, ImportError, or anything an import raises
+    except Exception:  # AttributeError, ImportError, or anything an import raises
         return full
     return None

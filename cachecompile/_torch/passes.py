@@ -85,7 +85,7 @@ def _pattern_text(pattern: Any) -> str:
     if printer is not None:
         try:
             return str(printer.run(pattern))
-        except Exception:  # noqa: BLE001 - a pattern the printer does not know: its repr
+        except Exception:  # a pattern the printer does not know: its repr
             pass
     return repr(pattern)
 

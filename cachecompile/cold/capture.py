@@ -193,7 +193,7 @@ class TraceSession:
                 self._record_guards(entries)
         except UnsupportedProgramError as e:
             self._verdict = str(e)
-        except Exception as e:  # noqa: BLE001 - a guard we cannot carry means "do not cache"
+        except Exception as e:  # a guard we cannot carry means "do not cache"
             logger.debug("guard capture failed", exc_info=True)
             self._verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
         return keep
@@ -288,7 +288,7 @@ class TraceSession:
                     runner = program.light
                 except UnsupportedProgramError as e:
                     self._verdict = str(e)
-                except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
+                except Exception as e:  # any capture failure means "do not cache"
                     logger.debug("program capture failed", exc_info=True)
                     self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
             return runner(*args)
@@ -328,7 +328,7 @@ class TraceSession:
                     light_out = program.light(*light_args)
             except UnsupportedProgramError as e:
                 self._verdict = str(e)
-            except Exception as e:  # noqa: BLE001 - any capture failure means "do not cache"
+            except Exception as e:  # any capture failure means "do not cache"
                 logger.debug("program capture failed", exc_info=True)
                 self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
             restore_rng()

@@ -122,7 +122,7 @@ def _where(code: types.CodeType, index: int) -> str:
                 current = line
             if ins.opcode in dis.hasconst and ins.arg == index:
                 return f"{code.co_filename}:{current}"
-    except Exception:  # noqa: BLE001 - only for the message; a broken repr must not hide it
+    except Exception:  # only for the message; a broken repr must not hide it
         logger.debug("could not locate constant %d in %s", index, code.co_name, exc_info=True)
     return f"{code.co_filename}:{code.co_firstlineno}"
 
@@ -196,12 +196,12 @@ def _portable(v: Any) -> JSON:
         if str(e).startswith("no portable form"):  # values' message repeats type and repr
             raise UnsupportedProgramError("no portable form") from None
         raise
-    except Exception as e:  # noqa: BLE001 - e.g. an enum whose name lookup fails
+    except Exception as e:  # e.g. an enum whose name lookup fails
         raise UnsupportedProgramError(f"no portable form: {e}") from e
     try:
         stored = json.loads(json.dumps(spec, allow_nan=False))
         back = _decode(stored)
-    except Exception as e:  # noqa: BLE001 - any failure to rebuild means: not portable
+    except Exception as e:  # any failure to rebuild means: not portable
         raise UnsupportedProgramError(f"its portable form does not rebuild: {e}") from e
     if not _same(v, back):
         raise UnsupportedProgramError(
@@ -382,7 +382,7 @@ def _decode(spec: JSON) -> Any:
 def _rebuild(i: int, spec: JSON) -> Any:
     try:
         return _decode(spec)
-    except Exception as e:  # noqa: BLE001 - torch.device('bogus') raises RuntimeError, etc.
+    except Exception as e:  # torch.device('bogus') raises RuntimeError, etc.
         raise UnsupportedProgramError(f"stored constant {i} does not rebuild: {e}") from e
 
 

@@ -214,7 +214,7 @@ def overlap_groups(tensors: Sequence[Any]) -> list[list[int]]:
         bases = [t.untyped_storage().data_ptr() for t in tensors]
         if len(set(bases)) == len(bases):
             return []
-    except Exception:  # noqa: BLE001 - not all dense tensors: the general rule below
+    except Exception:  # not all dense tensors: the general rule below
         pass
     by_storage: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):

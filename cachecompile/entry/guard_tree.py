@@ -169,7 +169,7 @@ class _Builder:
                 obj = node.obj
                 try:
                     value = _step(obj, step)
-                except Exception as e:  # noqa: BLE001 - not readable now: Python checks it
+                except Exception as e:  # not readable now: Python checks it
                     raise _NotAPath(step) from e
                 text = node.text + guard_paths.label(step)
                 if step[0] == "dict":
@@ -447,7 +447,7 @@ def build(parts: Parts, args: tuple[Any, ...], kwargs: dict[str, Any],
             logger.debug("guard tree for %s fails where the Python check passed: not used",
                          parts.func.__qualname__)
             return None
-    except Exception:  # noqa: BLE001 - a tree is an optimisation: the Python check stays
+    except Exception:  # a tree is an optimisation: the Python check stays
         logger.debug("building the guard tree for %s failed", parts.func.__qualname__,
                      exc_info=True)
         return None
@@ -506,7 +506,7 @@ class EveryCall:
             return self._settle(args, kwargs)
         try:
             return bool(check(*args, **kwargs))
-        except Exception:  # noqa: BLE001 - the full check decides
+        except Exception:  # the full check decides
             logger.debug("guard tree raised", exc_info=True)
             return False
 
@@ -517,7 +517,7 @@ class EveryCall:
             try:
                 if check(*args, **kwargs):
                     return True
-            except Exception:  # noqa: BLE001 - the full check decides
+            except Exception:  # the full check decides
                 logger.debug("guard tree raised", exc_info=True)
         elif self._settle(args, kwargs):
             return True
@@ -541,7 +541,7 @@ class EveryCall:
             return False
         try:
             ok = bool(tree.check(*args, **kwargs))
-        except Exception:  # noqa: BLE001 - the full check decides
+        except Exception:  # the full check decides
             logger.debug("guard tree raised", exc_info=True)
             return False
         if ok:

@@ -130,7 +130,7 @@ class Parts:
 
     def function(self, name: str, src: str) -> Callable[..., Any]:
         """``src`` (defining ``name``) compiled in the checker's namespace."""
-        exec(compile(src, f"<cachecompile {name} {self.func.__qualname__}>", "exec"),  # noqa: S102
+        exec(compile(src, f"<cachecompile {name} {self.func.__qualname__}>", "exec"),
              self.env)
         fn: Callable[..., Any] = self.env[name]
         return fn
@@ -248,7 +248,7 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
 
     def compiled(src: str, names: Sequence[str], where: str) -> list[Callable[..., Any]]:
         try:
-            exec(compile(src, f"<cachecompile {where} {func.__qualname__}>", "exec"), env)  # noqa: S102
+            exec(compile(src, f"<cachecompile {where} {func.__qualname__}>", "exec"), env)
         except SyntaxError as err:
             raise UnsupportedProgramError(f"guards do not compile: {err}") from err
         out: list[Callable[..., Any]] = []
@@ -304,11 +304,11 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         src = f"def __cc_observe({params}):\n{prologue}    return {expr}\n"
         try:
             scope = dict(env)
-            exec(compile(src, "<cachecompile observe>", "exec"), scope)  # noqa: S102
+            exec(compile(src, "<cachecompile observe>", "exec"), scope)
             obs = scope["__cc_observe"]
             obs.__defaults__, obs.__kwdefaults__ = func.__defaults__, func.__kwdefaults__
             got = describe(obs(*args, **kwargs), kind, guards_by_index[i].get("value"))
-        except Exception:  # noqa: BLE001 - the expression itself failed: say so
+        except Exception:  # the expression itself failed: say so
             got = "the expression could not be read"
         return f"{text} (got {got})"
 

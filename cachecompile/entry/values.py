@@ -130,6 +130,6 @@ def _enum_member(module: str, qualname: str, name: str) -> Any:
 def short(v: Any) -> str:
     try:
         r = repr(v)
-    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+    except Exception:  # a broken __repr__ must not hide the real error
         r = object.__repr__(v)
     return r if len(r) < 60 else r[:57] + "..."

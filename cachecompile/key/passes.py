@@ -132,7 +132,7 @@ def _has_uuid(obj: Any) -> bool:
 def _uuid_pass(p: Any, what: str) -> JSON:
     try:
         uid = p.uuid()
-    except Exception as e:  # noqa: BLE001 - the user's uuid() failing is a refusal, said so
+    except Exception as e:  # the user's uuid() failing is a refusal, said so
         raise UnidentifiedPassError(f"{what}: {_qual(type(p))}.uuid() raised "
                                     f"{type(e).__name__}: {e}") from None
     if uid is None:

@@ -101,7 +101,7 @@ def safely(fn: Callable[[], Any]) -> None:
     """Store bookkeeping (counters, pins): it must never fail a call."""
     try:
         fn()
-    except Exception:  # noqa: BLE001 - bookkeeping must never fail a call
+    except Exception:  # bookkeeping must never fail a call
         logger.debug("store bookkeeping failed", exc_info=True)
 
 
@@ -153,7 +153,7 @@ class Lookup:
                 out.free = i if out.free is None else out.free
                 out.first(str(v))
                 continue
-            except Exception as e:  # noqa: BLE001 - any load fault degrades to a recompile
+            except Exception as e:  # any load fault degrades to a recompile
                 logger.debug("loading entry failed", exc_info=True)
                 fault(f"entry {key.digest[:12]} could not be loaded "
                       f"({type(e).__name__}: {e}); it is removed and recompiled")
@@ -240,7 +240,7 @@ class Lookup:
                                compiled_fn)
         try:
             self._pins.append(st.pin(entry))
-        except Exception:  # noqa: BLE001 - a missing lease only weakens eviction safety
+        except Exception:  # a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
         check, fast = self.check_of(checker)
         return Variant(run=bound, check=check, name=name, fast=fast)
@@ -270,7 +270,7 @@ class Lookup:
                                  limit=NEAREST_CANDIDATES)
             theirs = (str(st.manifest(near.key)["labels"].get("signature", "?"))
                       if near is not None and "signature" in near.differ else None)
-        except Exception:  # noqa: BLE001 - explaining a miss must never fail the call
+        except Exception:  # explaining a miss must never fail the call
             logger.debug("explaining a miss failed", exc_info=True)
             return "", []
         if near is None:

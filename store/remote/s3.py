@@ -160,7 +160,7 @@ class S3Remote(BlobRemote):
         def call() -> None:
             try:
                 box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller as raised
+            except BaseException as e:  # handed to the caller as raised
                 box.append((False, e))
             finally:
                 done.set()
