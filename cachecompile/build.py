@@ -217,7 +217,7 @@ def run_task(task: Task, worker: int | None = None) -> BuildResult:
         try:
             with torch.no_grad():
                 fn(*task.args, **task.kwargs)
-        except Exception as e:  # noqa: BLE001 - reported per task; the build goes on
+        except Exception as e:  # reported per task; the build goes on
             logger.debug("prebuild of %s [%s] failed", task.name, task.signature, exc_info=True)
             return BuildResult(task.name, task.signature, FAILED, time.perf_counter() - t0,
                                f"{type(e).__name__}: {e}", worker)
@@ -440,7 +440,7 @@ def _worker_main(spec: str) -> int:
 
     try:
         tasks = plan_factory(spec)
-    except Exception as e:  # noqa: BLE001 - the parent reports it as the build's failure
+    except Exception as e:  # the parent reports it as the build's failure
         logger.debug("planning %s failed", spec, exc_info=True)
         send({"error": f"{type(e).__name__}: {e}"})
         return 2

@@ -189,7 +189,7 @@ class CachedFunction:
         early: dict[str, float] = {}  # the cold path's first phases (capture.Phases)
         try:
             frame = self.key(sig)
-        except Exception as e:  # noqa: BLE001 - an unkeyable call is a fault, not a crash
+        except Exception as e:  # an unkeyable call is a fault, not a crash
             logger.debug("computing the key failed", exc_info=True)
             fault(f"computing the cache key failed ({type(e).__name__}: {e})")
             return self._run_live(sig, args, kwargs, "no key")

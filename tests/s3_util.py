@@ -64,7 +64,7 @@ class MotoServer(ServerProcess):
         if self.auth_after is not None:
             # IAM enforced after this many requests: the setup calls go first.
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
-        log = open(self.dir / "moto.log", "ab")  # noqa: SIM115 - the server keeps it
+        log = open(self.dir / "moto.log", "ab")  # the server keeps it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=log, stderr=log, env=env)

@@ -102,7 +102,7 @@ def build_hf() -> tuple[Any, torch.Tensor]:
 def import_cache_compile() -> Callable[..., Any]:
     try:
         from cachecompile import cache_compile  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available yet"
+    except Exception as exc:  # any import failure means "not available yet"
         raise Unavailable(f"import failed: {type(exc).__name__}: {exc}") from exc
     return cache_compile  # type: ignore[no-any-return]
 
@@ -190,7 +190,7 @@ def build_callable(
         cc_dir = os.environ["CACHECOMPILE_DIR"]
         try:
             model.cached = cache_compile(model.prefill, dynamic=False, cache_dir=cc_dir)
-        except Exception as exc:  # noqa: BLE001 - the API may still be in flux
+        except Exception as exc:  # the API may still be in flux
             raise Unavailable(f"cache_compile() failed: {type(exc).__name__}: {exc}") from exc
         return (lambda: model.cached(example)), info
 
@@ -275,7 +275,7 @@ def run_micro(args: argparse.Namespace) -> None:
                         module.add, dynamic=False, cache_dir=os.environ["CACHECOMPILE_DIR"],
                         guards="always" if mech == "cc_warm_always" else "first",
                     )
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     raise Unavailable(
                         f"cache_compile() failed: {type(exc).__name__}: {exc}"
                     ) from exc

@@ -31,9 +31,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from zoo.models import LlmRunner, tokens  # noqa: E402  (needs the path above)
+from zoo.models import LlmRunner, tokens  # needs the path above
 
-from cachecompile import cache_compile  # noqa: E402
+from cachecompile import cache_compile
 
 
 class AddOne(nn.Module):
@@ -61,11 +61,11 @@ BLOCK = 24
 def _dynamo_check(method: Any, frame_locals: dict[str, Any]) -> Callable[[], Any] | None:
     """Dynamo's own guard tree of ``method``'s compiled entry, as a callable."""
     try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: TID251
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
         entries = _debug_get_cache_entry_list(method.__func__.__code__)
         gm = entries[0].guard_manager
-    except Exception:  # noqa: BLE001 - a release without it: the column says n/a
+    except Exception:  # a release without it: the column says n/a
         return None
     if not gm.check(frame_locals):
         return None

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from zoo.models import LlmRunner, tokens  # noqa: E402  (needs the path above)
+from zoo.models import LlmRunner, tokens  # needs the path above
 
 
 class HfPrefill(LlmRunner):

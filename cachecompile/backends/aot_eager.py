@@ -52,7 +52,7 @@ def _globals_for(names: Sequence[str]) -> dict[str, Any]:
 def _make_callable(src: str, filename: str, constants: Mapping[str, Any],
                    global_names: Sequence[str]) -> GraphCallable:
     ns = _globals_for(global_names)
-    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - verified, owner-checked entry
+    exec(compile(src, filename, "exec"), ns)  # verified, owner-checked entry
     forward = ns["forward"]
     holder = _Holder(constants)
 

@@ -267,7 +267,7 @@ class BareAdapter:
             # rebuilds the graph Dynamo made, node for node (op, target, arguments).
             try:
                 same = structure(rebuild(doc, constants).graph) == shape
-            except Exception as e:  # noqa: BLE001 - any failure: not storable, said why
+            except Exception as e:  # any failure: not storable, said why
                 raise UnsupportedProgramError(f"the stored graph does not rebuild "
                                               f"({type(e).__name__}: {e})") from None
             if not same:
@@ -304,7 +304,7 @@ class BareAdapter:
             gm = rebuild(doc, constants)
             try:
                 return fn(gm, list(args))  # type: ignore[no-any-return]
-            except Exception as e:  # noqa: BLE001 - a backend fault must not fail the call
+            except Exception as e:  # a backend fault must not fail the call
                 # As torch.compile with suppress_errors: the graph runs eagerly, said once.
                 logger.debug("backend %s failed on the rebuilt graph", qualname, exc_info=True)
                 fault(f"the backend {qualname} failed on the graph rebuilt from the cache "

@@ -161,7 +161,7 @@ def _exec_program(src: str, filename: str, async_compile: Callable[[], Any],
                   kept: Sequence[int] | None = None) -> GraphCallable:
     ns: dict[str, Any] = {"__name__": "cachecompile_program", "__file__": filename,
                           "__cachecompile_async_compile__": async_compile}
-    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - the entry was verified and owned
+    exec(compile(src, filename, "exec"), ns)  # the entry was verified and owned
     ns.update(constants)
     program_call = ns["call"]
     check = tuple(inputs_to_check)

@@ -258,7 +258,7 @@ def cann_version() -> str | None:
             v = torch_npu.npu.utils.get_cann_version()
             if v:
                 return str(v)
-        except Exception:  # noqa: BLE001 - fall back to the install's files
+        except Exception:  # fall back to the install's files
             logger.debug("torch_npu.npu.utils.get_cann_version failed", exc_info=True)
     for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
         home = os.environ.get(var)
@@ -296,12 +296,12 @@ def soc_name() -> str | None:
     if torch_npu is not None:
         try:
             return str(torch_npu.npu.get_device_name())
-        except Exception:  # noqa: BLE001 - fall back to torchair's native query
+        except Exception:  # fall back to torchair's native query
             logger.debug("torch_npu.npu.get_device_name failed", exc_info=True)
     try:
         native = importlib.import_module("torchair.core._torchair")
         return str(native.GetSocName())
-    except Exception:  # noqa: BLE001 - no SoC is knowable without the native module
+    except Exception:  # no SoC is knowable without the native module
         return None
 
 
@@ -317,7 +317,7 @@ def _npu_flags() -> dict[str, JSON]:
                      ("allow_hf32_conv", lambda: bool(torch_npu.npu.conv.allow_hf32))):
         try:
             flags[key] = canonical(get())
-        except Exception:  # noqa: BLE001 - an unknown flag is recorded as unknown
+        except Exception:  # an unknown flag is recorded as unknown
             flags[key] = None
     return flags
 
@@ -366,7 +366,7 @@ def _exec_program(src: str, filename: str) -> types.ModuleType:
     """TorchAir's ``_compile_py_code``, with a real file name for tracebacks."""
     mod = types.ModuleType("cachecompile_torchair_program")
     mod.__file__ = filename
-    exec(compile(src, filename, "exec"), mod.__dict__)  # noqa: S102 - verified, owned entry
+    exec(compile(src, filename, "exec"), mod.__dict__)  # verified, owned entry
     return mod
 
 

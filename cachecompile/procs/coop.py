@@ -258,7 +258,7 @@ class GraphShare:
                 # the first call would deadlock ranks whose graph has collectives).
                 self.finish()
                 return Compiled(live=light, program=lambda: program)
-            except Exception:  # noqa: BLE001 - a bad shared program: compile our own
+            except Exception:  # a bad shared program: compile our own
                 logger.warning("%s: shared program for graph %s does not load; compiling",
                                self._who, self.key.digest[:12], exc_info=True)
         with CompileSlots(self._st).slot(self._who):
@@ -267,7 +267,7 @@ class GraphShare:
         if publish_now:
             try:
                 program = compiled.program()
-            except Exception:  # noqa: BLE001 - not replayable: others compile themselves
+            except Exception:  # not replayable: others compile themselves
                 logger.debug("program capture failed", exc_info=True)
                 self.finish()
                 return compiled
