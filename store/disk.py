@@ -121,15 +121,19 @@ class Store:
         variants, a remote tier behind this one), and only the caller knows what the
         lookup came to. It says so once, with :meth:`record_miss`."""
         digest = digest_of(key)
+
+        def bad(b: verification.Bad) -> None:
+            # Proven bad while the entry was still the one under the key (an entry that
+            # went away while it was read is a plain absent miss, and never gets here).
+            logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
+            self.count("corruptions")
+            self.quarantine(digest, b.reason, ident=b.ident)
+
         try:
-            entry = verification.inspect(self.layout, digest)
+            entry = verification.inspect(self.layout, digest, on_bad=bad)
         except verification.Bad as b:
             if b.link is not None:
                 self.layout.warn_link(*b.link)
-            elif b.kind in ("corrupt", "insecure"):
-                logger.warning("entry %s is %s: %s; quarantining it", digest, b.kind, b.reason)
-                self.count("corruptions")
-                self.quarantine(digest, b.reason)
             return Miss(reason=b.reason, kind=b.kind)
         counter = counter_scope(key, entry.labels) + "hits"
         self.index.safely(
@@ -241,9 +245,11 @@ class Store:
         return publishing.remove(self.layout, self.index, digest_of(key), respect_pins=False,
                                  kind="del")
 
-    def quarantine(self, digest: str, reason: str) -> Path | None:
-        """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs."""
-        return verification.quarantine(self.layout, self.index, digest, reason)
+    def quarantine(self, digest: str, reason: str,
+                   ident: verification.Ident | None = None) -> Path | None:
+        """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs.
+        ``ident``: only the entry directory found bad (see verification.quarantine)."""
+        return verification.quarantine(self.layout, self.index, digest, reason, ident)
 
     # -- locks and pins ------------------------------------------------------------------
     def lock(self, name: str, timeout: float = 600.0) -> contextlib.AbstractContextManager[Path]:

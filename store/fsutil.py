@@ -38,9 +38,16 @@ _MMAP_MIN = 1 << 16
 HOST_TAG = format(zlib.crc32(os.uname().nodename.encode()), "08x")
 
 
-def hash_file(path: Path | str) -> tuple[int, str]:
-    """(size, XXH3-128 hex) of a file; mmap for large files avoids a copy per chunk."""
-    with open(path, "rb") as f:
+def hash_file(path: Path | str, *, dir_fd: int | None = None) -> tuple[int, str]:
+    """(size, XXH3-128 hex) of a file; mmap for large files avoids a copy per chunk.
+
+    With ``dir_fd``, ``path`` is relative to that directory, and a symlink in its place
+    is not followed (ELOOP)."""
+
+    def opener(p: str, flags: int) -> int:
+        return os.open(p, flags | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
+
+    with open(path, "rb", opener=None if dir_fd is None else opener) as f:
         size = os.fstat(f.fileno()).st_size
         if size >= _MMAP_MIN:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

@@ -18,7 +18,7 @@ from . import errors
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
 from .index import ABOUT, GRAPH_SCOPE, REMOTE_HITS, Index
-from .keys import digest_of, is_digest
+from .keys import digest_of
 from .layout import Layout
 from .metrics import merge, read_counters, remove_counters
 from .outcomes import EntryInfo, GcReport, VerifyReport
@@ -232,19 +232,28 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
     on_disk = set(layout.digests(warn=False))
     for d in sorted(on_disk):
         report.checked += 1
+
+        def bad(b: Bad, d: str = d) -> None:
+            # Called while the entry's directory is held open (corrupt or insecure), so
+            # that quarantine takes that directory, not one published under d since.
+            reason = f"{b.kind}: {b.reason}"
+            report.problems.append((d, reason))
+            if fix and quarantine(layout, index, d, reason, b.ident) is not None:
+                report.quarantined.append(d)
+                index.safely("corruptions", lambda: index.incr("corruptions"))
+
         try:
-            if is_shared_graph(inspect(layout, d, full=True).labels):
+            if is_shared_graph(inspect(layout, d, full=True, on_bad=bad).labels):
                 report.shared_graphs += 1
         except Bad as b:
-            report.problems.append((d, f"{b.kind}: {b.reason}"))
+            if b.kind == "absent":
+                report.checked -= 1  # deleted or evicted while verify read it: not a problem
+            elif b.kind not in ("corrupt", "insecure"):   # those went through bad()
+                bad(b)
     indexed = index.safely("list", index.digests) or set()
     report.index_missing = sorted(on_disk - indexed)
     report.index_stale = sorted(indexed - on_disk)
     if fix:
-        for d, reason in report.problems:
-            if is_digest(d) and quarantine(layout, index, d, reason) is not None:
-                report.quarantined.append(d)
-                index.safely("corruptions", lambda: index.incr("corruptions"))
         reindex(layout, index)
         report.reindexed = True
     return report

@@ -15,12 +15,13 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import errors
 from .blobs import exclusive_bytes
-from .fsutil import hash_file, owner_problem
+from .fsutil import hash_file, owner_problem, rmtree_quiet
 from .index import Index
 from .layout import DATA, MANIFEST, Layout, blob_name, link_error
 from .manifest import parse_manifest, validate_name
@@ -28,7 +29,7 @@ from .outcomes import Entry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bad", "forget", "inspect", "quarantine", "read_manifest", "remember"]
+__all__ = ["Bad", "Ident", "forget", "inspect", "quarantine", "read_manifest", "remember"]
 
 # Entries verified in full by this process: entry dir -> (manifest signature, manifest).
 # Later reads in this process check sizes only (issue 2: "full checksums on the first read").
@@ -49,50 +50,122 @@ def forget(edir: Path) -> None:
     _PARSED.pop(str(edir), None)
 
 
-def remember(edir: Path, manifest: dict[str, Any]) -> None:
-    """This process wrote the entry at ``edir`` and hashed its files while writing them."""
-    _VERIFIED[str(edir)] = (_sig(os.lstat(edir / MANIFEST)), manifest)
+def remember(edir: Path, manifest: dict[str, Any]) -> bool:
+    """This process wrote the entry at ``edir`` and hashed its files while writing them.
+
+    False if it is gone already: a delete (or an eviction) may follow any publish at once.
+    """
+    try:
+        _VERIFIED[str(edir)] = (_sig(os.lstat(edir / MANIFEST)), manifest)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# An entry directory's identity: (st_dev, st_ino). Taken from a descriptor held open for
+# the whole inspection, so the inode cannot be freed and reused by another entry meanwhile.
+Ident = tuple[int, int]
+
+_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+              | getattr(os, "O_CLOEXEC", 0))
 
 
 class Bad(Exception):
     """An entry failed inspection; becomes a Miss of ``kind``.
 
     ``link``: a store directory above the entry is not real; the entry is not ours to
-    quarantine (moving it would pull in whatever the link points at).
+    quarantine (moving it would pull in whatever the link points at). ``ident``: the
+    entry directory the verdict is about (what :func:`quarantine` may move).
     """
 
-    def __init__(self, kind: str, reason: str, link: tuple[Path, str] | None = None) -> None:
+    def __init__(self, kind: str, reason: str, link: tuple[Path, str] | None = None,
+                 ident: Ident | None = None) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
         self.link = link
+        self.ident = ident
 
 
-def _lstat(path: Path, missing: tuple[str, str], what: str) -> os.stat_result:
-    """lstat ``path``; Bad(*missing) when it is not there, ``unreadable`` when it may not
-    be looked at."""
+def _lstat(name: str, fd: int, missing: tuple[str, str], what: str) -> os.stat_result:
+    """lstat ``name`` inside the directory ``fd``; Bad(*missing) when it is not there,
+    ``unreadable`` when it may not be looked at."""
     try:
-        return os.lstat(path)
+        return os.lstat(name, dir_fd=fd)
     except FileNotFoundError:
         raise Bad(*missing) from None
     except PermissionError as e:
         raise Bad("unreadable", f"cannot stat {what}: {e}") from None
 
 
-def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
-    """Load and check one entry; raise Bad. ``full``: None = first read in process."""
+def _went_away(edir: Path, held: Ident) -> bool:
+    """Whether the directory ``held`` is no longer the one under ``edir``."""
+    try:
+        now = os.lstat(edir)
+    except FileNotFoundError:
+        return True
+    return (now.st_dev, now.st_ino) != held
+
+
+def inspect(layout: Layout, digest: str, *, full: bool | None = None,
+            on_bad: Callable[[Bad], None] | None = None) -> Entry:
+    """Load and check one entry; raise Bad. ``full``: None = first read in process.
+
+    Whole or absent, whatever removes entries meanwhile: everything is read through one
+    descriptor of the entry directory. A delete or an eviction renames the directory out
+    of ``entries/`` before it removes anything, so what this reads is one entry's, whole,
+    until the removal reaches it; a piece found missing (or a bad verdict of any kind) is
+    then only believed while that same directory is still the one under the key. If it
+    is not, the entry went away while it was read: ``absent``, never ``corrupt``.
+
+    ``on_bad`` is called with a ``corrupt`` or ``insecure`` verdict (not one about a link
+    above the entry) before the descriptor is closed: it may :func:`quarantine` the
+    directory by :attr:`Bad.ident`, which cannot name a new entry while the descriptor
+    keeps the inode from being reused.
+    """
     edir = layout.entry_dir(digest)
     found = layout.unreal("entries", digest[:2])
     if found is not None:
         raise Bad("insecure", f"{found[0]} is {found[1]}, not a real directory", link=found)
-    dst = _lstat(edir, ("absent", "no entry for this key"), "entry")
-    if not stat.S_ISDIR(dst.st_mode):
-        raise Bad("insecure", "entry is not a real directory (symlink?)")
+    try:
+        fd = os.open(edir, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise Bad("absent", "no entry for this key") from None
+    except PermissionError as e:
+        raise Bad("unreadable", f"cannot open entry: {e}") from None
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise Bad("unreadable", f"cannot open entry: {e}") from None
+        bad = Bad("insecure", "entry is not a real directory (symlink?)")
+        if on_bad is not None:
+            on_bad(bad)
+        raise bad from None
+    try:
+        dst = os.fstat(fd)
+        held = (dst.st_dev, dst.st_ino)
+        try:
+            return _inspect_dir(layout, digest, edir, fd, dst, full)
+        except Bad as b:
+            if b.kind not in ("corrupt", "insecure"):
+                raise
+            if _went_away(edir, held):
+                raise Bad("absent", "the entry went away while it was read (deleted or "
+                                    "evicted)") from None
+            b.ident = held
+            if on_bad is not None:
+                on_bad(b)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_result,
+                 full: bool | None) -> Entry:
+    """:func:`inspect` of the entry directory open as ``fd`` (``dst``: its stat)."""
     problem = owner_problem(dst, layout.shared_group, layout.group)
     if problem:
         raise Bad("insecure", f"entry {problem}")
-    mpath = edir / MANIFEST
-    mst = _lstat(mpath, ("corrupt", "manifest.json is missing"), "manifest")
+    mst = _lstat(MANIFEST, fd, ("corrupt", "manifest.json is missing"), "manifest")
     if not stat.S_ISREG(mst.st_mode):
         raise Bad("insecure", "manifest.json is not a regular file")
     key = str(edir)
@@ -108,8 +181,8 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
             manifest = parsed[1]  # parsed and digest-checked by manifest() already
         else:
             try:
-                fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                with os.fdopen(fd, "rb") as f:
+                mfd = os.open(MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+                with os.fdopen(mfd, "rb") as f:
                     msig = _sig(os.fstat(f.fileno()))  # the signature of what is read
                     text = f.read()
             except PermissionError as e:
@@ -126,7 +199,7 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
     data = edir / DATA
     # data/ itself too: lstat of data/<name> would follow a symlinked data/.
     try:
-        data_mode: int | None = os.lstat(data).st_mode
+        data_mode: int | None = os.lstat(DATA, dir_fd=fd).st_mode
     except FileNotFoundError:
         data_mode = None
     if data_mode is None:
@@ -138,20 +211,19 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
     files: dict[str, Path] = {}
     checked_dirs: set[str] = set()
     for name, rec in manifest["files"].items():
-        p = data / name
         # A symlinked parent directory would lead out of the entry: check each level once.
         parts = name.split("/")
         for i in range(1, len(parts)):
             sub = "/".join(parts[:i])
             if sub not in checked_dirs:
                 try:
-                    sst = os.lstat(data / sub)
+                    sst = os.lstat(f"{DATA}/{sub}", dir_fd=fd)
                 except FileNotFoundError:
                     raise Bad("corrupt", f"file {name!r} is missing") from None
                 if not stat.S_ISDIR(sst.st_mode):
                     raise Bad("insecure", f"{sub!r} is not a real directory")
                 checked_dirs.add(sub)
-        fst = _lstat(p, ("corrupt", f"file {name!r} is missing"), repr(name))
+        fst = _lstat(f"{DATA}/{name}", fd, ("corrupt", f"file {name!r} is missing"), repr(name))
         if not stat.S_ISREG(fst.st_mode):
             raise Bad("insecure", f"file {name!r} is not a regular file (symlink?)")
         problem = owner_problem(fst, layout.shared_group, layout.group)
@@ -159,11 +231,11 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None) -> Entry:
             raise Bad("insecure", f"file {name!r}: {problem}")
         if fst.st_size != rec["size"]:
             raise Bad("corrupt", f"file {name!r} has size {fst.st_size}, manifest says {rec['size']}")
-        files[name] = p
+        files[name] = data / name
     if not verified:
         for name, rec in manifest["files"].items():
             try:
-                _, digest_hex = hash_file(files[name])
+                _, digest_hex = hash_file(f"{DATA}/{name}", dir_fd=fd)
             except PermissionError as e:
                 raise Bad("unreadable", f"cannot read {name!r}: {e}") from None
             except OSError as e:
@@ -210,8 +282,15 @@ def read_manifest(layout: Layout, digest: str, *, remember: bool = False) -> dic
     return m
 
 
-def quarantine(layout: Layout, index: Index, digest: str, reason: str) -> Path | None:
-    """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs."""
+def quarantine(layout: Layout, index: Index, digest: str, reason: str,
+               ident: Ident | None = None) -> Path | None:
+    """Move a bad entry to quarantine/ (never deleted silently); drop its shared blobs.
+
+    ``ident``: the entry directory found bad (:attr:`Bad.ident`, from ``inspect``'s
+    ``on_bad`` while its descriptor is open). Only that one is quarantined: if the key
+    holds another by the time it is moved (the bad one was deleted and the key published
+    again), that one goes back, untouched.
+    """
     src = layout.entry_dir(digest)
     found = layout.unreal("entries", digest[:2]) or layout.unreal("quarantine")
     if found is not None:
@@ -219,7 +298,6 @@ def quarantine(layout: Layout, index: Index, digest: str, reason: str) -> Path |
         layout.warn_link(*found)
         return None
     dst = layout.quarantine / f"{digest}.{time.time_ns()}"
-    freed = exclusive_bytes(src)
     try:
         layout.mkdir(layout.quarantine, exist_ok=True)
         os.rename(src, dst)
@@ -228,6 +306,17 @@ def quarantine(layout: Layout, index: Index, digest: str, reason: str) -> Path |
     except OSError as e:
         logger.warning("cannot quarantine %s: %s", src, e)
         return None
+    if ident is not None:
+        # rename() cannot be made conditional on the inode: move, then look at what moved.
+        try:
+            moved = os.lstat(dst)
+            same = (moved.st_dev, moved.st_ino) == ident
+        except OSError:
+            same = False
+        if not same:
+            _give_back(layout, index, src, dst)
+            return None
+    freed = exclusive_bytes(dst)
     forget(src)
     with contextlib.suppress(OSError):
         (layout.quarantine / f"{dst.name}.reason").write_text(reason + "\n")
@@ -250,3 +339,18 @@ def quarantine(layout: Layout, index: Index, digest: str, reason: str) -> Path |
 
     index.safely("quarantine", unindex)
     return dst
+
+
+def _give_back(layout: Layout, index: Index, src: Path, dst: Path) -> None:
+    """``dst`` is an entry quarantine took by mistake (published under the key after the
+    bad one went): put it back at ``src``, or, if yet another took the key meanwhile,
+    drop it as a removal would (it is a duplicate nobody can reach)."""
+    try:
+        os.rename(dst, src)
+        logger.debug("%s was published again before it could be quarantined: kept", src)
+        return
+    except OSError:
+        pass
+    freed = exclusive_bytes(dst)
+    rmtree_quiet(dst)
+    index.safely("quarantine", lambda: index.incr("bytes", -freed))

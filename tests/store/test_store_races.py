@@ -1,0 +1,158 @@
+"""Readers and writers racing on one key (issue 32): the store never calls good data bad.
+
+A reader that meets an entry while another process deletes, evicts or re-publishes it
+sees the entry whole or absent: never ``Miss(corrupt)``, never a warning, never a
+``corruptions`` count, and never a quarantine of an entry it did not prove bad.
+
+Real processes: the churn runs in a child, the reader here. Every test here failed before
+its fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from cachecompile.store import Hit, make_key, open_store, verification
+
+# One key whose bytes never change (a compile is deterministic) and one whose bytes
+# change with every publish (one that is not): files in sub-directories, of several sizes,
+# so that a reader has many steps for a delete to fall between.
+SAME = {"race": "same"}
+VARYING = {"race": "varying"}
+NAMES = [f"d{i % 4}/f{i}.bin" for i in range(12)]
+
+
+def same_files() -> dict[str, bytes]:
+    return {n: (n.encode() * 4000)[: 1000 + 3000 * i] for i, n in enumerate(NAMES)}
+
+
+def varying_files(gen: int) -> dict[str, bytes]:
+    # The generation in every file, and sizes that differ between generations: a reader
+    # that mixed one generation's manifest with another's files would see it.
+    tag = b"gen=%010d;" % gen
+    return {n: tag + bytes([gen % 251]) * (500 + 2000 * i + 7 * (gen % 5))
+            for i, n in enumerate(NAMES)}
+
+
+CHURN = """
+import sys, time
+sys.path.insert(0, sys.argv[4])
+from test_store_races import SAME, VARYING, same_files, varying_files
+from cachecompile.store import make_key, open_store
+root, mode, pause, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[5])
+st = open_store(root, max_size=10**12)
+same, varying = make_key(SAME), make_key(VARYING)
+end = time.time() + seconds
+gen = 0
+while time.time() < end:
+    gen += 1
+    if mode == "gc":
+        st.gc(max_size=0)             # evicts both: the cap is nothing
+    else:
+        st.delete(same)
+        st.delete(varying)
+    st.put(same, same_files())
+    st.put(varying, varying_files(gen), meta={"gen": gen})
+    if pause:
+        time.sleep(pause)
+print(gen)
+"""
+
+
+def _check_hit(hit: Hit, expected: dict[str, bytes] | None) -> bool:
+    """Whether the hit's files read back exactly; False if they went away meanwhile
+    (deleted after the hit: the caller did not pin it)."""
+    entry = hit.entry
+    gen = entry.meta.get("gen")
+    for name, path in entry.files.items():
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False
+        if expected is not None:
+            assert data == expected[name], f"{name}: not the bytes published"
+            continue
+        # The varying key: the path may already hold a later generation's file (the
+        # entry was replaced after the hit), never an earlier one, and never a mixture.
+        file_gen = int(data[4:14])
+        assert file_gen >= gen, (name, file_gen, gen)
+        assert data == varying_files(file_gen)[name]
+        if file_gen == gen:
+            rec = entry.manifest["files"][name]
+            assert (len(data), xxhash.xxh3_128_hexdigest(data)) == (rec["size"], rec["xxh3_128"])
+    return True
+
+
+@pytest.mark.slow
+def test_readers_see_entries_whole_or_absent_under_churn(
+        tmp_path: Path, child_env: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="cachecompile.store")
+    expected = same_files()
+    tests_dir = str(Path(__file__).parent)
+    # (churn, pause between cycles): as fast as it goes, then gentler, by delete and by gc.
+    for mode, pause in (("delete", 0.0), ("delete", 0.002), ("gc", 0.0), ("delete", 0.02)):
+        root = tmp_path / f"{mode}-{pause}"
+        st = open_store(root, max_size=10**12)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHURN, str(root), mode, str(pause), tests_dir, "2.5"],
+            env=child_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        kinds: dict[str, int] = {}
+        hits = read_back = 0
+        try:
+            while child.poll() is None:
+                for factors, want in ((SAME, expected), (VARYING, None)):
+                    r = st.get(make_key(factors))
+                    if isinstance(r, Hit):
+                        hits += 1
+                        read_back += _check_hit(r, want)
+                    else:
+                        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+                        assert r.kind == "absent", f"{mode}/{pause}: {r.kind}: {r.reason}"
+        finally:
+            out, err = child.communicate(timeout=60)
+        assert child.returncode == 0, err
+        cycles = int(out)
+        assert cycles > 10, (mode, pause, cycles)
+        assert hits and read_back, (mode, pause, hits, kinds)   # the race was run
+        assert list((root / "v1" / "quarantine").iterdir()) == [], (mode, pause)
+        assert st.stats()["corruptions"] == 0, (mode, pause)
+        st.close()
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_quarantine_takes_only_the_entry_found_bad(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader proves an entry bad; before it quarantines, the bad entry is deleted and
+    # the key published again. The new, good entry stays where it is.
+    from cachecompile.store import Store
+
+    st = open_store(tmp_path / "cache")
+    assert isinstance(st, Store)
+    key = make_key(SAME)
+    bad = st.put(key, same_files())
+    damaged = bad.files[NAMES[0]]
+    size = damaged.stat().st_size
+    damaged.unlink()                                       # its own inode: the blob is fine
+    damaged.write_bytes(b"x" * size)                       # same size, wrong bytes
+    verification.forget(bad.path)                          # as a fresh process: hash it
+    real_quarantine = st.quarantine
+
+    def quarantine(digest: str, reason: str, **kw: object) -> object:
+        st.delete(key)
+        st.put(key, same_files())                          # republished, whole
+        return real_quarantine(digest, reason, **kw)      # type: ignore[arg-type]
+
+    monkeypatch.setattr(st, "quarantine", quarantine)
+    miss = st.get(key)
+    assert not isinstance(miss, Hit) and miss.kind == "corrupt"   # it was bad
+    monkeypatch.undo()
+    assert list((st.root / "v1" / "quarantine").iterdir()) == []
+    again = st.get(key)
+    assert isinstance(again, Hit), again
+    assert _check_hit(again, same_files())
