@@ -14,6 +14,7 @@ into a warning and a recompile, and so that ``cachectl`` can map it to an exit c
     ├── StoreFullError              ENOSPC / EDQUOT while publishing (nothing half-written is left)
     ├── LockTimeout                 a lock was not acquired in time (carries ``path``)
     ├── CorruptEntryError           an entry failed verification (carries ``digest``, ``reason``)
+    ├── PublishConflict             a put kept losing its key to entries deleted at once
     ├── ManifestError               a manifest is not valid JSON or has the wrong shape
     │   └── UnsafePathError         a manifest/file name escapes its entry (absolute, ``..``, symlink)
     └── KeyNotFound                 no entry matches a key or prefix (also a ``LookupError``)
@@ -31,6 +32,7 @@ __all__ = [
     "KeyNotFound",
     "LockTimeout",
     "ManifestError",
+    "PublishConflict",
     "ReadOnlyStoreError",
     "StoreError",
     "StoreFullError",
@@ -97,6 +99,12 @@ class CorruptEntryError(StoreError):
         self.digest = digest
         self.reason = reason
         super().__init__(f"entry {digest} is corrupt: {reason}")
+
+
+class PublishConflict(StoreError):
+    """A ``put`` lost the race for its key to another writer's entry, and that entry was
+    deleted before it could be handed out, again and again (a writer and a deleter of the
+    same key in a tight loop): nothing was published by this call."""
 
 
 class ManifestError(StoreError):

@@ -32,7 +32,11 @@ from .verification import forget, remember
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["publish", "remove"]
+__all__ = ["RENAME_TRIES", "publish", "remove"]
+
+# A put whose rename loses to an entry that is deleted before it can be looked at tries
+# again this often (each try means another process published and a third deleted).
+RENAME_TRIES = 8
 
 
 def publish(
@@ -67,29 +71,41 @@ def publish(
         for d in sorted({(data / n).parent for n in recs} | {data, staging}, reverse=True):
             fsync_dir(d)
         target = layout.entry_dir(digest)
-        layout.mkdir(target.parent, exist_ok=True)
-        layout.real("entries", digest[:2])
-        try:
-            os.rename(staging, target)
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+        for _ in range(RENAME_TRIES):
+            layout.mkdir(target.parent, exist_ok=True)
+            layout.real("entries", digest[:2])
+            try:
+                os.rename(staging, target)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
             # Lost the race: the other writer's entry is whole; hand it out.
-            rmtree_quiet(staging)
             won = lookup(key)
             if isinstance(won, Hit):
+                rmtree_quiet(staging)
                 return won.entry, False
-            raise errors.CorruptEntryError(digest, f"the winning entry is bad: {won.reason}") from None
+            if won.kind != "absent":
+                raise errors.CorruptEntryError(digest, f"the winning entry is bad: {won.reason}")
+            # The winner was deleted (or evicted) before we could look at it: the key is
+            # free again, and ours is still staged. Try again.
+        else:
+            raise errors.PublishConflict(
+                f"could not publish {digest}: {RENAME_TRIES} times another process published "
+                "it and it was deleted again before it could be read")
         fsync_dir(target.parent)
     except BaseException:
         rmtree_quiet(staging)
         raise
     manifest = json.loads(body)
-    remember(target, manifest)  # its files were hashed as they were written
+    # Its files were hashed as they were written. A delete may already have taken it (a
+    # delete may follow any publish): then it gets no index row, which nothing would remove.
+    present = remember(target, manifest)
     size = sum(r["size"] for r in recs.values())
 
     def index_it() -> None:
-        index.add(digest, size, created, labels, blobs=blob_map(manifest))
+        if present:
+            index.add(digest, size, created, labels, blobs=blob_map(manifest))
         index.incr("publishes")
         # Physical: content already in blobs/ (dedup) takes no more room.
         index.incr("bytes", new_bytes)

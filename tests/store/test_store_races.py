@@ -2,7 +2,8 @@
 
 A reader that meets an entry while another process deletes, evicts or re-publishes it
 sees the entry whole or absent: never ``Miss(corrupt)``, never a warning, never a
-``corruptions`` count, and never a quarantine of an entry it did not prove bad.
+``corruptions`` count, and never a quarantine of an entry it did not prove bad. A
+``put`` racing a ``delete`` of its own key raises nothing outside the store's error tree.
 
 Real processes: the churn runs in a child, the reader here. Every test here failed before
 its fix.
@@ -11,6 +12,7 @@ its fix.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +158,108 @@ def test_quarantine_takes_only_the_entry_found_bad(tmp_path: Path,
     again = st.get(key)
     assert isinstance(again, Hit), again
     assert _check_hit(again, same_files())
+
+
+PUT_LOOP = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from test_store_races import SAME, same_files
+from cachecompile.store import make_key, open_store
+from cachecompile.store.errors import StoreError, CorruptEntryError
+st = open_store(sys.argv[1], max_size=10**12)
+key = make_key(SAME)
+end = time.time() + float(sys.argv[3])
+n = typed = 0
+while time.time() < end:
+    n += 1
+    try:
+        st.put(key, same_files())
+    except CorruptEntryError as e:
+        print("CORRUPT", e, flush=True)
+        raise
+    except StoreError as e:
+        typed += 1
+print("ok", n, typed)
+"""
+
+
+@pytest.mark.slow
+def test_put_racing_delete_raises_nothing_untyped(tmp_path: Path,
+                                                  child_env: dict[str, str]) -> None:
+    root = tmp_path / "cache"
+    st = open_store(root, max_size=10**12)
+    tests_dir = str(Path(__file__).parent)
+    # Two writers of the same key, so that the rename race has a winner to lose to,
+    # and this process deleting the key as fast as it can.
+    writers = [subprocess.Popen([sys.executable, "-c", PUT_LOOP, str(root), tests_dir, "3"],
+                                env=child_env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE) for _ in range(2)]
+    key = make_key(SAME)
+    deletes = 0
+    try:
+        while any(w.poll() is None for w in writers):
+            deletes += st.delete(key)
+    finally:
+        outs = [w.communicate(timeout=60) for w in writers]
+    for w, (out, err) in zip(writers, outs, strict=True):
+        assert w.returncode == 0, out + err
+        assert out.startswith("ok"), out
+    assert deletes > 10
+    assert list((root / "v1" / "quarantine").iterdir()) == []
+
+
+def test_a_winner_deleted_before_the_loser_looks_is_not_called_bad(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Deterministic: our rename loses to another writer's entry, which a delete takes
+    # away before we look it up. The put publishes ours instead of calling it corrupt.
+    from cachecompile.store import Store, publishing
+
+    st = open_store(tmp_path / "cache")
+    other = open_store(tmp_path / "cache")
+    assert isinstance(st, Store) and isinstance(other, Store)
+    key = make_key(SAME)
+    real_rename = os.rename
+    raced: list[str] = []
+
+    def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if not raced and str(dst) == str(st.layout.entry_dir(key.digest)):
+            raced.append(str(src))
+            other.put(key, {"other.bin": b"theirs"})      # the winner of the rename race
+        real_rename(src, dst)
+
+    real_get = st.get
+    deleted: list[bool] = []
+
+    def get(k: object) -> object:
+        if raced and not deleted:
+            deleted.append(other.delete(key))             # gone before we look at it
+        return real_get(k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(st, "get", get)
+    monkeypatch.setattr(publishing.os, "rename", rename)
+    entry = st.put(key, {"mine.bin": b"ours"})
+    assert raced and deleted == [True]
+    assert entry.files["mine.bin"].read_bytes() == b"ours"
+    got = st.get(key)
+    assert isinstance(got, Hit) and set(got.entry.files) == {"mine.bin"}
+
+
+def test_a_delete_right_after_the_rename_is_no_file_not_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The entry is deleted right after our rename published it: put returns (a delete
+    # may follow any put), it raises no FileNotFoundError, and no index row is left.
+    from cachecompile.store import publishing
+
+    st = open_store(tmp_path / "cache")
+    key = make_key(SAME)
+    real_remember = publishing.remember
+
+    def remember(target: Path, manifest: dict[str, object]) -> None:
+        st.delete(key)
+        real_remember(target, manifest)
+
+    monkeypatch.setattr(publishing, "remember", remember)
+    entry = st.put(key, {"a.bin": b"x"})
+    assert entry.key == key.digest
+    assert not st.contains(key)
+    assert st.verify().ok
