@@ -93,6 +93,61 @@ def default_device() -> str | None:
     return None if dev is None else str(dev)
 
 
+# -- the compilers' global settings ------------------------------------------------------
+# Torch's config modules whose settings change what a compile produces, as torch's own
+# FX graph cache reads them (``save_config_portable``): Inductor's, Dynamo's, AOTAutograd's.
+COMPILER_CONFIGS = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+# Settings of those that never change the program: logging, debugging, limits on how
+# often Dynamo recompiles, where caches live (beyond each module's own ignore lists).
+_NOT_PROGRAM = ("verbose", "log_", "print_", "repro_", "debug_", "report_", "cache_size_limit",
+                "recompile_limit", "accumulated_", "suppress_errors", "compile_threads",
+                "worker_start_method", "trace.", "fx_graph_cache", "fx_graph_remote_cache",
+                "autotune_local_cache", "autotune_remote_cache", "enable_autograd_cache",
+                "enable_remote_autograd_cache", "cache_key_tag", "force_disable_caches")
+
+
+def _is_pass(name: str) -> bool:
+    """A custom pass setting (torch's ignore lists hold them: its cache keys them apart)."""
+    return "custom_p" in name
+
+
+def compiler_config_changes() -> dict[str, dict[str, Any]]:
+    """Per config module, the settings this process changed from what the module starts
+    with (its defaults, with the environment's ``TORCHINDUCTOR_*`` overrides, which the
+    backend keys on their own), minus those that never change the program; raw values.
+
+    A module never imported was never changed: it holds its defaults, so the warm path
+    reads ``sys.modules`` and imports nothing (a serving process never imports Inductor).
+    Custom passes set globally (``post_grad_custom_post_pass``) are settings like any
+    other here; torch's cache keys them by their uuid, the caller by their code."""
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    out: dict[str, dict[str, Any]] = {}
+    for modname in COMPILER_CONFIGS:
+        mod = sys.modules.get(modname)
+        entries = getattr(mod, "_config", None)
+        if mod is None or unset is None or not isinstance(entries, dict):
+            continue
+        ignored = {n for n in getattr(mod, "_save_config_ignore", ()) if not _is_pass(n)}
+        prefixes = (*(p for p in getattr(mod, "_cache_config_ignore_prefix", ())
+                      if not _is_pass(p)), *_NOT_PROGRAM, "_")
+        changed: dict[str, Any] = {}
+        for name, e in entries.items():
+            override = getattr(e, "user_override", None)
+            value = override.get() if override is not None else unset
+            if (value is unset or name in ignored or name.startswith(prefixes)
+                    or getattr(e, "alias", None) is not None):
+                continue
+            force = getattr(e, "env_value_force", unset)
+            if force is not unset:
+                continue                  # the environment wins over the override
+            start = getattr(e, "env_value_default", unset)
+            if value != (e.default if start is unset else start):
+                changed[name] = value
+        if changed:
+            out[modname] = changed
+    return out
+
+
 # -- objects Dynamo bakes into bytecode or guards ----------------------------------------
 def sdp_backend_name(v: Any) -> str | None:
     """The member name if ``v`` is an SDPBackend enum member, else None."""

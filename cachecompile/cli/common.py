@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from cachecompile._version import code_label
 from cachecompile.store import errors, open_store
 from cachecompile.store.disk import Store
 from cachecompile.store.outcomes import EntryInfo
@@ -135,7 +136,7 @@ RICH_MAX_ROWS = 500
 SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
             ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
-            ("state", "left"))
+            ("state", "left"), ("code", "left"))
 
 
 def group_status(infos: Iterable[EntryInfo]) -> dict[str, str]:
@@ -163,7 +164,14 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
     if len(sig) > SIGNATURE_WIDTH:
         sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state]
+            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
+            _code(i)]
+
+
+def _code(i: EntryInfo) -> str:
+    """"this" for an entry this cachecompile code wrote; else "other" (it never hits here:
+    ``cachectl gc --other-versions`` retires it)."""
+    return "this" if i.labels.get("code") == code_label() else "other"
 
 
 def _entries_table(infos: list[EntryInfo], title: str | None = None,

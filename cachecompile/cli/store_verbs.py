@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from cachecompile._version import code_label
 from cachecompile.store import parse_size
 from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
 from cachecompile.store.outcomes import EntryInfo
@@ -136,6 +137,12 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
                   f"{escape(labels.get('function', '?'))} [{escape(labels.get('signature', ''))}]"
                   + (f" variant {escape(labels['variant'])}" if "variant" in labels else ""))
     con.print(f"[bold]path[/bold]     {st.entry_dir(digest)}")
+    code = labels.get("code")
+    con.print(f"[bold]code[/bold]     written by cachecompile "
+              f"{escape(str(((m.get('factors') or {}).get('versions') or {}).get('cachecompile', '?')))}"
+              f", code {escape(code or 'before code labels')}"
+              + (" (this code)" if code == code_label() else
+                 " (other code: it never hits here; `cachectl gc --other-versions` retires it)"))
     con.print(f"[bold]created[/bold]  {_when(m['created'])}")
     if info is not None:
         con.print(f"[bold]used[/bold]     {_when(info.last_used)}  ({info.hits} hits)")
@@ -358,10 +365,22 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
 @click.command("gc")
 @cache_dir_option
 @click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
-def gc_cmd(cache_dir: str | None, max_size: str | None) -> None:
+@click.option("--other-versions", is_flag=True,
+              help="First retire every entry written by other cachecompile code (another "
+                   "release or a local edit: its `code` label is not this code's); they can "
+                   "never hit here. Pinned entries stay.")
+def gc_cmd(cache_dir: str | None, max_size: str | None, other_versions: bool) -> None:
     """Enforce the size cap now (LRU; pinned entries skipped); sweep stale temp dirs."""
     st = _open_local(cache_dir)
     cap = parse_size(max_size) if max_size is not None else None
+    if other_versions:
+        if isinstance(st, ReadOnlyStore):
+            raise st.refusal("retire entries")
+        mine = code_label()
+        others = [i.key for i in st.entries() if i.labels.get("code") != mine]
+        gone = st.purge(keys=others) if others else []
+        click.echo(f"retired {len(gone)} entries written by other cachecompile code "
+                   f"(this code: {mine}; {len(others) - len(gone)} pinned, kept)")
     r = st.gc(cap)
     click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
                f"{human_size(r.bytes_after)} of {human_size(r.max_size)} used; "

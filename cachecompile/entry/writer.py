@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cachecompile._version import code_label
 from cachecompile.key.factors import FORMAT_VERSION
 from cachecompile.store import Key, LocalStorage
 from cachecompile.store.outcomes import Entry
@@ -29,5 +30,8 @@ def write(st: LocalStorage, key: Key, files: Mapping[str, bytes | Path], *, adap
     """Publish one entry (atomically, then indexed: the store's ``put``)."""
     full_meta = {"format": FORMAT_VERSION, "adapter": adapter, "program": dict(program),
                  **(meta or {}), "publisher": publisher(who)}
-    full_labels = {"backend": adapter, "function": function, **(labels or {})}
+    # The code that wrote it, as a label: `cachectl ls --label code=...` and
+    # `cachectl gc --other-versions` find entries of other cachecompile code by the index.
+    full_labels = {"backend": adapter, "function": function, "code": code_label(),
+                   **(labels or {})}
     return st.put(key, dict(files), labels=full_labels, meta=full_meta)

@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
+from cachecompile._torch import runtime
 from cachecompile._torch import versions as torch_versions
-from cachecompile._version import __version__
+from cachecompile._version import __version__, code_digest
 from cachecompile.key import identity, passes
 from cachecompile.key.ranks import Ranks
 
@@ -153,6 +154,31 @@ def torch_flags() -> dict[str, JSON]:
     }
 
 
+def _config_value(v: Any) -> JSON:
+    """A compiler setting as JSON: callables (a custom pass set globally) by their code."""
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, Mapping):
+        return {str(k): _config_value(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(v, (list, tuple)):
+        return [_config_value(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted(repr(x) for x in v)
+    if callable(v) and not isinstance(v, type):
+        return {"callable": callable_digest(v)}
+    return repr(v)
+
+
+def compiler_config() -> dict[str, JSON]:
+    """The settings of Inductor's, Dynamo's and AOTAutograd's config modules this process
+    changed (``torch._inductor.config.fallback_random = True``, diffusers' speed guide's
+    ``coordinate_descent_tuning``, ``max_autotune``, ``freezing``...), as torch's own FX
+    graph cache keys its whole config. Read once per cached method, on its first call:
+    torch.compile too keeps what it compiled when a setting changes later."""
+    return {mod.removeprefix("torch._").removesuffix(".config"): _config_value(changed)
+            for mod, changed in sorted(runtime.compiler_config_changes().items())}
+
+
 def versions() -> dict[str, JSON]:
     return {
         # The replayed bytecode is CPython-version specific; keep the full version.
@@ -162,6 +188,9 @@ def versions() -> dict[str, JSON]:
         "torch": torch_versions.version(),
         "torch_git": torch_versions.git_version(),
         "cachecompile": __version__,
+        # The code that captured, stored and replays the entry: a release or a local edit
+        # of cachecompile is a miss, never an entry served without a later fix's guards.
+        "cachecompile_code": code_digest(),
         "format": FORMAT_VERSION,
     }
 
@@ -205,6 +234,7 @@ def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
         "versions": versions(),
         "device": device_factors(mf["devices"]),
         "torch_flags": torch_flags(),
+        "compiler_config": compiler_config(),
     }
     if spec.extra_factors:
         f["extra"] = canonical(dict(spec.extra_factors))

@@ -178,7 +178,7 @@ def graph_digest(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str
 # code and its inputs' metadata are the same for other weights), so other graphs keep
 # their keys.
 GRAPH_FACTORS = ("backend", "config", "dynamic", "decompositions", "versions", "device",
-                 "torch_flags", "input_marks", "frozen_state")
+                 "torch_flags", "compiler_config", "input_marks", "frozen_state")
 
 
 class GraphShare:

@@ -45,6 +45,14 @@ NEAREST_CANDIDATES = 50
 NEAREST_NAMES = 8
 
 
+# Factors a miss line names in words beside their key path.
+_FACTOR_WORDS = {
+    "versions.cachecompile_code": "versions.cachecompile_code (cachecompile code changed: "
+                                  "the entry was written by another release or a local edit)",
+    "versions.cachecompile": "versions.cachecompile (another cachecompile release)",
+}
+
+
 class _Absent(Exception):
     """No entry under a variant key: the end of the chain."""
 
@@ -278,6 +286,7 @@ class Lookup:
         names = near.differ[:NEAREST_NAMES]
         more = len(near.differ) - len(names)
         shown = [f"signature (the entry's [{theirs}], this call's [{describe(sig)}])"
-                 if n == "signature" and theirs is not None else n for n in names]
+                 if n == "signature" and theirs is not None else _FACTOR_WORDS.get(n, n)
+                 for n in names]
         return (f" (nearest entry differs in: {', '.join(shown) or 'nothing?'}"
                 f"{f' and {more} more' if more > 0 else ''})", list(near.differ))
