@@ -207,7 +207,7 @@ class TraceSession:
         portable, classes = guard_capture.translate(
             entries, arg_names=arg_names, tensor_dims=self._tensor_dims,
             module_name=getattr(func, "__module__", "") or "", state=self._state,
-            strings=self._strings)
+            strings=self._strings, module_globals=func.__globals__)
         # The guards are checked here, before the graph runs, against the very call being
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)

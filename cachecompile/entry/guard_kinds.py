@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
+import sys
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ import torch
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
 from cachecompile.entry import values
-from cachecompile.entry.guard_paths import LEAVES, UNSET_ENV
+from cachecompile.entry.guard_paths import LEAVES, NO_GLOBAL, UNSET_ENV
 from cachecompile.key.identity import class_digest, identity, qualified_name
 
 JSON = Any
@@ -372,7 +373,17 @@ def _default_device_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
 
 def _expr_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
     """``not ___environ_has('X')`` as a membership leaf on ``os.environ``'s own dict (what
-    ``'X' in os.environ`` reads); other expressions stay Python."""
+    ``'X' in os.environ`` reads), ``not ___module_has(G['__name__'], 'abs')`` as one on the
+    module's dict; other expressions stay Python."""
+    g = NO_GLOBAL.fullmatch(expr)
+    if g is not None:
+        node = tree.node("G['__name__']")
+        module = sys.modules.get(node.obj) if node is not None and type(node.obj) is str else None
+        d = getattr(module, "__dict__", None)
+        if type(d) is not dict:
+            return False
+        return native.dict_contains(tree.const(d).mgr, d, False, ast.literal_eval(g.group(1)),
+                                    text)
     m = UNSET_ENV.fullmatch(expr)
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)

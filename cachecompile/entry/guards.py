@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -96,7 +97,17 @@ def user_text(expr: str, module_name: str = "") -> str:
     """``L['self'].cfg.act`` -> ``self.cfg.act``; ``G['CONST']`` -> ``module.CONST``."""
     out = LOCAL_RE.sub(lambda m: m.group(1), expr)
     prefix = f"{module_name}." if module_name else ""
-    return GLOBAL_RE.sub(lambda m: prefix + m.group(1), out)
+
+    def name(m: re.Match[str]) -> str:
+        # Names Dynamo generated for objects it installed in the frame's globals: said as
+        # what they stand for, never as the generated name.
+        n = m.group(1)
+        if n.startswith("__builtins_dict___"):
+            return "builtins"
+        if n.startswith("___unnamed_scope"):
+            return "<the globals of a traced function>"
+        return prefix + n
+    return GLOBAL_RE.sub(name, out)
 
 
 # The pure helpers Dynamo's source expressions and shape guards may name
@@ -111,6 +122,10 @@ _EXPR_HELPERS: dict[str, Any] = {
     # Whether an environment variable is set (guard_capture: variables read while unset).
     "___environ_has": lambda name: name in os.environ,
     "___environ_get": lambda name: os.environ.get(name),
+    # Whether a module defines a global (guard_capture: a builtin the method calls is not
+    # shadowed by one); a module not in sys.modules has none we could see.
+    "___module_has": lambda module, name: name in getattr(sys.modules.get(module), "__dict__", ()),
+    "___module_get": lambda module, name: getattr(sys.modules.get(module), "__dict__", {})[name],
 }
 
 
@@ -308,8 +323,12 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             obs = scope["__cc_observe"]
             obs.__defaults__, obs.__kwdefaults__ = func.__defaults__, func.__kwdefaults__
             got = describe(obs(*args, **kwargs), kind, guards_by_index[i].get("value"))
-        except Exception:  # the expression itself failed: say so
-            got = "the expression could not be read"
+        except AttributeError as e:  # the attribute is gone: say which
+            got = f"no attribute {e.name!r}: it is gone" if e.name else f"nothing: {e}"
+        except (KeyError, IndexError) as e:
+            got = f"no item {e.args[0]!r}: it is gone" if e.args else "nothing: an item is gone"
+        except Exception as e:  # the expression itself failed: say so
+            got = f"the expression could not be read ({type(e).__name__}: {e})"
         return f"{text} (got {got})"
 
     def _subject_at(i: int) -> str:
@@ -417,7 +436,19 @@ def describe(v: Any, kind: str, expected: Any = None) -> str:
         return qualified_name(v) if hasattr(v, "__qualname__") else values.short(v)
     if kind == "len":
         return f"length {len(v)}"
+    if kind == "contains" and isinstance(expected, Mapping) and "key" in expected:
+        key = values.decode_value(expected["key"])
+        try:
+            there = key in v
+            return (f"{key!r} is there: {values.short(v[key])}" if there
+                    else f"{key!r} is missing")
+        except Exception:  # a container we cannot read: show it
+            return values.short(v)
     return values.short(v)
+
+
+# A membership helper of the guards and the one that reads what is there.
+_HAS_TO_GET = {"___environ_has": "___environ_get", "___module_has": "___module_get"}
 
 
 def _compared_operand(expr: str) -> str | None:
@@ -431,9 +462,14 @@ def _compared_operand(expr: str) -> str | None:
     if (isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not)
             and isinstance(tree.operand, ast.Call)
             and isinstance(tree.operand.func, ast.Name)
-            and tree.operand.func.id == "___environ_has"):
-        return ast.unparse(ast.Call(ast.Name("___environ_get", ast.Load()),
+            and tree.operand.func.id in _HAS_TO_GET):
+        return ast.unparse(ast.Call(ast.Name(_HAS_TO_GET[tree.operand.func.id], ast.Load()),
                                     tree.operand.args, []))
+    if (isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not)
+            and isinstance(tree.operand, ast.Call) and len(tree.operand.args) == 1
+            and not tree.operand.keywords):
+        # not math.isnan(x): what x was, not False.
+        return ast.unparse(tree.operand.args[0])
     if (isinstance(tree, ast.Compare) and len(tree.ops) == 1
             and isinstance(tree.comparators[0], (ast.Constant, ast.UnaryOp))
             and not isinstance(tree.left, ast.Constant)):
