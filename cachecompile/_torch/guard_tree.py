@@ -381,6 +381,14 @@ def available() -> bool:
     """Whether this torch builds and checks a tree as this module expects (once per process)."""
     if _G is None:
         return False
+    # The probe's module and tensors draw from the global generator: a user's seeded
+    # stream must not see it (a method that samples gave eager's numbers on its first
+    # call only, the probe running on its second).
+    with torch.random.fork_rng(devices=[]):
+        return _available_probe()
+
+
+def _available_probe() -> bool:
     try:
         lin = torch.nn.Linear(2, 2)
         x = torch.randn(3, 2)
@@ -439,7 +447,8 @@ def tags_available() -> bool:
     if not available():
         return False
     try:
-        return _tags_probe()
+        with torch.random.fork_rng(devices=[]):   # the user's seeded stream stays as it is
+            return _tags_probe()
     except Exception:  # any difference in this release: check every leaf
         logger.debug("skipping unchanged subtrees is unavailable on this torch", exc_info=True)
         return False

@@ -370,13 +370,63 @@ class NamedTupleArgument(Base):
         return y + 1 if pos.scale > 2 else y - 1
 
 
+class ScaledBase(Base):
+    K = 2.0
+
+
+class SubclassShadowsBase(ScaledBase):
+    """a class attribute a subclass sets over its base's (absent when traced)"""
+    expect = "class attribute 'K'"
+    def run(self, x):
+        return self.lin(x) * self.K
+
+
+if CHANGED:
+    SubclassShadowsBase.K = 5.0
+
+
+class ActBase:
+    act = "relu"
+
+
+class ActConfig(ActBase):
+    pass
+
+
+if CHANGED:
+    ActConfig.act = "tanh"
+
+
+class ConfigClassShadows(Base):
+    """a config object's class gains an attribute its base held (absent when traced)"""
+    expect = "class attribute 'act'"
+    def __init__(self):
+        super().__init__()
+        self.cfg = ActConfig()
+    def run(self, x):
+        return getattr(torch, self.cfg.act)(self.lin(x))
+
+
+if CHANGED:
+    def abs(x):           # a module global that shadows the builtin the method calls
+        return x * 100
+
+
+class BuiltinShadowed(Base):
+    """a builtin the method calls, shadowed by a module global (absent when traced)"""
+    expect = "abs is not defined"
+    def run(self, x):
+        return abs(self.lin(x))
+
+
 ALL = [OtherModuleConst, GlobalReassigned, GlobalFromEnv, EnvReadWhileUnset, PrivateAttr,
        DictValue, ListOfLists, NamespaceConfig, PlainObjectConfig, DataclassConfig, ClassAttr,
        DtypeAttr, FunctionAttr, PartialKeywords, InstanceMethodPatched, ClassMethodPatched,
        UnderAutocast, UnderFunctionMode, SubclassInput, AliasedInputs, OverlappingViews,
        EqualSizesThenNot,
        ShapeBranch, TensorAttrReshaped, NonModuleTensorState, DecoratedMethod,
-       DataclassArgument, NamedTupleArgument]
+       DataclassArgument, NamedTupleArgument, SubclassShadowsBase, ConfigClassShadows,
+       BuiltinShadowed]
 '''
 
 DRIVER = r'''
@@ -461,6 +511,7 @@ CASE_NAMES = [
     "ClassMethodPatched", "UnderAutocast", "UnderFunctionMode", "SubclassInput",
     "AliasedInputs", "OverlappingViews", "EqualSizesThenNot", "ShapeBranch", "TensorAttrReshaped",
     "NonModuleTensorState", "DecoratedMethod", "DataclassArgument", "NamedTupleArgument",
+    "SubclassShadowsBase", "ConfigClassShadows", "BuiltinShadowed",
 ]
 
 
