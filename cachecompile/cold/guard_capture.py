@@ -21,7 +21,6 @@ import inspect
 import logging
 import os
 import re
-import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -42,8 +41,6 @@ JSON = Any
 _IN_GLOBAL_STATE = {"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "FSDP_TRAINING_STATE"}
 # Autograd-only state: a cached method runs without grad (inference only).
 _AUTOGRAD_ONLY = {"AUTOGRAD_SAVED_TENSORS_HOOKS"}
-_IDENTITY = {"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "BUILTIN_MATCH",
-             "NN_MODULE"}
 
 
 # An environment variable's name as the traced code might spell it (upper case by convention).
@@ -168,106 +165,38 @@ class _Builder:
         self.add("ident", expr, ident, f"{g.user_text(expr, self.module_name)} is {_short(ident)}")
 
     def entry(self, e: GuardEntry) -> None:
+        """One of Dynamo's guard entries, by the kind that carries its type (one row of
+        :data:`cachecompile.entry.guard_kinds.TABLE` each)."""
         gt = e.guard_type
-        expr = e.expr
-        value = e.value
-        derived = e.derived_types
         if gt in _IN_GLOBAL_STATE or gt in _AUTOGRAD_ONLY:
             return
-        if gt == "GLOBAL_STATE":
-            self.add("global_state", "", self.state["global_state"], "global torch state "
-                     "(grad mode, autocast, default dtype, deterministic algorithms, threads)")
-            return
-        if gt == "TORCH_FUNCTION_STATE":
-            self.add("modes", "", self.state["modes"], "the active torch function modes "
-                     f"{self.state['modes']}")
-            return
-        if gt == "DEFAULT_DEVICE":
-            self.add("default_device", "", self.state["default_device"],
-                     f"torch default device == {self.state['default_device']!r}")
-            return
-        if gt == "SHAPE_ENV":
-            for part in e.code_parts:
-                self.add("expr", part, None)
-            return
+        kind = guard_kinds.BY_DYNAMO.get(gt)
+        if kind is None or kind.capture is None:
+            self.fallback(e, "cachecompile has no portable form for this guard type")
+        if gt != "TYPE_MATCH" and "TYPE_MATCH" in e.derived_types:
+            self.type_match(e.expr, self.value(e))
+        kind.capture(self, e)
+
+    # -- guard_kinds.Capture: what the kinds' capture steps share --------------------------
+    def text(self, expr: str) -> str:
+        return g.user_text(expr, self.module_name)
+
+    def value(self, e: GuardEntry) -> Any:
         if not e.has_value:
             self.fallback(e, "its value could not be read at trace time")
-            return
-        if gt != "TYPE_MATCH" and "TYPE_MATCH" in derived:
-            self.type_match(expr, value)
-        if gt == "TYPE_MATCH":
-            self.type_match(expr, value)
-        elif gt == "FAKE_SCRIPT_TYPE_MATCH":
-            # An opaque (script) object such as a process group: its real type at run time.
-            self.type_match(expr, getattr(value, "real_obj", value))
-        elif gt in ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"):
-            if isinstance(value, types.CodeType):
-                self.add("ident", expr, idn.identity(value),
-                         f"{g.user_text(expr, self.module_name)} is the same code")
-                return
-            try:
-                enc = values.encode_value(value)
-            except UnsupportedProgramError:
-                self.ident(expr, value, gt)
-                return
-            self.add("eq", expr, enc, f"{g.user_text(expr, self.module_name)} == {value!r}")
-        elif gt == "NONE_MATCH":
-            self.add("ident", expr, "None", f"{g.user_text(expr, self.module_name)} is None")
-        elif gt == "NOT_NONE_MATCH":
-            self.add("expr", f"{expr} is not None", None)
-        elif gt == "CLOSURE_MATCH":
-            # Dynamo matches a user function by its code object (its closure cells are
-            # guarded on their own where they are read).
-            if isinstance(value, types.FunctionType):
-                self.add("ident", f"{expr}.__code__", idn.identity(value.__code__),
-                         f"{g.user_text(expr, self.module_name)} is {idn.qualified_name(value)} "
-                         "with the same code")
-            else:
-                self.ident(expr, value, gt)
-        elif gt in _IDENTITY:
-            self.ident(expr, value, gt)
-        elif gt in ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"):
-            self.add("len", expr, len(value),
-                     f"len({g.user_text(expr, self.module_name)}) == {len(value)}")
-        elif gt == "DICT_KEYS_MATCH":
-            keys = [values.encode_value(k) for k in value.keys()]
-            self.add("keys", expr, keys,
-                     f"{g.user_text(expr, self.module_name)} has keys {list(value.keys())!r}")
-        elif gt == "NOT_PRESENT_IN_GENERIC_DICT":
-            attr = self.attr_of(e)
-            self.add("not_in_dict", expr, attr,
-                     f"{g.user_text(expr, self.module_name)} has no instance attribute {attr!r}")
-        elif gt == "HASATTR":
-            attr = self.attr_of(e)
-            present = hasattr(value, attr)
-            self.add("hasattr", expr, {"attr": attr, "present": present},
-                     f"{g.user_text(expr, self.module_name)} "
-                     f"{'has' if present else 'has no'} attribute {attr!r}")
-        elif gt in ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"):
-            key = e.keyword("key")
-            present = "NOT" not in gt
-            self.add("contains", expr, {"key": values.encode_value(key), "present": present},
-                     f"{key!r} {'in' if present else 'not in'} "
-                     f"{g.user_text(expr, self.module_name)}")
-        elif gt == "TENSOR_MATCH":
-            self.tensor(expr, value)
-        elif gt == "OPAQUE_OBJ_GUARD_FN_MATCH" and idn.identity(value) is not None:
-            # An opaque object's guard values (a process group's name, rank and size) are
-            # part of its portable identity.
-            self.ident(expr, value, gt)
-        elif gt == "DUPLICATE_INPUT":
-            # Two sources Dynamo took for one input (tied weights, a buffer two submodules
-            # share, one tensor passed twice): its program reads it once. Both join the
-            # alias guard over every tensor, which then fails when the sharing is lost.
-            other = dynamo.source_name(e.keyword("source_b"))
-            if other is None:
-                self.fallback(e, "its second source is unknown")
-            seen = {x for x, _ in self.tensors}
-            for x in (expr, other):
-                if x not in seen:
-                    self.tensors.append((x, value))
-        else:
-            self.fallback(e, "cachecompile has no portable form for this guard type")
+        return e.value
+
+    def duplicate(self, e: GuardEntry) -> None:
+        # Two sources Dynamo took for one input (tied weights, a buffer two submodules
+        # share, one tensor passed twice): its program reads it once. Both join the
+        # alias guard over every tensor, which then fails when the sharing is lost.
+        other = dynamo.source_name(e.keyword("source_b"))
+        if other is None:
+            self.fallback(e, "its second source is unknown")
+        seen = {x for x, _ in self.tensors}
+        for x in (e.expr, other):
+            if x not in seen:
+                self.tensors.append((x, e.value))
 
     def attr_of(self, e: GuardEntry) -> str:
         """The attribute name an attribute guard (HASATTR, NOT_PRESENT...) was built with."""

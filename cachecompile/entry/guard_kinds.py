@@ -23,14 +23,16 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
+from cachecompile._torch.dynamo import GuardEntry
 from cachecompile.entry import values
 from cachecompile.entry.guard_paths import LEAVES, NO_GLOBAL, UNSET_ENV
+from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import class_digest, identity, qualified_name
 
 JSON = Any
@@ -85,12 +87,58 @@ class Tree(Protocol):
         ...
 
 
+class Capture(Protocol):
+    """What a kind's ``capture`` gets from the compiling process (cold/guard_capture.py):
+    the frame's state and the steps that several kinds share."""
+
+    state: Mapping[str, JSON]   # the global state snapshot taken before the traced call
+
+    def add(self, kind: str, expr: str, value: JSON, text: str | None = None) -> None:
+        """One portable guard (its text: the expression in the user's terms, if None)."""
+        ...
+
+    def text(self, expr: str) -> str:
+        """A source expression in the user's terms (``self.cfg.act``, ``module.CONST``)."""
+        ...
+
+    def value(self, e: GuardEntry) -> Any:
+        """The guarded value at trace time; not cacheable (named) if Dynamo had none."""
+        ...
+
+    def ident(self, expr: str, value: Any, guard_type: str) -> None:
+        """An identity guard, or not cacheable where the object has no portable identity."""
+        ...
+
+    def type_match(self, expr: str, value: Any) -> None:
+        ...
+
+    def tensor(self, expr: str, value: Any) -> None:
+        ...
+
+    def duplicate(self, e: GuardEntry) -> None:
+        """Two sources of one input tensor: both join the alias guard."""
+        ...
+
+    def attr_of(self, e: GuardEntry) -> str:
+        """The attribute name an attribute guard (HASATTR, NOT_PRESENT...) was built with."""
+        ...
+
+    def fallback(self, e: GuardEntry, why: str) -> NoReturn:
+        """Not cacheable: this guard has no portable form (``why`` says what is missing)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
+    """One guard kind: the Dynamo guard types it carries, how the compiling process captures
+    one (``capture``, None where cachecompile derives it itself), how a warm process checks
+    it in Python (``python``) and as a C++ leaf (``native``)."""
+
     name: str
     dynamo: tuple[str, ...]
     python: Callable[[Source, str, Any], str]
     native: Callable[[Tree, str, Any, str], bool] | None = None
+    capture: Callable[[Capture, GuardEntry], None] | None = None
 
     @property
     def leaf(self) -> str:
@@ -514,50 +562,158 @@ def _overlap_python(src: Source, e: str, value: JSON) -> str:
     return f"{src.const(_overlap_check(value['groups']))}({', '.join(exprs)})"
 
 
+# -- capture: one of Dynamo's guard entries -> portable guards --------------------------
+def _capture_global_state(c: Capture, e: GuardEntry) -> None:
+    c.add("global_state", "", c.state["global_state"], "global torch state (grad mode, "
+          "autocast, default dtype, deterministic algorithms, threads)")
+
+
+def _capture_modes(c: Capture, e: GuardEntry) -> None:
+    c.add("modes", "", c.state["modes"], f"the active torch function modes {c.state['modes']}")
+
+
+def _capture_default_device(c: Capture, e: GuardEntry) -> None:
+    c.add("default_device", "", c.state["default_device"],
+          f"torch default device == {c.state['default_device']!r}")
+
+
+def _capture_type(c: Capture, e: GuardEntry) -> None:
+    value = c.value(e)
+    # An opaque (script) object such as a process group: its real type at run time.
+    c.type_match(e.expr, getattr(value, "real_obj", value)
+                 if e.guard_type == "FAKE_SCRIPT_TYPE_MATCH" else value)
+
+
+def _capture_eq(c: Capture, e: GuardEntry) -> None:
+    value = c.value(e)
+    if isinstance(value, types.CodeType):
+        c.add("ident", e.expr, identity(value), f"{c.text(e.expr)} is the same code")
+        return
+    try:
+        enc = values.encode_value(value)
+    except UnsupportedProgramError:
+        c.ident(e.expr, value, e.guard_type)
+        return
+    c.add("eq", e.expr, enc, f"{c.text(e.expr)} == {value!r}")
+
+
+def _capture_len(c: Capture, e: GuardEntry) -> None:
+    n = len(c.value(e))
+    c.add("len", e.expr, n, f"len({c.text(e.expr)}) == {n}")
+
+
+def _capture_keys(c: Capture, e: GuardEntry) -> None:
+    value = c.value(e)
+    c.add("keys", e.expr, [values.encode_value(k) for k in value.keys()],
+          f"{c.text(e.expr)} has keys {list(value.keys())!r}")
+
+
+def _capture_hasattr(c: Capture, e: GuardEntry) -> None:
+    attr = c.attr_of(e)
+    present = hasattr(c.value(e), attr)
+    c.add("hasattr", e.expr, {"attr": attr, "present": present},
+          f"{c.text(e.expr)} {'has' if present else 'has no'} attribute {attr!r}")
+
+
+def _capture_contains(c: Capture, e: GuardEntry) -> None:
+    c.value(e)
+    key = e.keyword("key")
+    present = "NOT" not in e.guard_type
+    c.add("contains", e.expr, {"key": values.encode_value(key), "present": present},
+          f"{key!r} {'in' if present else 'not in'} {c.text(e.expr)}")
+
+
+def _capture_not_in_dict(c: Capture, e: GuardEntry) -> None:
+    c.value(e)
+    attr = c.attr_of(e)
+    c.add("not_in_dict", e.expr, attr, f"{c.text(e.expr)} has no instance attribute {attr!r}")
+
+
+def _capture_ident(c: Capture, e: GuardEntry) -> None:
+    value = c.value(e)
+    if e.guard_type == "NONE_MATCH":
+        c.add("ident", e.expr, "None", f"{c.text(e.expr)} is None")
+    elif e.guard_type == "CLOSURE_MATCH" and isinstance(value, types.FunctionType):
+        # Dynamo matches a user function by its code object (its closure cells are
+        # guarded on their own where they are read).
+        c.add("ident", f"{e.expr}.__code__", identity(value.__code__),
+              f"{c.text(e.expr)} is {qualified_name(value)} with the same code")
+    elif e.guard_type == "OPAQUE_OBJ_GUARD_FN_MATCH" and identity(value) is None:
+        c.fallback(e, "cachecompile has no portable form for this guard type")
+    else:
+        # An opaque object's guard values (a process group's name, rank and size) are
+        # part of its portable identity, as a class's or a module's name is theirs.
+        c.ident(e.expr, value, e.guard_type)
+
+
+def _capture_tensor(c: Capture, e: GuardEntry) -> None:
+    c.tensor(e.expr, c.value(e))
+
+
+def _capture_alias(c: Capture, e: GuardEntry) -> None:
+    c.value(e)
+    c.duplicate(e)
+
+
+def _capture_expr(c: Capture, e: GuardEntry) -> None:
+    if e.guard_type == "SHAPE_ENV":
+        for part in e.code_parts:
+            c.add("expr", part, None)
+    else:   # NOT_NONE_MATCH
+        c.value(e)
+        c.add("expr", f"{e.expr} is not None", None)
+
+
 _TABLE = (
     Kind("global_state", ("GLOBAL_STATE",),
-         lambda src, e, v: f"{src.const(runtime.global_state_check(v))}()", _global_state_leaf),
+         lambda src, e, v: f"{src.const(runtime.global_state_check(v))}()", _global_state_leaf,
+         _capture_global_state),
     Kind("modes", ("TORCH_FUNCTION_STATE",),
          lambda src, e, v: f"{src.const(function_modes)}() == {src.const(list(v))}",
-         _modes_leaf),
+         _modes_leaf, _capture_modes),
     Kind("default_device", ("DEFAULT_DEVICE",),
          lambda src, e, v: f"{src.const(runtime.default_device)}() == {src.const(v)}",
-         _default_device_leaf),
+         _default_device_leaf, _capture_default_device),
     Kind("type", ("TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH"),
          lambda src, e, v: f"{src.const(TypeRef(v))}.matches(type({e}))",
-         _on_path(_type_leaf, implied=fixed_class)),
+         _on_path(_type_leaf, implied=fixed_class), _capture_type),
     Kind("eq", ("EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH"), _eq_python,
-         _on_path(_eq_leaf, implied=_immutable)),
+         _on_path(_eq_leaf, implied=_immutable), _capture_eq),
     Kind("len", ("SEQUENCE_LENGTH", "EMPTY_NN_MODULE_HOOKS_DICT"),
          lambda src, e, v: f"len({e}) == {int(v)}",
-         _on_path(_len_leaf, implied=_versioned, proxy_ok=True)),
+         _on_path(_len_leaf, implied=_versioned, proxy_ok=True), _capture_len),
     Kind("keys", ("DICT_KEYS_MATCH",),
          lambda src, e, v: f"list({e}.keys()) == "
                            f"{src.const([values.decode_value(k) for k in v])}",
-         _on_path(_keys_leaf, implied=_ordered_by_version)),
+         _on_path(_keys_leaf, implied=_ordered_by_version), _capture_keys),
     Kind("hasattr", ("HASATTR",),
          lambda src, e, v: f"hasattr({e}, {src.const(v['attr'])}) is "
                            f"{src.const(bool(v['present']))}",
-         _on_path(_hasattr_leaf, implied=_in_instance_dict)),
+         _on_path(_hasattr_leaf, implied=_in_instance_dict), _capture_hasattr),
     Kind("contains", ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS"),
          lambda src, e, v: f"({src.const(values.decode_value(v['key']))} in {e}) is "
                            f"{src.const(bool(v['present']))}",
-         _on_path(_contains_leaf, implied=_versioned, proxy_ok=True)),
+         _on_path(_contains_leaf, implied=_versioned, proxy_ok=True), _capture_contains),
     Kind("not_in_dict", ("NOT_PRESENT_IN_GENERIC_DICT",),
          lambda src, e, v: f"{src.const(v)} not in {e}.__dict__",
-         _on_path(_not_in_dict_leaf, implied=_always)),
+         _on_path(_not_in_dict_leaf, implied=_always), _capture_not_in_dict),
     Kind("ident", ("ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "NONE_MATCH",
                    "MODULE_MATCH", "BUILTIN_MATCH", "NN_MODULE", "OPAQUE_OBJ_GUARD_FN_MATCH"),
          lambda src, e, v: f"{src.const(_IdentMatch(v))}({e})",
-         _on_path(_ident_leaf, implied=_always)),
+         _on_path(_ident_leaf, implied=_always), _capture_ident),
     Kind("tensor", ("TENSOR_MATCH",),
-         lambda src, e, v: f"{src.const(_tensor_check(v))}({e})", _on_path(_tensor_leaf)),
-    Kind("alias", ("DUPLICATE_INPUT", "NO_TENSOR_ALIASING"), _alias_python, _alias_leaf),
+         lambda src, e, v: f"{src.const(_tensor_check(v))}({e})", _on_path(_tensor_leaf),
+         _capture_tensor),
+    Kind("alias", ("DUPLICATE_INPUT", "NO_TENSOR_ALIASING"), _alias_python, _alias_leaf,
+         _capture_alias),
     Kind("overlap", ("STORAGE_OVERLAPPING",), _overlap_python),
-    Kind("expr", ("SHAPE_ENV", "NOT_NONE_MATCH"), lambda src, e, v: f"({e})", _expr_leaf),
+    Kind("expr", ("SHAPE_ENV", "NOT_NONE_MATCH"), lambda src, e, v: f"({e})", _expr_leaf,
+         _capture_expr),
 )
 
 TABLE: dict[str, Kind] = {k.name: k for k in _TABLE}
+# Dynamo's guard type -> the kind that captures it (one row each: a new type is one row).
+BY_DYNAMO: dict[str, Kind] = {t: k for k in _TABLE for t in k.dynamo}
 # The order a checker evaluates them in (cheap ones first).
 KINDS: tuple[str, ...] = tuple(TABLE)
 # Kinds about the process, not an object path.
