@@ -54,7 +54,9 @@ def remote_option(f: F) -> F:
     return click.option(
         "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
         help="redis://host:port/db or s3://bucket/prefix, [?mode=ro] "
-             "(default: $CACHECOMPILE_REMOTE).")(f)
+             "(default: $CACHECOMPILE_REMOTE). A Redis password is best given in "
+             "$CACHECOMPILE_REMOTE_PASSWORD or $CACHECOMPILE_REMOTE_PASSWORD_FILE; it is "
+             "never printed.")(f)
 
 
 def _remote(url: str | None) -> Remote:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -75,17 +76,90 @@ class Uploaded:
         return self.written
 
 
+# ``password=`` in a query (redis-py reads it there too), however it is cased.
+_QUERY_SECRET = re.compile(r"[?&]password=", re.IGNORECASE)
+# A user name shown as it is: plain ones only (a "user" that is really a password, or
+# that holds part of one, is masked with the password).
+_PLAIN_USER = re.compile(r"[A-Za-z0-9._-]{1,64}")
+PASSWORD_VARS = ("CACHECOMPILE_REMOTE_PASSWORD", "CACHECOMPILE_REMOTE_PASSWORD_FILE")
+
+
 def redact(url: str) -> str:
-    """``url`` with its password masked, however malformed the rest of it is."""
+    """``url`` with its password masked, however malformed the rest of it is.
+
+    The one function every remote URL goes through before it reaches a message, a log or
+    an exception. String operations only (no parse that could fail or split the URL
+    somewhere else): the credentials are everything between ``://`` and the URL's
+    *last* ``@``, since a password may hold ``/``, ``#``, ``?`` and ``@``; a
+    ``password=`` query value is masked to the end of the URL (its end cannot be trusted
+    either). So an ``@`` anywhere else in a URL must be written ``%40``.
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
-    netloc, slash, tail = rest.partition("/")
-    creds, at, host = netloc.rpartition("@")
+        scheme, rest = "", url
+    head, at, tail = rest.rpartition("@")
+    if at:
+        if _QUERY_SECRET.search(head):
+            return f"{scheme}{sep}***"  # the "@" may be inside a query's password
+        user, colon, _ = head.partition(":")
+        shown = f"{user}:***" if colon and _PLAIN_USER.fullmatch(user) else "***"
+        rest = f"{shown}@{tail}"
+    q = _QUERY_SECRET.search(rest)
+    if q is not None:
+        rest = rest[:q.end()] + "***"
+    return f"{scheme}{sep}{rest}"
+
+
+def _split_secret(url: str) -> tuple[str, str | None, str | None]:
+    """(the URL without its credentials, user name, password): split where
+    :func:`redact` masks, so that nothing a parse of the rest says can hold them. The
+    user name and password are percent-decoded (a correctly encoded URL means what it
+    did); a raw one is taken as it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, None, None
+    head, at, tail = rest.rpartition("@")
     if not at:
-        return url
-    user, colon, _ = creds.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{tail}"
+        return url, None, None
+    if _QUERY_SECRET.search(head):
+        raise ValueError("an '@' after a password= parameter: percent-encode the password "
+                         "(%40 for '@'), or put it in CACHECOMPILE_REMOTE_PASSWORD")
+    user, colon, password = head.partition(":")
+    return (f"{scheme}://{tail}", urllib.parse.unquote(user) or None,
+            urllib.parse.unquote(password) if colon else None)
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` without the credentials of ``url`` (raw or decoded), should a message
+    quote them after all."""
+    scheme, sep, rest = url.partition("://")
+    head, at, _ = rest.rpartition("@")
+    if not (sep and at):
+        return text
+    for secret in sorted({head, *head.split(":", 1), urllib.parse.unquote(head)},
+                         key=len, reverse=True):
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _password_from_env(env: Mapping[str, str]) -> str | None:
+    """``CACHECOMPILE_REMOTE_PASSWORD``, or the first line of the file
+    ``CACHECOMPILE_REMOTE_PASSWORD_FILE`` names (a mounted secret); not both."""
+    value = env.get(PASSWORD_VARS[0]) or None
+    path = env.get(PASSWORD_VARS[1]) or None
+    if value is not None and path is not None:
+        raise errors.RemoteConfigError(f"both {PASSWORD_VARS[0]} and {PASSWORD_VARS[1]} are "
+                                       "set: keep one")
+    if path is None:
+        return value
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise errors.RemoteConfigError(f"{PASSWORD_VARS[1]}={path}: cannot read it ({why}); "
+                                       "fix the path, or unset it") from None
+    return text.rstrip("\r\n") or None
 
 
 @dataclass(frozen=True)
@@ -103,8 +177,8 @@ class RemoteConfig:
     hold off ``purge``).
     """
 
-    url: str
-    target: str  # what the client is given: the URL without our parameters, or the bucket
+    url: str  # as given, with its password masked (:func:`redact`): safe to show
+    target: str  # what the client is given: the URL without credentials or our parameters, or the bucket
     kind: str = "redis"
     readonly: bool = False
     chunk: int = DEFAULT_CHUNK
@@ -114,38 +188,61 @@ class RemoteConfig:
     prefix: str = "cachecompile:v1"
     lease: float = DEFAULT_LEASE
     extra: dict[str, str] = field(default_factory=dict)
+    # The credentials, given to the client apart from the URL; never in a repr.
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
-    def parse(cls, url: str) -> RemoteConfig:
+    def parse(cls, url: str, env: Mapping[str, str] | None = None) -> RemoteConfig:
         """Parse a remote URL; RemoteConfigError (a ValueError) names what is wrong, with
-        the password masked (``redis://:***@host``): it ends up in logs and terminals."""
+        the password masked (``redis://:***@host``): it ends up in logs and terminals.
+
+        The credentials are taken out (:func:`redact`'s rule) before anything parses the
+        rest, so no parse error can quote them. The password may instead come from
+        ``CACHECOMPILE_REMOTE_PASSWORD`` or ``CACHECOMPILE_REMOTE_PASSWORD_FILE`` (in
+        ``env``, default the process's environment).
+        """
         try:
-            return cls._parse(url)
-        except errors.RemoteConfigError:
-            raise
-        except (ValueError, TypeError) as e:
-            why = str(e)
-            password = urllib.parse.urlsplit(url).password if "@" in url else None
-            if password:
-                why = why.replace(password, "***")
+            return cls._parse(url, os.environ if env is None else env)
+        except (ValueError, TypeError) as e:  # RemoteConfigError included
             raise errors.RemoteConfigError(
-                f"remote {redact(url)} (CACHECOMPILE_REMOTE or --remote): {why}") from None
+                f"remote {redact(url)} (CACHECOMPILE_REMOTE or --remote): "
+                f"{_scrub(str(e), url)}") from None
 
     @classmethod
-    def _parse(cls, url: str) -> RemoteConfig:
-        parts = urllib.parse.urlsplit(url)
+    def _parse(cls, url: str, env: Mapping[str, str]) -> RemoteConfig:
+        public, username, password = _split_secret(url)
+        parts = urllib.parse.urlsplit(public)
         kind = SCHEMES.get(parts.scheme)
         if kind is None:
             raise ValueError("only redis://, rediss://, unix:// and s3:// URLs are supported")
+        if parts.fragment or "#" in public:
+            raise ValueError("a '#' is no part of a remote URL (percent-encode it: %23)")
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         ours: dict[str, str] = {}
         rest: list[tuple[str, str]] = []
         for k, v in query:
-            if k in _OURS:
+            if k.lower() == "password":
+                if password is not None:
+                    raise ValueError("the password is given twice (before the '@' and as "
+                                     "password=)")
+                password = v
+            elif k in _OURS:
                 ours[k] = v
             else:
                 rest.append((k, v))
+        from_env = _password_from_env(env)
+        if from_env is not None:
+            if kind == "s3":
+                raise errors.RemoteConfigError(
+                    f"{' / '.join(PASSWORD_VARS)} is for Redis; the S3 tier takes its keys "
+                    "from the AWS_* variables: unset it")
+            if password is not None:
+                raise errors.RemoteConfigError(
+                    f"the password is given twice: in the URL and in {PASSWORD_VARS[0]} "
+                    f"or {PASSWORD_VARS[1]}; keep one")
+            password = from_env
         mode = ours.get("mode", "rw").lower()
         if mode not in ("rw", "ro"):
             raise ValueError(f"mode must be rw or ro, not {mode!r}")
@@ -156,10 +253,14 @@ class RemoteConfig:
         if not lease >= 1:
             raise ValueError("lease must be at least 1 second")
         if kind == "s3":
+            if username is not None or password is not None:
+                raise ValueError("s3://bucket/prefix takes no user or password (the keys "
+                                 "come from the AWS_* variables; an '@' in the prefix is "
+                                 "written %40)")
             if rest:
                 raise ValueError(f"unknown parameters {sorted(k for k, _ in rest)} (the "
                                  "endpoint, keys and region come from the AWS_* variables)")
-            if len(parts.hostname or "") < 3 or parts.username or parts.port:
+            if len(parts.hostname or "") < 3 or parts.port:
                 raise ValueError("s3:// takes a bucket name (3 characters or more) and an "
                                  "optional prefix: s3://bucket/prefix")
             if "prefix" in ours:
@@ -167,21 +268,26 @@ class RemoteConfig:
             target = parts.hostname or ""
             prefix = parts.path.strip("/") or _DEFAULT_PREFIX["s3"]
         else:
-            target = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(rest)))
+            # By hand: urlunsplit drops the "//" of an empty host (unix:///run/redis.sock
+            # would become unix:/run/redis.sock, which redis-py refuses).
+            passed = urllib.parse.urlencode(rest)
+            target = (f"{parts.scheme}://{parts.netloc}{parts.path}"
+                      + (f"?{passed}" if passed else ""))
             prefix = ours.get("prefix", _DEFAULT_PREFIX["redis"])
-        return cls(url=url, target=target, kind=kind, readonly=mode == "ro", chunk=chunk,
-                   timeout=float(ours.get("timeout", _DEFAULT_TIMEOUT[kind])),
-                   backoff=float(ours.get("backoff", 1.0)), prefix=prefix, lease=lease)
+        return cls(url=redact(url), target=target, kind=kind, readonly=mode == "ro",
+                   chunk=chunk, timeout=float(ours.get("timeout", _DEFAULT_TIMEOUT[kind])),
+                   backoff=float(ours.get("backoff", 1.0)), prefix=prefix, lease=lease,
+                   username=username, password=password)
 
     @property
     def display(self) -> str:
         """The URL without a password or parameters, for logs."""
         if self.kind == "s3":
-            return f"s3://{self.target}/{self.prefix}"
+            return redact(f"s3://{self.target}/{self.prefix}")
         p = urllib.parse.urlsplit(self.target)
         host = p.hostname or ""
         netloc = f"{host}:{p.port}" if p.port else host
-        return urllib.parse.urlunsplit(p._replace(netloc=netloc, query=""))
+        return redact(urllib.parse.urlunsplit(p._replace(netloc=netloc, query="")))
 
 
 class Breaker:

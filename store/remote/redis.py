@@ -85,8 +85,12 @@ class RedisRemote(BlobRemote):
 
                 # No retries inside redis-py: our breaker decides when to try again, so a
                 # dead remote costs one connect timeout per backoff period, not per call.
+                # The credentials go apart from the URL (which holds none): a password
+                # may hold characters a URL cannot (docs/remote.md).
+                creds = {k: v for k, v in (("username", self.config.username),
+                                           ("password", self.config.password)) if v}
                 self._client = redis.Redis.from_url(
-                    self.config.target, socket_timeout=self.config.timeout,
+                    self.config.target, **creds, socket_timeout=self.config.timeout,
                     socket_connect_timeout=min(self.config.timeout, 2.0),
                     retry=Retry(NoBackoff(), 0), health_check_interval=0)
             return self._client
@@ -100,7 +104,8 @@ class RedisRemote(BlobRemote):
             raise errors.RemoteError(f"the redis client library is not installed: {e}") from e
         try:
             out = fn(self.client())
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, OSError, ValueError) as e:
+            # ValueError: redis-py refusing the URL's settings (the URL holds no password).
             self.breaker.failed(e)
             raise errors.RemoteError(f"remote cache {self.config.display}: {what} failed: "
                                      f"{type(e).__name__}: {e}") from e
