@@ -37,7 +37,7 @@ from .manifest import parse_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORD_FORMAT", "Record", "Trust", "make_record", "parse_record", "sha256_file"]
+__all__ = ["MIN_KEY_BYTES", "RECORD_FORMAT", "Record", "Trust", "make_record", "parse_record", "sha256_file"]
 
 RECORD_FORMAT = 1
 # Domain separation: an HMAC made for something else with the same key never verifies here.
@@ -50,6 +50,25 @@ def sha256_file(path: Path | str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+# HMAC-SHA256 keys shorter than this can be guessed offline from one signed record.
+MIN_KEY_BYTES = 16
+_warned_short: set[str] = set()
+
+
+def _check_length(name: str, key: bytes) -> None:
+    """Warn (once per process and variable) that a key is too short; never show it.
+
+    A warning, not a refusal: like every remote setting, a weak key must not turn the
+    fleet's remote tier off on upgrade (signing still works, only weakly), and the
+    variable and the fix are named."""
+    if len(key) >= MIN_KEY_BYTES or name in _warned_short:
+        return
+    _warned_short.add(name)
+    logger.warning("%s is %d bytes long: a signing key under %d bytes can be guessed from a "
+                   "signed record; use 32 random bytes (openssl rand -hex 32), in a file "
+                   "(file:PATH)", name, len(key), MIN_KEY_BYTES)
 
 
 def _load_key(text: str) -> bytes:
@@ -89,6 +108,10 @@ class Trust:
         except OSError as e:
             raise RemoteConfigError(f"CACHECOMPILE_VERIFY_KEYS: cannot read the key file "
                                     f"{e.filename} ({e.strerror})") from None
+        if key:
+            _check_length("CACHECOMPILE_SIGNING_KEY", key)
+        for i, k in enumerate(extra, 1):
+            _check_length(f"CACHECOMPILE_VERIFY_KEYS (key {i})", k)
         return cls(key=key or None, accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env),
                    verify_keys=tuple(k for k in extra if k != key))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,27 @@ def test_verify_keys_verify_and_only_the_signing_key_signs(tmp_path: Path) -> No
     assert consumer.keyed and consumer.sign(body) is None
     with pytest.raises(UntrustedEntryError, match="not signed"):
         consumer.check(body, None, "d" * 32)
+
+
+def test_a_short_key_is_warned_about_once_and_never_shown(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachecompile.store import signing
+
+    monkeypatch.setattr(signing, "_warned_short", set())
+    caplog.set_level(logging.WARNING, logger="cachecompile.store.signing")
+    short = "9bytesKey"
+    key_file = tmp_path / "key"
+    key_file.write_text("0123456789abcdef\n")          # 16 bytes: enough
+    for _ in range(2):
+        trust = Trust.from_env({"CACHECOMPILE_SIGNING_KEY": short,
+                                "CACHECOMPILE_VERIFY_KEYS": f"file:{key_file},tiny-old"})
+    assert trust.key == short.encode()                 # still signs: a warning, no refusal
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs                        # once per key, not per call
+    assert "CACHECOMPILE_SIGNING_KEY is 9 bytes" in msgs[0] and "16" in msgs[0]
+    assert "CACHECOMPILE_VERIFY_KEYS (key 2) is 8 bytes" in msgs[1]
+    assert all(short not in m and "tiny-old" not in m for m in msgs)
+    caplog.clear()
+    Trust.from_env({"CACHECOMPILE_SIGNING_KEY": "a-key-of-32-bytes-is-what-we-ask"})
+    assert caplog.records == []
