@@ -190,6 +190,10 @@ def _safe_member(m: tarfile.TarInfo) -> tuple[str, str, str]:
     name = m.name
     if not name or name.startswith("/") or "\\" in name or "\x00" in name:
         raise errors.UnsafeArchiveError(f"member {name!r} has an absolute or odd path")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        # A newline or escape in a name forges lines in logs and listings, and no entry
+        # cachecompile writes has one.
+        raise errors.UnsafeArchiveError(f"member {name!r} has a control character in its name")
     parts = name.rstrip("/").split("/") if m.isdir() else name.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise errors.UnsafeArchiveError(f"member {name!r} has an empty, '.' or '..' component")
@@ -355,6 +359,25 @@ def _stage(tf: tarfile.TarFile, staging: Path, bound: _Bounded,
     return index, staged
 
 
+# What tarfile says when its stream stops short. A compressed bundle cut anywhere in its
+# first block decompresses to nothing at all: tarfile's "empty file".
+_SHORT = ("empty file", "unexpected end of data", "truncated header")
+
+
+def _unreadable(src: Path | str, e: BaseException) -> str:
+    """Why the bundle ``src`` cannot be read, in words that say what to do."""
+    try:
+        size = os.path.getsize(src)
+    except OSError:
+        size = -1
+    if size == 0:
+        return f"{src} is empty (0 bytes): not a bundle"
+    if isinstance(e, EOFError) or str(e) in _SHORT:
+        return (f"{src} is truncated or corrupt: it ends before the bundle does ({e}, after "
+                f"{size} bytes); copy or export it again")
+    return f"{src} is not a readable bundle: {e}"
+
+
 def _declared_size(s: _Staged | None, digest: str, name: str) -> int:
     if s is None or s.record is None:
         raise errors.UnsafeArchiveError(f"entry {digest}: file {name!r} comes before its record")
@@ -428,7 +451,7 @@ def import_bundle(st: DiskStorage, src: Path | str, *, trust: Trust | None = Non
                 with tarfile.open(fileobj=bound, mode="r|") as tf:  # type: ignore[call-overload]
                     index, staged = _stage(tf, staging, bound, trust)
             except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as e:
-                raise errors.UnsafeArchiveError(f"{src} is not a readable bundle: {e}") from None
+                raise errors.UnsafeArchiveError(_unreadable(src, e)) from None
             except OSError as e:
                 if e.errno in FULL_ERRNOS:
                     raise errors.StoreFullError(
@@ -437,11 +460,15 @@ def import_bundle(st: DiskStorage, src: Path | str, *, trust: Trust | None = Non
                 raise
             except Exception as e:
                 if type(e).__module__.startswith("zstandard"):  # ZstdError: not importable up front
-                    raise errors.UnsafeArchiveError(f"{src}: {e}") from None
+                    raise errors.UnsafeArchiveError(f"{src} is corrupt: {e}") from None
                 raise
         if index is None:
             raise errors.UnsafeArchiveError(f"{src} has no {INDEX}: not a cachecompile bundle")
         if sorted(index) != sorted(staged):
+            if set(staged) < set(index):
+                raise errors.UnsafeArchiveError(
+                    f"{src} is truncated: it ends before {len(set(index) - set(staged))} of "
+                    f"the {len(index)} entries its index lists; export it again")
             raise errors.UnsafeArchiveError(f"{src}: its index does not list exactly the "
                                             "entries it holds")
         records = {d: _verify(d, staged[d]) for d in index}

@@ -161,6 +161,44 @@ def test_not_a_bundle(tmp_path: Path) -> None:
         import_bundle(open_store(tmp_path / "dst"), plain)
 
 
+@pytest.mark.parametrize("name", ["a\nb.py", "code/x\ry.py", "esc\x1b[31m.py", "del\x7f"])
+def test_a_control_character_in_a_file_name_is_refused(tmp_path: Path, name: str) -> None:
+    # The store takes such a name (put validates paths, not characters); a bundle may not
+    # carry it into another store: a newline forges lines wherever names are listed.
+    st = open_store(tmp_path / "src")
+    e = st.put(make_key({"nl": name}), {name: b"x", "ok.py": b"y"})
+    out = tmp_path / "b.tar.zst"
+    export_bundle(st, out, [e.key])
+    dst = open_store(tmp_path / "dst")
+    with pytest.raises(UnsafeArchiveError, match="control character"):
+        import_bundle(dst, out)
+    assert list(dst.digests()) == []
+
+
+@pytest.mark.parametrize("name", ["warm.tar.zst", "warm.tar.gz", "warm.tar"])
+def test_a_truncated_bundle_says_it_is_truncated(tmp_path: Path, name: str) -> None:
+    st = open_store(tmp_path / "src")
+    keys = [st.put(make_key({"t": i}), {"big.bin": bytes(range(256)) * 2000 + bytes([i])}).key
+            for i in range(3)]
+    out = tmp_path / name
+    export_bundle(st, out, keys)
+    whole = out.read_bytes()
+    # Cut anywhere before the last entry's data ends (a cut in the end-of-archive padding
+    # leaves every entry whole and verified, and imports).
+    for n in (1, 10, 200, len(whole) // 3, len(whole) // 2, len(whole) * 9 // 10):
+        cut = tmp_path / f"cut-{n}-{name}"
+        cut.write_bytes(whole[:n])
+        dst = open_store(tmp_path / f"dst-{n}-{name}")
+        with pytest.raises(UnsafeArchiveError) as caught:
+            import_bundle(dst, cut)
+        assert "truncated" in str(caught.value), (n, str(caught.value))
+        assert list(dst.digests()) == []
+    empty = tmp_path / f"empty-{name}"
+    empty.write_bytes(b"")
+    with pytest.raises(UnsafeArchiveError, match="empty \\(0 bytes\\)"):
+        import_bundle(open_store(tmp_path / "dst-empty"), empty)
+
+
 def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str, str]) -> None:
     def cachectl(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
