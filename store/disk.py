@@ -61,6 +61,7 @@ class Store:
                            on_unsafe=self.layout.warn_unsafe_index, shared=shared_group)
         # Pins taken through this store last as long as it does (usually the process).
         self._held_pins: list[Pin] = []
+        self._gc_failed = False  # an automatic gc failed (warned once)
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, max_size={self.max_size})"
@@ -238,8 +239,12 @@ class Store:
                 self.gc(lock_timeout=0.0)
             except errors.LockTimeout:
                 pass  # another process is collecting right now
-            except OSError as e:
-                logger.warning("automatic gc failed: %s", e)
+            except (OSError, errors.StoreError) as e:
+                # The publish stands; gc's own fault (a symlinked gc.lock...) says the fix,
+                # once per store: every publish over the cap would say it again.
+                log = logger.debug if self._gc_failed else logger.warning
+                self._gc_failed = True
+                log("automatic gc failed: %s", e)
 
     def delete(self, key: Key | str) -> bool:
         return publishing.remove(self.layout, self.index, digest_of(key), respect_pins=False,

@@ -8,9 +8,11 @@ explains why); a pin file is, since only its holder ever locks it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,17 +76,39 @@ def lock(layout: Layout, name: str, timeout: float = 600.0) -> Iterator[Path]:
     if safe != name:
         safe += "-" + xxhash.xxh3_64_hexdigest(name.encode())
     path = layout.real("locks") / f"{safe}.lock"
+    _refuse_unreal_lock(path)
     lk = filelock.FileLock(str(path), timeout=timeout,
                            mode=0o660 if layout.shared_group else 0o600)
     try:
         lk.acquire()
     except filelock.Timeout:
         raise errors.LockTimeout(path, timeout) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        _refuse_unreal_lock(path)  # it became a link since we looked
+        raise
     try:
         yield path
     finally:
         # filelock never unlinks the file on Unix: others may be waiting on it.
         lk.release()
+
+
+def _refuse_unreal_lock(path: Path) -> None:
+    """InsecureStoreError, naming the fix, if the lock file ``path`` is a symlink (or not
+    a regular file): locking through it would open whatever it points at, and every
+    process would fail on it (gc for everyone) with a bare ELOOP."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return  # filelock makes it
+    if stat.S_ISREG(mode):
+        return
+    what = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+    raise errors.InsecureStoreError(
+        path, f"the lock file is {what}", f"remove it (rm {path}): every process that "
+        "takes this lock fails until then, and the store makes the file again")
 
 
 def pin(layout: Layout, digest: str) -> Pin:

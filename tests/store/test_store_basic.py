@@ -363,6 +363,38 @@ def test_lock_timeout_names_the_path(st: Store) -> None:
     assert path.exists()  # never unlinked: others may wait on it
 
 
+def test_a_symlinked_lock_file_names_itself_and_the_fix(st: Store, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # A symlink in place of locks/gc.lock blocked every gc with a bare "Too many levels of
+    # symbolic links" (and what it points at is never opened).
+    target = tmp_path / "elsewhere"
+    target.write_text("not the store's")
+    lock_file = st.root / "v1" / "locks" / "gc.lock"
+    lock_file.symlink_to(target)
+    with pytest.raises(errors.InsecureStoreError) as caught:
+        st.gc(max_size=0)
+    assert caught.value.path == lock_file
+    assert "symlink" in str(caught.value) and f"rm {lock_file}" in str(caught.value)
+    assert target.read_text() == "not the store's"
+    # cachectl says the same, as exit 3 (insecure), not a raw OSError.
+    from click.testing import CliRunner
+
+    from cachecompile.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["gc", "--cache-dir", str(st.root)])
+    assert r.exit_code == 3, r.output
+    assert f"rm {lock_file}" in r.output
+    # A publish over the cap still publishes; its automatic gc warns once, with the fix.
+    small = open_store(st.root, max_size=10)
+    caplog.set_level(logging.WARNING, logger="cachecompile.store.disk")
+    for i in range(3):
+        small.put(make_key({"over": i}), {"a": b"x" * 100})
+    warned = [r.getMessage() for r in caplog.records if "automatic gc" in r.getMessage()]
+    assert len(warned) == 1 and f"rm {lock_file}" in warned[0], warned
+    lock_file.unlink()
+    assert len(st.gc(max_size=0).evicted) == 3
+
+
 def test_sweep_removes_dead_and_old_temp_dirs(st: Store) -> None:
     tmp = st.root / "v1" / "tmp"
     from cachecompile.store.fsutil import HOST_TAG
