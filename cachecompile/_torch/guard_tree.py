@@ -29,6 +29,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -56,48 +57,54 @@ _CONFIG_FLAGS = ("max_saved_pointers_for_recursive_dict_tags_check",
 _STAND_INS = ("torch._dynamo", "torch._dynamo.guards", "torch._dynamo.config")
 
 
-def _module_ast(name: str) -> ast.Module | None:
-    """The parsed source of a module of torch._dynamo, without importing it (or Dynamo)."""
+def _module_source(name: str) -> str | None:
+    """The source text of a module of torch._dynamo, without importing it (or Dynamo)."""
     spec = importlib.machinery.PathFinder.find_spec(name.rsplit(".", 1)[-1], _dynamo_path())
     if spec is None or not spec.origin:
         return None
     with open(spec.origin, encoding="utf-8") as f:
-        return ast.parse(f.read())
+        return f.read()
 
 
 def _dynamo_path() -> list[str]:
     return [os.path.join(os.path.dirname(torch.__file__), "_dynamo")]
 
 
+# Read with regular expressions, not ast.parse: parsing torch/_dynamo/guards.py cost a warm
+# start ~55 ms, once per process (tests/entry/test_guard_tree.py checks both reads agree).
+_CLASS_BODY = r"^class {name}\b[^\n]*:\n((?:[ \t]+[^\n]*\n|[ \t]*\n)*)"
+_MEMBER = re.compile(r"^    ([A-Za-z_]\w*) = (\d+)[ \t]*(?:#[^\n]*)?$", re.M)
+_TOP_ASSIGN = r"^{name}[ \t]*(?::[^=\n]+)?=[ \t]*([^\n#]*?)[ \t]*(?:#[^\n]*)?$"
+
+
 @functools.cache
 def _manager_type() -> type[enum.Enum] | None:
     """A copy of this torch's ``GuardManagerType`` (names and values, read from the
     source of torch/_dynamo/guards.py), or None if it is not there as expected."""
-    tree = _module_ast("torch._dynamo.guards")
-    for node in tree.body if tree else ():
-        if isinstance(node, ast.ClassDef) and node.name == "GuardManagerType":
-            members = {t.id: v.value for a in node.body if isinstance(a, ast.Assign)
-                       for t in a.targets if isinstance(t, ast.Name)
-                       for v in (a.value,) if isinstance(v, ast.Constant)}
-            if "GUARD_MANAGER" in members:
-                return enum.Enum("GuardManagerType", members)  # type: ignore[return-value]
+    src = _module_source("torch._dynamo.guards") or ""
+    body = re.search(_CLASS_BODY.format(name="GuardManagerType"), src, re.M)
+    members = {k: int(v) for k, v in _MEMBER.findall(body.group(1))} if body else {}
+    if "GUARD_MANAGER" in members:
+        return enum.Enum("GuardManagerType", members)  # type: ignore[return-value]
     return None
 
 
 @functools.cache
 def _config_defaults() -> dict[str, Any] | None:
     """The defaults of the flags the C++ reads, from the source of torch/_dynamo/config.py."""
-    tree = _module_ast("torch._dynamo.config")
+    src = _module_source("torch._dynamo.config") or ""
     found: dict[str, Any] = {}
-    for node in tree.body if tree else ():
-        target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
-                  else node.target if isinstance(node, ast.AnnAssign) else None)
-        if isinstance(target, ast.Name) and target.id in _CONFIG_FLAGS:
-            value = getattr(node, "value", None)
-            if isinstance(value, ast.Constant):
-                found[target.id] = value.value
-            elif target.id == "verbose":   # set from the environment in every release
-                found[target.id] = os.environ.get("TORCHDYNAMO_VERBOSE", "0") == "1"
+    for name in _CONFIG_FLAGS:
+        m = re.search(_TOP_ASSIGN.format(name=name), src, re.M)
+        if m is None:
+            continue
+        if name == "verbose":   # set from the environment in every release
+            found[name] = os.environ.get("TORCHDYNAMO_VERBOSE", "0") == "1"
+            continue
+        try:
+            found[name] = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            continue
     return found if set(found) == set(_CONFIG_FLAGS) else None
 
 
