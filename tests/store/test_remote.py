@@ -29,7 +29,7 @@ from cachecompile.store.remote.base import may_replace, record_state
 from cachecompile.store.signing import Trust, make_record, parse_record
 from cachecompile.store.tiered import TieredStore
 
-KEY_A = "fleet-secret-1"
+KEY_A = "fleet-secret-key-1"
 
 
 @pytest.fixture(autouse=True)
@@ -684,7 +684,7 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
     # The fleet signs with OLD. Step 1: every node adds NEW to its verify keys. Step 2:
     # the signers switch to NEW (OLD still verifies). Step 3: `cachectl push --resign`
     # re-signs what OLD signed. Step 4: OLD is retired. No node misses at any step.
-    old, new = "fleet-key-2025", "fleet-key-2026"
+    old, new = "fleet-signing-key-2025", "fleet-signing-key-2026"
     key = make_key({"model": "m", "rot": 1})
     monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", old)
     a = tiered(tmp_path / "a", srv.url())

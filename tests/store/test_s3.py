@@ -26,7 +26,7 @@ from cachecompile.store.remote import RemoteConfig, S3Remote
 from cachecompile.store.signing import Trust
 from cachecompile.store.tiered import TieredStore
 
-FLEET_KEY = "fleet-secret-s3"
+FLEET_KEY = "fleet-secret-key-s3"
 FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 40, "code/out.py": b"x = 1\n",
          "empty": b""}
 
@@ -103,7 +103,7 @@ def test_publish_on_one_node_hits_on_another(tmp_path: Path, server: MotoServer,
     assert b.flush(5) and b.uploader is not None and b.uploader.uploaded == 0
     assert isinstance(b.get(make_key({"other": 1})), Miss)
     # A node that does not hold the fleet's key refuses the signed entry.
-    os.environ["CACHECOMPILE_SIGNING_KEY"] = "another-key"
+    os.environ["CACHECOMPILE_SIGNING_KEY"] = "another-fleet-key"
     assert isinstance(tiered(tmp_path / "c", url).get(k1), Miss)
 
 

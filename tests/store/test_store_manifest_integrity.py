@@ -409,7 +409,7 @@ def test_a_remote_record_with_edited_meta_is_refused(
 
     url, client = redis_url
     if signing == "signed":
-        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", "fleet-secret")
+        monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", "fleet-secret-key")
     else:
         monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
     a = open_store(tmp_path / "a", remote=url)
