@@ -193,6 +193,11 @@ class Index:
                 if os.lstat(path).st_uid == me and not os.path.islink(path):
                     os.chmod(path, mode)
 
+    @property
+    def readonly(self) -> bool:
+        """Whether this index was opened read-only (:meth:`reader`)."""
+        return self._readonly
+
     def reader(self) -> Index:
         """The same index, opened read-only (a read-only store's: never written)."""
         return Index(self.path, self._guard, self._on_unsafe, readonly=True,

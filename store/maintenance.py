@@ -251,8 +251,23 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
             elif b.kind not in ("corrupt", "insecure"):   # those went through bad()
                 bad(b)
     indexed = index.safely("list", index.digests) or set()
-    report.index_missing = sorted(on_disk - indexed)
-    report.index_stale = sorted(indexed - on_disk)
+    # Looked at again now: an entry published or removed while verify ran is no mismatch.
+    def unindexed(d: str) -> bool:
+        return index.safely("get", lambda: index.get(d)) is None
+
+    def drop(d: str) -> None:
+        index.safely("stale row", lambda: index.remove(d))
+
+    report.index_missing = sorted(d for d in on_disk - indexed
+                                  if os.path.lexists(layout.entry_dir(d)) and unindexed(d))
+    # A row whose entry is absent is the index lagging the disk, not damage: a hit is
+    # recorded just as gc evicts the entry, and the record re-creates its row. The
+    # manifests are the truth, so the row goes, silently (a read-only index keeps it).
+    gone = sorted(d for d in indexed - on_disk if not os.path.lexists(layout.entry_dir(d)))
+    if gone and not index.readonly:
+        for d in gone:
+            drop(d)
+        logger.debug("dropped %d index rows of entries no longer on disk", len(gone))
     if fix:
         reindex(layout, index)
         report.reindexed = True

@@ -104,7 +104,9 @@ class VerifyReport:
     shared_graphs: int = 0
     problems: list[tuple[str, str]] = field(default_factory=list)  # (digest, reason)
     index_missing: list[str] = field(default_factory=list)  # on disk, not in index
-    index_stale: list[str] = field(default_factory=list)  # in index, not on disk
+    # In the index, not on disk. Stays empty: verify drops such rows silently (the index
+    # lagging the disk, e.g. a hit recorded as gc evicted the entry, is no damage).
+    index_stale: list[str] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
     reindexed: bool = False
 
