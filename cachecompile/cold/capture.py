@@ -64,6 +64,9 @@ class Trace:
     compile_seconds: float
     consts: list[Any]                # constants rebuilt on load (codeobj)
     guards: list[dict[str, Any]]     # Dynamo's guards, portable (guards.py)
+    # The checker's bodies derived from them (guards.Checker.lines): stored so that a warm
+    # process compiles its checker without parsing a guard.
+    checker_lines: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Phases:
@@ -428,7 +431,8 @@ class TraceSession:
         return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
                      program=self._program, deps=self._deps,
                      compile_seconds=self._compile_seconds, consts=consts,
-                     guards=self._guards)
+                     guards=self._guards,
+                     checker_lines=self.checker.lines() if self.checker is not None else {})
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")

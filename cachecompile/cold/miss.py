@@ -200,6 +200,9 @@ class MissPath:
             "compiled_fn": trace.compiled_fn_name,
             "deps": trace.deps,
             "guards": trace.guards,
+            # The checker's bodies, derived once here: a warm process compiles them without
+            # parsing a guard (entry.guards.build_checker's ``lines``).
+            "checker": trace.checker_lines,
             "signature": describe(sig),
             "compile_seconds": round(trace.compile_seconds, 3),
             "first_call_seconds": round(elapsed, 3),

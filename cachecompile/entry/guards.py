@@ -27,6 +27,7 @@ This module is on the warm path: it imports ``torch`` only (private names throug
 from __future__ import annotations
 
 import ast
+import base64
 import collections
 import dataclasses
 import enum
@@ -42,9 +43,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import xxhash
 
 from cachecompile._torch import runtime
-from cachecompile.entry import values
+from cachecompile.entry import codeobj, values
 from cachecompile.entry.guard_kinds import KINDS, TABLE, TypeRef
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import qualified_name, type_value
@@ -165,8 +167,12 @@ class Checker:
     def __init__(self, per_call: Callable[..., bool], full: Callable[..., bool],
                  explain: Callable[..., str | None], n_guards: int, n_per_call: int,
                  parts: Parts,
-                 failure: Callable[..., tuple[str, str, str] | None] | None = None) -> None:
+                 failure: Callable[..., tuple[str, str, str] | None] | None = None,
+                 lines: Callable[[], dict[str, str]] | None = None) -> None:
         self.per_call = per_call
+        # The bodies an entry stores so that a warm process parses no guard (computed
+        # when asked: the compiling process asks once, at publish).
+        self.lines = lines or (lambda: {})
         self.full = full
         self.explain = explain
         # The first failing guard, found once: (the explanation, what the guard is about:
@@ -208,13 +214,19 @@ def _params(func: types.FunctionType) -> tuple[str, list[str]]:
 
 
 def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
-                  globals_: Mapping[str, Any], *, every_call: bool = False) -> Checker:
+                  globals_: Mapping[str, Any], *, every_call: bool = False,
+                  lines: Mapping[str, Any] | None = None) -> Checker:
     """Compile ``guards`` into functions that take exactly the method's arguments.
 
     ``every_call``: ``full`` will run on every call (``guards="always"``), so its object
     paths are shared (see ``_guard_lines``). Otherwise it runs once per signature and is
     compiled as it is: sharing parses every guard, which costs a warm start more than
-    the one check saves (~0.2 s for a decoder's few hundred guards on a slow core)."""
+    the one check saves (~0.2 s for a decoder's few hundred guards on a slow core).
+
+    ``lines``: the entry's stored :meth:`Checker.lines` (``meta["checker"]``), the shared
+    bodies the compiling process derived from these very conditions: used only where
+    their digest is that of the conditions derived here, so a warm process parses no
+    guard (one ``compile`` per entry) and never runs a body made for other guards."""
     params, names = _params(func)
     freevars = func.__code__.co_freevars
     env: dict[str, Any] = {"__cc_G": globals_, "__cc_closure": func.__closure__ or (),
@@ -250,22 +262,17 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
     prologue = "".join(f"    {n} = __cc_closure[{i}].cell_contents\n"
                        for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
 
-    def fn(name: str, selected: list[str], share: bool) -> str:
-        # Guards run in order and stop at the first that fails; with ``share`` each object
-        # path they read (``self.m._modules['h']...``) is evaluated once, where a guard
-        # first needs it, as Dynamo's guard tree shares its accessors. A guard that raises
-        # (a missing attribute, a wrong type) is a failed guard.
-        body = guard_lines(selected, share)
-        return (f"def {name}({params}):\n    try:\n{indent(prologue)}{indent(indent(body))}"
-                "        return True\n    except Exception:\n        return False\n")
-
     per = [c for c, p, _ in conds if p]
 
     def compiled(src: str, names: Sequence[str], where: str) -> list[Callable[..., Any]]:
         try:
-            exec(compile(src, f"<cachecompile {where} {func.__qualname__}>", "exec"), env)
+            code = compile(src, f"<cachecompile {where} {func.__qualname__}>", "exec")
         except SyntaxError as err:
             raise UnsupportedProgramError(f"guards do not compile: {err}") from err
+        return loaded(code, names)
+
+    def loaded(code: types.CodeType, names: Sequence[str]) -> list[Callable[..., Any]]:
+        exec(code, env)
         out: list[Callable[..., Any]] = []
         for n in names:
             f = env[n]
@@ -274,9 +281,52 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
             out.append(f)
         return out
 
-    per_call_fn, full_fn = compiled(fn("__cc_per_call", per, True)
-                                    + fn("__cc_full", [c for c, _, _ in conds], every_call),
-                                    ("__cc_per_call", "__cc_full"), "guards")
+    all_conds = [c for c, _, _ in conds]
+    digest = _conds_digest(conds, params, prologue)
+    stored = lines if lines is not None and lines.get("digest") == digest else None
+    shared: dict[str, str] = {}
+    if stored is not None:
+        shared["per_call"], shared["full"] = str(stored["per_call"]), str(stored["full"])
+
+    def body(which: str, selected: list[str], share: bool) -> str:
+        if not share:
+            return guard_lines(selected, False)
+        if which not in shared:
+            shared[which] = guard_lines(selected, True)
+        return shared[which]
+
+    def fn(name: str, body_text: str) -> str:
+        # Guards run in order and stop at the first that fails; with path sharing each
+        # object path they read (``self.m._modules['h']...``) is evaluated once, where a
+        # guard first needs it, as Dynamo's guard tree shares its accessors. A guard that
+        # raises (a missing attribute, a wrong type) is a failed guard.
+        return (f"def {name}({params}):\n    try:\n{indent(prologue)}{indent(indent(body_text))}"
+                "        return True\n    except Exception:\n        return False\n")
+
+    def source(share_full: bool) -> str:
+        return (fn("__cc_per_call", body("per_call", per, True))
+                + fn("__cc_full", body("full", all_conds, share_full)))
+
+    names_ = ("__cc_per_call", "__cc_full")
+    code = _stored_code(stored) if stored is not None and every_call else None
+    if code is not None:
+        # The code object the compiling process compiled from these very bodies: no
+        # parse and no compile here (its constants are plain; codeobj checks them).
+        per_call_fn, full_fn = loaded(code, names_)
+    else:
+        per_call_fn, full_fn = compiled(source(every_call), names_, "guards")
+
+    def stored_lines() -> dict[str, str]:
+        """What the entry stores so that a warm process builds this checker without
+        parsing a guard or compiling (``meta["checker"]``): the shared bodies and their
+        code object (marshal, base64), for ``guards="always"``."""
+        out = {"digest": digest, "per_call": body("per_call", per, True),
+               "full": body("full", all_conds, True)}
+        data, consts = codeobj.dumps(compile(source(True), f"<cachecompile guards "
+                                             f"{func.__qualname__}>", "exec"))
+        if not consts:
+            out["code"] = base64.b64encode(data).decode("ascii")
+        return out
     texts = [t for _, _, t in conds]
     guards_by_index = ordered
 
@@ -353,8 +403,32 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
 
     return Checker(per_call=per_call_fn, full=full_fn, explain=explain,
                    n_guards=len(conds), n_per_call=len(per), failure=failure,
+                   lines=stored_lines,
                    parts=Parts(func=func, guards=list(ordered), conds=[c for c, _, _ in conds],
                                env=env, params=params, names=names))
+
+
+def _stored_code(stored: Mapping[str, Any]) -> types.CodeType | None:
+    """The checker's code object an entry stores (see ``Checker.lines``); None where it
+    holds none or it does not load (then the bodies are compiled)."""
+    data = stored.get("code")
+    if not isinstance(data, str):
+        return None
+    try:
+        return codeobj.loads(base64.b64decode(data, validate=True), [])
+    except (UnsupportedProgramError, ValueError):
+        logger.debug("stored guard code does not load: compiling its bodies", exc_info=True)
+        return None
+
+
+def _conds_digest(conds: Sequence[tuple[str, bool, str]], params: str, prologue: str) -> str:
+    """What a stored body was derived from: the checker's parameters and closure prologue,
+    every condition, in order, and which run per call."""
+    h = xxhash.xxh3_128()
+    h.update(f"{params}\0{prologue}\0".encode())
+    for cond, per_call, _ in conds:
+        h.update(f"{int(per_call)}{cond}\0".encode())
+    return h.hexdigest()
 
 
 class _PathSharer(ast.NodeTransformer):

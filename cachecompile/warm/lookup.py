@@ -226,7 +226,7 @@ class Lookup:
         g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
         checker = guards_mod.build_checker(
             func, meta["guards"], g,  # type: ignore[arg-type]
-            every_call=self._spec.guards is GuardMode.ALWAYS)
+            every_call=self._spec.guards is GuardMode.ALWAYS, lines=meta.get("checker"))
         if not checker.full(self._module, *args, **kwargs):
             reason, subject, wanted = (checker.failure(self._module, *args, **kwargs)
                                        or ("a guard failed", "a guard", ""))

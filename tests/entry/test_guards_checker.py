@@ -235,3 +235,57 @@ def test_a_global_state_miss_names_the_setting(tmp_path: Any,
     assert len(misses) == 1, misses
     assert "changed: autocast(cpu)_enabled" in misses[0], misses[0]
     assert "autocast_state.enabled[0] True, the entry's False" in misses[0], misses[0]
+
+
+def test_a_stored_checker_loads_without_parsing_or_compiling(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """An entry stores its checker's bodies and code object (``meta["checker"]``): a warm
+    process builds the same checker from them with no guard parsed and no compile, and
+    only for the conditions they were derived from."""
+    x = torch.randn(3, 4)
+    m = M()
+    cold = _checker(m, x)
+    lines = cold.lines()
+    assert set(lines) == {"digest", "per_call", "full", "code"}
+
+    def forbidden(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a warm checker parsed or compiled")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(g, "guard_lines", forbidden)
+        mp.setattr(g, "compile", forbidden, raising=False)
+        warm = g.build_checker(M.run, _guards(m, x), {}, every_call=True,  # type: ignore[arg-type]
+                               lines=lines)
+    other, changed = M(), M()
+    changed.cfg.act = "tanh"
+    for obj, arg in ((m, x), (other, x), (changed, x), (m, torch.randn(4, 4))):
+        assert warm.full(obj, arg) is cold.full(obj, arg)
+        assert warm.per_call(obj, arg) is cold.per_call(obj, arg)
+    assert warm.full(changed, x) is False and warm.full(m, x) is True
+    # Bodies made for other guards are never used: the digest differs, so they compile.
+    guards = _guards(m, x)[:-1]
+    calls: list[int] = []
+    real = g.guard_lines
+    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))
+    fewer = g.build_checker(M.run, guards, {}, every_call=True, lines=lines)  # type: ignore[arg-type]
+    assert calls and fewer.full(m, x)
+
+
+def test_miss_messages_say_what_was_read_in_the_users_terms() -> None:
+    """A failed guard names the value it read, says plainly that an attribute is gone, and
+    never shows a name Dynamo generated (issue 31)."""
+    x = torch.randn(3, 4)
+    m = M()
+    m.cfg.width = 2.5
+    guards = [_guard("type", "L['self'].cfg.width", {"qual": "builtins.float", "code": None}),
+              _guard("expr", "not math.isnan(L['self'].cfg.width)", None)]
+    c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    assert c.full(m, x)
+    m.cfg.width = float("nan")
+    why = c.explain(m, x) or ""
+    assert "got nan" in why and "got False" not in why, why
+    del m.cfg.width
+    why = c.explain(m, x) or ""
+    assert "no attribute 'width': it is gone" in why, why
+    assert g.user_text("G['__builtins_dict___3']['abs']", "mod") == "builtins['abs']"
+    assert "unnamed_scope" not in g.user_text("G['___unnamed_scope_140']['f']", "mod")
