@@ -12,6 +12,12 @@ import xxhash
 
 __version__ = "0.1.0"
 
+# The stored entry's format (cachecompile.entry.meta.EntryMeta; the key holds it):
+# 2: Dynamo's guards carried per entry; variants per frame key; rebuilt constants.
+# 3: Inductor programs import their stand-ins from cachecompile._torch.inductor_runtime.
+#    Later additions are optional fields a format-3 reader does without (``checker``).
+ENTRY_FORMAT = 3
+
 # Folders of the package that never decide what an entry holds or how it is replayed:
 # they read entries (the CLI) or use the package as a user does (the demo). The store
 # installs as ``cachecompile.store`` from its own folder (editable) or inside the package

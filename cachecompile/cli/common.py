@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cachecompile._version import code_label
+from cachecompile.entry.meta import EntryMeta
+from cachecompile.errors import UnsupportedProgramError
 from cachecompile.store import errors, open_store
 from cachecompile.store.disk import Store
 from cachecompile.store.outcomes import EntryInfo
@@ -166,6 +168,19 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
             group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
             _code(i)]
+
+
+def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
+    """A manifest's meta as the typed record; one of another format or shape reads as an
+    empty record of its adapter (cachectl still shows its factors and files)."""
+    raw = manifest.get("meta") or {}
+    try:
+        return EntryMeta.from_json(raw)
+    except UnsupportedProgramError:
+        got = raw if isinstance(raw, Mapping) else {}
+        adapter, fmt = got.get("adapter"), got.get("format")
+        return EntryMeta(adapter=adapter if isinstance(adapter, str) else "",
+                         format=fmt if isinstance(fmt, int) else -1)
 
 
 def _code(i: EntryInfo) -> str:

@@ -27,7 +27,7 @@ from rich.syntax import Syntax
 from cachecompile.entry import guard_paths
 from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
 
-from .common import _console, _open, cache_dir_option
+from .common import _console, _open, cache_dir_option, read_meta
 
 # A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
 # '\x00cachecompile-const\x000' (the backslashes are in the text); the index is group 1.
@@ -68,21 +68,20 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) 
     st = _open(cache_dir)
     digest = st.resolve(key)
     m = st.manifest(digest)
-    meta = m.get("meta", {})
+    meta = read_meta(m)
     labels = m.get("labels", {})
     data_dir = st.entry_dir(digest) / "data"
     out: list[tuple[str, str, str]] = []   # (title, text, lexer)
     head = [f"entry     {digest}",
             f"method    {labels.get('model', '?')}.{labels.get('function', '?')}",
-            f"signature {labels.get('signature', meta.get('signature', '?'))}",
-            f"backend   {labels.get('backend', meta.get('adapter', '?'))}",
+            f"signature {labels.get('signature', meta.signature or '?')}",
+            f"backend   {labels.get('backend', meta.adapter or '?')}",
             f"python    {_python_of(m) or '?'}"]
-    program = meta.get("program") or {}
-    ops = program.get("operators") or []
+    ops = meta.program.get("operators") or []
     if ops:
         head.append(f"operators {', '.join(ops)} (must be registered in a warm process)")
     out.append(("entry", "\n".join(head), "text"))
-    guards = meta.get("guards") or []
+    guards = list(meta.guards)
     if guards:
         lines = [f"{i:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
                  for i, g in enumerate(guards)]
@@ -98,14 +97,14 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) 
         written = _python_of(m) or "?"
         if written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]:
             try:
-                text = disassemble(bytecode.read_bytes(), list(meta.get("consts") or []))
+                text = disassemble(bytecode.read_bytes(), list(meta.consts))
             except (ValueError, EOFError, TypeError) as e:
                 text = f"(does not load: {e})"
         else:
             text = (f"(written by {written}; this is Python {sys.version.split()[0]}, "
                     "whose marshal and dis cannot read it)")
         out.append(("Dynamo's transformed bytecode (calls "
-                    f"{meta.get('compiled_fn', '__compiled_fn')})", text, "text"))
+                    f"{meta.compiled_fn or '__compiled_fn'})", text, "text"))
     for name in PROGRAM_FILES:
         path = data_dir / name
         if path.is_file():

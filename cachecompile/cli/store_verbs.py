@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
@@ -39,6 +39,7 @@ from .common import (
     human_size,
     label_options,
     parse_duration,
+    read_meta,
 )
 
 _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
@@ -93,8 +94,7 @@ _SHOWN_META = ("adapter", "signature", "compile_seconds", "first_call_seconds", 
 
 
 def _guards(m: dict[str, Any]) -> list[dict[str, Any]]:
-    gs = (m.get("meta") or {}).get("guards") or []
-    return [g for g in gs if isinstance(g, dict)]
+    return [dict(g) for g in read_meta(m).guards if isinstance(g, Mapping)]
 
 
 def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
@@ -130,7 +130,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
     info = st.stat(digest)
     con = _console()
     labels = m.get("labels") or {}
-    meta = m.get("meta") or {}
+    meta = read_meta(m)
     con.print(f"[bold]key[/bold]      {digest}")
     if labels.get("model") or labels.get("function"):
         con.print(f"[bold]serves[/bold]   {escape(labels.get('model', '?'))}."
@@ -150,10 +150,11 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
         f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("model", "function",
                                                                      "signature"))))
     con.print("[bold]meta[/bold]     " + escape(", ".join(
-        f"{k}={meta[k]}" for k in _SHOWN_META if k in meta)))
-    if meta.get("cold_phases"):
+        f"{k}={getattr(meta, k)}" for k in _SHOWN_META
+        if getattr(meta, k) not in (None, ""))))
+    if meta.cold_phases:
         con.print("[bold]cold[/bold]     " + escape(", ".join(
-            f"{k} {v:.2f}s" for k, v in meta["cold_phases"].items()
+            f"{k} {v:.2f}s" for k, v in meta.cold_phases.items()
             if isinstance(v, (int, float)))))
     _print_value_guards(con, m, all_guards)
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")

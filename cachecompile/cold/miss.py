@@ -28,6 +28,7 @@ from typing import Any
 from cachecompile.cold.capture import Phases, Trace, TraceSession
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
     UnsupportedProgramError,
@@ -194,21 +195,17 @@ class MissPath:
                  elapsed: float, phases: Phases, who: str) -> None:
         files: dict[str, Any] = dict(trace.program.files)
         files[BYTECODE_FILE] = trace.bytecode
-        meta = {
-            "imports": trace.imports,
-            "consts": trace.consts,
-            "compiled_fn": trace.compiled_fn_name,
-            "deps": trace.deps,
-            "guards": trace.guards,
-            # The checker's bodies, derived once here: a warm process compiles them without
+        meta = EntryMeta(
+            adapter=self._spec.adapter.name, program=trace.program.meta,
+            imports=trace.imports, consts=trace.consts, compiled_fn=trace.compiled_fn_name,
+            deps=trace.deps, guards=trace.guards,
+            # The checker's bodies, derived once here: a warm process loads them without
             # parsing a guard (entry.guards.build_checker's ``lines``).
-            "checker": trace.checker_lines,
-            "signature": describe(sig),
-            "compile_seconds": round(trace.compile_seconds, 3),
-            "first_call_seconds": round(elapsed, 3),
+            checker=trace.checker_lines,
+            signature=describe(sig), compile_seconds=round(trace.compile_seconds, 3),
+            first_call_seconds=round(elapsed, 3),
             # Where the cold first call's time went, up to the publish (capture.Phases).
-            "cold_phases": phases.rounded(),
-        }
+            cold_phases=phases.rounded())
         spec = self._spec
         ranks = spec.ranks
         labels = {
@@ -239,11 +236,10 @@ class MissPath:
                     return
                 key = variant_key(frame, index)
                 labels["variant"] = str(index)
-                entry = writer.write(st, key, files, adapter=spec.adapter.name,
-                                     program=trace.program.meta, who=who,
-                                     function=self._method.__name__, labels=labels, meta=meta)
-                if entry.meta.get("guards") == meta["guards"]:
-                    break
+                entry = writer.write(st, key, files, meta=meta, who=who,
+                                     function=self._method.__name__, labels=labels)
+                if _guards_of(entry.meta) == list(meta.guards):
+                    break   # ours, or an identical one another process put there first
         except (StoreError, OSError) as e:
             fault(f"publishing {frame.digest[:12]} failed ({e}); this process keeps its "
                   "live compile and the next one compiles again")
@@ -268,4 +264,12 @@ class MissPath:
                     continue
         if stale is not None and st.delete(stale):
             return int(stale.factors["variant"])
+        return None
+
+
+def _guards_of(meta: Mapping[str, Any]) -> list[Any] | None:
+    """The guards of a published entry's meta; None if it is not a record this code reads."""
+    try:
+        return list(EntryMeta.from_json(meta).guards)
+    except UnsupportedProgramError:
         return None

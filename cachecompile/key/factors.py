@@ -20,15 +20,12 @@ import xxhash
 
 from cachecompile._torch import runtime
 from cachecompile._torch import versions as torch_versions
-from cachecompile._version import __version__, code_digest
+from cachecompile._version import ENTRY_FORMAT, __version__, code_digest
 from cachecompile.key import identity, passes
 from cachecompile.key.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
-# 2: Dynamo's guards carried per entry; variants per frame key; rebuilt constants.
-# 3: Inductor programs import their stand-ins from cachecompile._torch.inductor_runtime.
-FORMAT_VERSION = 3
 JSON = Any
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -191,7 +188,7 @@ def versions() -> dict[str, JSON]:
         # The code that captured, stored and replays the entry: a release or a local edit
         # of cachecompile is a miss, never an entry served without a later fix's guards.
         "cachecompile_code": code_digest(),
-        "format": FORMAT_VERSION,
+        "format": ENTRY_FORMAT,
     }
 
 

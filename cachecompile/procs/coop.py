@@ -30,6 +30,7 @@ import xxhash
 from cachecompile._torch import dynamo
 from cachecompile.backends.base import Adapter, Compiled, Program
 from cachecompile.entry import writer
+from cachecompile.entry.meta import EntryMeta
 from cachecompile.procs.poll import poll
 from cachecompile.store import Hit, Key, make_key
 from cachecompile.store.config import env_float, env_int
@@ -243,12 +244,13 @@ class GraphShare:
             outcome = None
         if isinstance(outcome, Hit):
             try:
-                meta = outcome.entry.meta["program"]
+                record = EntryMeta.from_json(outcome.entry.meta)
+                meta = dict(record.program)
                 light = self._adapter.load(outcome.entry.files, meta)
                 program = Program(files=dict(outcome.entry.files), meta=meta, light=light,
                                   mutated_inputs=tuple(meta.get("mutated_inputs", ())))
                 self.shared = True
-                by = outcome.entry.meta.get("publisher") or {}
+                by = record.publisher
                 here = by.get("pid") == os.getpid() and by.get("host") == socket.gethostname()
                 logger.info("%s: graph %s was compiled %s; loaded it", self._who,
                             self.key.digest[:12],
@@ -282,9 +284,9 @@ class GraphShare:
         if not self.compiled or self.key is None or not self._locked:
             return
         try:
-            writer.write(self._st, self.key, program.files, adapter=self._adapter.name,
-                         program=program.meta, who=self._who, function="(shared graph)",
-                         labels=self._labels)
+            writer.write(self._st, self.key, program.files,
+                         meta=EntryMeta(adapter=self._adapter.name, program=program.meta),
+                         who=self._who, function="(shared graph)", labels=self._labels)
         except (StoreError, OSError) as e:
             logger.warning("%s: could not share graph %s (%s)", self._who,
                            self.key.digest[:12], e)

@@ -23,10 +23,10 @@ from cachecompile.entry import guard_tree
 from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.files import BYTECODE_FILE
 from cachecompile.entry.guards import GuardMode
-from cachecompile.errors import fault
+from cachecompile.entry.meta import EntryMeta
+from cachecompile.errors import UnsupportedProgramError, fault
 from cachecompile.key import deps as deps_mod
 from cachecompile.key import passes as passes_mod
-from cachecompile.key.factors import FORMAT_VERSION
 from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
@@ -198,16 +198,22 @@ class Lookup:
         fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
 
-    def _try_variant(self, st: LocalStorage, key: Key, meta: dict[str, Any],
+    def _try_variant(self, st: LocalStorage, key: Key, raw: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any], out: Probe) -> Variant | None:
         name = f"{key.digest[:12]} (variant {key.factors.get('variant')})"
         qualname = self._method.__qualname__
         adapter = self._spec.adapter
-        if meta.get("format") != FORMAT_VERSION or meta.get("adapter") != adapter.name:
-            out.reject("format", f"{name}: format {meta.get('format')!r} / adapter "
-                                 f"{meta.get('adapter')!r} does not fit")
+        try:
+            meta = EntryMeta.from_json(raw)
+        except UnsupportedProgramError as e:
+            out.reject("format", f"{name}: {e}")
             return None
-        changed = deps_mod.changed(meta.get("deps", {}))
+        if meta.adapter != adapter.name or not meta.is_method:
+            out.reject("format", f"{name}: written by the {meta.adapter!r} adapter"
+                                 f"{'' if meta.is_method else ' as a shared graph'}, "
+                                 f"not {adapter.name!r}")
+            return None
+        changed = deps_mod.changed(dict(meta.deps))
         if changed:
             # Kept, not deleted: another checkout of the code (or a revert) may still
             # match it. Publishing reclaims stale variants when the chain is full.
@@ -215,7 +221,7 @@ class Lookup:
                         name, ", ".join(changed[:3]))
             out.reject("stale", f"{name}: source changed ({', '.join(changed[:3])})")
             return None
-        missing = passes_mod.missing_operators((meta.get("program") or {}).get("operators") or ())
+        missing = passes_mod.missing_operators(meta.program.get("operators") or ())
         if missing:
             logger.info("cachecompile %s %s: its program calls %s, not registered here",
                         qualname, name, ", ".join(missing))
@@ -223,10 +229,10 @@ class Lookup:
             out.missing_ops.extend(m for m in missing if m not in out.missing_ops)
             return None
         func = self._method.__func__
-        g = replay.replay_globals(func, meta["imports"])  # type: ignore[arg-type]
+        g = replay.replay_globals(func, meta.imports)  # type: ignore[arg-type]
         checker = guards_mod.build_checker(
-            func, meta["guards"], g,  # type: ignore[arg-type]
-            every_call=self._spec.guards is GuardMode.ALWAYS, lines=meta.get("checker"))
+            func, meta.guards, g,  # type: ignore[arg-type]
+            every_call=self._spec.guards is GuardMode.ALWAYS, lines=meta.checker)
         if not checker.full(self._module, *args, **kwargs):
             reason, subject, wanted = (checker.failure(self._module, *args, **kwargs)
                                        or ("a guard failed", "a guard", ""))
@@ -242,10 +248,11 @@ class Lookup:
             out.rejected.append(f"{name}: {outcome.reason}")
             raise _Vacated(outcome.kind)
         entry = outcome.entry
-        compiled_fn = adapter.load(entry.files, entry.meta["program"])
+        # What was verified: the record read again from the entry ``get`` returned.
+        loaded = EntryMeta.from_json(entry.meta)
+        compiled_fn = adapter.load(entry.files, dict(loaded.program))
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
-                               entry.meta.get("consts", []), g, entry.meta["compiled_fn"],
-                               compiled_fn)
+                               list(loaded.consts), g, loaded.compiled_fn, compiled_fn)
         try:
             self._pins.append(st.pin(entry))
         except Exception:  # a missing lease only weakens eviction safety

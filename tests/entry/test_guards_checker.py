@@ -289,3 +289,28 @@ def test_miss_messages_say_what_was_read_in_the_users_terms() -> None:
     assert "no attribute 'width': it is gone" in why, why
     assert g.user_text("G['__builtins_dict___3']['abs']", "mod") == "builtins['abs']"
     assert "unnamed_scope" not in g.user_text("G['___unnamed_scope_140']['f']", "mod")
+
+
+def test_the_entry_meta_record_round_trips_and_names_another_format() -> None:
+    """What an entry stores beside its files is one typed record (entry.meta.EntryMeta):
+    written as JSON and read back whole; a record of another format, or with a field of
+    the wrong type, is refused by name (a lookup counts it as a format miss)."""
+    from cachecompile.entry.meta import FORMAT_VERSION, EntryMeta
+    from cachecompile.errors import UnsupportedProgramError
+
+    rec = EntryMeta(adapter="inductor", program={"kernels": {}}, imports={"__import_torch": "torch"},
+                    compiled_fn="__compiled_fn_1", guards=[{"kind": "len", "expr": "L['x']"}],
+                    signature="float32[2,4]@cpu", compile_seconds=1.5,
+                    cold_phases={"backend": 1.0})
+    raw = rec.to_json()
+    assert raw["format"] == FORMAT_VERSION and "checker" not in raw   # empty fields left out
+    assert EntryMeta.from_json(raw) == rec and rec.is_method
+    graph = EntryMeta(adapter="inductor", program={}).to_json()
+    assert set(graph) == {"format", "adapter", "program", "publisher"}
+    assert not EntryMeta.from_json(graph).is_method
+    with pytest.raises(UnsupportedProgramError, match="entry format 2, not 3: written by another"):
+        EntryMeta.from_json({**raw, "format": 2})
+    with pytest.raises(UnsupportedProgramError, match="'guards' is a str"):
+        EntryMeta.from_json({**raw, "guards": "x"})
+    with pytest.raises(UnsupportedProgramError, match="no 'adapter'"):
+        EntryMeta.from_json({k: v for k, v in raw.items() if k != "adapter"})
