@@ -5,21 +5,22 @@ Argument checking lives here; the behaviour lives in :mod:`cachecompile.cached`.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import logging
 import os
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from cachecompile import backends
+from cachecompile import backends, forms
 from cachecompile.cached import CachedFunction, cache_off
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import passes as passes_mod
+from cachecompile.key.factors import device_factors, function_factors
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
@@ -27,7 +28,8 @@ from cachecompile.spec import CompileSpec
 logger = logging.getLogger(__name__)
 
 _PATTERN = (
-    "Use it on a bound method of an nn.Module instance, inside __init__:\n"
+    "Use it on a module (cache_compile(model)), as a decorator on a module's method or "
+    "class, on a plain function, or on a bound method of an nn.Module instance:\n"
     "    class Model(nn.Module):\n"
     "        def __init__(self):\n"
     "            super().__init__()\n"
@@ -44,19 +46,12 @@ def _check_method(func: Any) -> types.MethodType:
         raise ContractError("cache_compile() got an already cached function; wrap the "
                             "original method once.\n" + _PATTERN)
     if not isinstance(func, types.MethodType):
-        what = type(func).__qualname__
-        if isinstance(func, torch.nn.Module):
-            hint = f"got the module {what} itself; pass one of its methods (module.forward)"
-        elif inspect.isfunction(func):
-            hint = (f"got the plain function {func.__qualname__}; pass it bound to an "
-                    "instance (self.method), not through the class")
-        else:
-            hint = f"got {what}"
-        raise ContractError(f"cache_compile() needs a bound method of an nn.Module: {hint}.\n"
-                            + _PATTERN)
+        raise ContractError(f"cache_compile() needs a bound method of an nn.Module: got "
+                            f"{type(func).__qualname__}.\n" + _PATTERN)
     if not isinstance(func.__self__, torch.nn.Module):
         raise ContractError("cache_compile() needs a method of an nn.Module instance, got a "
-                            f"method of {type(func.__self__).__qualname__}.\n" + _PATTERN)
+                            f"method of {type(func.__self__).__qualname__}: make the class an "
+                            "nn.Module, or cache a plain function.\n" + _PATTERN)
     inner = func.__func__
     if not isinstance(inner, types.FunctionType):
         # functools.wraps-style decorators give a plain function (traced, wrapper and all);
@@ -98,7 +93,78 @@ def _torchair_default_dir() -> str | None:
     return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
 
 
-def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any = None,
+# torch.compile(mode=...) as Inductor options: torch._inductor.list_mode_options of
+# torch 2.13-2.15, less CUDA graphs (their capture is not cached yet: see _mode_options).
+_MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
+
+
+def _mode_options(mode: Any, backend: Any) -> dict[str, Any]:
+    if mode is None:
+        return {}
+    if mode == "reduce-overhead":
+        raise ContractError(
+            "cache_compile(): mode='reduce-overhead' means CUDA graphs, whose capture is not "
+            "cached yet (a warm process would have to capture them again, and the program "
+            "is refused as not replayable). Use mode='max-autotune-no-cudagraphs' or the "
+            "default, or torch.compile(mode='reduce-overhead') for this method")
+    if mode not in _MODES:
+        raise ContractError(f"cache_compile(): mode must be one of {', '.join(_MODES)} or "
+                            f"'reduce-overhead' (refused), got {mode!r}")
+    if backend not in (None, "inductor"):
+        raise ContractError(f"cache_compile(): mode={mode!r} selects Inductor options, as "
+                            f"torch.compile's does; backend {backend!r} has none. Drop mode=, "
+                            "or give the backend's own options in config=")
+    if mode == "max-autotune" and torch.cuda.is_available():
+        _warn_once("max-autotune", "cache_compile(): mode='max-autotune' runs without CUDA "
+                   "graphs, as 'max-autotune-no-cudagraphs' (graph capture is not cached "
+                   "yet); the kernels and autotuning choices are the same")
+    return dict(_MODES[mode])
+
+
+def _torch_compile_args(config: Any, backend: Any, mode: Any, options: Any,
+                        fullgraph: Any) -> Any:
+    """torch.compile's own arguments, as ``config``: ``mode=`` and ``options=`` merged in
+    (what ``config`` says explicitly wins over the mode), ``fullgraph`` checked."""
+    if fullgraph is not True:
+        if fullgraph is False:
+            raise ContractError(
+                "cache_compile(): fullgraph=False is refused: cache_compile stores one graph "
+                "per signature and replays it without Dynamo, which a graph break would need "
+                "at every call. Drop fullgraph= (fullgraph=True is the contract: a break is "
+                "a GraphBreakError naming where), or use torch.compile for this method")
+        raise ContractError(f"cache_compile(): fullgraph must be True, got {fullgraph!r}")
+    if mode is None and options is None:
+        return config
+    merged = _mode_options(mode, backend)
+    for name, extra in (("config", config), ("options", options)):
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping):
+            raise ContractError(f"cache_compile(): with mode= or options=, {name} must be a "
+                                f"dict of Inductor options, got {type(extra).__qualname__}")
+        merged.update(extra)
+    if config is not None and options is not None:
+        both = {k for k in options if k in config and config[k] != options[k]}
+        if both:
+            raise ContractError(f"cache_compile(): config and options disagree on "
+                                f"{', '.join(sorted(both))}; give each option once")
+    return merged
+
+
+_warned_once: set[str] = set()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned_once:
+        _warned_once.add(what)
+        warnings.warn(message, IgnoredArgumentWarning, stacklevel=user_stacklevel())
+
+
+def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = None,
                   dynamic: bool = True, cache_dir: str | os.PathLike[str] | None = None,
                   global_rank: int | None = None, tp_rank: int | None = None,
                   pp_rank: int | None = None,
@@ -107,13 +173,25 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
                   guards: str | None = None, passes: Mapping[str, Any] | None = None,
                   gears: Mapping[str, Mapping[int, Sequence[int]]] | None = None,
                   gear_policy: str = "zip", pad: bool = False,
-                  **kwargs: Any) -> CachedFunction:
-    """Cache ``torch.compile`` of a module method across processes.
+                  mode: str | None = None, options: Mapping[str, Any] | None = None,
+                  fullgraph: bool = True, **kwargs: Any) -> Any:
+    """Cache ``torch.compile`` across processes, wherever ``torch.compile`` would go.
 
-    ``func`` must be a bound method of an ``nn.Module`` (``self._forward``). The result is
-    called like the method. The first call of each input signature loads a matching
-    entry from the cache, or compiles (Dynamo fullgraph + the backend) and publishes one.
-    See docs/usage.md for the key factors and every warning.
+    ``func`` is any of (docs/usage.md, "Forms"):
+
+    * a bound method of an ``nn.Module`` (``self._forward``): returns a
+      :class:`~cachecompile.cached.CachedFunction`, called like the method;
+    * an ``nn.Module``: returns a :class:`~cachecompile.forms.CachedModule`, the module
+      with its ``forward`` cached (as ``torch.compile(module)``);
+    * a method in a class body (``@cache_compile`` or ``@cache_compile(dynamic=False)``
+      above ``def forward(self, ...)``), or an ``nn.Module`` class (as a class decorator):
+      cached per instance, on first access;
+    * a plain function (module level, defined once): returns a ``CachedFunction``;
+    * nothing: ``cache_compile(**options)`` is a decorator applying those options.
+
+    The first call of each input signature loads a matching entry from the cache, or
+    compiles (Dynamo fullgraph + the backend) and publishes one. See docs/usage.md for
+    the key factors and every warning.
 
     Args:
         config: backend options (Inductor config options for ``"inductor"``, custom pass
@@ -129,8 +207,8 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         custom_decompositions: extra decompositions for AOTAutograd (part of the key).
         ge_cache: Ascend GE cache; accepted for TorchAir compatibility, needs the
             torchair adapter.
-        max_signatures: static signatures cached per method before falling back to live
-            torch.compile (``dynamic=False`` only; at least the number of gears).
+        max_signatures: static signatures cached per method, besides its gears, before
+            falling back to live torch.compile (``dynamic=False`` only).
         guards: when a loaded entry's guards run: ``"always"`` (default: every guard on
             every call, as torch.compile does) or ``"first"`` (TorchAir's behaviour:
             argument guards on every call, state guards only on each signature's first
@@ -145,59 +223,163 @@ def cache_compile(func: Callable[..., Any], *, config: Any = None, backend: Any 
         gear_policy: how the sizes of several dims make gears: ``"zip"`` or ``"product"``.
         pad: pad a call that fits no gear up to the smallest gear that holds it, and slice
             the outputs back (you assert the method treats padded rows independently);
-            default: such a call compiles live, with one warning.
+            default: such a call is compiled for its own shape and cached, with one warning.
+        mode: torch.compile's: ``"default"``, ``"max-autotune"`` or
+            ``"max-autotune-no-cudagraphs"`` become Inductor options (both max-autotune
+            modes without CUDA graphs); ``"reduce-overhead"`` is refused.
+        options: torch.compile's: Inductor options, merged into ``config``.
+        fullgraph: torch.compile's: ``True`` (the contract); ``False`` is refused.
 
     Unknown keyword arguments are ignored with one warning, as TorchAir ignores them.
     """
     if kwargs:
         _ignore_unknown(kwargs)
-    method = _check_method(func)
-    if not isinstance(dynamic, bool):
-        raise ContractError(f"cache_compile(): dynamic must be True or False, got {dynamic!r}")
+    settings = _Settings(
+        config=_torch_compile_args(config, backend, mode, options, fullgraph),
+        backend=backend, dynamic=dynamic, cache_dir=cache_dir, global_rank=global_rank,
+        tp_rank=tp_rank, pp_rank=pp_rank, custom_decompositions=custom_decompositions,
+        ge_cache=ge_cache, max_signatures=max_signatures, guards=guards, passes=passes,
+        gears=gears, gear_policy=gear_policy, pad=pad)
+    if func is None:
+        _checked(settings)  # a bad option fails where the decorator is written
+
+        def decorate(target: Any) -> Any:
+            return _form(target, settings)
+
+        return decorate
+    return _form(func, settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """``cache_compile``'s arguments, as given (checked by :func:`_checked`)."""
+
+    config: Any
+    backend: Any
+    dynamic: Any
+    cache_dir: Any
+    global_rank: Any
+    tp_rank: Any
+    pp_rank: Any
+    custom_decompositions: Any
+    ge_cache: Any
+    max_signatures: Any
+    guards: Any
+    passes: Any
+    gears: Any
+    gear_policy: Any
+    pad: Any
+
+
+def _form(func: Any, s: _Settings) -> Any:
+    """Every form, down to a bound method of a module (forms.py)."""
+    if isinstance(func, (CachedFunction, forms.CachedModule, forms.CachedMethod)):
+        raise ContractError(f"cache_compile() got a {type(func).__name__}, which is already "
+                            "cached: cache the original once.\n" + _PATTERN)
+    if forms.is_optimized_module(func):
+        raise ContractError(
+            "cache_compile() got what torch.compile returned (an OptimizedModule); pass the "
+            "original module instead: cache_compile(model), not "
+            "cache_compile(torch.compile(model)) (the original is its ._orig_mod)")
+    if isinstance(func, type):
+        if issubclass(func, torch.nn.Module):
+            _checked(s)
+            return forms.decorate_class(func, lambda m: _cache_method(_check_method(m), s))
+        raise ContractError(f"cache_compile() got the class {func.__qualname__}, which is not "
+                            "an nn.Module subclass; as a class decorator it caches a module's "
+                            "forward")
+    if isinstance(func, torch.nn.Module):
+        forward = func.forward
+        if isinstance(forward, CachedFunction):
+            raise ContractError(f"cache_compile({type(func).__qualname__}): its forward is "
+                                "cached already (@cache_compile on the class or method); "
+                                "call the module as it is")
+        return forms.CachedModule(func, _cache_method(_check_method(forward), s))
+    if isinstance(func, types.MethodType):
+        return _cache_method(_check_method(func), s)
+    if isinstance(func, types.FunctionType) and forms.in_class_body(func):
+        if forms.taken_from_class(func):
+            raise ContractError(
+                f"cache_compile() got {func.__qualname__} through its class: pass it bound to "
+                "an instance (cache_compile(model.forward)), the module itself, or decorate "
+                "the method in the class body.\n" + _PATTERN)
+        _checked(s)
+        return forms.CachedMethod(func, lambda m: _cache_method(_check_method(m), s))
+    fn = forms.check_function(func, _PATTERN)
+    return _cache_method(forms.function_method(fn), s, function=fn)
+
+
+def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
+    """The checks that need no method: adapter and options, guard mode, cache dir."""
+    if not isinstance(s.dynamic, bool):
+        raise ContractError(f"cache_compile(): dynamic must be True or False, got {s.dynamic!r}")
+    max_signatures = s.max_signatures
     if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) or max_signatures < 1:
         raise ContractError(f"cache_compile(): max_signatures must be a positive int, got "
                             f"{max_signatures!r}")
-    if custom_decompositions is not None and not isinstance(custom_decompositions, Mapping):
+    if s.custom_decompositions is not None and not isinstance(s.custom_decompositions, Mapping):
         raise ContractError("cache_compile(): custom_decompositions must be a dict "
                             "{aten op: function}")
     try:
-        adapter, options = backends.resolve(backend, config, ge_cache=ge_cache)
+        adapter, options = backends.resolve(s.backend, s.config, ge_cache=s.ge_cache)
     except (TypeError, ValueError, KeyError) as e:
         raise ContractError(f"cache_compile(): {e}") from None
-    if passes is not None and adapter.name != "inductor":
+    if s.passes is not None and adapter.name != "inductor":
         raise ContractError(f"cache_compile(): passes= are Inductor's custom pass hooks; the "
                             f"{adapter.name!r} backend does not run them (with torchair, give "
                             "them in its CompilerConfig)")
     if adapter.name == "inductor":
-        options = passes_mod.merge(options, passes)
+        options = passes_mod.merge(options, s.passes)
         passes_mod.check(options)
+    cache_dir = s.cache_dir
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
     if cache_dir is None and adapter.name == "torchair":
         cache_dir = _torchair_default_dir()
-    ranks = detect(_int_or_none("global_rank", global_rank), _int_or_none("tp_rank", tp_rank),
-                   _int_or_none("pp_rank", pp_rank))
     try:
-        mode = GuardMode(guards) if guards is not None else GuardMode.from_env()
+        mode = GuardMode(s.guards) if s.guards is not None else GuardMode.from_env()
     except ValueError:
         raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got "
-                            f"{guards!r}") from None
-    declared: Gears | None = None
-    if gears is not None:
-        if dynamic:
-            raise ContractError("cache_compile(): gears declare static shapes; use them with "
-                                "dynamic=False")
-        declared = Gears(method, gears, gear_policy, pad)
-        max_signatures = max(max_signatures, len(declared))
-    elif pad:
+                            f"{s.guards!r}") from None
+    if s.gears is not None and s.dynamic:
+        raise ContractError("cache_compile(): gears declare static shapes; use them with "
+                            "dynamic=False")
+    if s.gears is None and s.pad:
         raise ContractError("cache_compile(): pad=True pads calls up to a gear; declare gears=")
+    return adapter, options, mode, os.fspath(cache_dir) if cache_dir is not None else None
+
+
+def _cache_method(method: types.MethodType, s: _Settings,
+                  function: types.FunctionType | None = None) -> CachedFunction:
+    """The cached method. ``function``: the plain function ``method`` holds
+    (forms.function_method), keyed as the method's own code is."""
+    adapter, options, mode, cache_dir = _checked(s)
+    ranks = detect(_int_or_none("global_rank", s.global_rank), _int_or_none("tp_rank", s.tp_rank),
+                   _int_or_none("pp_rank", s.pp_rank))
+    max_signatures = s.max_signatures
+    declared: Gears | None = None
+    if s.gears is not None:
+        # Gear names are the function's own parameters (a holder's method takes *args).
+        named = cast(types.MethodType, function) if function is not None else method
+        declared = Gears(named, s.gears, s.gear_policy, s.pad)
+        # The gears always fit; max_signatures more may come from calls outside them.
+        max_signatures = len(declared) + max_signatures
+    extra: dict[str, Any] | None = None
+    if function is not None:
+        # The holder's method is the same code for every function: the function's module,
+        # qualified name, bytecode and source are the key's. What it reads is guarded by
+        # Dynamo as for a method, and its file's content is a dependency. A stateless
+        # module has no device of its own: a CUDA device's model is keyed here instead.
+        extra = {"function": function_factors(function)}
+        if torch.cuda.is_available():
+            extra["device"] = device_factors(["cuda"])
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).
         cache_off()
-    spec = CompileSpec(adapter=adapter, options=options, dynamic=dynamic, guards=mode,
-                       cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-                       ranks=ranks, decompositions=custom_decompositions,
-                       max_signatures=max_signatures, enabled=enabled, gears=declared)
+    spec = CompileSpec(adapter=adapter, options=options, dynamic=s.dynamic, guards=mode,
+                       cache_dir=cache_dir, ranks=ranks, decompositions=s.custom_decompositions,
+                       max_signatures=max_signatures, enabled=enabled, gears=declared,
+                       extra_factors=extra)
     return CachedFunction(method, spec)

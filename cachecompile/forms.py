@@ -1,0 +1,238 @@
+"""The forms ``cache_compile`` takes besides a bound method, each reduced to one.
+
+torch.compile is applied to a module, a function, or used as a decorator; TorchAir's
+``cache_compile`` takes a bound method. Every form here ends as a bound method of an
+``nn.Module`` handed to the one cached path (``api.cache_compile`` builds it), so guards,
+keys, ranks, gears, prebuilding and ``cachectl`` labels are the method's:
+
+* :class:`CachedModule`: ``cache_compile(module)``, the module with its ``forward`` cached,
+  forwarding attributes and ``state_dict`` as torch's ``OptimizedModule`` does;
+* :class:`CachedMethod`: ``@cache_compile`` on ``def forward(self, ...)`` in a class body
+  (or on a whole ``nn.Module`` class), a descriptor that caches per instance on first access;
+* :func:`function_method`: a plain function, as the method of a stateless holder module
+  whose code reads the function's own module globals (so Dynamo guards what the function
+  reads exactly as it does for a method defined in that module).
+
+``make`` callables come from ``api`` (a floor up): this module only shapes the forms.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cachecompile.errors import ContractError
+
+MakeCached = Callable[[types.MethodType], Any]
+
+
+def is_optimized_module(obj: Any) -> bool:
+    """torch.compile(module)'s wrapper (Dynamo's ``OptimizedModule``), recognised by its
+    class name and its ``_orig_mod``: importing Dynamo to check would cost a warm process
+    seconds."""
+    return (isinstance(obj, torch.nn.Module)
+            and any(k.__name__ == "OptimizedModule" for k in type(obj).__mro__)
+            and "_orig_mod" in obj._modules)
+
+
+class CachedModule(torch.nn.Module):
+    """``cache_compile(module)``: the module, with its ``forward`` cached.
+
+    Like torch's ``OptimizedModule``: the original is the submodule ``_orig_mod``; other
+    attributes are read from it; ``state_dict`` and ``load_state_dict`` are the original's
+    (without the ``_orig_mod.`` prefix torch adds). Calling it runs the wrapper's own
+    hooks, then the cached ``forward``.
+    """
+
+    def __init__(self, module: torch.nn.Module, cached: Any) -> None:
+        super().__init__()
+        self._orig_mod = module
+        # Not a module: kept out of nn.Module's registries (and out of state_dict).
+        self.__dict__["cached_forward"] = cached
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        orig = self._modules["_orig_mod"]
+        if orig._forward_hooks or orig._forward_pre_hooks:  # type: ignore[union-attr]
+            raise ContractError(
+                f"cache_compile({type(orig).__qualname__}) caches its forward, and the "
+                "original module has forward hooks, which the cached forward would skip. "
+                "Register them on the module cache_compile returned instead")
+        return self.__dict__["cached_forward"](*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        modules = self.__dict__.get("_modules")
+        if modules is None or "_orig_mod" not in modules:
+            raise AttributeError(name)
+        if name == "_orig_mod":
+            return modules["_orig_mod"]
+        return getattr(modules["_orig_mod"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._modules["_orig_mod"].state_dict(*args, **kwargs)  # type: ignore[union-attr]
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._modules["_orig_mod"].load_state_dict(*args, **kwargs)  # type: ignore[union-attr]
+
+    @property
+    def events(self) -> list[tuple[str, str]]:
+        """The cached forward's outcomes (``CachedFunction.events``)."""
+        events: list[tuple[str, str]] = self.__dict__["cached_forward"].events
+        return events
+
+    def __repr__(self) -> str:
+        return f"CachedModule({self._modules['_orig_mod']!r})"
+
+
+class CachedMethod:
+    """``@cache_compile`` on a method in a class body: cached per instance.
+
+    A non-data descriptor: the first access on an instance builds its cached method (the
+    bound method through ``make``) and stores it in the instance's ``__dict__`` under the
+    method's name, where later lookups find it first (as ``functools.cached_property``).
+    ``__wrapped__`` is the function, so the class's code digest (a key factor) still
+    covers it.
+    """
+
+    def __init__(self, func: types.FunctionType, make: MakeCached) -> None:
+        functools.update_wrapper(self, func)
+        self.__wrapped__ = func
+        self.__qualname__ = func.__qualname__
+        self._make = make
+        self._name = func.__name__
+        self._owner: type | None = None
+        self._lock = threading.Lock()
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._owner = owner
+        self._name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        with self._lock:
+            cached = instance.__dict__.get(self._name)
+            if cached is None:
+                if not isinstance(instance, torch.nn.Module):
+                    raise ContractError(
+                        f"@cache_compile on {self.__qualname__}: {type(instance).__qualname__} "
+                        "is not an nn.Module; cache_compile caches methods of modules")
+                cached = self._make(types.MethodType(self.__wrapped__, instance))
+                instance.__dict__[self._name] = cached
+        return cached
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ContractError(
+            f"{self.__qualname__} was given to cache_compile outside a class body: decorate "
+            "the method where the class defines it (@cache_compile above def forward), or "
+            "pass the method bound to an instance, cache_compile(model.forward)")
+
+
+def in_class_body(func: types.FunctionType) -> bool:
+    """Whether ``func`` is being defined in a class body (``Model.forward``, also
+    ``build.<locals>.Model.forward``), not in a module or a function."""
+    parts = func.__qualname__.split(".")
+    return len(parts) >= 2 and parts[-2] != "<locals>"
+
+
+def taken_from_class(func: types.FunctionType) -> bool:
+    """Whether ``func`` was read off a class that exists already (``Model.forward``
+    after the class statement), rather than being decorated in its class body."""
+    parts = func.__qualname__.split(".")
+    if "<locals>" in parts:
+        return False
+    obj: Any = func.__globals__.get(parts[0])
+    for part in parts[1:-1]:
+        obj = getattr(obj, part, None)
+    return isinstance(obj, type) and vars(obj).get(parts[-1]) is func
+
+
+def decorate_class(cls: type, make: MakeCached) -> type:
+    """``@cache_compile`` on an ``nn.Module`` subclass: its ``forward``, cached per instance
+    (the class itself is returned, so its name still names it)."""
+    forward = cls.__dict__.get("forward", getattr(cls, "forward", None))
+    if isinstance(forward, CachedMethod):
+        raise ContractError(f"cache_compile({cls.__qualname__}): its forward is cached "
+                            "already; decorate the class or the method, once")
+    if not isinstance(forward, types.FunctionType) or forward is torch.nn.Module.forward:
+        raise ContractError(f"cache_compile({cls.__qualname__}): the class has no Python "
+                            "forward to cache")
+    descriptor = CachedMethod(forward, make)
+    cls.forward = descriptor  # type: ignore[attr-defined]
+    descriptor.__set_name__(cls, "forward")
+    return cls
+
+
+# -- plain functions ---------------------------------------------------------------------
+class FunctionModule(torch.nn.Module):
+    """Holds a plain function, so that it is cached as a method of a module with no state
+    (``cache_compile(fn)``): the function is the attribute ``fn``; the method calling it is
+    :func:`function_method`'s."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        super().__init__()
+        self.fn = fn
+        self.eval()
+
+
+def _call_function(self: FunctionModule, *args: Any, **kwargs: Any) -> Any:
+    return self.fn(*args, **kwargs)
+
+
+# code object -> the function first cached with it: a second function of the same code
+# is the same def executed again (in a loop, a factory): its identity is not stable.
+_seen: dict[types.CodeType, weakref.ref[types.FunctionType]] = {}
+_seen_lock = threading.Lock()
+
+
+def check_function(fn: Any, pattern: str = "") -> types.FunctionType:
+    """The plain Python function ``fn``, or ContractError naming why it cannot be cached."""
+    if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType,
+                       types.MethodWrapperType, types.WrapperDescriptorType,
+                       types.MethodDescriptorType)) or (callable(fn) and inspect.isbuiltin(fn)):
+        raise ContractError(
+            f"cache_compile() got {getattr(fn, '__qualname__', fn)!r}, a C function: Dynamo "
+            "traces Python bytecode, and there is none. Wrap the call in a def of your own "
+            "(def f(x): return op(x)) and cache that")
+    if isinstance(fn, functools.partial):
+        raise ContractError(
+            "cache_compile() got a functools.partial: its bound arguments would not be keyed "
+            "as code is. Cache the function itself and pass the arguments, or write a def "
+            "that fixes them")
+    if not isinstance(fn, types.FunctionType):
+        raise ContractError(
+            f"cache_compile() got {type(fn).__qualname__}, which is neither a function, a "
+            "bound method of an nn.Module, an nn.Module nor an nn.Module class. Make the "
+            "callable an nn.Module and pass it, or pass its Python function.\n" + pattern)
+    with _seen_lock:
+        ref = _seen.get(fn.__code__)
+        first = ref() if ref is not None else None
+        if ref is not None and first is not fn:
+            what = "a lambda" if fn.__name__ == "<lambda>" else f"the function {fn.__qualname__}"
+            raise ContractError(
+                f"cache_compile() got {what} defined at {fn.__code__.co_filename}:"
+                f"{fn.__code__.co_firstlineno} again: a new function object of code it "
+                "cached before (a def or lambda in a loop, or in a function called again). "
+                "Its identity is not stable, so each would be a new cached function. Define "
+                "it once (at module level) and cache it once, outside the loop")
+        _seen[fn.__code__] = weakref.ref(fn)
+    return fn
+
+
+def function_method(fn: types.FunctionType) -> types.MethodType:
+    """The bound method that caches ``fn``: a :class:`FunctionModule` holding it, whose
+    method runs in ``fn``'s module (its globals, its name in logs and labels), so the
+    trace reads the module's globals as the function does and guards them alike."""
+    holder = FunctionModule(fn)
+    code = _call_function.__code__
+    method_fn = types.FunctionType(code, fn.__globals__, fn.__name__)
+    method_fn.__qualname__ = fn.__qualname__
+    method_fn.__module__ = fn.__module__
+    method_fn.__doc__ = fn.__doc__
+    return types.MethodType(method_fn, holder)
