@@ -37,14 +37,18 @@ _LAZY = {
     "prebuild": ".build",
     "prebuild_factory": ".build",
     "Call": ".build",
+    "Exact": ".build",
+    "CachedModule": ".forms",
 }
 
 __all__ = [
     "CacheCompileError",
     "CacheFaultWarning",
     "CachedFunction",
+    "CachedModule",
     "Call",
     "ContractError",
+    "Exact",
     "GraphBreakError",
     "IgnoredArgumentWarning",
     "InferenceOnlyError",
@@ -63,7 +67,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from cachecompile.api import cache_compile
-    from cachecompile.build import Call, prebuild, prebuild_factory
+    from cachecompile.build import Call, Exact, prebuild, prebuild_factory
     from cachecompile.cached import CachedFunction
     from cachecompile.errors import (
         CacheCompileError,
@@ -78,6 +82,7 @@ if TYPE_CHECKING:
         UnidentifiedPassError,
         UnsupportedTorchWarning,
     )
+    from cachecompile.forms import CachedModule
     from cachecompile.procs.node import node_once, prepare_node
 
 

@@ -47,6 +47,7 @@ from cachecompile.errors import (
     OutOfGearWarning,
     SignatureLimitWarning,
 )
+from cachecompile.forms import CachedModule
 from cachecompile.key import identity
 from cachecompile.key.signature import describe, signature
 from cachecompile.procs import coop
@@ -60,7 +61,7 @@ PRESENT = "present"        # the entry was there already (loaded, not compiled)
 NOT_CACHED = "not cached"  # it ran, but with a live compile: no entry serves it
 FAILED = "failed"          # the call raised
 OK = (BUILT, PRESENT)
-_FAULTS = (CacheFaultWarning, OutOfGearWarning, SignatureLimitWarning)
+_FAULTS = (CacheFaultWarning, SignatureLimitWarning)
 
 
 class Call:
@@ -71,7 +72,12 @@ class Call:
         self.kwargs = kwargs
 
     def __repr__(self) -> str:
-        return f"Call({len(self.args)} args, {sorted(self.kwargs)})"
+        return f"{type(self).__name__}({len(self.args)} args, {sorted(self.kwargs)})"
+
+
+class Exact(Call):
+    """An example built at its own shapes, not as a template over the method's gears: a
+    signature outside them, which serving would compile and cache too (``Exact(x)``)."""
 
 
 @dataclasses.dataclass
@@ -135,6 +141,8 @@ def plan(targets: Iterable[tuple[str, CachedFunction, Sequence[Any]]]) -> list[T
     tasks: list[Task] = []
     seen: set[tuple[int, Any]] = set()
     for name, fn, examples in targets:
+        if isinstance(fn, CachedModule):
+            fn = fn.cached_forward  # cache_compile(module): its cached forward
         if not isinstance(fn, CachedFunction):
             raise ContractError(f"prebuild: {name} is {type(fn).__qualname__}, not what "
                                 "cache_compile returns")
@@ -149,7 +157,7 @@ def plan(targets: Iterable[tuple[str, CachedFunction, Sequence[Any]]]) -> list[T
             args, kwargs = _calls(example)
             calls = [(args, kwargs)]
             gears = fn.gears
-            if gears is not None:
+            if gears is not None and not isinstance(example, Exact):
                 calls = gears.expand(args, kwargs)
             for a, k in calls:
                 sig = signature(a, k, fn.dynamic)
@@ -225,7 +233,8 @@ def run_task(task: Task, worker: int | None = None) -> BuildResult:
     events = [e for e, _ in fn.events[before:]]
     faults = [str(w.message) for w in caught if issubclass(w.category, _FAULTS)]
     for w in caught:
-        if not issubclass(w.category, _FAULTS):
+        # A signature outside the gears is what an Exact example asks for: cached, no fault.
+        if not issubclass(w.category, (*_FAULTS, OutOfGearWarning)):
             # Not ours to judge: let the user's warnings through.
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if faults or "live" in events:

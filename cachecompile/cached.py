@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CachedFunction", "cache_off"]
 
+# What a miss of a signature outside the declared gears is counted about (cachectl stats).
+OFF_GEAR = "outside the declared gears"
+
 
 class CachedFunction:
     """What ``cache_compile`` returns. Call it like the method it wraps."""
@@ -112,7 +115,9 @@ class CachedFunction:
 
     def _off_gear(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sizes: tuple[int, ...] | None) -> Any:
-        """A call that fits no declared gear: padded up to one if asked, else live."""
+        """A call that fits no declared gear: padded up to one if asked, else a signature
+        like any other (compiled once, published, loaded by the next process), with one
+        warning per method that the gears do not cover it."""
         gears = self._gears
         assert gears is not None
         why = ""
@@ -120,26 +125,25 @@ class CachedFunction:
             plan, why = gears.pad_plan(args, kwargs, sizes)
             if plan is not None:
                 return plan.unpad(self._dispatch(plan.args, plan.kwargs))
-        sig = signature(args, kwargs, self.spec.dynamic)
-        variants = self._runners.get(sig)
-        if variants:
-            return variants[0].run(*args, **kwargs)  # this shape's live compile
-        with self._lock:
-            variants = self._runners.get(sig)
-            if variants:
-                return variants[0].run(*args, **kwargs)
-            if not self._gear_warned:
-                self._gear_warned = True
-                shape = gears.describe(sizes) if sizes is not None else \
-                    "a gear argument that is no tensor of the declared rank"
-                warnings.warn(
-                    f"{self.__qualname__}: a call with {shape} fits none of the declared gears "
-                    f"({gears.describe()}){'; not padded: ' + why if gears.pad else ''}. It "
-                    "runs with a live torch.compile and is not cached (this warning is given "
-                    "once; later ones are logged)", OutOfGearWarning, stacklevel=user_stacklevel())
-            return self._run_live(sig, args, kwargs, "outside the declared gears")
+        if not self._gear_warned:
+            with self._lock:
+                if not self._gear_warned:
+                    self._gear_warned = True
+                    shape = gears.describe(sizes) if sizes is not None else \
+                        "a gear argument that is no tensor of the declared rank"
+                    warnings.warn(
+                        f"{self.__qualname__}: a call with {shape} fits none of the declared "
+                        f"gears ({gears.describe()})"
+                        f"{'; not padded: ' + why if gears.pad else ''}. It is compiled for "
+                        "its own shape and cached like any other signature (counted in "
+                        "cachectl stats as a miss about 'outside the declared gears'). "
+                        "Declare it as a gear, or prebuild it with cachecompile.Exact (this "
+                        "warning is given once per method)",
+                        OutOfGearWarning, stacklevel=user_stacklevel())
+        return self._dispatch(args, kwargs, off_gear=True)
 
-    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  off_gear: bool = False) -> Any:
         sig = signature(args, kwargs, self.spec.dynamic)
         variants = self._runners.get(sig)
         if variants is not None:
@@ -157,7 +161,7 @@ class CachedFunction:
             for v in self._runners.get(sig, ()):
                 if v.check is None or v.check(*args, **kwargs):
                     return v.run(*args, **kwargs)
-            return self._first_call(sig, args, kwargs)
+            return self._first_call(sig, args, kwargs, off_gear)
 
     def _add(self, sig: Signature, variant: Variant, event: str) -> None:
         self._runners.setdefault(sig, []).append(variant)
@@ -167,7 +171,8 @@ class CachedFunction:
         return sum(len(v) for v in self._runners.values())
 
     # -- first call of a signature (or of a variant whose guards failed) --------------
-    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    off_gear: bool = False) -> Any:
         spec = self.spec
         if not spec.enabled:
             return self._run_live(sig, args, kwargs, "disabled")
@@ -222,8 +227,9 @@ class CachedFunction:
         else:
             near, differ = self._lookup.nearest(st, frame, sig)
             why = "no entry" + near
-            # A miss for want of a key is counted by what set the nearest entry apart.
-            record_miss(st, "absent", ", ".join(differ[:3]) or None)
+            # A miss for want of a key is counted by what set the nearest entry apart; a
+            # signature outside the declared gears by that (cachectl stats counts them).
+            record_miss(st, "absent", OFF_GEAR if off_gear else ", ".join(differ[:3]) or None)
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
                     describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cachecompile import ContractError, OutOfGearWarning, cache_compile, store
-from cachecompile.build import prebuild
+from cachecompile.build import Exact, prebuild
 
 
 class Rows(nn.Module):
@@ -82,7 +82,9 @@ def test_product_gears_every_combination(cache_dir: Path) -> None:
         "float32[4,6]@cpu, float32[4,3]@cpu", "float32[4,6]@cpu, float32[4,5]@cpu"]
 
 
-def test_out_of_gear_call_compiles_live_with_one_warning(cache_dir: Path) -> None:
+def test_out_of_gear_call_is_cached_with_one_warning(cache_dir: Path) -> None:
+    """Issue 34: a signature outside the gears is compiled once and published like any
+    other (a fresh process loads it), with one warning, and counted in stats."""
     m = Rows()
     cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir, dynamic=False,
                            gears={"x": {0: [2, 4]}, "y": {0: [2, 4]}})
@@ -97,9 +99,22 @@ def test_out_of_gear_call_compiles_live_with_one_warning(cache_dir: Path) -> Non
     assert len(out_of_gear) == 1, [str(w.message) for w in caught]
     message = str(out_of_gear[0].message)
     assert "x[0]=3, y[0]=3" in message and "x[0]=2, y[0]=2; x[0]=4, y[0]=4" in message
-    assert [e[0] for e in cached.events] == ["miss", "live", "live"]
-    # Only the declared gear has an entry.
-    assert _signatures(cache_dir, "run") == ["float32[2,6]@cpu, float32[2,3]@cpu"]
+    assert "cached like any other signature" in message
+    assert [e[0] for e in cached.events] == ["miss", "miss", "miss"]
+    assert _signatures(cache_dir, "run") == ["float32[2,6]@cpu, float32[2,3]@cpu",
+                                             "float32[3,6]@cpu, float32[3,3]@cpu",
+                                             "float32[5,6]@cpu, float32[5,3]@cpu"]
+    about = store.open_store(cache_dir).stats()["misses_about"]["absent"]
+    assert about["outside the declared gears"] == 2
+    # Another wrapper (a fresh process's) loads it; an Exact example prebuilds one.
+    again = cache_compile(Rows().run, backend="aot_eager", cache_dir=cache_dir, dynamic=False,
+                          gears={"x": {0: [2, 4]}, "y": {0: [2, 4]}})
+    x, y = _xy(3, 3)
+    assert torch.allclose(again(x, y), m.run(x, y))
+    assert [e[0] for e in again.events] == ["hit"]
+    results = prebuild(again, [Exact(*_xy(7, 3))])
+    assert [(r.status, r.signature) for r in results] == [
+        ("built", "float32[7,6]@cpu, float32[7,3]@cpu")]
 
 
 def test_pad_runs_the_next_gear_and_slices_the_outputs(cache_dir: Path) -> None:
