@@ -18,6 +18,7 @@ from ._version import __version__
 # name -> the submodule that defines it.
 _LAZY = {
     "cache_compile": ".api",
+    "compile_repeated_blocks": ".api",
     "CachedFunction": ".cached",
     "CacheCompileError": ".errors",
     "CacheFaultWarning": ".errors",
@@ -59,6 +60,7 @@ __all__ = [
     "UnsupportedTorchWarning",
     "__version__",
     "cache_compile",
+    "compile_repeated_blocks",
     "prebuild",
     "prebuild_factory",
     "node_once",
@@ -66,7 +68,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from cachecompile.api import cache_compile
+    from cachecompile.api import cache_compile, compile_repeated_blocks
     from cachecompile.build import Call, Exact, prebuild, prebuild_factory
     from cachecompile.cached import CachedFunction
     from cachecompile.errors import (

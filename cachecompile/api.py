@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 
 from cachecompile import backends, forms
-from cachecompile.cached import CachedFunction, cache_off
+from cachecompile.cached import CachedFunction, SharedEntries, cache_off
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import passes as passes_mod
@@ -350,7 +350,8 @@ def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
 
 
 def _cache_method(method: types.MethodType, s: _Settings,
-                  function: types.FunctionType | None = None) -> CachedFunction:
+                  function: types.FunctionType | None = None,
+                  shared: SharedEntries | None = None) -> CachedFunction:
     """The cached method. ``function``: the plain function ``method`` holds
     (forms.function_method), keyed as the method's own code is."""
     adapter, options, mode, cache_dir = _checked(s)
@@ -382,4 +383,70 @@ def _cache_method(method: types.MethodType, s: _Settings,
                        cache_dir=cache_dir, ranks=ranks, decompositions=s.custom_decompositions,
                        max_signatures=max_signatures, enabled=enabled, gears=declared,
                        extra_factors=extra)
-    return CachedFunction(method, spec)
+    return CachedFunction(method, spec, shared)
+
+
+def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | None = None,
+                            **options: Any) -> SharedEntries:
+    """Regional compilation, cached: the ``forward`` of every repeated block of ``model``
+    (the classes named by ``blocks``, else by the model's ``_repeated_blocks``, diffusers'
+    attribute) is cached, all instances as one group: identical blocks share one entry per
+    signature, compiled once; a warm process loads it once and checks its guards for each
+    block instance (docs/usage.md, "Repeated blocks").
+
+    ``options`` are ``cache_compile``'s. Each block's ``forward`` becomes an instance
+    attribute, as ``block.forward = cache_compile(block.forward)`` would make it; do not
+    also cache a method that calls the blocks (the trace would meet the cached blocks).
+    Returns the group, whose ``loads`` and ``reuses`` count what the warm path did.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ContractError(f"compile_repeated_blocks() needs an nn.Module, got "
+                            f"{type(model).__qualname__}")
+    wanted = list(blocks) if blocks is not None else list(
+        getattr(model, "_repeated_blocks", None) or ())
+    if not wanted:
+        raise ContractError(
+            f"compile_repeated_blocks(): {type(model).__qualname__} has no _repeated_blocks; "
+            "name the block classes: compile_repeated_blocks(model, blocks=[DecoderBlock])")
+    names = {b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in wanted}
+    settings = _Settings(**{**_DEFAULTS, **_settings_of(options)})
+    group = SharedEntries()
+    found: set[str] = set()
+    for sub in model.modules():
+        name = type(sub).__name__
+        if name not in names:
+            continue
+        if isinstance(sub.forward, CachedFunction):
+            raise ContractError(f"compile_repeated_blocks(): {name}.forward is cached "
+                                "already; cache each block once")
+        sub.forward = _cache_method(_check_method(sub.forward), settings,  # type: ignore[method-assign]
+                                    shared=group)
+        found.add(name)
+    missing = sorted(names - found)
+    if missing:
+        raise ContractError(f"compile_repeated_blocks(): {type(model).__qualname__} has no "
+                            f"submodule of class {', '.join(missing)}")
+    return group
+
+
+# cache_compile's defaults, for helpers that take its options as keywords.
+_DEFAULTS: dict[str, Any] = {
+    "config": None, "backend": None, "dynamic": True, "cache_dir": None, "global_rank": None,
+    "tp_rank": None, "pp_rank": None, "custom_decompositions": None, "ge_cache": False,
+    "max_signatures": 8, "guards": None, "passes": None, "gears": None,
+    "gear_policy": "zip", "pad": False,
+}
+
+
+def _settings_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``cache_compile``'s keyword options as settings: torch.compile's own (mode,
+    options, fullgraph) merged into config, unknown ones warned about and dropped."""
+    opts = dict(options)
+    mode, extra, fullgraph = opts.pop("mode", None), opts.pop("options", None), \
+        opts.pop("fullgraph", True)
+    unknown = {k: opts.pop(k) for k in list(opts) if k not in _DEFAULTS}
+    if unknown:
+        _ignore_unknown(unknown)
+    opts["config"] = _torch_compile_args(opts.get("config"), opts.get("backend"), mode, extra,
+                                         fullgraph)
+    return opts

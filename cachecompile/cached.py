@@ -53,17 +53,58 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CachedFunction", "cache_off"]
+__all__ = ["CachedFunction", "SharedEntries", "cache_off"]
 
 # What a miss of a signature outside the declared gears is counted about (cachectl stats).
 OFF_GEAR = "outside the declared gears"
 
 
+class SharedEntries:
+    """Entries loaded once for the instances of repeated blocks (``compile_repeated_blocks``).
+
+    N identical blocks have one frame key per signature. The first block to load an entry
+    registers it here; every other block's first call of that signature checks the
+    entry's guards against itself (its own parameters, its own attributes: a block whose
+    ``layer_idx`` the program read fails them) and, if they hold, runs the same program
+    with its own ``self``: one load, N guard checks, no second read of the entry.
+    """
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, list[Variant]] = {}   # frame digest -> loaded variants
+        self._lock = threading.Lock()
+        self.loads = 0      # entries loaded from the store for the group
+        self.reuses = 0     # block instances served by an entry another one loaded
+
+    def add(self, frame: Key, variant: Variant) -> None:
+        if variant.checker is None or not isinstance(variant.run, types.MethodType):
+            return  # a live compile: bound to its own instance, nothing to share
+        with self._lock:
+            self._loaded.setdefault(frame.digest, []).append(variant)
+            self.loads += 1
+
+    def reuse(self, frame: Key, lookup: Lookup, module: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Variant | None:
+        """A variant another block loaded whose guards hold for ``module``, rebound to it."""
+        with self._lock:
+            variants = list(self._loaded.get(frame.digest, ()))
+        for v in variants:
+            assert v.checker is not None and isinstance(v.run, types.MethodType)
+            if v.checker.full(module, *args, **kwargs):
+                check, fast = lookup.check_of(v.checker)
+                with self._lock:
+                    self.reuses += 1
+                return Variant(run=types.MethodType(v.run.__func__, module), check=check,
+                               name=v.name, fast=fast, checker=v.checker)
+        return None
+
+
 class CachedFunction:
     """What ``cache_compile`` returns. Call it like the method it wraps."""
 
-    def __init__(self, method: types.MethodType, spec: CompileSpec) -> None:
+    def __init__(self, method: types.MethodType, spec: CompileSpec,
+                 shared: SharedEntries | None = None) -> None:
         self._method = method
+        self._shared = shared
         self._module = method.__self__
         self.spec = spec
         self._gears = spec.gears
@@ -199,6 +240,14 @@ class CachedFunction:
             fault(f"computing the cache key failed ({type(e).__name__}: {e})")
             return self._run_live(sig, args, kwargs, "no key")
         early["key"] = time.perf_counter() - t0
+        if self._shared is not None:
+            reused = self._shared.reuse(frame, self._lookup, self._module, args, kwargs)
+            if reused is not None:
+                self._add(sig, reused, "hit")
+                logger.info("cachecompile hit %s %s [%s] shared with a repeated block, "
+                            "checked in %.1f ms", self.__qualname__, reused.name,
+                            describe(sig), (time.perf_counter() - t0) * 1e3)
+                return reused.run(*args, **kwargs)
         try:
             st = store_for(spec.cache_dir)
         except (StoreError, OSError) as e:
@@ -207,6 +256,8 @@ class CachedFunction:
         probe = self._lookup.probe(st, frame, args, kwargs)
         if probe.runner is not None:
             self._add(sig, probe.runner, "hit")
+            if self._shared is not None:
+                self._shared.add(frame, probe.runner)
             logger.info("cachecompile hit %s %s [%s] loaded in %.1f ms", self.__qualname__,
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
             return probe.runner.run(*args, **kwargs)

@@ -71,6 +71,8 @@ class Variant:
     # The C++ guard tree alone: cheap, and may say no where ``check`` says yes. Where a
     # signature has several variants, every variant's is tried before any full check.
     fast: Callable[..., bool] | None = None
+    # A loaded entry's guard checker (free of any instance): repeated blocks reuse it.
+    checker: guards_mod.Checker | None = None
 
 
 @dataclasses.dataclass
@@ -258,7 +260,7 @@ class Lookup:
         except Exception:  # a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
         check, fast = self.check_of(checker)
-        return Variant(run=bound, check=check, name=name, fast=fast)
+        return Variant(run=bound, check=check, name=name, fast=fast, checker=checker)
 
     def check_of(self, checker: guards_mod.Checker
                  ) -> tuple[Callable[..., bool], Callable[..., bool] | None]:
