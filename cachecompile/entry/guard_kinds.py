@@ -368,6 +368,16 @@ def reads_instance_dict(obj: Any, name: str) -> bool:
     cls = type(obj)
     if d is None or name not in d or cls.__getattribute__ not in _PLAIN_GETATTRIBUTE:
         return False
+    return _not_shadowed(cls, name)
+
+
+_PLAIN_GETATTRIBUTE = (object.__getattribute__, types.ModuleType.__getattribute__)
+_NO_VALUE = object()
+
+
+def _not_shadowed(cls: type, name: str) -> bool:
+    """No data descriptor of ``cls`` (or its bases) stands in front of an instance's
+    ``name``."""
     for klass in cls.__mro__:
         found = klass.__dict__.get(name, _NO_VALUE)
         if found is not _NO_VALUE:
@@ -375,8 +385,40 @@ def reads_instance_dict(obj: Any, name: str) -> bool:
     return True
 
 
-_PLAIN_GETATTRIBUTE = (object.__getattribute__, types.ModuleType.__getattribute__)
-_NO_VALUE = object()
+def _config_getattribute() -> Any:
+    """transformers' ``PretrainedConfig.__getattribute__`` (None unless transformers'
+    configuration module is imported: nothing to recognise then)."""
+    cls = getattr(sys.modules.get("transformers.configuration_utils"), "PretrainedConfig", None)
+    return vars(cls).get("__getattribute__") if isinstance(cls, type) else None
+
+
+def config_map_read(obj: Any, name: str) -> dict[str, Any] | None:
+    """The class's ``attribute_map`` where ``obj.name`` reads ``vars(obj)[name]`` through
+    transformers' ``PretrainedConfig.__getattribute__`` (recognised by the function's
+    identity); else None.
+
+    That function maps ``name`` through ``attribute_map`` (a plain dict on the class), then
+    reads the attribute as Python does. So while ``type(obj).__getattribute__`` is that
+    function, ``type(obj).attribute_map`` is this dict and lacks ``name``, and the instance
+    holds no ``attribute_map`` of its own, ``obj.name`` is ``vars(obj)[name]``: decided by
+    those dicts, which a guard tree can watch (issue 33's decision). Any other custom
+    ``__getattribute__`` stays checked by calling it."""
+    cls = type(obj)
+    fn = _config_getattribute()
+    if fn is None or cls.__getattribute__ is not fn or name == "attribute_map":
+        return None
+    d = instance_dict(obj)
+    if d is None or name not in d or "attribute_map" in d or not _not_shadowed(cls, name):
+        return None
+    amap = _class_attr(cls, "attribute_map")
+    return amap if type(amap) is dict and name not in amap else None
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return _NO_VALUE
 
 
 def _in_instance_dict(obj: Any, value: JSON) -> bool:

@@ -37,7 +37,13 @@ import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile.entry import guard_paths
-from cachecompile.entry.guard_kinds import TABLE, fixed_class, instance_dict, reads_instance_dict
+from cachecompile.entry.guard_kinds import (
+    TABLE,
+    config_map_read,
+    fixed_class,
+    instance_dict,
+    reads_instance_dict,
+)
 from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
 from cachecompile.entry.guards import Parts, guard_lines, indent
 
@@ -181,7 +187,9 @@ class _Builder:
                     mgr = native.child(node.mgr, obj, step, value, text, self.enum)
                 found = self.nodes[(node, step)] = Node(self, text, mgr, value, node.pinned)
             if i < len(needs) and needs[i]:
-                self.need(node, needs[i])
+                for what in needs[i].split(","):
+                    if what:
+                        self.need(node, what)
             node = found
         return node
 
@@ -191,6 +199,9 @@ class _Builder:
             return
         self._needs.add((id(node.obj), what))
         live = node.live()
+        if what.startswith("mapped:"):
+            self._mapped(node, what.partition(":")[2])
+            return
         if what == "type":
             self.keep(type(node.obj))
             native.type_match(live.mgr, type(node.obj), f"type({node.text})")
@@ -199,6 +210,46 @@ class _Builder:
             self.keep(d)
             native.dict_identity(live.mgr, node.obj, d, f"{node.text}.__dict__ (same dict)",
                                  self.enum)
+
+    def _mapped(self, node: Node, name: str) -> None:
+        """What makes ``obj.name`` the instance dict's item under transformers' config
+        ``__getattribute__`` (guard_kinds.config_map_read), on every call: the class's
+        ``__getattribute__`` and ``attribute_map`` are the same objects, the map lacks
+        ``name``, and the instance has no ``attribute_map`` of its own."""
+        obj = node.obj
+        cls = type(obj)
+        amap = config_map_read(obj, name)
+        if amap is None:
+            raise _NotAPath(("attr", name))
+        text = f"{node.text}.{name} (read through {cls.__qualname__}.attribute_map)"
+        owner = self.const(cls)
+        if (id(cls), "mapped") not in self._needs:
+            self._needs.add((id(cls), "mapped"))
+            fn = cls.__getattribute__
+            self.keep(fn)
+            native.id_match(native.child(owner.mgr, cls, ("attr", "__getattribute__"), fn,
+                                         f"{cls.__qualname__}.__getattribute__", self.enum),
+                            fn, f"{cls.__qualname__}.__getattribute__ is transformers' own")
+            self.keep(amap)
+            native.id_match(self._class_map(owner, cls, amap), amap,
+                            f"{cls.__qualname__}.attribute_map is the same dict")
+        mgr = self._class_map(owner, cls, amap)
+        if not native.dict_contains(mgr, amap, False, name, text):
+            native.predicate(mgr, lambda m, k=name: k not in m, text)
+        d = object.__getattribute__(obj, "__dict__")
+        own = native.child(node.live().mgr, obj, ("__dict__", None), d,
+                           f"{node.text}.__dict__", self.enum)
+        if not native.dict_contains(own, d, False, "attribute_map", text):
+            native.predicate(own, lambda v: "attribute_map" not in v, text)
+
+    def _class_map(self, owner: Node, cls: type, amap: dict[str, Any]) -> Any:
+        found = self.nodes.get((owner, ("attr", "attribute_map")))
+        if found is None:
+            found = self.nodes[(owner, ("attr", "attribute_map"))] = Node(
+                self, f"{cls.__qualname__}.attribute_map",
+                native.child(owner.mgr, cls, ("attr", "attribute_map"), amap,
+                             f"{cls.__qualname__}.attribute_map", self.enum), amap, False)
+        return found.mgr
 
     def const(self, obj: Any) -> Node:
         """A frontier entry for ``obj`` itself, reached by no path."""
@@ -332,6 +383,10 @@ def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
             return [("__dict__", None)], [dict_need]
         if reads_instance_dict(obj, name):
             return [("__dict__", None), ("item", name)], [dict_need, ""]
+        if config_map_read(obj, name) is not None:
+            # transformers' config: the same read, while the class's attribute_map and its
+            # __getattribute__ are what they were (checked on every call: need "mapped").
+            return [("__dict__", None), ("item", name)], [f"{dict_need},mapped:{name}", ""]
         return None
     if how == "item":
         if native.plain_dict(obj) or type(obj) is tuple:

@@ -455,3 +455,83 @@ def test_the_stand_in_reads_of_dynamo_sources_agree_with_a_parse() -> None:
     for name, value in defaults.items():
         if name != "verbose":
             assert values[name] == value, name
+
+
+class _UsesHFConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.config = LlamaConfig(hidden_size=8, num_attention_heads=2, rms_norm_eps=1e-6)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.config.rms_norm_eps
+
+
+_HF_CHANGES = {
+    "value": lambda m: setattr(m.config, "rms_norm_eps", 1e-5),
+    "mapped on the class": lambda m: type(m.config).attribute_map.__setitem__("rms_norm_eps",
+                                                                               "hidden_size"),
+    "map replaced": lambda m: setattr(type(m.config), "attribute_map",
+                                      {"rms_norm_eps": "hidden_size"}),
+    "instance map": lambda m: m.config.__dict__.__setitem__("attribute_map",
+                                                            {"rms_norm_eps": "hidden_size"}),
+    "getattribute patched": lambda m: setattr(type(m.config), "__getattribute__",
+                                              lambda s, k: 0.5 if k == "rms_norm_eps"
+                                              else object.__getattribute__(s, k)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_HF_CHANGES))
+def test_a_transformers_config_read_is_pinned_by_its_dicts(change: str) -> None:
+    """transformers' PretrainedConfig.__getattribute__ maps a name through the class's
+    attribute_map, then reads as Python does: the tree reads such an attribute from the
+    instance dict (skipped while unchanged), and checks on every call what makes that the
+    same read. Each way of changing the read fails the tree (issue 33's decision)."""
+    from transformers import LlamaConfig
+
+    saved = {k: LlamaConfig.__dict__[k] for k in ("attribute_map",) if k in LlamaConfig.__dict__}
+    saved_ga = "__getattribute__" in LlamaConfig.__dict__
+    m, x = _UsesHFConfig(), torch.randn(2, 8)
+    amap = dict(type(m.config).attribute_map)
+    guards = [_guard("type", "L['self'].config", type_value(type(m.config))),
+              _guard("eq", "L['self'].config.rms_norm_eps", values.encode_value(1e-6))]
+    c = g.build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    tree = guard_tree.build(c.parts, (m, x), {})
+    assert tree is not None and tree.n_python == 0
+    assert tree.check(m, x) and tree.check(m, x)
+    try:
+        _HF_CHANGES[change](m)
+        assert c.full(m, x) is False, "the Python check sees it"
+        assert tree.check(m, x) is False, f"the tree missed: {change}"
+    finally:
+        for k, v in saved.items():
+            setattr(LlamaConfig, k, v)
+        type(m.config).attribute_map.clear()
+        type(m.config).attribute_map.update(amap)
+        if not saved_ga and "__getattribute__" in LlamaConfig.__dict__:
+            delattr(LlamaConfig, "__getattribute__")
+        m.config.__dict__.pop("attribute_map", None)
+
+
+def test_a_transformers_config_read_is_skipped_while_unchanged(monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """The read above sits in the module's skipped subtree (it no longer calls the config's
+    __getattribute__ on every call); unrecognised, it is checked on every call."""
+    from cachecompile.entry import guard_kinds
+
+    if not native.tags_available():
+        pytest.skip("this torch does not skip unchanged subtrees")
+    m, x = _UsesHFConfig(), torch.randn(2, 8)
+    guards = [_guard("type", "L['self'].config", type_value(type(m.config))),
+              _guard("eq", "L['self'].config.rms_norm_eps", values.encode_value(1e-6))]
+
+    def skipped() -> int:
+        c = g.build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+        tree = guard_tree.build(c.parts, (m, x), {})
+        assert tree is not None and tree.check(m, x)
+        return tree.skipped
+
+    pinned = skipped()
+    monkeypatch.setattr(guard_kinds, "_config_getattribute", lambda: None)
+    assert pinned > skipped()
