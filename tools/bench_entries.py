@@ -1,0 +1,146 @@
+"""A warm start with many entries (issue 33): time to the LAST first output of a fresh
+process that serves the demo decoder at N batch sizes (``dynamic=False``: one entry each),
+against eager and torch.compile with its own caches warm, as whole fresh processes,
+interleaved, medians; and where each entry's load goes, phase by phase.
+
+Mechanisms, each a fresh process over the same N batch sizes:
+  eager       the model as it is
+  cc_warm     cache_compile(m.forward, dynamic=False), every entry in the store (built once
+              beforehand by a cold process), empty Inductor dirs
+  tc_warm     torch.compile(m.forward, dynamic=False), in the dirs of an earlier run (its FX
+              graph and kernel caches warm; Dynamo traces every batch size again)
+
+The phase split runs one more cc_warm process under cProfile and reports, per entry, the
+cumulative time of each step of a lookup: reading the manifest, building the guard checker,
+verifying the files (store get), loading the program, rebuilding the method, and the C++
+guard tree built on each entry's second call.
+
+    python tools/bench_entries.py --entries 1 8 32 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import os, sys, time
+t0 = time.perf_counter()
+import torch
+from cachecompile.demo.models import build_decoder
+mode, n = sys.argv[1], int(sys.argv[2])
+m = build_decoder().eval()
+fn = m.forward
+if mode == "cc_warm":
+    from cachecompile import cache_compile
+    fn = cache_compile(m.forward, dynamic=False)
+elif mode == "tc_warm":
+    fn = torch.compile(m.forward, dynamic=False)
+first = {}
+with torch.no_grad():
+    for b in range(1, n + 1):
+        x = torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
+        out = fn(x)
+        first[b] = time.perf_counter() - t0
+    for b in range(1, n + 1):     # second calls: cache_compile builds each entry's C++ tree
+        fn(torch.randint(0, 100, (b, 4)))
+    second = time.perf_counter() - t0
+events = [e for e, _ in getattr(fn, "events", [])]
+import json
+print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
+                              "misses": sum(e != "hit" for e in events) if events else None}))
+"""
+
+PHASES = {
+    "manifest": "_variant_meta", "checker": "build_checker", "verify (store get)": "get",
+    "program load": "load", "rebuild": "rebuild", "tree (2nd call)": "build",
+}
+PHASE_FILES = {"_variant_meta": "lookup.py", "build_checker": "guards.py", "get": "disk.py",
+               "load": "backends", "rebuild": "replay.py", "build": "entry/guard_tree.py"}
+
+
+def run(mode: str, n: int, env: dict[str, str], profile: Path | None = None) -> dict[str, float]:
+    cmd = [sys.executable]
+    if profile is not None:
+        cmd += ["-m", "cProfile", "-o", str(profile)]
+    out = subprocess.run([*cmd, _child_file(), mode, str(n)], env=env, capture_output=True,
+                         text=True, timeout=3600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not line:
+        raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(line[-1][7:]))
+
+
+def _child_file() -> str:
+    path = Path(tempfile.gettempdir()) / "cachecompile_bench_entries_child.py"
+    path.write_text(CHILD)
+    return str(path)
+
+
+def phases(profile: Path, n: int) -> dict[str, float]:
+    stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for label, func in PHASES.items():
+        total = sum(ct for (file, _, name), (_, _, _, ct, _) in stats.items()
+                    if name == func and PHASE_FILES[func] in file)
+        out[label] = total / n * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--entries", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cc-bench-entries-"))
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_"))}
+    print(f"torch {__import__('torch').__version__}; {os.cpu_count()} cores; work {work}")
+    try:
+        for n in a.entries:
+            store = work / f"store-{n}"
+
+            def env(name: str, warm_tc: bool = False, n: int = n,
+                    store: Path = store) -> dict[str, str]:
+                d = work / (f"tc-{n}" if warm_tc else f"{name}-{n}-{time.monotonic_ns()}")
+                for sub in ("inductor", "tmp"):
+                    (d / sub).mkdir(parents=True, exist_ok=True)
+                return {**base, "CACHECOMPILE_DIR": str(store),
+                        "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TMPDIR": str(d / "tmp")}
+
+            run("cc_warm", n, env("build"))            # cold: builds the N entries
+            run("tc_warm", n, env("tc", warm_tc=True))  # fills torch.compile's caches
+            rows: dict[str, list[dict[str, float]]] = {"eager": [], "cc_warm": [], "tc_warm": []}
+            for _ in range(a.runs):                    # interleaved
+                for mode in rows:
+                    rows[mode].append(run(mode, n, env(mode, warm_tc=mode == "tc_warm")))
+            eager = statistics.median(r["last_first"] for r in rows["eager"])
+            print(f"\n{n} entries: last first output, medians of {a.runs}")
+            for mode, rs in rows.items():
+                t = statistics.median(r["last_first"] for r in rs)
+                sec = statistics.median(r["second_round"] for r in rs)
+                print(f"  {mode:8s} {t:7.3f} s  ({t - eager:+.3f} s vs eager; second calls "
+                      f"{sec * 1e3:7.1f} ms)  misses {rs[-1].get('misses')}")
+            prof = work / f"profile-{n}.out"
+            run("cc_warm", n, env("prof"), profile=prof)
+            print("  per entry, cc_warm under cProfile (inflated): " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in phases(prof, n).items()))
+            print(json.dumps({"entries": n, "eager": eager}))
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
