@@ -21,11 +21,12 @@ program), and so may what is shared between variants.
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 from ccutil import Sandbox
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.longest]
 
 HELPER = """
 K = 3
@@ -479,30 +480,6 @@ def _run(box: Sandbox, changed: bool, backend: str) -> dict[str, dict]:
     return box.run(DRIVER, **env).value
 
 
-# Per backend, once per worker process: pytest tears a parametrized module fixture down
-# whenever the next test (as xdist hands them out) has the other parameter.
-_MATRICES: dict[str, dict[str, dict[str, dict]]] = {}
-
-
-@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
-def matrix(tmp_path_factory: pytest.TempPathFactory,
-           request: pytest.FixtureRequest) -> dict[str, dict[str, dict]]:
-    backend = request.param
-    if backend not in _MATRICES:
-        _MATRICES[backend] = _build(tmp_path_factory, backend)
-    return _MATRICES[backend]
-
-
-def _build(tmp_path_factory: pytest.TempPathFactory, backend: str) -> dict[str, dict[str, dict]]:
-    root = tmp_path_factory.mktemp(f"guards-{backend}")
-    (root / "gm_helper.py").write_text(textwrap.dedent(HELPER))
-    (root / "gm_cases.py").write_text(CASES)
-    box = Sandbox(root)
-    return {phase: _run(box, changed, backend) for phase, changed in (
-        ("cold", False), ("warm", False), ("changed", True), ("changed2", True),
-        ("back", False))}
-
-
 CASE_NAMES = [
     "OtherModuleConst", "GlobalReassigned", "GlobalFromEnv", "EnvReadWhileUnset",
     "PrivateAttr", "DictValue",
@@ -515,35 +492,59 @@ CASE_NAMES = [
 ]
 
 
-def test_hits_write_nothing_into_module_globals(matrix: dict[str, dict[str, dict]]) -> None:
-    assert matrix["warm"]["__leaked__"] == [], matrix["warm"]["__leaked__"]
-    assert matrix["cold"]["__leaked__"], "the cold process compiles live (Dynamo's names)"
+def _build(root: Path, backend: str) -> dict[str, dict[str, dict]]:
+    (root / "gm_helper.py").write_text(textwrap.dedent(HELPER))
+    (root / "gm_cases.py").write_text(CASES)
+    box = Sandbox(root)
+    return {phase: _run(box, changed, backend) for phase, changed in (
+        ("cold", False), ("warm", False), ("changed", True), ("changed2", True),
+        ("back", False))}
 
 
-@pytest.mark.parametrize("case", CASE_NAMES)
-def test_guard_case(matrix: dict[str, dict[str, dict]], case: str) -> None:
+def _case_problems(matrix: dict[str, dict[str, dict]], case: str) -> list[str]:
+    """What is wrong with one case across the five processes (empty: it holds)."""
     cold, warm = matrix["cold"][case], matrix["warm"][case]
     changed, changed2, back = (matrix["changed"][case], matrix["changed2"][case],
                                matrix["back"][case])
-    for name, r in (("cold", cold), ("warm", warm), ("changed", changed),
-                    ("changed2", changed2), ("back", back)):
-        assert r["ok"], f"{case} {name}: output differs from eager: {r}"
-    assert cold["event"] in ("miss", "shared"), cold
-    assert warm["event"] == "hit", warm
+    bad = [f"{name}: output differs from eager: {r}" for name, r in (
+        ("cold", cold), ("warm", warm), ("changed", changed), ("changed2", changed2),
+        ("back", back)) if not r["ok"]]
+    if cold["event"] not in ("miss", "shared"):
+        bad.append(f"cold: {cold}")
+    if warm["event"] != "hit":
+        bad.append(f"warm: not a hit: {warm}")
     if changed["event"] == "hit" and changed["may_lift"]:
         # The value is a graph input here: the same entry serves both, read live (the
         # outputs equal eager's, checked above).
-        assert changed2["event"] == "hit" and back["event"] == "hit", (changed2, back)
-        return
+        if not (changed2["event"] == "hit" and back["event"] == "hit"):
+            bad.append(f"lifted value: {changed2} {back}")
+        return bad
     # A real change is a miss (compiled again, or live where it is not cacheable) ...
-    assert changed["event"] in ("miss", "shared"), changed
+    if changed["event"] not in ("miss", "shared"):
+        bad.append(f"changed: not a miss: {changed}")
     # ... whose log line names the guard that failed (or the key factor that differs).
     failed = [line for line in changed["log"]
               if "guard failed" in line or "differs in: " in line]
-    assert failed, changed["log"]
-    assert any(changed["expect"] in line for line in failed), (changed["expect"], failed)
-    assert back["event"] == "hit", back
-    if changed2["event"] != "hit":
+    if not any(changed["expect"] in line for line in failed):
+        bad.append(f"changed: no log line names {changed['expect']!r}: {failed or changed['log']}")
+    if back["event"] != "hit":
+        bad.append(f"back: not a hit: {back}")
+    if changed2["event"] != "hit" and not any("not cacheable" in w for w in changed["warnings"]):
         # Only where the changed state cannot be cached (aliased inputs change the graph's
         # inputs) may the second changed process compile again; it must say why.
-        assert any("not cacheable" in w for w in changed["warnings"]), changed
+        bad.append(f"changed2: compiled again without saying why: {changed2}")
+    return bad
+
+
+# One test per backend: its five processes serve every case. (One test per case made
+# each xdist worker build the whole matrix for itself: twice the work.)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_guard_matrix(tmp_path: Path, backend: str) -> None:
+    matrix = _build(tmp_path, backend)
+    assert sorted(k for k in matrix["cold"] if k != "__leaked__") == sorted(CASE_NAMES)
+    problems = {case: p for case in CASE_NAMES if (p := _case_problems(matrix, case))}
+    assert not problems, "\n".join(f"{case}: {'; '.join(p)}" for case, p in problems.items())
+    # A process that only hits adds no name to the user's module globals (Dynamo adds its
+    # own when it compiles live).
+    assert matrix["warm"]["__leaked__"] == [], matrix["warm"]["__leaked__"]
+    assert matrix["cold"]["__leaked__"], "the cold process compiles live (Dynamo's names)"
