@@ -12,7 +12,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from cachecompile.backends.base import Adapter
+from cachecompile.backends.base import Adapter, capability
 from cachecompile.entry.guards import GuardMode
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import Ranks
@@ -43,8 +43,7 @@ class CompileSpec:
     def freezes(self) -> bool:
         """Whether the backend bakes the module's weights into its program (Inductor's
         ``freezing``): then the weights' content is a key factor."""
-        freezes = getattr(self.adapter, "freezes", None)
-        return bool(freezes is not None and freezes(self.options))
+        return bool(capability(self.adapter, "freezes")(self.options))
 
     def backend_factors(self) -> dict[str, Any]:
         """The backend as the key names it: the adapter's name and its own factors."""

@@ -17,9 +17,9 @@ import importlib
 import importlib.metadata
 import logging
 import threading
-from collections.abc import Mapping
 from typing import Any
 
+from cachecompile.backends import base
 from cachecompile.backends.base import Adapter
 from cachecompile.key import identity
 
@@ -30,22 +30,35 @@ ENTRY_POINT_GROUP = "cachecompile.backends"
 # name -> the adapter, or "module:attribute" (module alone: its ADAPTER), imported lazily:
 # a warm process imports only its own adapter.
 _REGISTRY: dict[str, Adapter | str] = {}
+# name -> what selects that adapter without its name (a module or object with
+# ``selects(backend, config, ge_cache)`` and ``options(backend, config, ge_cache)``), or
+# where to import it from; asked in order on every resolve, so it must be light to import.
+_SELECTORS: dict[str, Any] = {}
 _lock = threading.Lock()
 _scanned = False
 
 
-def register(name: str, adapter: Adapter | str) -> None:
+def register(name: str, adapter: Adapter | str, *, selector: Any = None) -> None:
     """Make ``backend=name`` mean ``adapter``: an object implementing
     :class:`~cachecompile.backends.base.Adapter`, or where to import it from
     (``"package.module:ADAPTER"``; a module alone means its ``ADAPTER``). A vendor package
     calls this on import, or declares the same string as an entry point in the group
-    ``cachecompile.backends``. Registering a name again replaces it."""
+    ``cachecompile.backends``. Registering a name again replaces it.
+
+    ``selector`` (optional): what picks this adapter when ``backend=`` does not name it
+    (TorchAir's ``CompilerConfig`` as ``config``): an object or module with
+    ``selects(backend, config, ge_cache) -> bool`` and ``options(backend, config,
+    ge_cache) -> dict``, or a module path to import it from."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a backend name must be a non-empty str, got {name!r}")
     if not isinstance(adapter, str):
         _check(name, adapter, f"backend {name!r}")
     with _lock:
         _REGISTRY[name] = adapter
+        if selector is not None:
+            _SELECTORS[name] = selector
+        else:
+            _SELECTORS.pop(name, None)
 
 
 def _check(name: str, obj: Any, what: str) -> None:
@@ -59,8 +72,7 @@ def _check(name: str, obj: Any, what: str) -> None:
 
 
 def _not_an_adapter(obj: Any) -> str | None:
-    missing = [a for a in ("name", "shares_graphs", "torch_parts", "factors", "compile",
-                           "load", "plain_backend") if not hasattr(obj, a)]
+    missing = base.missing(obj)
     if missing:
         return (f"{type(obj).__qualname__} is not an adapter: it lacks {', '.join(missing)} "
                 "(cachecompile.backends.base.Adapter)")
@@ -111,7 +123,8 @@ def get(name: str) -> Adapter:
 
 register("inductor", "cachecompile.backends.inductor:ADAPTER")
 register("aot_eager", "cachecompile.backends.aot_eager:ADAPTER")
-register("torchair", "cachecompile.backends.torchair:ADAPTER")
+register("torchair", "cachecompile.backends.torchair:ADAPTER",
+         selector="cachecompile.backends.torchair_select")
 
 
 def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapter, dict[str, Any]]:
@@ -120,8 +133,10 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
     Returns the adapter and its options (the ``config`` part of the key). Raises
     TypeError / ValueError with a message for the user on bad input.
     """
-    if _wants_torchair(backend, config, ge_cache):
-        return _resolve_torchair(backend, config, ge_cache)
+    for name in list(_SELECTORS):
+        selector = _selector(name)
+        if selector.selects(backend, config, ge_cache):
+            return get(name), dict(selector.options(backend, config, ge_cache))
     if backend is None:
         adapter = get("inductor")
     elif isinstance(backend, str):
@@ -150,79 +165,14 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
     if ge_cache:
         raise ValueError(f"ge_cache=True is an option of the Ascend torchair backend, not of "
                          f"{adapter.name!r}; use backend='torchair' (or leave backend unset)")
-    make_options = getattr(adapter, "make_options", None)
-    if make_options is not None:
-        return adapter, dict(make_options(config))  # the adapter reads its own config
-    if config is None:
-        options: dict[str, Any] = {}
-    elif isinstance(config, Mapping):
-        options = dict(config)
-    else:
-        raise TypeError(f"config for backend {adapter.name!r} must be a dict of options, got "
-                        f"{type(config).__qualname__}")
-    return adapter, options
+    # The adapter reads its own config (by default, a dict of options).
+    return adapter, dict(base.capability(adapter, "make_options")(config))
 
 
-def _looks_like_compiler_config(obj: Any) -> bool:
-    cls = type(obj)
-    return cls.__name__ == "CompilerConfig" and cls.__module__.startswith("torchair")
-
-
-def _looks_like_npu_backend(obj: Any) -> bool:
-    import functools
-
-    return isinstance(obj, functools.partial) and "compiler_config" in (obj.keywords or {})
-
-
-def _npu_device_present() -> bool:
-    """An NPU this process already set up (torch_npu imported by the user, a device seen).
-
-    Only looked at when nothing else names a backend; torch_npu is never imported here
-    (a failed import of it costs seconds and leaves half-registered state behind).
-    """
-    import sys
-
-    torch_npu = sys.modules.get("torch_npu")
-    if torch_npu is None:
-        return False
-    try:
-        return bool(torch_npu.npu.is_available())
-    except Exception:  # a broken torch_npu means: no NPU to use
-        return False
-
-
-def _wants_torchair(backend: Any, config: Any, ge_cache: bool) -> bool:
-    if backend == "torchair" or _looks_like_npu_backend(backend):
-        return True
-    if isinstance(backend, str):
-        return False  # another named adapter; ge_cache / config errors come from it
-    if backend is not None:
-        return False
-    return ge_cache or _looks_like_compiler_config(config) or (
-        config is None and _npu_device_present())
-
-
-def _resolve_torchair(backend: Any, config: Any, ge_cache: bool) -> tuple[Adapter, dict[str, Any]]:
-    from cachecompile.backends import torchair
-
-    why = torchair.unavailable_reason()
-    if why is not None:
-        raise ValueError("the Ascend torchair backend was selected (backend='torchair', a "
-                         "torchair CompilerConfig, ge_cache=True or an NPU device) but it is "
-                         f"not usable here: {why}. Install torch-npu with CANN, or use "
-                         "backend='inductor'")
-    if _looks_like_npu_backend(backend):
-        backend_config = backend.keywords.get("compiler_config")
-        # TorchAir's own check (cache_compile in torchair/inference/_cache_compiler.py).
-        if config is not None and backend_config != config:
-            raise ValueError("config in current backend is different from the config during "
-                             "cache generation.")
-        config = backend_config if config is None else config
-    if config is not None and not torchair.is_compiler_config(config):
-        raise TypeError("config for backend 'torchair' must be a torchair.CompilerConfig, got "
-                        f"{type(config).__qualname__}")
-    try:
-        options = torchair.make_options(config, ge_cache)
-    except torchair.TorchairUnavailableError as e:
-        raise ValueError(str(e)) from None
-    return get("torchair"), options
+def _selector(name: str) -> Any:
+    ref = _SELECTORS[name]
+    if isinstance(ref, str):
+        ref = importlib.import_module(ref)
+        with _lock:
+            _SELECTORS[name] = ref
+    return ref

@@ -18,7 +18,7 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
-from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program
+from cachecompile.backends.base import JSON, Adapter, Compiled, GraphCallable, Program
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import passes
@@ -62,7 +62,7 @@ def _make_callable(src: str, filename: str, constants: Mapping[str, Any],
     return compiled_fn
 
 
-class AotEagerAdapter:
+class AotEagerAdapter(Adapter):
     name = "aot_eager"
     # Compiling is cheaper than loading, and a shared program would run graph constants
     # taken from another process's trace (a DynamicCache's empty meta placeholders

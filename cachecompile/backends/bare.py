@@ -36,7 +36,7 @@ import xxhash
 
 from cachecompile import _torch
 from cachecompile._torch import runtime
-from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program
+from cachecompile.backends.base import JSON, Adapter, Compiled, GraphCallable, Program
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import ContractError, UnsupportedProgramError, fault
 from cachecompile.key import identity, passes
@@ -205,7 +205,7 @@ def structure(graph: Any) -> list[tuple[Any, ...]]:
     return out
 
 
-class BareAdapter:
+class BareAdapter(Adapter):
     """One backend callable. ``name`` is the same for all ("callable"); the key tells them
     apart by :meth:`factors`."""
 

@@ -54,7 +54,14 @@ class Compiled:
 
 
 class Adapter(Protocol):
-    """A compile path. Implementations live in this package, one module each."""
+    """A compile path. Implementations live in this package, one module each; a vendor's
+    lives in its own package (docs/usage.md, "A backend as a plugin").
+
+    The members above "optional capabilities" are required (:data:`REQUIRED` is read from
+    this class). The optional ones have their defaults here, as vLLM's
+    ``CompilerInterface`` has: an adapter that subclasses this protocol inherits them, and
+    one that does not gets them through :func:`capability`.
+    """
 
     name: str
     # Whether ranks share one compile of an identical graph (coop.GraphShare). Worth it
@@ -82,3 +89,44 @@ class Adapter(Protocol):
         """``(backend, options)`` for plain ``torch.compile`` through public API only: the
         path when torch's internals are not what cachecompile expects."""
         ...
+
+    # -- optional capabilities (OPTIONAL), with their defaults ---------------------------
+    def make_options(self, config: Any) -> Mapping[str, Any]:
+        """``cache_compile(config=...)`` as this backend's options (the ``config`` key
+        factor). Default: a dict of options, or none."""
+        if config is None:
+            return {}
+        if isinstance(config, Mapping):
+            return dict(config)
+        raise TypeError(f"config for backend {self.name!r} must be a dict of options, got "
+                        f"{type(config).__qualname__}")
+
+    def freezes(self, options: Mapping[str, Any]) -> bool:
+        """Whether the program holds the module's weights (Inductor's ``freezing``): then
+        their content is a key factor. Default: it does not."""
+        return False
+
+
+# The optional capabilities: defined with a default on Adapter.
+OPTIONAL = ("make_options", "freezes")
+# Everything else the protocol names is required.
+REQUIRED = tuple(sorted(
+    {*Adapter.__annotations__,
+     *(n for n, v in vars(Adapter).items() if callable(v) and not n.startswith("_"))}
+    - set(OPTIONAL)))
+
+
+def missing(obj: Any) -> list[str]:
+    """The required members of the protocol ``obj`` lacks."""
+    return [a for a in REQUIRED if not hasattr(obj, a)]
+
+
+def capability(adapter: Any, name: str) -> Callable[..., Any]:
+    """The adapter's optional capability ``name``, or the protocol's default bound to it."""
+    if name not in OPTIONAL:
+        raise AttributeError(f"{name} is not an optional capability of an adapter")
+    own = getattr(adapter, name, None)
+    if own is not None:
+        return own  # type: ignore[no-any-return]
+    default: Callable[..., Any] = getattr(Adapter, name).__get__(adapter)
+    return default

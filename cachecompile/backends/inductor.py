@@ -40,7 +40,14 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import inductor, inductor_runtime
-from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile.backends.base import (
+    JSON,
+    Adapter,
+    Compiled,
+    GraphCallable,
+    Program,
+    package_version,
+)
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import passes
@@ -103,7 +110,7 @@ def _env_factors() -> dict[str, str]:
             if (k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)) and k not in _ENV_IGNORED}
 
 
-class InductorAdapter:
+class InductorAdapter(Adapter):
     name = "inductor"
     shares_graphs = True
     torch_parts = (_torch.DYNAMO, _torch.INDUCTOR)

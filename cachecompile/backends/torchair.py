@@ -54,7 +54,15 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import dynamo
-from cachecompile.backends.base import JSON, Compiled, GraphCallable, Program, package_version
+from cachecompile.backends import torchair_select
+from cachecompile.backends.base import (
+    JSON,
+    Adapter,
+    Compiled,
+    GraphCallable,
+    Program,
+    package_version,
+)
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.factors import canonical
@@ -118,15 +126,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def is_compiler_config(obj: Any) -> bool:
-    """A torchair CompilerConfig, recognised without importing torchair."""
-    cls = type(obj)
-    return cls.__name__ == "CompilerConfig" and cls.__module__.startswith("torchair")
-
-
-def is_npu_backend(obj: Any) -> bool:
-    """``torchair.get_npu_backend(...)``'s result: a partial carrying compiler_config."""
-    return isinstance(obj, functools.partial) and "compiler_config" in (obj.keywords or {})
+# What selects this adapter without its name, light to import (the registry asks it).
+is_compiler_config = torchair_select.is_compiler_config
+is_npu_backend = torchair_select.is_npu_backend
 
 
 # -- options: the config, canonically -----------------------------------------------------
@@ -429,7 +431,7 @@ def _no_backward(gm: Any, example_inputs: Sequence[Any]) -> Any:
     raise RuntimeError("cache_compile is inference only: no backward graph")
 
 
-class TorchairAdapter:
+class TorchairAdapter(Adapter):
     name = "torchair"
     shares_graphs = True
     torch_parts = (_torch.DYNAMO,)
