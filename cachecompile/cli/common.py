@@ -171,11 +171,12 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
 
 
 def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
-    """A manifest's meta as the typed record; one of another format or shape reads as an
-    empty record of its adapter (cachectl still shows its factors and files)."""
+    """A manifest's meta as the typed record, whatever its format (cachectl shows entries
+    of every release); one whose fields have the wrong types reads as an empty record of
+    its adapter (cachectl still shows its factors and files)."""
     raw = manifest.get("meta") or {}
     try:
-        return EntryMeta.from_json(raw)
+        return EntryMeta.from_json(raw, any_format=True)
     except UnsupportedProgramError:
         got = raw if isinstance(raw, Mapping) else {}
         adapter, fmt = got.get("adapter"), got.get("format")

@@ -38,7 +38,7 @@ class EntryMeta:
     Every entry has the first four; a method's entry (not a shared graph's program) has
     the rest."""
 
-    adapter: str = _field(str)                          # the backend adapter that loads it
+    adapter: str = _field(str, default="")              # the backend adapter that loads it
     program: Mapping[str, JSON] = _field(dict, factory=dict)   # the adapter's own record
     publisher: Mapping[str, JSON] = _field(dict, factory=dict)  # who, pid, host
     format: int = _field(int, default=FORMAT_VERSION)
@@ -72,19 +72,24 @@ class EntryMeta:
         return out
 
     @classmethod
-    def from_json(cls, meta: Mapping[str, JSON]) -> EntryMeta:
+    def from_json(cls, meta: Mapping[str, JSON], *, any_format: bool = False) -> EntryMeta:
         """Read a manifest's ``meta``; UnsupportedProgramError naming what does not fit
-        (another format, a field of the wrong type), which a lookup reports as a miss."""
+        (another format, a field of the wrong type), which a lookup reports as a miss.
+
+        ``any_format``: for showing an entry (``cachectl``), not for running it: a record
+        of another format, or lacking core fields, reads with what it has."""
         if not isinstance(meta, Mapping):
             raise UnsupportedProgramError("the entry's meta is not a mapping")
         fmt = meta.get("format")
-        if fmt != FORMAT_VERSION:
+        if fmt != FORMAT_VERSION and not any_format:
             raise UnsupportedProgramError(
                 f"entry format {fmt!r}, not {FORMAT_VERSION}: written by another release")
         values: dict[str, Any] = {}
+        if any_format and not isinstance(fmt, int):
+            values["format"] = -1
         for f in dataclasses.fields(cls):
-            if f.name not in meta:
-                if f.name in _ALWAYS:
+            if f.name not in meta or (f.name == "format" and "format" in values):
+                if f.name in _ALWAYS and not any_format:
                     raise UnsupportedProgramError(f"the entry's meta has no {f.name!r}")
                 continue
             v = meta[f.name]
