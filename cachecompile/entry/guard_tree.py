@@ -26,6 +26,7 @@ passes it and the tree is built again, up to :data:`MAX_BUILDS` times.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -235,12 +236,12 @@ class _Builder:
                             f"{cls.__qualname__}.attribute_map is the same dict")
         mgr = self._class_map(owner, cls, amap)
         if not native.dict_contains(mgr, amap, False, name, text):
-            native.predicate(mgr, lambda m, k=name: k not in m, text)
+            native.predicate(mgr, functools.partial(_lacks, name), text)
         d = object.__getattribute__(obj, "__dict__")
         own = native.child(node.live().mgr, obj, ("__dict__", None), d,
                            f"{node.text}.__dict__", self.enum)
         if not native.dict_contains(own, d, False, "attribute_map", text):
-            native.predicate(own, lambda v: "attribute_map" not in v, text)
+            native.predicate(own, functools.partial(_lacks, "attribute_map"), text)
 
     def _class_map(self, owner: Node, cls: type, amap: dict[str, Any]) -> Any:
         found = self.nodes.get((owner, ("attr", "attribute_map")))
@@ -302,6 +303,10 @@ class _Builder:
             return kind.native(self, str(g.get("expr") or ""), g.get("value"), text)
         except _NotAPath:
             return False
+
+
+def _lacks(key: str, d: Any) -> bool:
+    return key not in d
 
 
 class _NotAPath(Exception):
