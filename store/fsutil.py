@@ -33,7 +33,6 @@ __all__ = [
 
 # Out of space or quota: publish fails with StoreFullError.
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_CHUNK = 1 << 20
 _MMAP_MIN = 1 << 16
 HOST_TAG = format(zlib.crc32(os.uname().nodename.encode()), "08x")
 

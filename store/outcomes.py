@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 __all__ = ["Entry", "EntryInfo", "Hit", "Miss", "MissKind", "GcReport", "VerifyReport"]
 
+# Why a lookup found no usable entry (the store's own reasons; cachecompile's lookup adds
+# its own: a failed guard, another format...).
 MissKind = Literal["absent", "corrupt", "insecure", "unreadable", "stale"]
-MISS_KINDS: tuple[str, ...] = ("absent", "corrupt", "insecure", "unreadable", "stale")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Hit:
 @dataclass(frozen=True)
 class Miss:
     reason: str
-    kind: str = "absent"
+    kind: MissKind = "absent"
     found: Literal[False] = False
 
     def __bool__(self) -> bool:

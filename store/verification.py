@@ -25,7 +25,7 @@ from .fsutil import hash_file, owner_problem, rmtree_quiet
 from .index import Index
 from .layout import DATA, MANIFEST, Layout, blob_name, link_error
 from .manifest import parse_manifest, validate_name
-from .outcomes import Entry
+from .outcomes import Entry, MissKind
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Bad(Exception):
     entry directory the verdict is about (what :func:`quarantine` may move).
     """
 
-    def __init__(self, kind: str, reason: str, link: tuple[Path, str] | None = None,
+    def __init__(self, kind: MissKind, reason: str, link: tuple[Path, str] | None = None,
                  ident: Ident | None = None) -> None:
         super().__init__(reason)
         self.kind = kind
@@ -87,7 +87,7 @@ class Bad(Exception):
         self.ident = ident
 
 
-def _lstat(name: str, fd: int, missing: tuple[str, str], what: str) -> os.stat_result:
+def _lstat(name: str, fd: int, missing: tuple[MissKind, str], what: str) -> os.stat_result:
     """lstat ``name`` inside the directory ``fd``; Bad(*missing) when it is not there,
     ``unreadable`` when it may not be looked at."""
     try:

@@ -46,13 +46,6 @@ def is_pattern_pass(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def is_custom_graph_pass(obj: Any) -> bool:
-    """Whether ``obj`` implements Inductor's ``CustomGraphPass`` (or its base, with uuid())."""
-    base = _loaded_class(_CUSTOM_GRAPH_PASS, "CustomPassBase") or _loaded_class(
-        _CUSTOM_GRAPH_PASS, "CustomGraphPass")
-    return base is not None and isinstance(obj, base)
-
-
 @dataclasses.dataclass
 class PatternRule:
     """One entry of a pattern pass, as data."""

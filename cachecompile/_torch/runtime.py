@@ -238,7 +238,3 @@ def dynamo_imported() -> bool:
     """Whether Dynamo was imported (a warm process never imports it)."""
     return "torch._dynamo" in sys.modules
 
-
-def inductor_imported() -> bool:
-    """Whether Inductor was imported (a warm process of a C++ program never imports it)."""
-    return "torch._inductor" in sys.modules
