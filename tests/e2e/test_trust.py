@@ -191,15 +191,13 @@ report({"event": cached.events[-1][0], "eager": bool(torch.equal(got, want)),
 def test_a_global_inductor_option_is_in_the_key(tmp_path: Path) -> None:
     box = Sandbox(tmp_path)
     assert box.run(SAMPLES)["event"] == "miss"          # publishes, default settings
-    assert box.run(SAMPLES)["event"] == "hit"
     fallback = box.run(SAMPLES, FALLBACK="1")
     # Set in a fresh process: not the entry compiled without it; eager's random numbers.
     assert fallback["event"] == "miss", fallback.value
     assert fallback["eager"], "fallback_random gives eager's random numbers"
     assert any("compiler_config.inductor.fallback_random" in line for line in fallback["log"]), \
         fallback["log"]
-    assert box.run(SAMPLES, FALLBACK="1")["event"] == "hit"   # its own entry
-    assert box.run(SAMPLES)["event"] == "hit"                 # the default one still
+    assert box.run(SAMPLES)["event"] == "hit"           # the default entry, side by side
 
 
 def test_compiler_config_factor_reads_changed_settings_only() -> None:
@@ -254,6 +252,7 @@ def _installed_copy(dest: Path) -> Path:
     """The package as a wheel lays it out (the store inside it), importable from ``dest``."""
     pkg = dest / "cachecompile"
     shutil.copytree(REPO / "cachecompile", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(pkg / "store", ignore_errors=True)   # a checkout laid out as a wheel has it
     shutil.copytree(REPO / "store", pkg / "store", ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
