@@ -328,3 +328,63 @@ def test_mode_and_options_become_inductor_options() -> None:
     assert c.spec.options["max_autotune"] is False
     assert "triton.cudagraphs" not in cache_compile(Tiny().forward,
                                                     mode="max-autotune").spec.options
+
+
+# -- repeated blocks, in process: one group loads once --------------------------------------
+class Block(nn.Module):
+    def __init__(self, flag: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.flag = flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.lin(x))
+        return x + y if self.flag else x - y   # a Python branch Dynamo guards
+
+
+class Stack(nn.Module):
+    _repeated_blocks = ["Block", "Missing"]   # diffusers' attribute: one kind may be absent
+
+    def __init__(self, flags: tuple[bool, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(f) for f in flags)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_repeated_blocks_load_once_and_check_each(cache_dir: Path) -> None:
+    from cachecompile import compile_repeated_blocks
+
+    flags = (True, True, False, True, True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = Stack(flags)(x)
+        cold = Stack(flags)
+        g1 = compile_repeated_blocks(cold, backend="aot_eager", cache_dir=cache_dir)
+        assert torch.allclose(cold(x), want, atol=1e-6)
+        # A second model on the same store stands for a fresh process: one entry per
+        # guard outcome (flag True / False), each loaded once; the other blocks reuse it
+        # after their own guards held, and the block whose flag differs does not.
+        warm = Stack(flags)
+        g2 = compile_repeated_blocks(warm, backend="aot_eager", cache_dir=cache_dir)
+        assert torch.allclose(warm(x), want, atol=1e-6)
+    assert (g1.loads, g1.reuses) == (1, 2)   # cold: block 1 loads what block 0 made
+    assert (g2.loads, g2.reuses) == (2, 3)
+    assert [e for b in warm.blocks for e, _ in b.forward.events] == ["hit"] * 5
+
+
+def test_repeated_blocks_refusals() -> None:
+    from cachecompile import compile_repeated_blocks
+
+    with pytest.raises(ContractError, match="has no _repeated_blocks"):
+        compile_repeated_blocks(Tiny())
+    with pytest.raises(ContractError, match="no submodule of class Other"):
+        compile_repeated_blocks(Stack((True,)), blocks=["Other"])
+    s = Stack((True,))
+    compile_repeated_blocks(s, backend="aot_eager")
+    with pytest.raises(ContractError, match="cached already"):
+        compile_repeated_blocks(s, backend="aot_eager")
