@@ -21,6 +21,7 @@ The cold side is imported on the first miss, not here: a warm process never load
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import threading
@@ -336,6 +337,15 @@ class CachedFunction:
     def key(self, sig: Signature) -> Key:
         """The frame key of a call signature (its variants are ``warm.lookup.variant_key``)."""
         return self._keys.frame(sig)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction:
+        """A deep copy of a module whose ``forward`` is cached (an instance attribute, as the
+        class-body and repeated-block forms make it) caches the copy's own method."""
+        module = memo.get(id(self._module))
+        if module is None:
+            module = copy.deepcopy(self._module, memo)
+        return CachedFunction(types.MethodType(self._method.__func__, module), self.spec,
+                              self._shared)
 
     def __repr__(self) -> str:
         return (f"<cache_compile {self.__qualname__} backend={self.spec.adapter.name} "

@@ -259,6 +259,29 @@ def test_module_form_is_like_optimized_module(cache_dir: Path) -> None:
         c(x)
 
 
+def test_a_deep_copy_caches_its_own_forward(cache_dir: Path) -> None:
+    import copy
+
+    @cache_compile(backend="aot_eager", cache_dir=cache_dir)
+    class Copied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    m = Copied()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        m(x)
+        twin = copy.deepcopy(m)
+        torch.nn.init.zeros_(twin.lin.weight)
+        assert twin.forward is not m.forward
+        assert torch.allclose(twin(x), twin.lin.bias.expand(2, 4))
+        assert torch.allclose(m(x), m.lin(x))
+
+
 def test_gears_name_a_plain_functions_arguments(cache_dir: Path) -> None:
     cached = cache_compile(fn, backend="aot_eager", cache_dir=cache_dir, dynamic=False,
                            gears={"x": {0: [2, 4]}})
