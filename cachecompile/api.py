@@ -103,8 +103,8 @@ _MODES: dict[str, dict[str, Any]] = {
 
 
 def _mode_options(mode: Any, backend: Any) -> dict[str, Any]:
-    if mode is None:
-        return {}
+    if mode is None or mode == "default":
+        return {}  # torch.compile's default: no options, for any backend
     if mode == "reduce-overhead":
         raise ContractError(
             "cache_compile(): mode='reduce-overhead' means CUDA graphs, whose capture is not "
