@@ -108,9 +108,12 @@ def main() -> None:
             nonlocal n
             n += 1
             base = inductor or root / f"inductor{n}"
-            gxx = root / f"gxx{n}"
-            gxx.write_text(GXX.format(log=log))
-            gxx.chmod(0o755)
+            # One g++ wrapper per store: CXX (its path, size, mtime) is a key factor.
+            gxx = store.parent / f"gxx-{store.name}"
+            if not gxx.exists():  # written once: its mtime is keyed too
+                gxx.write_text(GXX.format(log=root / "gxx.log"))
+                gxx.chmod(0o755)
+            (root / "gxx.log").unlink(missing_ok=True)
             e = {k: v for k, v in os.environ.items()
                  if not k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_"))}
             e.update(PYTHONPATH=str(REPO), CACHECOMPILE_DIR=str(store), CXX=str(gxx),
@@ -121,6 +124,7 @@ def main() -> None:
             return e
 
         def gxx_calls(log: Path) -> int:
+            log = root / "gxx.log"
             return len(log.read_text().splitlines()) if log.exists() else 0
 
         def entries(store: Path) -> int:
