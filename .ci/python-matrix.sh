@@ -37,6 +37,10 @@ TORCH_FREE_TESTS=(tests/store tests/test_layers.py "${LEFT_OUT[@]}"
 # to the README command's venv (torch warns on import without it). The extra itself does
 # not install on 3.10: its obstore>=0.12 needs Python 3.11.
 TEST_TOOLS=("pytest>=8" "pytest-xdist>=3.5" numpy)
+# With torch: transformers too, for the guard tree's PretrainedConfig reads
+# (tests/entry/test_guard_tree.py), whose attribute mapping differs by release; pip picks
+# the newest release for each Python (5.20 on 3.10).
+TORCH_TEST_TOOLS=("transformers>=5.0")
 
 find_python() {
   local v=$1 root=${PYENV_ROOT:-/root/.pyenv} found
@@ -63,7 +67,7 @@ for v in ${CACHECOMPILE_PYTHONS:-3.10 3.12}; do
   versions=$(python -m pip index versions torch 2>/dev/null) \
     || { echo "Python $v: could not ask the index for torch" >&2; leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
   if grep -q "Available versions:.*\b${TORCH//./\\.}\b" <<<"$versions"; then
-    python -m pip install -q "torch==$TORCH" -e . "${TEST_TOOLS[@]}" \
+    python -m pip install -q "torch==$TORCH" -e . "${TEST_TOOLS[@]}" "${TORCH_TEST_TOOLS[@]}" \
       || { leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
     selection=("${TESTS[@]}")
   else
