@@ -148,7 +148,10 @@ class S3rver(ServerProcess):
     def __init__(self, workdir: Path, bucket: str = "cc-s3rver") -> None:
         script = s3rver_script()
         if script is None or not available():
-            pytest.skip(S3RVER_SKIP if script is None else SKIP_REASON)
+            why = S3RVER_SKIP if script is None else SKIP_REASON
+            if os.environ.get("CACHECOMPILE_REQUIRE_S3RVER"):
+                pytest.fail(f"CACHECOMPILE_REQUIRE_S3RVER is set (CI): {why}")
+            pytest.skip(why)
         self.script = script
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
