@@ -463,9 +463,11 @@ class S3Remote(BlobRemote):
                 continue
             self._delete("delete blob", self._key("blob", s))
             deleted += 1
-        for m in self._list("pin"):
-            if time.time() - m["last_modified"].timestamp() >= self.config.lease:
-                self._delete("delete pin", str(m["path"]))  # paths are under our prefix
+        # Stale pins; and probe objects a writer without s3:DeleteObject left behind.
+        for kind in ("pin", "probe"):
+            for m in self._list(kind):
+                if time.time() - m["last_modified"].timestamp() >= self.config.lease:
+                    self._delete(f"delete {kind}", str(m["path"]))  # under our prefix
         if pinned:
             logger.info("remote sweep kept %d unreferenced blobs that uploads have pinned",
                         pinned)
