@@ -149,7 +149,9 @@ class S3rver(ServerProcess):
         script = s3rver_script()
         if script is None or not available():
             why = S3RVER_SKIP if script is None else SKIP_REASON
-            if os.environ.get("CACHECOMPILE_REQUIRE_S3RVER"):
+            # CI installs s3rver, so there its absence fails; a venv without the S3 library
+            # (the Python matrix's, Python 3.10) skips the S3 tests as it always did.
+            if script is None and os.environ.get("CACHECOMPILE_REQUIRE_S3RVER"):
                 pytest.fail(f"CACHECOMPILE_REQUIRE_S3RVER is set (CI): {why}")
             pytest.skip(why)
         self.script = script
