@@ -49,9 +49,16 @@ from cachecompile.errors import (
 )
 from cachecompile.forms import CachedModule
 from cachecompile.key import identity
-from cachecompile.key.signature import describe, signature
+from cachecompile.key.shards import LAUNCHER_VARS, Shard
+from cachecompile.key.signature import Signature, describe, signature
 from cachecompile.procs import coop
+from cachecompile.store import open_store
 from cachecompile.store.config import env_float
+from cachecompile.store.errors import StoreError, StoreNotFound
+from cachecompile.store.outcomes import Hit
+from cachecompile.store.remote import open_remote
+from cachecompile.warm.lookup import MAX_VARIANTS, variant_key
+from cachecompile.warm.state import store_for
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +97,43 @@ class Task:
     fn: CachedFunction = dataclasses.field(repr=False)
     args: tuple[Any, ...] = dataclasses.field(repr=False)
     kwargs: dict[str, Any] = dataclasses.field(repr=False)
+    sig: Signature | None = dataclasses.field(default=None, repr=False)
 
     def info(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "signature": self.signature}
+        return {"index": self.index, "name": self.name, "signature": self.signature,
+                "key": self.entry_key()}
+
+    def entry_key(self) -> str:
+        """The digest of the signature's first entry (variant 0): what a lookup reads
+        first, and what ``cachectl build --check`` asks a tier for. "" if unkeyable."""
+        if self.sig is None:
+            return ""
+        try:
+            return variant_key(self.fn.key(self.sig), 0).digest
+        except Exception:  # an unkeyable call: the build reports it when it runs
+            logger.debug("no key for %s [%s]", self.name, self.signature, exc_info=True)
+            return ""
+
+    def local_entries(self) -> tuple[str, ...]:
+        """The digests of the signature's entries in this process's local store, in
+        variant order (what a sharded build pushes to the remote tier)."""
+        first = self.entry_key()
+        if not first or self.sig is None:
+            return ()
+        try:
+            st = store_for(self.fn.spec.cache_dir)
+            local = getattr(st, "local", st)  # the tier's local store, not the remote
+            frame = self.fn.key(self.sig)
+            found: list[str] = []
+            for i in range(MAX_VARIANTS):
+                digest = variant_key(frame, i).digest
+                if not local.contains(digest):
+                    break  # variants fill from 0: the first gap ends the chain
+                found.append(digest)
+            return tuple(found)
+        except (StoreError, OSError):
+            logger.debug("listing the local entries of %s failed", self.name, exc_info=True)
+            return ()
 
 
 @dataclasses.dataclass
@@ -103,6 +144,9 @@ class BuildResult:
     seconds: float
     detail: str = ""             # why not cached / failed; a note on the example
     worker: int | None = None
+    # The local entries serving the signature (digests, variant order): what a build
+    # with a remote tier makes sure the remote has (push_results).
+    entries: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -164,7 +208,7 @@ def plan(targets: Iterable[tuple[str, CachedFunction, Sequence[Any]]]) -> list[T
                 if (id(fn), sig) in seen:
                     continue
                 seen.add((id(fn), sig))
-                tasks.append(Task(len(tasks), name, describe(sig), fn, a, k))
+                tasks.append(Task(len(tasks), name, describe(sig), fn, a, k, sig))
     return tasks
 
 
@@ -246,9 +290,9 @@ def run_task(task: Task, worker: int | None = None) -> BuildResult:
         # fresh tensor of its shape are two signatures. Likely a mistake in the example.
         note = ("an example tensor has the strides of a slice (strides[...] above): calls "
                 "with fresh or .contiguous() tensors are another signature and would not hit")
-    if events and events[0] in ("miss", "shared"):
-        return BuildResult(task.name, task.signature, BUILT, seconds, note, worker)
-    return BuildResult(task.name, task.signature, PRESENT, seconds, note, worker)
+    status = BUILT if events and events[0] in ("miss", "shared") else PRESENT
+    return BuildResult(task.name, task.signature, status, seconds, note, worker,
+                       task.local_entries())
 
 
 def prebuild(fn: CachedFunction, examples: Sequence[Any], *,
@@ -348,16 +392,7 @@ class _Worker:
 _EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
 
 
-def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
-                     on_event: OnEvent | None = None) -> list[BuildResult]:
-    """Build every signature the factory ``spec`` (``module:callable``) lists, in ``jobs``
-    worker processes (default: the node's compile slots). Returns one result per
-    signature, in the factory's order. Raises :class:`BuildError` if the factory fails in
-    a worker, two workers list different tasks, or every worker dies."""
-    parse_spec(spec)  # a usage error before any worker starts
-    n = jobs if jobs is not None else coop.default_slots()
-    if n < 1:
-        raise ContractError(f"jobs must be >= 1, got {n}")
+def _worker_env(n: int, cache_dir: str | None, shard: Shard | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
@@ -367,10 +402,33 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
         # per core, in every worker) would oversubscribe the cores n times over and cost
         # each worker the pool's start-up. Not a key factor (it changes no program).
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if shard is not None and shard.hides_launcher():
+        # torchrun's RANK / WORLD_SIZE said which shard this is; in the factory they would
+        # say which rank each entry is for (a key factor): shard 3 of 8 would build rank 3
+        # of 8's entries, which no single-process server looks up.
+        for name in LAUNCHER_VARS:
+            env.pop(name, None)
+    return env
+
+
+def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
+                     on_event: OnEvent | None = None,
+                     shard: Shard | None = None) -> list[BuildResult]:
+    """Build every signature the factory ``spec`` (``module:callable``) lists, in ``jobs``
+    worker processes (default: the node's compile slots), or with ``shard``, the
+    signatures of that shard only (:mod:`cachecompile.key.shards`). Returns one result per
+    signature built, in the factory's order. Raises :class:`BuildError` if the factory
+    fails in a worker, two workers list different tasks, or every worker dies."""
+    parse_spec(spec)  # a usage error before any worker starts
+    n = jobs if jobs is not None else coop.default_slots()
+    if n < 1:
+        raise ContractError(f"jobs must be >= 1, got {n}")
+    env = _worker_env(n, cache_dir, shard)
     emit = on_event or (lambda e: None)
     events: queue.Queue[Any] = queue.Queue()
     workers = [_Worker(i, spec, env, events) for i in range(n)]
     tasks: list[dict[str, Any]] | None = None
+    mine: list[int] = []  # the indexes of the tasks this build (this shard) builds
     pending: collections.deque[int] = collections.deque()
     results: dict[int, BuildResult] = {}
     alive = set(range(n))
@@ -382,13 +440,13 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
                 if pending:
                     w.task = pending.popleft()
                     started[w.task] = time.perf_counter()
-                    emit(BuildEvent("started", len(tasks), tasks[w.task]))
+                    emit(BuildEvent("started", len(mine), tasks[w.task]))
                     w.send({"run": w.task})
                 else:
                     w.close()
 
     try:
-        while alive and (tasks is None or len(results) < len(tasks)):
+        while alive and (tasks is None or len(results) < len(mine)):
             wid, msg = events.get()
             w = workers[wid]
             if msg is None:
@@ -399,7 +457,7 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
                                     time.perf_counter() - started.get(w.task, time.perf_counter()),
                                     f"worker {wid} exited (rc={w.proc.wait()}): {w.tail()}", wid)
                     results[w.task] = r
-                    emit(BuildEvent("finished", len(tasks), t, r))
+                    emit(BuildEvent("finished", len(mine), t, r))
                     w.task = None
                 elif tasks is None and not alive:
                     raise BuildError(f"every build worker exited before listing the tasks; "
@@ -411,8 +469,10 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
                 listed = msg["tasks"]
                 if tasks is None:
                     tasks = listed
-                    pending.extend(range(len(tasks)))
-                    emit(BuildEvent("planned", len(tasks)))
+                    mine = [i for i, t in enumerate(listed)
+                            if shard is None or shard.holds(t["name"], t["signature"])]
+                    pending.extend(mine)
+                    emit(BuildEvent("planned", len(mine)))
                 elif [(t["name"], t["signature"]) for t in listed] != \
                         [(t["name"], t["signature"]) for t in tasks]:
                     raise BuildError(f"{spec} listed different signatures in two workers; a "
@@ -420,10 +480,11 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
             elif "done" in msg and tasks is not None:
                 i = int(msg["done"])
                 r = BuildResult(tasks[i]["name"], tasks[i]["signature"], str(msg["status"]),
-                                float(msg["seconds"]), str(msg.get("detail", "")), wid)
+                                float(msg["seconds"]), str(msg.get("detail", "")), wid,
+                                tuple(str(d) for d in msg.get("entries", ())))
                 results[i] = r
                 w.task = None
-                emit(BuildEvent("finished", len(tasks), tasks[i], r))
+                emit(BuildEvent("finished", len(mine), tasks[i], r))
             dispatch()
         if tasks is None:
             raise BuildError("no build worker listed the tasks")
@@ -431,10 +492,121 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
             t = tasks[i]
             results[i] = BuildResult(t["name"], t["signature"], FAILED, 0.0,
                                      "every worker exited before this signature was built")
-        return [results[i] for i in range(len(tasks))]
+        return [results[i] for i in mine]
     finally:
         for w in workers:
             w.stop()
+
+
+def list_factory(spec: str, *, cache_dir: str | None = None,
+                 shard: Shard | None = None) -> list[dict[str, Any]]:
+    """What the factory declares (``name``, ``signature``, ``key``: the digest of its first
+    entry), listed by one worker process as a build lists it, compiling nothing; with
+    ``shard``, that shard's part only."""
+    parse_spec(spec)
+    events: queue.Queue[Any] = queue.Queue()
+    w = _Worker(0, spec, _worker_env(1, cache_dir, shard), events)
+    try:
+        while True:
+            _, msg = events.get()
+            if msg is None:
+                raise BuildError(f"the worker listing {spec} exited (rc={w.proc.wait()}):\n"
+                                 f"{w.tail()}")
+            if "error" in msg:
+                raise BuildError(f"{spec}: {msg['error']}")
+            if "tasks" in msg:
+                return [t for t in msg["tasks"]
+                        if shard is None or shard.holds(t["name"], t["signature"])]
+    finally:
+        w.stop()
+
+
+@dataclasses.dataclass
+class Checked:
+    """What ``cachectl build --check`` found: each declared signature, there or not."""
+
+    tier: str                                  # the store asked (the remote, or the local)
+    present: list[dict[str, Any]]
+    missing: list[dict[str, Any]]
+
+
+def check_factory(spec: str, *, cache_dir: str | None = None,
+                  shard: Shard | None = None) -> Checked:
+    """Which of the factory's signatures (``shard``'s, if given) the shared tier lacks:
+    the remote tier if ``$CACHECOMPILE_REMOTE`` names one, else the local store.
+
+    A signature is there when the tier holds its first entry (variant 0); nothing is
+    loaded, so no guard is checked (``cachectl build`` does that, and says ``present``)."""
+    tasks = list_factory(spec, cache_dir=cache_dir, shard=shard)
+    url = os.environ.get("CACHECOMPILE_REMOTE", "")
+    has: Callable[[str], bool]
+    if url:
+        remote = open_remote(url)
+        remote.breaker.quiet = True  # a failure is the check's error, not a warning too
+        remote.ping()
+        tier, has = remote.config.display, remote.contains
+    else:
+        try:
+            local = open_store(cache_dir, remote="", create=False).local
+        except StoreNotFound:
+            tier, has = f"{cache_dir or '$CACHECOMPILE_DIR'} (no store there)", lambda d: False
+        else:
+            tier, has = f"the local store at {local.root}", local.contains
+    out = Checked(tier, [], [])
+    for t in tasks:
+        (out.present if t["key"] and has(t["key"]) else out.missing).append(t)
+    return out
+
+
+@dataclasses.dataclass
+class Pushed:
+    """What :func:`push_results` did: entries uploaded, there already, failed."""
+
+    remote: str
+    sent: int = 0
+    there: int = 0
+    failed: list[str] = dataclasses.field(default_factory=list)
+
+
+def push_results(results: Sequence[BuildResult], *,
+                 cache_dir: str | None = None) -> Pushed | None:
+    """Make sure the remote tier (``$CACHECOMPILE_REMOTE``) has every entry that serves a
+    built or present signature of ``results``; None without a (writable) remote.
+
+    The workers upload what they publish in the background, but a worker waits at most
+    ``CACHECOMPILE_REMOTE_FLUSH_TIMEOUT`` for its uploads, and a build killed before that
+    leaves entries only in its local store: run again, it finds them there (``present``)
+    and would never upload them. This uploads whatever the remote still lacks, in this
+    process, waiting for each (an entry there already costs one read)."""
+    url = os.environ.get("CACHECOMPILE_REMOTE", "")
+    digests = list(dict.fromkeys(d for r in results if r.ok for d in r.entries))
+    if not url:
+        return None
+    remote = open_remote(url)
+    if remote.readonly:
+        return None
+    remote.breaker.quiet = True
+    out = Pushed(remote.config.display)
+    if not digests:
+        return out
+    local = open_store(cache_dir, remote="", create=False).local
+    for digest in digests:
+        hit = local.peek(digest)
+        if not isinstance(hit, Hit):
+            out.failed.append(f"{digest[:12]}: not in the local store ({hit.reason})")
+            continue
+        try:
+            # repair, as `cachectl push` does: a builder with the fleet's key replaces a
+            # record that does not verify under it (nodes would refuse that one).
+            done = remote.upload(hit.entry, repair=remote.trust.key is not None)
+        except StoreError as e:
+            out.failed.append(f"{digest[:12]}: {e}")
+            continue
+        if done:
+            out.sent += 1
+        else:
+            out.there += 1
+    return out
 
 
 def _worker_main(spec: str) -> int:
@@ -457,7 +629,8 @@ def _worker_main(spec: str) -> int:
     for line in sys.stdin:
         i = int(json.loads(line)["run"])
         r = run_task(tasks[i])
-        send({"done": i, "status": r.status, "seconds": r.seconds, "detail": r.detail})
+        send({"done": i, "status": r.status, "seconds": r.seconds, "detail": r.detail,
+              "entries": list(r.entries)})
     return 0
 
 
