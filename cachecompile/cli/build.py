@@ -6,7 +6,8 @@ with gears) is compiled and published, ``--jobs`` worker processes at a time (de
 the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``). See docs/deploy.md.
 
 This module imports neither torch nor cachecompile.build: ``cachectl`` stays torch-free
-until the verb runs (cachecompile.build does the work).
+(the build's parent side, cachecompile.procs.builders, is torch-free too: only the
+workers that import the factory import torch).
 """
 
 from __future__ import annotations
@@ -14,18 +15,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cachecompile.errors import ContractError
 from cachecompile.key import shards
+from cachecompile.procs.builders import (
+    BuildError,
+    BuildEvent,
+    BuildResult,
+    check_factory,
+    prebuild_factory,
+    push_results,
+)
 
 from .common import EXIT_PROBLEMS, EXIT_USAGE, CliError, _console, cache_dir_option
-
-if TYPE_CHECKING:
-    from cachecompile.build import BuildResult, Checked
 
 _MARKS = {"built": "[green]built[/green]", "present": "[cyan]present[/cyan]",
           "not cached": "[yellow]not cached[/yellow]", "failed": "[red]failed[/red]"}
@@ -81,10 +88,7 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     if check:
         _check(cache_dir, factory, shard, as_json)
         return
-    # torch, and the model's code, only now.
-    from cachecompile.build import BuildError, BuildEvent, prebuild_factory, push_results
-    from cachecompile.errors import ContractError
-
+    # The workers import torch and the model's code; this process neither.
     con = _console()
     tty = sys.stdout.isatty() and not as_json
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -150,11 +154,8 @@ def _result_json(r: BuildResult) -> dict[str, Any]:
 def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
            as_json: bool) -> None:
     """``build --check``: which declared signatures the tier lacks; exit 1 if any."""
-    from cachecompile.build import BuildError, check_factory
-    from cachecompile.errors import ContractError
-
     try:
-        found: Checked = check_factory(factory, cache_dir=cache_dir, shard=shard)
+        found = check_factory(factory, cache_dir=cache_dir, shard=shard)
     except ContractError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     except BuildError as e:
