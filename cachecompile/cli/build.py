@@ -100,8 +100,7 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
         if e.kind == "planned":
             bar.append(progress.add_task("building", total=e.total))
             if not as_json:
-                con.print(f"{e.total} signature(s) to build"
-                          + (f" (shard {shard} from the {shard.source})" if shard else ""))
+                con.print(f"{e.total} signature(s) to build" + _of_shard(shard))
         elif e.kind == "started" and e.task is not None and bar:
             progress.update(bar[0], description=escape(f"{e.task['name']} "
                                                        f"[{e.task['signature']}]"))
@@ -145,6 +144,13 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
         sys.exit(EXIT_PROBLEMS)
 
 
+def _of_shard(shard: shards.Shard | None) -> str:
+    if shard is None:
+        return ""
+    return f" (shard {shard})" if shard.source == shards.GIVEN else \
+        f" (shard {shard}, from the {shard.source})"
+
+
 def _result_json(r: BuildResult) -> dict[str, Any]:
     return {"name": r.name, "signature": r.signature, "status": r.status,
             "seconds": round(r.seconds, 3), "detail": r.detail, "worker": r.worker,
@@ -161,7 +167,6 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
     except BuildError as e:
         raise CliError(str(e), EXIT_PROBLEMS) from None
     n = len(found.present) + len(found.missing)
-    what = f"shard {shard} of the signatures" if shard else "signatures"
     if as_json:
         click.echo(json.dumps({"tier": found.tier, "shard": str(shard) if shard else None,
                                "declared": n, "present": len(found.present),
@@ -170,7 +175,7 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
     else:
         for t in found.missing:
             click.echo(f"missing  {t['name']} [{t['signature']}]  {t['key'][:12]}")
-        click.echo(f"{n} {what} declared; {found.tier} has {len(found.present)}, "
-                   f"lacks {len(found.missing)}")
+        click.echo(f"{f'shard {shard}: ' if shard else ''}{n} signatures declared; "
+                   f"{found.tier} has {len(found.present)}, lacks {len(found.missing)}")
     if found.missing:
         sys.exit(EXIT_PROBLEMS)
