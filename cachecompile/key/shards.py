@@ -16,7 +16,7 @@ The shard may come from the engine that runs the builders (``--shard auto``):
   ``SLURM_ARRAY_TASK_STEP`` and ``SLURM_ARRAY_TASK_COUNT``;
 * torchrun: ``RANK`` and ``WORLD_SIZE``. These also say which rank a process is in a
   distributed job, a key factor (:mod:`cachecompile.key.ranks`): a build sharded by torchrun
-  hides them (:data:`LAUNCHER_VARS`) from the factory, so that its entries are keyed as the
+  hides them (:func:`without_launcher`) from the factory, so that its entries are keyed as the
   factory declares them, not as shard I of N.
 
 Torch-free: ``cachectl`` parses ``--shard`` before it imports torch.
@@ -38,12 +38,18 @@ TORCHRUN = "torchrun"
 GIVEN = "--shard"
 
 # What torchrun sets in each process it starts: a build sharded by it passes none of them
-# on to the factory (RANK / WORLD_SIZE would key every entry as rank I of N).
+# on to the factory (RANK / WORLD_SIZE would key every entry as rank I of N, and
+# TORCHELASTIC_RUN_ID names a rank group, docs/ranks.md).
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIX = "TORCHELASTIC_"
+
+
+def without_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less torchrun's variables (:data:`LAUNCHER_VARS`, ``TORCHELASTIC_*``)."""
+    return {k: v for k, v in env.items()
+            if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIX)}
 
 _GIVEN = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 _AUTO = re.compile(r"^\s*auto\s*(?:/\s*(\d+)\s*)?$")

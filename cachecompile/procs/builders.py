@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cachecompile.errors import ContractError
-from cachecompile.key.shards import LAUNCHER_VARS, Shard
+from cachecompile.key.shards import Shard, without_launcher
 from cachecompile.procs.slots import default_slots
 from cachecompile.store import open_store
 from cachecompile.store.config import env_float
@@ -182,8 +182,7 @@ def _worker_env(n: int, cache_dir: str | None, shard: Shard | None) -> dict[str,
         # torchrun's RANK / WORLD_SIZE said which shard this is; in the factory they would
         # say which rank each entry is for (a key factor): shard 3 of 8 would build rank 3
         # of 8's entries, which no single-process server looks up.
-        for name in LAUNCHER_VARS:
-            env.pop(name, None)
+        env = without_launcher(env)
     return env
 
 

@@ -24,7 +24,7 @@ from ccutil import Sandbox
 from click.testing import CliRunner
 
 from cachecompile.cli.main import cli
-from cachecompile.key.shards import Shard
+from cachecompile.key.shards import TORCHRUN, Shard, parse
 
 # Six signatures (one per gear) of a tiny method, compiled with aot_eager: the compiler is
 # not the subject here, the split and the tier are.
@@ -66,6 +66,29 @@ def test_shard_options_are_checked_before_anything_runs() -> None:
         r = runner.invoke(cli, ["build", "nowhere:factory", *args], env=env)
         assert r.exit_code == 2, r.output
         assert words in r.output and "--shard" in r.output
+
+
+def test_a_build_sharded_by_torchrun_keys_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's RANK / WORLD_SIZE pick the shard; the factory's processes must not see
+    # them, or every entry would be keyed as rank I of N (ranks are key factors).
+    from cachecompile.key import ranks
+    from cachecompile.procs.builders import _worker_env
+
+    for k, v in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "TORCHELASTIC_RUN_ID": "build"}.items():
+        monkeypatch.setenv(k, v)
+    shard = parse("auto", os.environ)
+    assert shard == Shard(2, 4, TORCHRUN)
+    env = _worker_env(1, None, shard)
+    assert not {"RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"} & set(env)
+    with monkeypatch.context() as mp:
+        for k in list(os.environ):
+            mp.delenv(k)
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert ranks.detect().factors() == ranks.Ranks(1, 0, None, None, 0, None).factors()
+    # Given as I/N, the shard is the user's word and the launcher's variables stay.
+    assert _worker_env(1, None, Shard(2, 4))["RANK"] == "2"
 
 
 class Fleet:

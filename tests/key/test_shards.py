@@ -95,6 +95,11 @@ def test_the_engines_say_which_shard() -> None:
     got = parse("auto", {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
     assert got == Shard(2, 4, TORCHRUN) and got.hides_launcher()
     assert not Shard(2, 4).hides_launcher()
+    kept = shards.without_launcher({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                                    "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "j",
+                                    "TORCHELASTIC_ERROR_FILE": "/e", "CXX": "g++",
+                                    "SLURM_ARRAY_TASK_ID": "1"})
+    assert kept == {"CXX": "g++", "SLURM_ARRAY_TASK_ID": "1"}
     # Kubernetes before Slurm before torchrun (a step inside a pod is the pod's shard).
     assert parse("auto/2", {"JOB_COMPLETION_INDEX": "1", "SLURM_ARRAY_TASK_ID": "0",
                             "RANK": "0", "WORLD_SIZE": "2"}).source == KUBERNETES
