@@ -100,12 +100,16 @@ class Task:
     sig: Signature | None = dataclasses.field(default=None, repr=False)
 
     def info(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "signature": self.signature,
-                "key": self.entry_key()}
+        return {"index": self.index, "name": self.name, "signature": self.signature}
 
     def entry_key(self) -> str:
         """The digest of the signature's first entry (variant 0): what a lookup reads
-        first, and what ``cachectl build --check`` asks a tier for. "" if unkeyable."""
+        first, and what ``cachectl build --check`` asks a tier for. "" if unkeyable.
+
+        The method's base factors are computed on its first key, as serving computes
+        them on its first call: a build asks only after the call (a call of another
+        method before it may change the module's keyed attributes, as it does when
+        serving); ``--check`` asks before any call."""
         if self.sig is None:
             return ""
         try:
@@ -277,7 +281,7 @@ def _run_here(tasks: list[Task], on_event: OnEvent | None) -> list[BuildResult]:
     return results
 
 
-def _worker_main(spec: str) -> int:
+def _worker_main(spec: str, listing: bool = False) -> int:
     # The protocol keeps the original stdout; the model's prints go to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -293,6 +297,10 @@ def _worker_main(spec: str) -> int:
         logger.debug("planning %s failed", spec, exc_info=True)
         send({"error": f"{type(e).__name__}: {e}"})
         return 2
+    if listing:
+        # `build --check`: each signature with its first entry's key, and nothing run.
+        send({"tasks": [{**t.info(), "key": t.entry_key()} for t in tasks]})
+        return 0
     send({"tasks": [t.info() for t in tasks]})
     for line in sys.stdin:
         i = int(json.loads(line)["run"])
@@ -304,11 +312,11 @@ def _worker_main(spec: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "worker":
-        sys.stderr.write("usage: python -m cachecompile.build worker module:factory\n")
+    if len(args) != 2 or args[0] not in ("worker", "list"):
+        sys.stderr.write("usage: python -m cachecompile.build worker|list module:factory\n")
         return 2
     logging.basicConfig(level=os.environ.get("CACHECOMPILE_BUILD_LOG", "WARNING"))
-    return _worker_main(args[1])
+    return _worker_main(args[1], listing=args[0] == "list")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ from a process that never imports torch (``cachectl build``, ``build --check``).
   entries.
 
 A worker talks to its parent in JSON lines on its original stdout (anything the model
-prints goes to its stderr): first ``{"tasks": [...]}`` (each with its name, signature
-and first entry's key; or ``{"error": ...}``), then one ``{"done": i, ...}`` per
-``{"run": i}`` it is sent on stdin; it exits at end of input.
+prints goes to its stderr): first ``{"tasks": [...]}`` (each with its name and
+signature; or ``{"error": ...}``), then one ``{"done": i, ...}`` per ``{"run": i}`` it is
+sent on stdin (with the digests of the entries that serve it); it exits at end of input.
+Started as ``list``, it sends the tasks with their first entry's key, and exits.
 """
 
 from __future__ import annotations
@@ -94,14 +95,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return module_name, attr
 
 
-
 # -- the workers ----------------------------------------------------------------------------
 class _Worker:
-    def __init__(self, wid: int, spec: str, env: dict[str, str], events: queue.Queue[Any]) -> None:
+    def __init__(self, wid: int, spec: str, env: dict[str, str], events: queue.Queue[Any],
+                 mode: str = "worker") -> None:
         self.wid = wid
         self.log: IO[bytes] = tempfile.TemporaryFile(prefix="cachectl-build-")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachecompile.build", "worker", spec],
+            [sys.executable, "-m", "cachecompile.build", mode, spec],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
             text=True, bufsize=1)
         self.task: int | None = None
@@ -280,7 +281,7 @@ def list_factory(spec: str, *, cache_dir: str | None = None,
     ``shard``, that shard's part only."""
     parse_spec(spec)
     events: queue.Queue[Any] = queue.Queue()
-    w = _Worker(0, spec, _worker_env(1, cache_dir, shard), events)
+    w = _Worker(0, spec, _worker_env(1, cache_dir, shard), events, mode="list")
     try:
         while True:
             _, msg = events.get()
@@ -290,7 +291,7 @@ def list_factory(spec: str, *, cache_dir: str | None = None,
             if "error" in msg:
                 raise BuildError(f"{spec}: {msg['error']}")
             if "tasks" in msg:
-                # It built nothing and has nothing to upload: no need to wait for a torch
+                # It ran nothing and has nothing to upload: no need to wait for a torch
                 # process's teardown (a second or more).
                 w.proc.kill()
                 return [t for t in msg["tasks"]
