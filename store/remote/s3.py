@@ -99,6 +99,9 @@ class S3Remote(BlobRemote):
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._checked = False
+        # The wall clock a pin's age is judged by (against the server's Last-Modified): a
+        # test advances it past the lease instead of sleeping through it.
+        self.clock: Callable[[], float] = time.time
 
     # -- plumbing ----------------------------------------------------------------------
     @staticmethod
@@ -466,7 +469,7 @@ class S3Remote(BlobRemote):
         # Stale pins; and probe objects a writer without s3:DeleteObject left behind.
         for kind in ("pin", "probe"):
             for m in self._list(kind):
-                if time.time() - m["last_modified"].timestamp() >= self.config.lease:
+                if self.clock() - m["last_modified"].timestamp() >= self.config.lease:
                     self._delete(f"delete {kind}", str(m["path"]))  # under our prefix
         if pinned:
             logger.info("remote sweep kept %d unreferenced blobs that uploads have pinned",
@@ -477,7 +480,7 @@ class S3Remote(BlobRemote):
         meta = self._head("head pin", self._key("pin", sha))
         if meta is None:
             return False
-        return bool(time.time() - meta["last_modified"].timestamp() < self.config.lease)
+        return bool(self.clock() - meta["last_modified"].timestamp() < self.config.lease)
 
     def close(self) -> None:
         with self._store_lock:

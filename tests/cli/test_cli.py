@@ -11,14 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ccutil
 import pytest
-from click.testing import CliRunner
+from ccutil import Ran
 
-from cachecompile.cli.main import cli
 from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
 
@@ -36,20 +35,9 @@ def cache(tmp_path: Path) -> Store:
     return st
 
 
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> Ran:
     """cachectl ARGS with exactly ``child_env`` as its environment, in this process."""
-    env: dict[str, str | None] = {k: None for k in os.environ if k not in child_env}
-    env.update(child_env)
-    r = CliRunner().invoke(cli, list(args), env=env, input=input, prog_name="cachectl",
-                           catch_exceptions=False)
-    return Ran(r.exit_code, r.stdout, r.stderr)
+    return ccutil.cachectl(*args, env=child_env, input=input)
 
 
 def test_the_installed_command_runs(cache: Store, child_env: dict[str, str]) -> None:
