@@ -48,7 +48,7 @@ from cachecompile.errors import (
     SignatureLimitWarning,
 )
 from cachecompile.forms import CachedModule
-from cachecompile.key import identity
+from cachecompile.key import cpu, identity
 from cachecompile.key.signature import describe, signature
 from cachecompile.procs import coop
 from cachecompile.store.config import env_float
@@ -349,9 +349,11 @@ _EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
 
 
 def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
-                     on_event: OnEvent | None = None) -> list[BuildResult]:
+                     on_event: OnEvent | None = None,
+                     cpu_target: str | None = None) -> list[BuildResult]:
     """Build every signature the factory ``spec`` (``module:callable``) lists, in ``jobs``
-    worker processes (default: the node's compile slots). Returns one result per
+    worker processes (default: the node's compile slots), for ``cpu_target`` if given
+    (``CACHECOMPILE_CPU_TARGET`` in the workers). Returns one result per
     signature, in the factory's order. Raises :class:`BuildError` if the factory fails in
     a worker, two workers list different tasks, or every worker dies."""
     parse_spec(spec)  # a usage error before any worker starts
@@ -362,6 +364,8 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
         env["CACHECOMPILE_DIR"] = str(Path(cache_dir).resolve())
+    if cpu_target is not None:
+        env[cpu.ENV] = cpu_target  # the workers' cache_compile builds for it (key.cpu)
     if n > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in env:
         # The workers are the parallelism: Inductor's own pool of compile processes (one
         # per core, in every worker) would oversubscribe the cores n times over and cost

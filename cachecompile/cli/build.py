@@ -37,7 +37,12 @@ def _line(r: Any) -> str:
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Worker processes (default: $CACHECOMPILE_COMPILE_SLOTS, else cores/2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool) -> None:
+@click.option("--cpu-target", "cpu_targets", multiple=True, metavar="TARGET",
+              help="Build for this CPU target (native, x86-64-v2/-v3/-v4, or auto: every "
+                   "level this CPU has); repeat it or give a comma list to build several. "
+                   "Default: $CACHECOMPILE_CPU_TARGET, else native.")
+def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,
+              cpu_targets: tuple[str, ...]) -> None:
     """Compile and publish every signature FACTORY lists, before serving.
 
     FACTORY is module:callable (the module is found from the current directory); it
@@ -48,7 +53,16 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     """
     # torch, and the model's code, only now.
     from cachecompile.build import BuildError, BuildEvent, prebuild_factory
-    from cachecompile.errors import ContractError
+    from cachecompile.errors import ContractError, CpuTargetError
+    from cachecompile.key import cpu
+
+    try:
+        # Each target checked against this CPU first: a build for a level it lacks could
+        # neither verify its program nor load it.
+        targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
+            else (None,)
+    except CpuTargetError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
 
     con = _console()
     tty = sys.stdout.isatty() and not as_json
@@ -76,10 +90,17 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
                 else:
                     click.echo(_line(r))
 
+    results: list[Any] = []
+    built_for: list[str | None] = []
     try:
         with progress:
-            results = prebuild_factory(factory, jobs=jobs, cache_dir=cache_dir,
-                                       on_event=on_event)
+            for target in targets:
+                if target is not None and not as_json:
+                    con.print(f"CPU target {target}")
+                got = prebuild_factory(factory, jobs=jobs, cache_dir=cache_dir,
+                                       on_event=on_event, cpu_target=target)
+                results.extend(got)
+                built_for.extend([target] * len(got))
     except ContractError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     except BuildError as e:
@@ -88,8 +109,9 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     if as_json:
         click.echo(json.dumps([{"name": r.name, "signature": r.signature,
                                 "status": r.status, "seconds": round(r.seconds, 3),
-                                "detail": r.detail, "worker": r.worker} for r in results],
-                              indent=1))
+                                "detail": r.detail, "worker": r.worker,
+                                **({"cpu_target": t} if t is not None else {})}
+                               for r, t in zip(results, built_for, strict=True)], indent=1))
     else:
         built = sum(r.status == "built" for r in results)
         present = sum(r.status == "present" for r in results)
