@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import re
 import unittest.mock
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cachecompile._torch import inductor_runtime
+
+logger = logging.getLogger(__name__)
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile with Inductor starts.
@@ -145,6 +148,9 @@ def vec_isa_limited(march: str, vec: str | None) -> Iterator[None]:
     from torch._inductor import cpu_vec_isa
 
     isas = [i for i in ([_plain_isa(vec)] if vec else []) if i is not None]
+    if vec and not isas:
+        logger.warning("Inductor's %s vector ISA failed its build check here; the kernels "
+                       "for %s are scalar", vec, march)
     with inductor_config.patch({"cpp.march": march}), \
             unittest.mock.patch.object(cpu_vec_isa, "valid_vec_isa_list", lambda: list(isas)):
         yield
