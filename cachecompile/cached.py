@@ -269,10 +269,11 @@ class CachedFunction:
             return self._run_live(sig, args, kwargs, "no CPU target fits this CPU")
         probe = self._lookup.probe(st, frame, args, kwargs)
         for alt in self._alt_keys if probe.runner is None and not probe.missing_ops else ():
-            other = alt.frame(sig)
-            found = self._lookup.probe(st, other, args, kwargs)
+            found = self._lookup.probe(st, alt.frame(sig), args, kwargs)
             if found.runner is not None or found.missing_ops:
-                frame, probe = other, found
+                # Served under the best target's frame from now on (repeated blocks share
+                # it); a miss of them all stays the best one's, which a compile fills.
+                probe = found
                 break
         if probe.runner is not None:
             self._add(sig, probe.runner, "hit")
