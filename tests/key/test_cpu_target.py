@@ -210,3 +210,20 @@ def test_a_level_the_cpu_lacks_is_a_named_miss_never_a_load(
     assert any("this CPU lacks avx512f" in w and "for x86-64-v4" in w for w in said), said
     assert _targets_stored(tmp_path) == ["x86-64-v4"]  # nothing published either
     assert open_store(str(tmp_path)).local.stats()["misses"].get("cpu") == 1
+
+
+def test_cachectl_build_refuses_a_target_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from cachecompile.cli.common import EXIT_USAGE
+    from cachecompile.cli.main import cli
+
+    _flags(monkeypatch, V3)
+    # Before any worker starts or the factory is imported (there is no such module).
+    lacking = CliRunner().invoke(cli, ["build", "nowhere:factory", "--cache-dir", str(tmp_path),
+                                       "--cpu-target", "x86-64-v3,x86-64-v4"])
+    assert lacking.exit_code == EXIT_USAGE, lacking.output
+    assert "cannot build for x86-64-v4: this CPU lacks avx512f" in lacking.output
+    unknown = CliRunner().invoke(cli, ["build", "nowhere:factory", "--cpu-target", "haswell"])
+    assert unknown.exit_code == EXIT_USAGE and "unknown CPU target 'haswell'" in unknown.output
