@@ -94,8 +94,16 @@ def cpu_flags() -> frozenset[str]:
     """This CPU's flags as /proc/cpuinfo lists them (or the test-only override)."""
     fake = os.environ.get(TEST_FLAGS_ENV)
     if fake is not None:
+        _warn_fake(fake)
         return frozenset(fake.split())
     return _real_flags()
+
+
+@functools.cache
+def _warn_fake(fake: str) -> None:
+    logger.warning("%s is set: the CPU target check reads these flags, not /proc/cpuinfo's "
+                   "(a test setting; kernels for flags this CPU lacks die of SIGILL)",
+                   TEST_FLAGS_ENV)
 
 
 @functools.cache
