@@ -227,3 +227,35 @@ def test_cachectl_build_refuses_a_target_the_cpu_lacks(monkeypatch: pytest.Monke
     assert "cannot build for x86-64-v4: this CPU lacks avx512f" in lacking.output
     unknown = CliRunner().invoke(cli, ["build", "nowhere:factory", "--cpu-target", "haswell"])
     assert unknown.exit_code == EXIT_USAGE and "unknown CPU target 'haswell'" in unknown.output
+
+
+def test_a_level_overrides_what_an_avx512_host_would_pick() -> None:
+    """What the e2e test cannot show on a CPU without AVX-512: there, Inductor would pick
+    its AVX-512 ISA (with -mavx512bf16 on a CPU that has it) and append its flags after
+    -march. Pretend it does, and read the build command a kernel's key holds."""
+    import unittest.mock
+
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+
+    from cachecompile._torch import inductor
+
+    def flags() -> list[str]:
+        isa = cpu_vec_isa.pick_vec_isa()
+        line = CppBuilder(name="o", sources="i",
+                          BuildOption=CppTorchOptions(vec_isa=isa)).get_command_line()
+        return [f for f in line.split() if f.startswith("-m")]
+
+    host = cpu_vec_isa.VecAVX512()
+    host._is_avx512_bf16_supported = True
+    with unittest.mock.patch.object(cpu_vec_isa, "valid_vec_isa_list",
+                                    lambda: [host, cpu_vec_isa.VecAVX2()]):
+        assert "-mavx512bf16" in flags() and "-march=native" in flags()  # the control
+        with inductor.vec_isa_limited("x86-64-v3", "avx2"):
+            assert flags() == ["-march=x86-64-v3", "-mavx2", "-mfma", "-mf16c"]
+        with inductor.vec_isa_limited("x86-64-v4", "avx512"):
+            assert flags()[0] == "-march=x86-64-v4" and "-mavx512f" in flags()
+            assert "-mavx512bf16" not in flags()
+        with inductor.vec_isa_limited("x86-64-v2", None):
+            assert flags() == ["-march=x86-64-v2"]
+        assert "-mavx512bf16" in flags()  # restored
