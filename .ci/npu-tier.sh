@@ -16,20 +16,29 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 # (see .ci/torch-matrix.sh).
 export PIP_CONSTRAINT=/dev/null
 
-for nv in ${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}; do
-  echo "== torch-npu $nv"
-  venv=".venv-npu-$nv"
-  enter_tier_venv "$venv" || exit 1
-  pip install -q "torch-npu==$nv" packaging protobuf || exit 1
-  pip install -q -e '.[test]' || exit 1
+tier_items() { echo "${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}"; }
+tier_venv() { echo ".venv-npu-$1"; }
+
+tier_prepare() {
+  local nv=$1
+  enter_tier_venv "$(tier_venv "$nv")" || return 1
+  pip install -q "torch-npu==$nv" packaging protobuf || return 1
+  pip install -q -e '.[test]' || return 1
   python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "torch-npu", m.version("torch-npu"))'
+}
+
+tier_test() {
+  local nv=$1 npu_k=()
+  . "$(tier_venv "$nv")/bin/activate"
   # The newest torch-npu runs the whole tier; the older one skips the tests whose code
   # path does not depend on TorchAir's release (rank labels, the default dir, ignored
   # keywords, a torn GE file, no-GE-cache staging, live parameters), to keep CI under an hour.
-  npu_k=()
   if [ "$nv" != "${NPU_FULL:-2.14.0}" ]; then
     npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read)')
   fi
   python -m pytest tests_npu -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
-  leave_tier_venv "$venv" $? "Ascend tier (torch-npu $nv)" || exit $?
-done
+  leave_tier_venv "$(tier_venv "$nv")" $? "Ascend tier (torch-npu $nv)"
+}
+
+tier_main "Ascend tier, torch-npu" "$@"
+exit $?

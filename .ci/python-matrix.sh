@@ -51,38 +51,51 @@ find_python() {
   [ -n "$found" ] && echo "$found"
 }
 
-for v in ${CACHECOMPILE_PYTHONS:-3.10 3.12}; do
-  echo "== Python $v"
-  start=$SECONDS
+tier_items() { echo "${CACHECOMPILE_PYTHONS:-3.10 3.12}"; }
+tier_venv() { echo ".venv-py$1"; }
+
+# Make the venv and install into it; the test selection is left in the venv for tier_test.
+# Exit 0 with no venv: no interpreter for this version (skipped, said so).
+tier_prepare() {
+  local v=$1 py venv=".venv-py$1" versions
   py=$(find_python "$v")
   if [ -z "$py" ]; then
     echo "== Python $v: no interpreter (pyenv or python$v on PATH), skipped"
-    continue
+    return 0
   fi
-  venv=".venv-py$v"
-  "$py" -m venv "$venv" || exit 1
+  "$py" -m venv "$venv" || return 1
   . "$venv/bin/activate"
   # pip's index query lists only the releases with a build for this interpreter; a query
   # that fails (no index) fails the tier rather than quietly running fewer tests.
   versions=$(python -m pip index versions torch 2>/dev/null) \
-    || { echo "Python $v: could not ask the index for torch" >&2; leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
+    || { echo "Python $v: could not ask the index for torch" >&2; return 1; }
   if grep -q "Available versions:.*\b${TORCH//./\\.}\b" <<<"$versions"; then
     python -m pip install -q "torch==$TORCH" -e . "${TEST_TOOLS[@]}" "${TORCH_TEST_TOOLS[@]}" \
-      || { leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
-    selection=("${TESTS[@]}")
+      || return 1
+    echo torch > "$venv/tier-selection"
   else
     echo "== Python $v: torch $TORCH has no build for this Python: the torch-free tests only"
-    python -m pip install -q --no-deps -e . || { leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
+    python -m pip install -q --no-deps -e . || return 1
     # The runtime requirements but torch, and the test tools.
     python -m pip install -q diskcache filelock xxhash click rich redis zstandard \
-      "${TEST_TOOLS[@]}" || { leave_tier_venv "$venv" 1 "Python $v"; exit 1; }
+      "${TEST_TOOLS[@]}" || return 1
+    echo torch-free > "$venv/tier-selection"
+  fi
+  deactivate
+}
+
+tier_test() {
+  local v=$1 venv=".venv-py$1" selection
+  [ -d "$venv" ] || return 0   # skipped in tier_prepare (no interpreter)
+  . "$venv/bin/activate"
+  if [ "$(cat "$venv/tier-selection")" = torch ]; then
+    selection=("${TESTS[@]}")
+  else
     selection=("${TORCH_FREE_TESTS[@]}")
   fi
-  echo "== Python $v: installed in $((SECONDS - start)) s"
   python -m pytest -q -p no:cacheprovider -m "not slow" -n 2 "${selection[@]}"
   leave_tier_venv "$venv" $? "Python $v"
-  rc=$?
-  [ "$rc" -eq 5 ] && exit 1
-  [ "$rc" -eq 0 ] || exit "$rc"
-  echo "== Python $v took $((SECONDS - start)) s"
-done
+}
+
+tier_main Python "$@"
+exit $?

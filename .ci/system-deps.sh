@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# System packages the test suite needs, on Debian/Ubuntu CI (run as root).
-# Idempotent: does nothing when redis-server is already on PATH.
+# System packages the test suite needs, on Debian/Ubuntu CI (run as root, or with sudo).
+# Idempotent: installs only what is missing.
 #   redis-server  the real server the remote-tier tests start on a loopback port
+#   s3rver        (npm, into .s3rver/, git-ignored) the second S3 server the S3-tier tests
+#                 start: it honours no conditional put and fails big LISTs, unlike moto
+#                 (tests/s3_util.py finds it there, or at CACHECOMPILE_TEST_S3RVER)
 set -euo pipefail
-
-if command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server already installed: $(redis-server --version | cut -d' ' -f3)"
-  exit 0
-fi
+cd "$(dirname "$0")/.."
+S3RVER_VERSION=3.7.1
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
   SUDO="sudo"
 fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
-# The package may start a system service; the tests start their own server on a free port.
-echo "installed $(redis-server --version | cut -d' ' -f3)"
+apt_updated=""
+apt_install() {
+  [ -n "$apt_updated" ] || { $SUDO apt-get update -qq; apt_updated=1; }
+  $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if command -v redis-server >/dev/null 2>&1; then
+  echo "redis-server already installed: $(redis-server --version | cut -d' ' -f3)"
+else
+  apt_install redis-server
+  # The package may start a system service; the tests start their own server on a free port.
+  echo "installed $(redis-server --version | cut -d' ' -f3)"
+fi
+
+if [ -f .s3rver/node_modules/s3rver/bin/s3rver.js ] \
+    && grep -q "\"version\": \"$S3RVER_VERSION\"" .s3rver/node_modules/s3rver/package.json; then
+  echo "s3rver already installed: $S3RVER_VERSION"
+else
+  command -v npm >/dev/null 2>&1 || apt_install nodejs npm
+  npm install --silent --no-audit --no-fund --prefix .s3rver "s3rver@$S3RVER_VERSION"
+  echo "installed s3rver $S3RVER_VERSION into .s3rver/"
+fi

@@ -35,22 +35,27 @@ SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]"
         tests/backends/test_plugins.py::test_a_bare_backend_callable_skips_the_trace_in_a_warm_process)
 
-for tv in ${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}; do
-  echo "== torch $tv"
-  start=$SECONDS
-  venv=".venv-torch-$tv"
-  enter_tier_venv "$venv" || exit 1
-  pip install -q "torch==$tv" || exit 1
-  pip install -q -e '.[test]' || exit 1
+tier_items() { echo "${CACHECOMPILE_TORCH_MATRIX:-2.14.1 2.15.0}"; }
+tier_venv() { echo ".venv-torch-$1"; }
+
+tier_prepare() {
+  local tv=$1 got
+  enter_tier_venv "$(tier_venv "$tv")" || return 1
+  pip install -q "torch==$tv" || return 1
+  pip install -q -e '.[test]' || return 1
   got=$(python -c 'import torch; print(torch.__version__.split("+")[0])')
   if [ "$got" != "$tv" ]; then
     echo "pip install -e . changed torch $tv into $got" >&2
-    exit 1
+    return 1
   fi
+}
+
+tier_test() {
+  local tv=$1
+  . "$(tier_venv "$tv")/bin/activate"
   python -m pytest -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 "${SUBSET[@]}"
-  leave_tier_venv "$venv" $? "torch $tv"
-  rc=$?
-  [ "$rc" -eq 5 ] && exit 1
-  [ "$rc" -eq 0 ] || exit "$rc"
-  echo "== torch $tv took $((SECONDS - start)) s"
-done
+  leave_tier_venv "$(tier_venv "$tv")" $? "torch $tv"
+}
+
+tier_main torch "$@"
+exit $?

@@ -18,3 +18,52 @@ leave_tier_venv() {
   fi
   return "$2"
 }
+
+# tier_main LABEL [items | prepare ITEM | test ITEM]: the one way a tier script runs. A tier
+# script defines tier_items (its items, e.g. torch releases), tier_venv ITEM (the venv's
+# path), tier_prepare ITEM (make the venv and install into it) and tier_test ITEM (run
+# the tests in it, then leave_tier_venv). With no arguments every item is prepared and
+# tested in turn (a tier run on its own); .ci/tiers.sh runs the halves separately, so that
+# the next item installs (network and disk) while this one's tests use the cores.
+# A failed install removes its venv; exit code 5 (no tests collected) fails the item.
+tier_main() {
+  local label=$1 rc
+  shift
+  case "${1:-}" in
+    prepare)
+      local start=$SECONDS
+      tier_prepare "$2"
+      rc=$?
+      deactivate 2>/dev/null || true
+      if [ "$rc" -ne 0 ]; then
+        rm -rf "$(tier_venv "$2")"
+        echo "$label $2: the install failed" >&2
+        return "$rc"
+      fi
+      echo "== $label $2: installed in $((SECONDS - start)) s"
+      ;;
+    test)
+      local start=$SECONDS
+      tier_test "$2"
+      rc=$?
+      [ "$rc" -eq 5 ] && return 1
+      [ "$rc" -eq 0 ] || return "$rc"
+      echo "== $label $2: tests took $((SECONDS - start)) s"
+      ;;
+    items)
+      tier_items
+      ;;
+    "")
+      local item
+      for item in $(tier_items); do
+        echo "== $label $item"
+        tier_main "$label" prepare "$item" || return $?
+        tier_main "$label" test "$item" || return $?
+      done
+      ;;
+    *)
+      echo "usage: $0 [items | prepare ITEM | test ITEM]" >&2
+      return 2
+      ;;
+  esac
+}

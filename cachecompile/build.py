@@ -12,31 +12,23 @@ Two entry points:
   (default: the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``) each import the
   factory, list the same tasks, and take the next unbuilt signature as they become free,
   so independent signatures compile in parallel; their backend compiles still take a
-  compile slot each (:class:`cachecompile.procs.coop.CompileSlots`). This process only hands
-  out tasks and reports progress.
-
-A worker talks to its parent in JSON lines on its original stdout (anything the model
-prints goes to its stderr): first ``{"tasks": [...]}`` (or ``{"error": ...}``), then one
-``{"done": i, ...}`` per ``{"run": i}`` it is sent on stdin; it exits at end of input.
+  compile slot each (:class:`cachecompile.procs.coop.CompileSlots`). The parent side
+  (handing out tasks, reporting, ``--check``, the push to the remote) is
+  :mod:`cachecompile.procs.builders`, which imports no torch; this module is the
+  worker's side (``python -m cachecompile.build worker module:factory``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
 import os
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -48,19 +40,34 @@ from cachecompile.errors import (
     SignatureLimitWarning,
 )
 from cachecompile.forms import CachedModule
-from cachecompile.key import cpu, identity
-from cachecompile.key.signature import describe, signature
-from cachecompile.procs import coop
-from cachecompile.store.config import env_float
+from cachecompile.key import identity
+from cachecompile.key.signature import Signature, describe, signature
+
+# The parent side (torch-free): re-exported, as cachecompile.build has always named them.
+from cachecompile.procs.builders import (  # noqa: F401
+    BUILT,
+    FAILED,
+    NOT_CACHED,
+    OK,
+    PRESENT,
+    BuildError,
+    BuildEvent,
+    BuildResult,
+    Checked,
+    OnEvent,
+    Pushed,
+    check_factory,
+    list_factory,
+    parse_spec,
+    prebuild_factory,
+    push_results,
+)
+from cachecompile.store.errors import StoreError
+from cachecompile.warm.lookup import MAX_VARIANTS, variant_key
+from cachecompile.warm.state import store_for
 
 logger = logging.getLogger(__name__)
 
-# Outcomes of one signature.
-BUILT = "built"            # compiled and published by this build
-PRESENT = "present"        # the entry was there already (loaded, not compiled)
-NOT_CACHED = "not cached"  # it ran, but with a live compile: no entry serves it
-FAILED = "failed"          # the call raised
-OK = (BUILT, PRESENT)
 _FAULTS = (CacheFaultWarning, SignatureLimitWarning)
 
 
@@ -90,40 +97,47 @@ class Task:
     fn: CachedFunction = dataclasses.field(repr=False)
     args: tuple[Any, ...] = dataclasses.field(repr=False)
     kwargs: dict[str, Any] = dataclasses.field(repr=False)
+    sig: Signature | None = dataclasses.field(default=None, repr=False)
 
     def info(self) -> dict[str, Any]:
         return {"index": self.index, "name": self.name, "signature": self.signature}
 
+    def entry_key(self) -> str:
+        """The digest of the signature's first entry (variant 0): what a lookup reads
+        first, and what ``cachectl build --check`` asks a tier for. "" if unkeyable.
 
-@dataclasses.dataclass
-class BuildResult:
-    name: str
-    signature: str
-    status: str                  # BUILT, PRESENT, NOT_CACHED or FAILED
-    seconds: float
-    detail: str = ""             # why not cached / failed; a note on the example
-    worker: int | None = None
+        The method's base factors are computed on its first key, as serving computes
+        them on its first call: a build asks only after the call (a call of another
+        method before it may change the module's keyed attributes, as it does when
+        serving); ``--check`` asks before any call."""
+        if self.sig is None:
+            return ""
+        try:
+            return variant_key(self.fn.key(self.sig), 0).digest
+        except Exception:  # an unkeyable call: the build reports it when it runs
+            logger.debug("no key for %s [%s]", self.name, self.signature, exc_info=True)
+            return ""
 
-    @property
-    def ok(self) -> bool:
-        return self.status in OK
-
-
-@dataclasses.dataclass
-class BuildEvent:
-    """What a progress callback is told: ``planned`` (once), ``started``, ``finished``."""
-
-    kind: str
-    total: int
-    task: dict[str, Any] | None = None
-    result: BuildResult | None = None
-
-
-OnEvent = Callable[[BuildEvent], None]
-
-
-class BuildError(Exception):
-    """The build could not start or go on: a bad factory, workers that disagree or died."""
+    def local_entries(self) -> tuple[str, ...]:
+        """The digests of the signature's entries in this process's local store, in
+        variant order (what a sharded build pushes to the remote tier)."""
+        first = self.entry_key()
+        if not first or self.sig is None:
+            return ()
+        try:
+            st = store_for(self.fn.spec.cache_dir)
+            local = getattr(st, "local", st)  # the tier's local store, not the remote
+            frame = self.fn.key(self.sig)
+            found: list[str] = []
+            for i in range(MAX_VARIANTS):
+                digest = variant_key(frame, i).digest
+                if not local.contains(digest):
+                    break  # variants fill from 0: the first gap ends the chain
+                found.append(digest)
+            return tuple(found)
+        except (StoreError, OSError):
+            logger.debug("listing the local entries of %s failed", self.name, exc_info=True)
+            return ()
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -164,7 +178,7 @@ def plan(targets: Iterable[tuple[str, CachedFunction, Sequence[Any]]]) -> list[T
                 if (id(fn), sig) in seen:
                     continue
                 seen.add((id(fn), sig))
-                tasks.append(Task(len(tasks), name, describe(sig), fn, a, k))
+                tasks.append(Task(len(tasks), name, describe(sig), fn, a, k, sig))
     return tasks
 
 
@@ -188,14 +202,6 @@ def _targets(made: Any, spec: str) -> list[tuple[str, CachedFunction, Sequence[A
             raise ContractError(f"{spec}: {name} is not a (cached_fn, examples) pair")
         out.append((name, pair[0], pair[1]))
     return out
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``package.module:factory`` -> (module, attribute path); ContractError otherwise."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ContractError(f"{spec!r} is not module:factory (e.g. myapp.serving:build_model)")
-    return module_name, attr
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
@@ -246,9 +252,9 @@ def run_task(task: Task, worker: int | None = None) -> BuildResult:
         # fresh tensor of its shape are two signatures. Likely a mistake in the example.
         note = ("an example tensor has the strides of a slice (strides[...] above): calls "
                 "with fresh or .contiguous() tensors are another signature and would not hit")
-    if events and events[0] in ("miss", "shared"):
-        return BuildResult(task.name, task.signature, BUILT, seconds, note, worker)
-    return BuildResult(task.name, task.signature, PRESENT, seconds, note, worker)
+    status = BUILT if events and events[0] in ("miss", "shared") else PRESENT
+    return BuildResult(task.name, task.signature, status, seconds, note, worker,
+                       task.local_entries())
 
 
 def prebuild(fn: CachedFunction, examples: Sequence[Any], *,
@@ -275,173 +281,7 @@ def _run_here(tasks: list[Task], on_event: OnEvent | None) -> list[BuildResult]:
     return results
 
 
-# -- in parallel: workers ------------------------------------------------------------------
-class _Worker:
-    def __init__(self, wid: int, spec: str, env: dict[str, str], events: queue.Queue[Any]) -> None:
-        self.wid = wid
-        self.log: IO[bytes] = tempfile.TemporaryFile(prefix="cachectl-build-")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cachecompile.build", "worker", spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
-            text=True, bufsize=1)
-        self.task: int | None = None
-        self.closed = False
-        self._reader = threading.Thread(target=self._read, args=(events,), daemon=True,
-                                        name=f"cachecompile-build-{wid}")
-        self._reader.start()
-
-    def _read(self, events: queue.Queue[Any]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                events.put((self.wid, json.loads(line)))
-            except ValueError:
-                logger.debug("worker %d: not a protocol line: %r", self.wid, line)
-        events.put((self.wid, None))
-
-    def send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            except OSError:
-                pass
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            self.log.seek(0)
-            text = self.log.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        return "\n".join(text.rstrip().splitlines()[-lines:])
-
-    def stop(self) -> None:
-        self.close()
-        if self.proc.poll() is None:
-            # Its stdin is closed: a worker then exits by itself, after waiting for its
-            # uploads to a remote tier (CACHECOMPILE_REMOTE_FLUSH_TIMEOUT). A SIGTERM
-            # straight away killed that flush, and no build ever reached the remote.
-            try:
-                self.proc.wait(timeout=_EXIT_GRACE)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(timeout=5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.log.close()
-
-
-# How long a worker whose input is closed may take to exit: its uploads' flush, plus a margin.
-_EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
-
-
-def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
-                     on_event: OnEvent | None = None,
-                     cpu_target: str | None = None) -> list[BuildResult]:
-    """Build every signature the factory ``spec`` (``module:callable``) lists, in ``jobs``
-    worker processes (default: the node's compile slots), for ``cpu_target`` if given
-    (``CACHECOMPILE_CPU_TARGET`` in the workers). Returns one result per
-    signature, in the factory's order. Raises :class:`BuildError` if the factory fails in
-    a worker, two workers list different tasks, or every worker dies."""
-    parse_spec(spec)  # a usage error before any worker starts
-    n = jobs if jobs is not None else coop.default_slots()
-    if n < 1:
-        raise ContractError(f"jobs must be >= 1, got {n}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
-    if cache_dir is not None:
-        env["CACHECOMPILE_DIR"] = str(Path(cache_dir).resolve())
-    if cpu_target is not None:
-        env[cpu.ENV] = cpu_target  # the workers' cache_compile builds for it (key.cpu)
-    if n > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in env:
-        # The workers are the parallelism: Inductor's own pool of compile processes (one
-        # per core, in every worker) would oversubscribe the cores n times over and cost
-        # each worker the pool's start-up. Not a key factor (it changes no program).
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
-    emit = on_event or (lambda e: None)
-    events: queue.Queue[Any] = queue.Queue()
-    workers = [_Worker(i, spec, env, events) for i in range(n)]
-    tasks: list[dict[str, Any]] | None = None
-    pending: collections.deque[int] = collections.deque()
-    results: dict[int, BuildResult] = {}
-    alive = set(range(n))
-    started: dict[int, float] = {}
-
-    def dispatch() -> None:
-        for w in workers:
-            if w.wid in alive and w.task is None and not w.closed and tasks is not None:
-                if pending:
-                    w.task = pending.popleft()
-                    started[w.task] = time.perf_counter()
-                    emit(BuildEvent("started", len(tasks), tasks[w.task]))
-                    w.send({"run": w.task})
-                else:
-                    w.close()
-
-    try:
-        while alive and (tasks is None or len(results) < len(tasks)):
-            wid, msg = events.get()
-            w = workers[wid]
-            if msg is None:
-                alive.discard(wid)
-                if w.task is not None and tasks is not None:
-                    t = tasks[w.task]
-                    r = BuildResult(t["name"], t["signature"], FAILED,
-                                    time.perf_counter() - started.get(w.task, time.perf_counter()),
-                                    f"worker {wid} exited (rc={w.proc.wait()}): {w.tail()}", wid)
-                    results[w.task] = r
-                    emit(BuildEvent("finished", len(tasks), t, r))
-                    w.task = None
-                elif tasks is None and not alive:
-                    raise BuildError(f"every build worker exited before listing the tasks; "
-                                     f"the last one said:\n{w.tail()}")
-                continue
-            if "error" in msg:
-                raise BuildError(f"{spec}: {msg['error']}")
-            if "tasks" in msg:
-                listed = msg["tasks"]
-                if tasks is None:
-                    tasks = listed
-                    pending.extend(range(len(tasks)))
-                    emit(BuildEvent("planned", len(tasks)))
-                elif [(t["name"], t["signature"]) for t in listed] != \
-                        [(t["name"], t["signature"]) for t in tasks]:
-                    raise BuildError(f"{spec} listed different signatures in two workers; a "
-                                     "build factory must return the same examples every time")
-            elif "done" in msg and tasks is not None:
-                i = int(msg["done"])
-                r = BuildResult(tasks[i]["name"], tasks[i]["signature"], str(msg["status"]),
-                                float(msg["seconds"]), str(msg.get("detail", "")), wid)
-                results[i] = r
-                w.task = None
-                emit(BuildEvent("finished", len(tasks), tasks[i], r))
-            dispatch()
-        if tasks is None:
-            raise BuildError("no build worker listed the tasks")
-        for i in pending:
-            t = tasks[i]
-            results[i] = BuildResult(t["name"], t["signature"], FAILED, 0.0,
-                                     "every worker exited before this signature was built")
-        return [results[i] for i in range(len(tasks))]
-    finally:
-        for w in workers:
-            w.stop()
-
-
-def _worker_main(spec: str) -> int:
+def _worker_main(spec: str, listing: bool = False) -> int:
     # The protocol keeps the original stdout; the model's prints go to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -457,21 +297,26 @@ def _worker_main(spec: str) -> int:
         logger.debug("planning %s failed", spec, exc_info=True)
         send({"error": f"{type(e).__name__}: {e}"})
         return 2
+    if listing:
+        # `build --check`: each signature with its first entry's key, and nothing run.
+        send({"tasks": [{**t.info(), "key": t.entry_key()} for t in tasks]})
+        return 0
     send({"tasks": [t.info() for t in tasks]})
     for line in sys.stdin:
         i = int(json.loads(line)["run"])
         r = run_task(tasks[i])
-        send({"done": i, "status": r.status, "seconds": r.seconds, "detail": r.detail})
+        send({"done": i, "status": r.status, "seconds": r.seconds, "detail": r.detail,
+              "entries": list(r.entries)})
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "worker":
-        sys.stderr.write("usage: python -m cachecompile.build worker module:factory\n")
+    if len(args) != 2 or args[0] not in ("worker", "list"):
+        sys.stderr.write("usage: python -m cachecompile.build worker|list module:factory\n")
         return 2
     logging.basicConfig(level=os.environ.get("CACHECOMPILE_BUILD_LOG", "WARNING"))
-    return _worker_main(args[1])
+    return _worker_main(args[1], listing=args[0] == "list")
 
 
 if __name__ == "__main__":

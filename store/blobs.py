@@ -18,7 +18,7 @@ import xxhash
 from . import errors
 from .fsutil import temp_name, write_new_file
 from .layout import DATA, Layout
-from .protocol import FileSource
+from .protocol import FileSource, Owned
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,41 @@ def _blob_ok(blob: Path, size: int, executable: bool) -> bool:
             and bool(st.st_mode & stat.S_IXUSR) == executable)
 
 
+def _take(layout: Layout, src: Owned, tmp: Path, mode: int) -> bool:
+    """Hard-link the staged file ``src`` to ``tmp`` (no copy), with the blob's mode; False
+    (copy it instead) unless it is a regular file of ours, under the store's ``tmp/``,
+    with no other link: anything else may be someone's file, whose mode we must not touch.
+    """
+    try:
+        tmp_root = os.path.realpath(layout.real("tmp"))
+        where = os.path.realpath(src.path)
+        st = os.lstat(src.path)
+    except (OSError, errors.InsecureStoreError):
+        return False
+    if (os.path.commonpath([tmp_root, where]) != tmp_root or where == tmp_root
+            or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
+            or st.st_uid != os.geteuid()):
+        return False
+    try:
+        os.chmod(src.path, mode)  # the inode becomes the blob: read-only, like every blob
+        os.link(src.path, tmp)
+    except OSError as e:
+        # EXDEV (another file system), EPERM/EMLINK: copy, as for any other path.
+        logger.debug("cannot link staged %s (%s): copying it", src.path, e)
+        return False
+    return True
+
+
+def _hashed(path: Path) -> tuple[int, str]:
+    h = xxhash.xxh3_128()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
 def _store_blob(layout: Layout, src: FileSource, executable: bool) -> tuple[Path, int, str, bool]:
     """Put one content into blobs/ (once); (blob path, size, checksum, newly stored)."""
     # Read-only for everyone who may read: entries are immutable and share inodes.
@@ -78,19 +113,24 @@ def _store_blob(layout: Layout, src: FileSource, executable: bool) -> tuple[Path
             return blob, size, cs, False
         write_new_file(tmp, [data], mode)
     else:
-        h = xxhash.xxh3_128()
-        size = 0
+        if isinstance(src, Owned) and _take(layout, src, tmp, mode):
+            # One copy on disk: the staged inode becomes the blob (a bundle import would
+            # otherwise need twice its size free).
+            size, cs = _hashed(tmp)
+        else:
+            h = xxhash.xxh3_128()
+            size = 0
 
-        def chunks() -> Iterator[bytes]:
-            nonlocal size
-            with open(src, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-                    size += len(chunk)
-                    yield chunk
+            def chunks() -> Iterator[bytes]:
+                nonlocal size
+                with open(src, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                        size += len(chunk)
+                        yield chunk
 
-        write_new_file(tmp, chunks(), mode)
-        cs = h.hexdigest()
+            write_new_file(tmp, chunks(), mode)
+            cs = h.hexdigest()
         try:
             blob = layout.blob_path(cs, executable)
         except errors.InsecureStoreError:

@@ -14,13 +14,18 @@ Import is all or nothing: every member is checked as it streams in (a relative p
 without ``..``, a regular file or directory: no symlink, hard link, device or FIFO, no
 name twice), staged under the store's ``tmp/``, then every entry is verified (record,
 signature policy, exact file set, size, SHA-256 and XXH3-128). Only when all of them pass
-is anything published, each entry through the store's normal atomic ``put``.
+is anything published, each entry through the store's normal atomic ``put``, which takes
+the staged files by hard link (:class:`~cachecompile.store.protocol.Owned`): the import
+holds one copy of the bundle's files on disk, never two. Should a put fail after all
+(the disk filled from elsewhere, an I/O error), the entries this import already
+published are deleted again before the error is raised: an import leaves all its
+entries or none.
 
 What an import writes is bounded before it is written: the index comes first and lists
 the entries; each entry's record comes before its files and is parsed and its signature
 checked first; a file is written only if its manifest lists it, at exactly the declared
 size, and only while the store's file system keeps 64 MiB free once every accepted
-record's files are written (StoreFullError otherwise). The decompressed stream
+record's files are written (StoreFullError otherwise); publishing adds no second copy. The decompressed stream
 itself may not run past what the accepted members declare (headers included), so a
 small archive cannot expand into gigabytes on disk or in memory.
 """
@@ -51,7 +56,7 @@ from .fsutil import FULL_ERRNOS, rmtree_quiet, temp_name, write_new_file
 from .keys import Key, is_digest
 from .manifest import validate_name
 from .outcomes import Hit
-from .protocol import DiskStorage
+from .protocol import DiskStorage, Owned
 from .signing import Record, Trust, make_record, parse_record, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -472,20 +477,43 @@ def import_bundle(st: DiskStorage, src: Path | str, *, trust: Trust | None = Non
             raise errors.UnsafeArchiveError(f"{src}: its index does not list exactly the "
                                             "entries it holds")
         records = {d: _verify(d, staged[d]) for d in index}
-        # Everything verified: publish. Each put is atomic on its own.
-        for d in index:
-            rec = records[d]
-            m = rec.manifest
-            if st.contains(d) and st.peek(d):
-                report.skipped.append(d)
-                continue
-            st.put(Key(digest=d, factors=m["factors"]), staged[d].files, labels=m["labels"],
-                   meta=m["meta"])
-            report.entries.append(d)
-            report.bytes += rec.size_bytes
+        _publish(st, src, index, records, staged, report)
     finally:
         rmtree_quiet(staging)
     report.seconds = time.perf_counter() - t0
     logger.info("imported %d entries (%d skipped) from %s", len(report.entries),
                 len(report.skipped), src)
     return report
+
+
+def _publish(st: DiskStorage, src: Path | str, index: list[str], records: dict[str, Record],
+             staged: dict[str, _Staged], report: BundleReport) -> None:
+    """Publish every verified entry, or none: a failing put takes back the entries this
+    import published before it. The staged files are handed over as :class:`Owned`, so a
+    put links them into the store instead of copying them (the free space the staging
+    checked is all the import needs)."""
+    try:
+        for d in index:
+            rec = records[d]
+            m = rec.manifest
+            if st.contains(d) and st.peek(d):
+                report.skipped.append(d)
+                continue
+            st.put(Key(digest=d, factors=m["factors"]),
+                   {n: Owned(p) for n, p in staged[d].files.items()},
+                   labels=m["labels"], meta=m["meta"])
+            report.entries.append(d)
+            report.bytes += rec.size_bytes
+    except BaseException as e:
+        for d in report.entries:
+            try:
+                st.delete(d)
+            except (OSError, errors.StoreError) as undo:
+                logger.warning("import of %s failed and entry %s it published could not be "
+                               "removed again: %s", src, d, undo)
+        report.entries.clear()
+        if isinstance(e, errors.StoreFullError) or (isinstance(e, OSError)
+                                                    and e.errno in FULL_ERRNOS):
+            raise errors.StoreFullError(f"the disk under {st.root} filled up while "
+                                        f"publishing {src} ({e}); nothing was imported") from e
+        raise

@@ -28,9 +28,32 @@ from typing import Any, Protocol, runtime_checkable
 from .keys import Key
 from .outcomes import Entry, EntryInfo, Hit, Miss
 
-__all__ = ["Catalog", "DiskStorage", "FileSource", "LocalStorage", "Locking", "Storage"]
+__all__ = ["Catalog", "DiskStorage", "FileSource", "LocalStorage", "Locking", "Owned",
+           "Storage"]
 
 FileSource = bytes | os.PathLike[str] | str
+
+
+class Owned(os.PathLike[str]):
+    """A file the store may take rather than copy: ``put`` hard-links it into ``blobs/``
+    (one copy on disk, not two) when it lies under the store's own ``tmp/``, is a regular
+    file with no other link and is ours; anywhere else it is copied like any path.
+
+    For files a caller staged through the store's ``staging_dir`` and discards after the
+    put (a bundle import): the put may change its mode, and the caller must not write
+    to it again.
+    """
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self.path = Path(path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"Owned({str(self.path)!r})"
 
 
 @runtime_checkable

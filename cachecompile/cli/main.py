@@ -1,7 +1,7 @@
 """``cachectl``: the command group, every verb registered on it in one place, and ``main``.
 
-Torch-free: the verbs' modules import the store, click and rich; ``build`` imports
-cachecompile.build (and torch) only when it runs. Exit codes: cachecompile.cli.common.
+Torch-free: the verbs' modules import the store, click and rich; ``build`` starts worker
+processes that import torch and the factory (cachecompile.procs.builders). Exit codes: cachecompile.cli.common.
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
-    sent = have = repaired = kept = resigned = 0
+    sent = have = repaired = kept = resigned = refused = 0
     with _progress("push", sum(i.size_bytes for i in infos)) as advance:
         for i in infos:
             hit = st.peek(i.key)
@@ -244,7 +244,10 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
                 resigned += done.found == "trusted"
                 continue
             advance(i.size_bytes)
-            if done.found == "foreign":
+            if done.refused:
+                refused += 1
+                click.echo(f"{i.key[:12]}  kept: {done.refused}", err=True)
+            elif done.found == "foreign":
                 kept += 1
                 click.echo(f"{i.key[:12]}  kept: the remote record is signed and "
                            "CACHECOMPILE_SIGNING_KEY is not set", err=True)
@@ -253,7 +256,9 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already"
                + (f"; {repaired} replaced records that did not verify" if repaired else "")
                + (f"; {resigned} re-signed with the current key" if resigned else "")
-               + (f"; {kept} signed records kept" if kept else ""))
+               + (f"; {kept} signed records kept" if kept else "")
+               + (f"; {refused} records not replaced (the server cannot do it safely)"
+                  if refused else ""))
 
 
 @click.command("pull")

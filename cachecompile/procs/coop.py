@@ -32,8 +32,9 @@ from cachecompile.backends.base import Adapter, Compiled, Program
 from cachecompile.entry import writer
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.procs.poll import poll
+from cachecompile.procs.slots import default_slots
 from cachecompile.store import Hit, Key, make_key
-from cachecompile.store.config import env_float, env_int
+from cachecompile.store.config import env_float
 from cachecompile.store.errors import LockTimeout, StoreError
 from cachecompile.store.index import GRAPH_SCOPE
 from cachecompile.store.protocol import LocalStorage, Locking
@@ -43,12 +44,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 900.0
 _POLL = 0.2
 _REPORT_EVERY = 30.0
-
-
-def default_slots() -> int:
-    """Compiles allowed at once on this node: ``CACHECOMPILE_COMPILE_SLOTS`` or cores / 2."""
-    n = env_int("CACHECOMPILE_COMPILE_SLOTS", lenient=True)
-    return max(1, n if n is not None else (os.cpu_count() or 2) // 2)
 
 
 def lock_timeout() -> float:

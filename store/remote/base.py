@@ -67,10 +67,13 @@ class Uploaded:
     """What an upload did: true if it wrote the record.
 
     ``found`` is the record that was there before: the one replaced, or the one kept.
+    ``refused``: why a record we would have replaced was kept all the same (the server
+    cannot replace one safely); empty otherwise.
     """
 
     written: bool
     found: RecordState
+    refused: str = ""
 
     def __bool__(self) -> bool:
         return self.written
@@ -521,6 +524,12 @@ class BlobRemote:
         return self.breaker.allow()
 
     # -- the half that differs by server -------------------------------------------------
+    def replace_refused(self) -> str:
+        """Why this server may not have a record replaced (it cannot compare and set:
+        a replacement would be a blind overwrite), or "" where it may. Asked only before
+        a replacement, so nodes that never replace never pay for finding out."""
+        return ""
+
     def read_record(self, digest: str) -> tuple[bytes, object] | None:
         """The raw record and its tag, or None if absent."""
         raise NotImplementedError
@@ -566,6 +575,9 @@ class BlobRemote:
         if not may_replace(self.trust, found, **judge):
             self._kept(digest, found)
             return Uploaded(False, found)
+        if tag is not None and (why := self.replace_refused()):
+            logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
+            return Uploaded(False, found, why)
         names = sorted(entry.manifest["files"])
         sha = {n: sha256_file(entry.files[n]) for n in names}
         executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
@@ -586,6 +598,9 @@ class BlobRemote:
             if not may_replace(self.trust, found, **judge):
                 self._kept(digest, found)
                 return Uploaded(False, found)
+            if tag is not None and (why := self.replace_refused()):
+                logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
+                return Uploaded(False, found, why)
         raise errors.RemoteError(f"remote cache {self.config.display}: the record of {digest} "
                                  f"changed {CAS_TRIES} times while we wrote it")
 

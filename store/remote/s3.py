@@ -16,6 +16,15 @@ around. The record is written with a conditional put: ``If-None-Match: *`` where
 was none, ``If-Match: <ETag>`` where the uploader judged one, so two uploaders never
 replace each other's record unjudged (412 -> judge again).
 
+Servers differ, so neither is taken on trust. Before its first record write a process
+probes the bucket, once: a probe object, then ``If-None-Match: *`` and ``If-Match: <a
+stale ETag>`` over it must both give 412, then the probe is deleted. A server that
+accepts them (s3rver, some gateways) gets one warning, and uploads there only create
+records, never replace one: every safety that rests on compare-and-set would be off.
+The bucket check that names a missing bucket is a GET of an object that is not there
+(NoSuchKey or NoSuchBucket), so a node needs no ListBucket, and a server that fails big
+LISTs only fails the verbs that list (``cachectl remote ls``, ``purge``, ``pull``).
+
 Purge: a blob goes when no record references it and its pin is older than ``lease``
 (read just before the delete). S3 has no atomic check-and-delete, so an upload that pins
 and decides to reuse a blob in the instant between that read and the delete could lose
@@ -38,6 +47,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -66,6 +76,14 @@ _RETRY: Any = {"max_retries": 2,
                            "max_backoff": timedelta(milliseconds=400), "base": 2}}
 
 
+# Per process, per endpoint and bucket: "" where the server honours conditional puts,
+# else what it did instead. Probed once; the warning is said once with it.
+_CAS: dict[tuple[str, str], str] = {}
+_CAS_LOCK = threading.Lock()
+# A GET of this (never written) says whether the bucket exists, without a LIST.
+_CHECK_KEY = f"{_LAYOUT}/bucket-check"
+
+
 class _Gone(Exception):
     """The object is not there (HTTP 404), told apart from a failure of the remote."""
 
@@ -81,15 +99,21 @@ class S3Remote(BlobRemote):
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._checked = False
+        # The wall clock a pin's age is judged by (against the server's Last-Modified): a
+        # test advances it past the lease instead of sleeping through it.
+        self.clock: Callable[[], float] = time.time
 
     # -- plumbing ----------------------------------------------------------------------
+    @staticmethod
+    def _endpoint() -> str:
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+
     def client(self) -> Any:
         with self._store_lock:
             if self._store is None:
                 from obstore.store import S3Store
 
-                endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3")
-                            or os.environ.get("AWS_ENDPOINT_URL") or "")
+                endpoint = self._endpoint()
                 t = self.config.timeout
                 # ``timeout`` bounds a stall (no byte for that long: read_timeout), not a
                 # whole transfer, which may take minutes for a big file on a slow link.
@@ -177,8 +201,18 @@ class S3Remote(BlobRemote):
         raise value
 
     def _check_bucket(self, ob: Any) -> None:
-        for _ in ob.list(self.client(), f"{_LAYOUT}/entry/", chunk_size=1):
-            break
+        """Raise obstore's NotFound (NoSuchBucket) if the bucket is missing. A GET of an
+        object that is not there: a LIST would need ListBucket, and some servers fail a
+        LIST of a big prefix while their GETs work."""
+        try:
+            ob.get(self.client(), _CHECK_KEY)
+        except FileNotFoundError as e:
+            if "NoSuchBucket" in str(e):
+                raise
+        except ob.exceptions.PermissionDeniedError:
+            # AWS answers a node without ListBucket 403 for a missing object; a missing
+            # bucket is 404 NoSuchBucket to everyone. Reads are judged by their own calls.
+            pass
 
     def _no_bucket(self, e: BaseException) -> errors.RemoteError:
         err = errors.RemoteError(f"remote cache {self.config.display}: the bucket "
@@ -225,8 +259,34 @@ class S3Remote(BlobRemote):
 
     # -- reads ---------------------------------------------------------------------------
     def ping(self) -> bool:
-        self._call("list", lambda ob, _s: self._check_bucket(ob))
+        self._call("check bucket", lambda ob, _s: self._check_bucket(ob))
         return True
+
+    def replace_refused(self) -> str:
+        why = self._conditional_puts()
+        return (f"the server does not honour conditional puts ({why}), so a record on it "
+                "is never replaced") if why else ""
+
+    def _conditional_puts(self) -> str:
+        """"" if the server refuses a conditional put that does not hold (412), else what
+        it did: probed once per process, endpoint and bucket (one PUT, two conditional
+        PUTs, one DELETE), and warned about once. A RemoteError if the probe could not
+        run (it is tried again next time)."""
+        at = (self._endpoint(), self.config.target)
+        with _CAS_LOCK:
+            if at in _CAS:
+                return _CAS[at]
+            why = str(self._call("probe conditional puts", _probe))
+            _CAS[at] = why
+        if why:
+            logger.warning(
+                "remote cache %s: the server does not honour conditional puts (%s). Uploads "
+                "to it only create records and never replace one (a stale, unsigned or "
+                "re-signed record stays until it is deleted), and two nodes uploading the "
+                "same new entry at once may each write it, the last one staying. Use a "
+                "server that answers 412 to If-None-Match and If-Match (docs/remote.md)",
+                self.config.display, why)
+        return why
 
     def contains(self, digest: str) -> bool:
         return self._head("head record", self._key("entry", digest)) is not None
@@ -286,6 +346,12 @@ class S3Remote(BlobRemote):
     def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
         mode: Any = "create" if tag is None else {"e_tag": str(tag)}
         key = self._key("entry", digest)
+        if self._conditional_puts():
+            # The put below would be blind: never over a record (judge again: the upload
+            # then keeps it), and a create only where a HEAD just found none, which
+            # narrows the race it cannot close.
+            if tag is not None or self._head("head record", key) is not None:
+                return False
 
         def put(ob: Any, s: Any) -> bool:
             try:
@@ -400,9 +466,11 @@ class S3Remote(BlobRemote):
                 continue
             self._delete("delete blob", self._key("blob", s))
             deleted += 1
-        for m in self._list("pin"):
-            if time.time() - m["last_modified"].timestamp() >= self.config.lease:
-                self._delete("delete pin", str(m["path"]))  # paths are under our prefix
+        # Stale pins; and probe objects a writer without s3:DeleteObject left behind.
+        for kind in ("pin", "probe"):
+            for m in self._list(kind):
+                if self.clock() - m["last_modified"].timestamp() >= self.config.lease:
+                    self._delete(f"delete {kind}", str(m["path"]))  # under our prefix
         if pinned:
             logger.info("remote sweep kept %d unreferenced blobs that uploads have pinned",
                         pinned)
@@ -412,11 +480,36 @@ class S3Remote(BlobRemote):
         meta = self._head("head pin", self._key("pin", sha))
         if meta is None:
             return False
-        return bool(time.time() - meta["last_modified"].timestamp() < self.config.lease)
+        return bool(self.clock() - meta["last_modified"].timestamp() < self.config.lease)
 
     def close(self) -> None:
         with self._store_lock:
             self._store = None
+
+
+def _probe(ob: Any, s: Any) -> str:
+    """Whether the server refuses both conditional puts that do not hold: "" if so, else
+    what it did. The probe object has its own random name and is deleted after."""
+    key = f"{_LAYOUT}/probe/{uuid.uuid4().hex}"
+    refused = (ob.exceptions.AlreadyExistsError, ob.exceptions.PreconditionError)
+    ob.put(s, key, b"probe")
+    try:
+        try:
+            ob.put(s, key, b"create", mode="create")
+            return "If-None-Match: * over an existing object was accepted, not refused with 412"
+        except refused:
+            pass
+        try:
+            # An ETag the probe object cannot have (a single-part PUT's ETag is its MD5).
+            ob.put(s, key, b"replace", mode={"e_tag": '"0123456789abcdef0123456789abcdef"'})
+            return "If-Match with a stale ETag was accepted, not refused with 412"
+        except refused:
+            return ""
+    finally:
+        try:
+            ob.delete(s, key)
+        except (ob.exceptions.BaseError, OSError) as e:  # a writer without DeleteObject
+            logger.debug("could not delete the probe object %s: %s", key, _brief(e))
 
 
 def _brief(exc: BaseException) -> str:

@@ -1,4 +1,9 @@
-"""``cachectl`` driven as a user drives it: a subprocess, its output, its exit code."""
+"""``cachectl`` driven as a user drives it: its arguments, output, exit code and environment.
+
+The verbs run in this process through click's runner (the same group, the same error to
+exit-code mapping as the installed command, without a Python start per call);
+``test_the_installed_command_runs`` proves the entry point itself in a subprocess. A bug
+in a verb raises here with its traceback (``catch_exceptions=False``)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ccutil
 import pytest
+from ccutil import Ran
 
 from cachecompile.store import Store, fsutil, make_key, open_store, verification
 
@@ -28,9 +35,20 @@ def cache(tmp_path: Path) -> Store:
     return st
 
 
-def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
-                          capture_output=True, text=True, input=input, timeout=60)
+def cachectl(child_env: dict[str, str], *args: str, input: str | None = None) -> Ran:
+    """cachectl ARGS with exactly ``child_env`` as its environment, in this process."""
+    return ccutil.cachectl(*args, env=child_env, input=input)
+
+
+def test_the_installed_command_runs(cache: Store, child_env: dict[str, str]) -> None:
+    """The entry point a user types, in a fresh process: output and exit codes as above."""
+    cmd = [sys.executable, "-m", "cachecompile.cli.main"]
+    p = subprocess.run([*cmd, "ls", "--cache-dir", str(cache.root), "--json"], env=child_env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and len(json.loads(p.stdout)) == 3, p.stderr
+    p = subprocess.run([*cmd, "show", "ffffffffffff", "--cache-dir", str(cache.root)],
+                       env=child_env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no entry matches" in p.stderr and "Traceback" not in p.stderr
 
 
 def _key(st: Store, **labels: str) -> str:

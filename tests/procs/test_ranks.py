@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,10 @@ def _unique_file_bytes(root: Path) -> int:
 
 
 KILL_SCRIPT = r'''
-import os, torch
+import logging, os, torch
+# cachecompile says when a rank waits on another's lock: the test waits for that line.
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("cachecompile.procs.coop").setLevel(logging.INFO)
 from cachecompile import cache_compile
 from cachecompile.demo import models
 class Served(torch.nn.Module):
@@ -211,11 +215,30 @@ def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
     env_b = box.env(WORLD_SIZE="2", RANK="1", CACHECOMPILE_COMPILE_SLOTS="1")
     b = subprocess.Popen([sys.executable, "kill_job.py"], env=env_b, cwd=box.root,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)  # B is tracing, then waits on A's graph lock
+    # B traces, then waits on what A holds (the one compile slot, or the graph's lock) and
+    # says so: only then is A killed, so that B recovers from a dead owner (not from one that
+    # released, nor from a lock never contended).
+    waiting, err_lines = threading.Event(), []
+
+    def read_err() -> None:
+        assert b.stderr is not None
+        for line in b.stderr:
+            err_lines.append(line)
+            if " waits for " in line:  # rank 0's compile slot or graph lock
+                waiting.set()
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    assert waiting.wait(timeout=300), "rank 1 never waited on rank 0's lock: " + \
+        "".join(err_lines)[-4000:]
     assert a.poll() is None, "rank 0 finished before it could be killed; use a bigger model"
     os.kill(a.pid, signal.SIGKILL)
     a.wait()
-    out, err = b.communicate(timeout=600)
+    assert b.stdout is not None
+    out = b.stdout.read()
+    b.wait(timeout=600)
+    reader.join(timeout=60)
+    err = "".join(err_lines)
     assert b.returncode == 0, err[-4000:]
     res = json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
     assert res == {"events": ["miss"], "ok": True}, res  # B compiled it itself

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -284,14 +287,12 @@ def _bomb(tmp_path: Path, src: Store, how: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("how", ["data", "pax", "unlisted"])
-@pytest.mark.parametrize("key", [None, b"k1"])
-def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: str,
-                                             key: bytes | None,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    bomb = _bomb(tmp_path, src, how)
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every byte any store module writes into a file (staging and blobs alike)."""
+    from cachecompile.store import blobs, fsutil, publishing
+
     written: list[int] = []
-    real = bundle.write_new_file
+    real = fsutil.write_new_file
 
     def counting(path: Path, chunks: Any, mode: int) -> None:
         def counted() -> Any:
@@ -300,7 +301,18 @@ def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: st
                 yield c
         real(path, counted(), mode)
 
-    monkeypatch.setattr(bundle, "write_new_file", counting)
+    for mod in (bundle, blobs, publishing):
+        monkeypatch.setattr(mod, "write_new_file", counting)
+    return written
+
+
+@pytest.mark.parametrize("how", ["data", "pax", "unlisted"])
+@pytest.mark.parametrize("key", [None, b"k1"])
+def test_a_decompression_bomb_writes_nothing(tmp_path: Path, src: Store, how: str,
+                                             key: bytes | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bomb = _bomb(tmp_path, src, how)
+    written = _count_writes(monkeypatch)
     dst = open_store(tmp_path / "dst")
     trust = Trust(key=key, accept_unsigned=key is None)
     with pytest.raises(StoreError) as err:
@@ -366,3 +378,97 @@ def test_disk_full_during_import_is_exit_6(tmp_path: Path, src: Store,
     r = CliRunner().invoke(cli, ["import", "--cache-dir", str(tmp_path / "dst"), str(out)])
     assert r.exit_code == 6, r.output
     assert "filled up" in r.output
+
+
+# -- one copy on disk, all or nothing -------------------------------------------------
+def test_an_import_writes_its_files_once(tmp_path: Path, src: Store,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, the staged copy was copied again into tmp/blob.* by put: twice the bytes,
+    # and the free space check counted only one of them.
+    out = tmp_path / "b.tar.zst"
+    export_bundle(src, out, digests(src))
+    dst = open_store(tmp_path / "dst")
+    written = _count_writes(monkeypatch)
+    rep = import_bundle(dst, out)
+    manifests = sum((tmp_path / "dst" / "v1" / "entries" / d[:2] / d / "manifest.json")
+                    .stat().st_size for d in rep.entries)
+    assert len(rep.entries) == 2 and sum(written) == rep.bytes + manifests, (
+        f"{sum(written)} bytes written for {rep.bytes} bytes of files")
+    for d in rep.entries:
+        hit = dst.get(d)
+        assert isinstance(hit, Hit)
+        for p in hit.entry.files.values():
+            assert p.stat().st_nlink == 2  # the blob and this entry: the staged inode
+            assert p.stat().st_mode & 0o777 in (0o400, 0o500)
+    assert list((tmp_path / "dst" / "v1" / "tmp").iterdir()) == []
+
+
+def test_a_put_failing_mid_import_leaves_nothing_published(
+        tmp_path: Path, src: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from cachecompile.store import publishing
+
+    out = tmp_path / "b.tar.zst"
+    export_bundle(src, out, digests(src))
+    dst = open_store(tmp_path / "dst")
+    real = publishing.publish
+    calls: list[str] = []
+
+    def second_fills_the_disk(*a: Any, **kw: Any) -> Any:
+        calls.append("put")
+        if len(calls) == 2:  # the disk filled from elsewhere between the two puts
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(publishing, "publish", second_fills_the_disk)
+    with pytest.raises(StoreFullError, match="nothing was imported"):
+        import_bundle(dst, out)
+    assert len(calls) == 2  # the first entry was published, then taken back
+    assert digests(dst) == []  # type: ignore[arg-type]
+    assert list((tmp_path / "dst" / "v1" / "tmp").iterdir()) == []
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size_mib: int) -> Iterator[Path]:
+    """A real file system of ``size_mib`` MiB (root only; the test skips otherwise)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the one-copy import is also "
+                    "checked by test_an_import_writes_its_files_once)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+                        str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_an_import_fits_a_small_disk_with_one_copy(tmp_path: Path) -> None:
+    """The issue's case, on a real 150 MiB file system: an 80 MiB entry passes the check
+    (80 + 64 MiB reserve <= 150) and then needs no second copy (160 would not fit); a
+    bundle of two such entries is refused before anything is published."""
+    mib = 1 << 20
+    st = open_store(tmp_path / "src")
+    big = (bytes(range(256)) * 4096) * 80  # 80 MiB that zstd makes small
+    st.put(make_key({"m": "big"}), {"w.bin": big})
+    one = tmp_path / "one.tar.zst"
+    export_bundle(st, one, digests(st))  # type: ignore[arg-type]
+    st.put(make_key({"m": "big2"}), {"w.bin": big[:-1] + b"!"})
+    two = tmp_path / "two.tar.zst"
+    export_bundle(st, two, digests(st))  # type: ignore[arg-type]
+    assert two.stat().st_size < mib
+    with _tmpfs(tmp_path / "disk", 150) as disk:
+        dst = open_store(disk / "cache")
+        with pytest.raises(StoreFullError, match="nothing was imported"):
+            import_bundle(dst, two)
+        assert digests(dst) == []  # type: ignore[arg-type]
+        assert shutil.disk_usage(disk).used < 2 * mib
+        rep = import_bundle(dst, one)
+        assert len(rep.entries) == 1
+        used = shutil.disk_usage(disk).used
+        assert 80 * mib <= used < 82 * mib, f"{used / mib:.1f} MiB used for 80 MiB"
+        hit = dst.get(rep.entries[0])
+        assert isinstance(hit, Hit) and hit.entry.files["w.bin"].stat().st_size == 80 * mib

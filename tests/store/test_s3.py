@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import ccutil
 import pytest
 from s3_util import MotoServer
 
@@ -61,10 +62,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
             if r.name.startswith("cachecompile.store") and r.levelno >= logging.WARNING]
 
 
-def cachectl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+def cachectl(*args: str, env: dict[str, str]) -> ccutil.Ran:
+    return ccutil.cachectl(*args, env={**os.environ, **env})
 
 
 def test_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,7 +239,8 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
     for i, k in enumerate(keys):
         local.put(k, {"k.so": bytes([i]) * 1000, "shared": b"common"},
                   labels={"model": "m" if i else "other"})
-    url = f"s3://{bucket}/cli?lease=3"
+    # A lease no loaded machine outruns between two commands: the test moves the clock.
+    url = f"s3://{bucket}/cli?lease=600"
     p = cachectl("push", "--cache-dir", str(tmp_path / "a"), "--remote", url, env=env)
     assert p.returncode == 0 and "pushed 3 entries" in p.stdout, p.stderr
     p = cachectl("push", "--cache-dir", str(tmp_path / "a"), "--remote", url, env=env)
@@ -261,10 +261,13 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
     p = cachectl("remote", "purge", "--model", "other", "-y", "--remote", url, env=env)
     assert "removed 1 entries; swept 0" in p.stdout, p.stdout + p.stderr
     assert len([k for k in server.objects(bucket, "cli/v1/entry/")]) == 2
-    time.sleep(3.1)  # the pins' lease (3 s) runs out
-    p = cachectl("remote", "purge", "--model", "other", "-y", "--remote", url, env=env)
-    # Only the purged entry's own blob goes; "common" is still used by the other two.
-    assert "swept 1 unreferenced blob" in p.stdout, p.stdout + p.stderr
+    # Once the pins' lease has run out (the remote's clock moved on, not slept through):
+    # only the purged entry's own blob goes; "common" is still used by the
+    # other two.
+    later = tiered(tmp_path / "e", url).remote
+    assert isinstance(later, S3Remote)
+    later.clock = lambda: time.time() + 601
+    assert later.sweep() == 1
     assert server.objects(bucket, "cli/v1/pin/") == {}  # stale pins are swept too
     hit = tiered(tmp_path / "d", url).get(keys[1])
     assert isinstance(hit, Hit)

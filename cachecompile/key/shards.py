@@ -1,0 +1,161 @@
+"""Which shard of a sharded build (``cachectl build --shard I/N``) a signature belongs to.
+
+A fleet's matrix of signatures is split over N builders by a stable hash of what declares
+each signature: the factory's name for the method and the signature's description
+(``describe(signature)``, as entries are labelled). Not Python's ``hash()`` (salted per
+process by ``PYTHONHASHSEED``) and not the position in the list (an example added to one
+method would move every later one to another shard): every shard computes the same
+assignment on its own, so the shards' union is the whole matrix and no signature is in
+two shards.
+
+The shard may come from the engine that runs the builders (``--shard auto``):
+
+* a Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX`` (the count is the Job's
+  ``completions``, which Kubernetes does not export: ``--shard auto/N``);
+* a Slurm job array: ``SLURM_ARRAY_TASK_ID``, ``SLURM_ARRAY_TASK_MIN``,
+  ``SLURM_ARRAY_TASK_STEP`` and ``SLURM_ARRAY_TASK_COUNT``;
+* torchrun: ``RANK`` and ``WORLD_SIZE``. These also say which rank a process is in a
+  distributed job, a key factor (:mod:`cachecompile.key.ranks`): a build sharded by torchrun
+  hides them (:func:`without_launcher`) from the factory, so that its entries are keyed as the
+  factory declares them, not as shard I of N.
+
+Torch-free: ``cachectl`` parses ``--shard`` before it imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import re
+from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+KUBERNETES = "Kubernetes Indexed Job"
+SLURM = "Slurm job array"
+TORCHRUN = "torchrun"
+GIVEN = "--shard"
+
+# What torchrun sets in each process it starts: a build sharded by it passes none of them
+# on to the factory (RANK / WORLD_SIZE would key every entry as rank I of N, and
+# TORCHELASTIC_RUN_ID names a rank group, docs/ranks.md).
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                 "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIX = "TORCHELASTIC_"
+
+
+def without_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less torchrun's variables (:data:`LAUNCHER_VARS`, ``TORCHELASTIC_*``)."""
+    return {k: v for k, v in env.items()
+            if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIX)}
+
+_GIVEN = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+_AUTO = re.compile(r"^\s*auto\s*(?:/\s*(\d+)\s*)?$")
+
+
+def shard_of(name: str, signature: str, count: int) -> int:
+    """The shard (0 .. count-1) of the signature ``signature`` of the method ``name``."""
+    if count < 1:
+        raise ValueError(f"a build has at least 1 shard, not {count}")
+    digest = hashlib.sha256(f"{name}\0{signature}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % count
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count``, and what said so (``--shard``, or the engine)."""
+
+    index: int
+    count: int
+    source: str = GIVEN
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"a build has at least 1 shard, not {self.count} "
+                             f"(from the {self.source})")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index {self.index} is not in 0..{self.count - 1} "
+                             f"(from the {self.source})")
+
+    def holds(self, name: str, signature: str) -> bool:
+        return shard_of(name, signature, self.count) == self.index
+
+    def hides_launcher(self) -> bool:
+        """Whether the launcher's rank variables must be kept from the factory."""
+        return self.source == TORCHRUN
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+
+
+def _slurm(env: Mapping[str, str], task: int) -> tuple[int, int | None]:
+    """The index of this array task among the array's tasks, and their count."""
+    low = _int(env, "SLURM_ARRAY_TASK_MIN")
+    step = _int(env, "SLURM_ARRAY_TASK_STEP") or 1
+    count = _int(env, "SLURM_ARRAY_TASK_COUNT")
+    offset = task - (low if low is not None else 0)
+    if offset % step:
+        # --array=1,4,9: no arithmetic maps the ids onto 0..N-1.
+        raise ValueError(f"$SLURM_ARRAY_TASK_ID={task} is not MIN + k * STEP of the array; "
+                         "use a range (--array=0-7) or give --shard I/N")
+    return offset // step, count
+
+
+def from_engine(env: Mapping[str, str], count: int | None = None) -> Shard:
+    """The shard the engine running this process says, with ``count`` if given (``auto/N``).
+
+    Kubernetes first, then Slurm, then torchrun: a Slurm or torchrun step inside a
+    Kubernetes pod is a shard of the pod's Job, not the other way round."""
+    index = _int(env, "JOB_COMPLETION_INDEX")
+    if index is not None:
+        if count is None:
+            raise ValueError("a Kubernetes Indexed Job says the index ($JOB_COMPLETION_INDEX), "
+                             "not the count: give --shard auto/N with N = the Job's "
+                             "completions")
+        return Shard(index, count, KUBERNETES)
+    task = _int(env, "SLURM_ARRAY_TASK_ID")
+    if task is not None:
+        index, engine_count = _slurm(env, task)
+        return Shard(index, _agree(count, engine_count, "SLURM_ARRAY_TASK_COUNT"), SLURM)
+    rank = _int(env, "RANK")
+    if rank is not None:
+        world = _int(env, "WORLD_SIZE")
+        return Shard(rank, _agree(count, world, "WORLD_SIZE"), TORCHRUN)
+    raise ValueError("--shard auto: no engine says which shard this is (none of "
+                     "$JOB_COMPLETION_INDEX, $SLURM_ARRAY_TASK_ID, torchrun's $RANK is set); "
+                     "give --shard I/N")
+
+
+def _agree(given: int | None, engine: int | None, name: str) -> int:
+    if engine is None and given is None:
+        raise ValueError(f"${name} is not set: give --shard auto/N")
+    if engine is not None and given is not None and engine != given:
+        raise ValueError(f"--shard auto/{given} disagrees with ${name}={engine}")
+    count = given if given is not None else engine
+    assert count is not None
+    return count
+
+
+def parse(text: str, env: Mapping[str, str]) -> Shard:
+    """``I/N``, ``auto`` or ``auto/N`` -> a Shard; ValueError saying what is wrong."""
+    m = _GIVEN.match(text)
+    if m:
+        return Shard(int(m.group(1)), int(m.group(2)))
+    m = _AUTO.match(text.lower())
+    if m:
+        shard = from_engine(env, int(m.group(1)) if m.group(1) else None)
+        logger.info("build shard %s from the %s", shard, shard.source)
+        return shard
+    raise ValueError(f"{text!r} is not I/N (e.g. 0/8), auto or auto/N")

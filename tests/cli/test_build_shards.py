@@ -1,0 +1,240 @@
+"""Sharded builds (docs/deploy.md, "Building on the fleet's engine"): N ``cachectl build
+--shard I/N`` processes, each with its own local store as on N machines, fill one shared
+remote tier; ``cachectl build --check`` gates on it. A shard killed mid-build and run
+again builds only what it lacks and leaves the union complete.
+
+The options' usage errors are checked in-process (click's runner, no torch); the fleet
+itself with real processes against a real redis-server, then the check and a re-run's
+upload against moto's S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ccutil import Sandbox
+from click.testing import CliRunner
+
+from cachecompile.cli.main import cli
+from cachecompile.key.shards import TORCHRUN, Shard, parse
+
+# Six signatures (one per gear) of a tiny method, compiled with aot_eager: the compiler is
+# not the subject here, the split and the tier are.
+GRID = '''
+import torch
+from torch import nn
+from cachecompile import cache_compile
+
+GEARS = [1, 2, 3, 4, 5, 6]
+
+class Grid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.cached_step = cache_compile(self.step, backend="aot_eager", dynamic=False,
+                                         gears={"x": {0: GEARS}})
+
+    def step(self, x):
+        return torch.relu(self.lin(x)) + 1
+
+def factory():
+    return {"step": (Grid().eval().cached_step, [torch.randn(1, 8)])}
+'''
+N = 3
+SIGNATURES = [f"float32[{g},8]@cpu" for g in (1, 2, 3, 4, 5, 6)]
+
+
+def _cmd(*args: str) -> list[str]:
+    # This checkout's cachectl: an installed script may belong to another checkout's install.
+    return [sys.executable, "-m", "cachecompile.cli.main", *args]
+
+
+def test_shard_options_are_checked_before_anything_runs() -> None:
+    runner = CliRunner()
+    for args, words in [(["--shard", "3/3"], "not in 0..2"), (["--shard", "1of3"], "not I/N"),
+                        (["--shard", "auto"], "no engine says")]:
+        env = {k: "" for k in ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "RANK")}
+        r = runner.invoke(cli, ["build", "nowhere:factory", *args], env=env)
+        assert r.exit_code == 2, r.output
+        assert words in r.output and "--shard" in r.output
+
+
+def test_a_build_sharded_by_torchrun_keys_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's RANK / WORLD_SIZE pick the shard; the factory's processes must not see
+    # them, or every entry would be keyed as rank I of N (ranks are key factors).
+    from cachecompile.key import ranks
+    from cachecompile.procs.builders import _worker_env
+
+    for k, v in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "TORCHELASTIC_RUN_ID": "build"}.items():
+        monkeypatch.setenv(k, v)
+    shard = parse("auto", os.environ)
+    assert shard == Shard(2, 4, TORCHRUN)
+    env = _worker_env(1, None, shard)
+    assert not {"RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"} & set(env)
+    with monkeypatch.context() as mp:
+        for k in list(os.environ):
+            mp.delenv(k)
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert ranks.detect().factors() == ranks.Ranks(1, 0, None, None, 0, None).factors()
+    # Given as I/N, the shard is the user's word and the launcher's variables stay.
+    assert _worker_env(1, None, Shard(2, 4))["RANK"] == "2"
+
+
+class Fleet:
+    """N builders' environments: one sandbox (one CXX and Inductor dirs, which are key
+    factors and must agree across shards as across a fleet's identical nodes), a local
+    store per shard, one remote."""
+
+    def __init__(self, tmp: Path, remote: dict[str, str]) -> None:
+        self.box = Sandbox(tmp / "fleet")
+        (self.box.root / "grid.py").write_text(GRID)
+        self.remote = {"CACHECOMPILE_SIGNING_KEY": "fleet-key", **remote}
+
+    def store(self, i: int) -> Path:
+        return self.box.root / f"node{i}"
+
+    def env(self, i: int | None) -> dict[str, str]:
+        store = self.store(i) if i is not None else self.box.root / "gate"
+        return self.box.env(CACHECOMPILE_DIR=str(store), CACHECOMPILE_COMPILE_SLOTS="1",
+                            **self.remote)
+
+    def start(self, i: int, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(_cmd("build", "grid:factory", "--shard", f"{i}/{N}",
+                                     "--jobs", "1", *extra),
+                                cwd=self.box.root, env=self.env(i), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def run(self, *args: str, node: int | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(_cmd(*args), cwd=self.box.root, env=self.env(node),
+                              capture_output=True, text=True, timeout=600)
+
+    def check(self, *extra: str) -> tuple[int, dict[str, Any]]:
+        p = self.run("build", "grid:factory", "--check", "--json", *extra)
+        assert p.returncode in (0, 1), p.stdout + p.stderr
+        return p.returncode, json.loads(p.stdout)
+
+    def local_keys(self, i: int) -> set[str]:
+        from cachecompile.store import open_store
+
+        if not self.store(i).exists():
+            return set()
+        return {e.key for e in open_store(self.store(i), remote="", create=False).entries()}
+
+
+def _kill_after_first_build(p: subprocess.Popen[str]) -> None:
+    """SIGKILL the shard (its whole process group: the pod or array task dies) once it
+    has reported its first built signature: mid-build, its next compile under way."""
+    assert p.stdout is not None
+    deadline = time.monotonic() + 300
+    for line in p.stdout:
+        if line.startswith("built"):
+            break
+        assert time.monotonic() < deadline, "the shard built nothing in 300 s"
+    else:
+        pytest.fail(f"the shard exited before building: {p.wait()} {p.stderr.read() if p.stderr else ''}")
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(30)
+
+
+@pytest.mark.slow
+def test_three_shards_fill_the_remote_once_and_a_killed_one_is_rerun(tmp_path: Path) -> None:
+    from redis_util import RedisServer
+
+    from cachecompile.store.remote import RedisRemote
+    from cachecompile.store.signing import Trust
+
+    parts = {i: [s for s in SIGNATURES if Shard(i, N).holds("step", s)] for i in range(N)}
+    killed = max(parts, key=lambda i: len(parts[i]))  # pigeonhole: >= 2 signatures
+    assert len(parts[killed]) >= 2
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        fleet = Fleet(tmp_path, {"CACHECOMPILE_REMOTE": srv.url()})
+        # The killed shard first: what it leaves behind is what its re-run must not build
+        # again (its node keeps its local store, as a Slurm requeue or a pod with a
+        # persistent volume does).
+        _kill_after_first_build(fleet.start(killed))
+        left = fleet.local_keys(killed)
+        assert 1 <= len(left) <= len(parts[killed])
+        # Killed mid-compile, it left no torn entry (publishing is an atomic rename).
+        from cachecompile.store import open_store
+
+        assert open_store(fleet.store(killed), remote="", create=False).verify().problems == []
+
+        gate = fleet.run("build", "grid:factory", "--check")  # the gate: not yet
+        assert gate.returncode == 1, gate.stdout + gate.stderr
+        missing = [line for line in gate.stdout.splitlines() if line.startswith("missing")]
+        assert len(SIGNATURES) - len(left) <= len(missing) <= len(SIGNATURES)
+        assert f"{len(SIGNATURES)} signatures declared; redis://" in gate.stdout
+
+        # The fleet: all N shards at once (the killed one re-run).
+        procs = {i: fleet.start(i, "--json") for i in range(N)}
+        results: dict[int, list[dict[str, Any]]] = {}
+        for i, p in procs.items():
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, (i, out, err)
+            results[i] = json.loads(out)
+
+        # Each shard did its own part, and the parts are the whole matrix, once.
+        done = [(r["name"], r["signature"]) for i in range(N) for r in results[i]]
+        assert sorted(done) == sorted(("step", s) for s in SIGNATURES)
+        for i in range(N):
+            assert {r["signature"] for r in results[i]} == set(parts[i])
+        # Nothing built twice: the re-run found what the killed run had published.
+        rerun = {r["signature"]: r for r in results[killed]}
+        again = [s for s, r in rerun.items() if set(r["entries"]) & left]
+        assert len(again) == len(left) and all(rerun[s]["status"] == "present" for s in again)
+        for i in range(N):
+            built = [r for r in results[i] if r["status"] == "built"]
+            assert len(built) == len(parts[i]) - (len(left) if i == killed else 0)
+        # Every node's local store holds its own shard's entries only.
+        locals_ = [fleet.local_keys(i) for i in range(N)]
+        assert sum(len(k) for k in locals_) == len(SIGNATURES)
+
+        remote = {r.key for r in RedisRemote(srv.url(), trust=Trust(key=b"fleet-key")).records()}
+        assert remote == set().union(*locals_)
+        rc, after = fleet.check()
+        assert rc == 0 and after["missing"] == [] and after["present"] == len(SIGNATURES)
+    finally:
+        srv.stop()
+
+    # The S3 tier, the check and upload halves (in this process: the shards' processes
+    # are the same against either tier): each node pushes what its build left in its
+    # local store, and the check against the bucket then finds the whole matrix.
+    from s3_util import MotoServer
+
+    from cachecompile.procs.builders import BuildResult, check_factory, push_results
+
+    moto = MotoServer(tmp_path / "moto").start()
+    try:
+        url = f"s3://{moto.bucket()}/fleet"
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in {**moto.env(), "CACHECOMPILE_REMOTE": url,
+                         "CACHECOMPILE_SIGNING_KEY": "fleet-key"}.items():
+                mp.setenv(k, v)
+            for i in range(N):
+                got = [BuildResult(r["name"], r["signature"], r["status"], 0.0,
+                                   entries=tuple(r["entries"])) for r in results[i]]
+                pushed = push_results(got, cache_dir=str(fleet.store(i)))
+                assert pushed is not None and not pushed.failed
+                assert (pushed.sent, pushed.there) == (len(parts[i]), 0)
+            mp.chdir(fleet.box.root)
+            for k, v in fleet.env(None).items():
+                if k not in ("CACHECOMPILE_REMOTE",) and not k.startswith("AWS_"):
+                    mp.setenv(k, v)
+            found = check_factory("grid:factory")
+        assert found.tier.startswith("s3://") and found.missing == []
+        assert len(found.present) == len(SIGNATURES)
+    finally:
+        moto.stop()

@@ -1,0 +1,111 @@
+"""``cachectl build --shard I/N``: the split of a build's signatures over N builders.
+
+The promises, in-process (the assignment is a pure function of the strings): the shards'
+union is the whole list and no signature is in two; every process computes the same
+assignment whatever its ``PYTHONHASHSEED``; adding a signature moves no other one; the
+shard is read from the engines' own variables, and a wrong one is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from cachecompile.key import shards
+from cachecompile.key.shards import KUBERNETES, SLURM, TORCHRUN, Shard, from_engine, parse
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A fleet's matrix as build factories name it: models x gears x prefill/decode x tp ranks.
+MATRIX = [(f"{model}.{step}.tp{tp}", f"int64[{batch},{'n' if step == 'prefill' else 1}]@cpu")
+          for model in ("llama", "phi3", "qwen") for step in ("prefill", "decode")
+          for tp in range(4) for batch in (1, 2, 4, 8, 16)]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 8, 17])
+def test_the_shards_partition_the_matrix(count: int) -> None:
+    parts = [[s for s in MATRIX if Shard(i, count).holds(*s)] for i in range(count)]
+    seen = Counter(s for part in parts for s in part)
+    assert set(seen) == set(MATRIX)           # the union is the whole matrix
+    assert max(seen.values()) == 1            # nothing in two shards
+    if count > 1:
+        # A hash, not one shard taking everything: 120 signatures over <= 17 shards.
+        assert max(len(p) for p in parts) < len(MATRIX) * 0.6, [len(p) for p in parts]
+
+
+def test_adding_a_signature_moves_no_other_one() -> None:
+    before = {s: shards.shard_of(*s, 8) for s in MATRIX}
+    grown = [("llama.decode.tp0", "int64[32,1]@cpu"), *MATRIX]  # prepended: order moves
+    after = {s: shards.shard_of(*s, 8) for s in grown}
+    assert all(after[s] == before[s] for s in MATRIX)
+
+
+def test_every_process_assigns_the_same_shards() -> None:
+    # Python's hash() of a str differs per process (PYTHONHASHSEED); the shard must not.
+    code = ("import json, sys; from cachecompile.key.shards import shard_of; "
+            "m = json.load(sys.stdin); print(json.dumps([shard_of(n, s, 5) for n, s in m]))")
+    here = [shards.shard_of(n, s, 5) for n, s in MATRIX]
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed,
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        p = subprocess.run([sys.executable, "-c", code], input=json.dumps(MATRIX), env=env,
+                           capture_output=True, text=True, timeout=60, check=True)
+        assert json.loads(p.stdout) == here
+    # And a pinned value, so that a change of the hash (which would reshuffle every
+    # fleet's shards between releases) is a decision, not an accident.
+    assert shards.shard_of("decode", "float32[1,16]@cpu", 1000) == \
+        int.from_bytes(__import__("hashlib").sha256(b"decode\0float32[1,16]@cpu")
+                       .digest()[:8], "big") % 1000
+
+
+def test_given_shards_parse_and_bad_ones_say_why() -> None:
+    assert parse("2/8", {}) == Shard(2, 8)
+    assert parse(" 0 / 1 ", {}) == Shard(0, 1)
+    for text, words in [("8/8", "not in 0..7"), ("0/0", "at least 1 shard"),
+                        ("-1/4", "is not I/N"), ("1of4", "is not I/N"), ("a/4", "is not I/N")]:
+        with pytest.raises(ValueError, match=words):
+            parse(text, {})
+
+
+def test_the_engines_say_which_shard() -> None:
+    # Kubernetes Indexed Job: the index only; the count is the Job's completions.
+    assert parse("auto/8", {"JOB_COMPLETION_INDEX": "3"}) == Shard(3, 8, KUBERNETES)
+    with pytest.raises(ValueError, match="auto/N"):
+        parse("auto", {"JOB_COMPLETION_INDEX": "3"})
+    # Slurm: #SBATCH --array=0-7, or 1-8, or 0-14:2 (index = (id - min) / step).
+    assert parse("auto", {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "0",
+                          "SLURM_ARRAY_TASK_COUNT": "8"}) == Shard(5, 8, SLURM)
+    assert from_engine({"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "1",
+                        "SLURM_ARRAY_TASK_COUNT": "8"}) == Shard(7, 8, SLURM)
+    assert from_engine({"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "0",
+                        "SLURM_ARRAY_TASK_STEP": "2",
+                        "SLURM_ARRAY_TASK_COUNT": "8"}) == Shard(3, 8, SLURM)
+    with pytest.raises(ValueError, match="MIN . k . STEP"):
+        from_engine({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "0",
+                     "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": "8"})
+    with pytest.raises(ValueError, match="disagrees"):
+        parse("auto/4", {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "8"})
+    # torchrun: RANK / WORLD_SIZE, and only that source hides them from the factory.
+    got = parse("auto", {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    assert got == Shard(2, 4, TORCHRUN) and got.hides_launcher()
+    assert not Shard(2, 4).hides_launcher()
+    kept = shards.without_launcher({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                                    "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "j",
+                                    "TORCHELASTIC_ERROR_FILE": "/e", "CXX": "g++",
+                                    "SLURM_ARRAY_TASK_ID": "1"})
+    assert kept == {"CXX": "g++", "SLURM_ARRAY_TASK_ID": "1"}
+    # Kubernetes before Slurm before torchrun (a step inside a pod is the pod's shard).
+    assert parse("auto/2", {"JOB_COMPLETION_INDEX": "1", "SLURM_ARRAY_TASK_ID": "0",
+                            "RANK": "0", "WORLD_SIZE": "2"}).source == KUBERNETES
+    for env, words in [({}, "no engine says"), ({"RANK": "x", "WORLD_SIZE": "2"},
+                                                "not an integer"),
+                       ({"RANK": "4", "WORLD_SIZE": "4"}, "not in 0..3"),
+                       ({"RANK": "0"}, "WORLD_SIZE is not set")]:
+        with pytest.raises(ValueError, match=words):
+            parse("auto", env)
