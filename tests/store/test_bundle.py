@@ -8,12 +8,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ccutil
 import pytest
 
 from cachecompile.store import Hit, Store, bundle, make_key, open_store
@@ -203,9 +203,8 @@ def test_a_truncated_bundle_says_it_is_truncated(tmp_path: Path, name: str) -> N
 
 
 def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str, str]) -> None:
-    def cachectl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=child_env,
-                              capture_output=True, text=True, timeout=60)
+    def cachectl(*args: str) -> ccutil.Ran:
+        return ccutil.cachectl(*args, env=child_env)
 
     out = tmp_path / "llama.tar.zst"
     p = cachectl("export", "--cache-dir", str(src.root), str(out), "--model", "llama")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ccutil
 import pytest
 from redis_util import RedisServer, free_port
 
@@ -340,9 +341,8 @@ def test_plain_store_without_remote(tmp_path: Path) -> None:
 
 
 # -- cachectl --------------------------------------------------------------------------
-def cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+def cachectl(env: dict[str, str], *args: str) -> ccutil.Ran:
+    return ccutil.cachectl(*args, env=env)
 
 
 def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisServer,

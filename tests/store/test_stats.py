@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import ccutil
 import pytest
 import torch
 from ccutil import Sandbox
@@ -83,9 +82,8 @@ def test_counters_file_format_and_what_is_refused(tmp_path: Path) -> None:
     assert metrics.remove_counters(root, d) == 1 and metrics.read_counters(root, d) == {}
 
 
-def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cachecompile.cli.main", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+def _cachectl(env: dict[str, str], *args: str) -> ccutil.Ran:
+    return ccutil.cachectl(*args, env=env)
 
 
 MODEL = """

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import ccutil
 import pytest
 
 from cachecompile.store import Hit, Miss, ReadOnlyStore, Store, make_key, open_store, verification
@@ -118,10 +119,8 @@ print(json.dumps({"hit": isinstance(out, Hit), "kind": getattr(out, "kind", None
 """
 
 
-def _cachectl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    # This checkout's cachectl: an installed script may belong to another checkout's install.
-    cmd = [sys.executable, "-m", "cachecompile.cli.main"]
-    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=60)
+def _cachectl(env: dict[str, str], *args: str) -> ccutil.Ran:
+    return ccutil.cachectl(*args, env=env)
 
 
 def _lookup(env: dict[str, str], root: Path, key: dict[str, Any]
