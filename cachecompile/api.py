@@ -16,9 +16,11 @@ from typing import Any, cast
 import torch
 
 from cachecompile import backends, forms
+from cachecompile.backends.base import capability
 from cachecompile.cached import CachedFunction, SharedEntries, cache_off
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
+from cachecompile.key import cpu
 from cachecompile.key import passes as passes_mod
 from cachecompile.key.factors import device_factors, function_factors
 from cachecompile.key.gears import Gears
@@ -379,11 +381,28 @@ def _cache_method(method: types.MethodType, s: _Settings,
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).
         cache_off()
+    targets = _cpu_targets(adapter, options)
+    options = targets.pop("options", options)
     spec = CompileSpec(adapter=adapter, options=options, dynamic=s.dynamic, guards=mode,
                        cache_dir=cache_dir, ranks=ranks, decompositions=s.custom_decompositions,
                        max_signatures=max_signatures, enabled=enabled, gears=declared,
-                       extra_factors=extra)
+                       extra_factors=extra, **targets)
     return CachedFunction(method, spec, shared)
+
+
+def _cpu_targets(adapter: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec's CPU-target fields for ``CACHECOMPILE_CPU_TARGET`` (key.cpu): the options
+    of the best candidate this CPU supports, the others' for lookups, or why none fits."""
+    targets = capability(adapter, "cpu_target")
+    plan = cpu.from_env()
+    if targets(options, cpu.NATIVE) is None or plan.candidates == (cpu.NATIVE,):
+        return {}  # no CPU targets for this backend (or config names its own), or native
+    if plan.build is None:
+        # Never a kernel built for a level this CPU lacks: a named miss, a native compile.
+        return {"cpu_unserved": plan.why_none()}
+    built = [dict(targets(options, t) or options) for t in plan.supported]
+    return {"options": built[0], "alternates": tuple(built[1:]),
+            "cpu_target": None if plan.build == cpu.NATIVE else plan.build}
 
 
 def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | None = None,

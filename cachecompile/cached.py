@@ -112,6 +112,10 @@ class CachedFunction:
         self._gear_warned = False
         self._runners: dict[Signature, list[Variant]] = {}
         self._keys = FrameKeys(method, spec)
+        # The other CPU targets this CPU supports (CACHECOMPILE_CPU_TARGET), best first:
+        # looked up when the best one misses; a miss compiles for the best.
+        self._alt_keys = [FrameKeys(method, spec.for_alternate(i))
+                          for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
         self._fallback: TraceSession | None = None
@@ -254,7 +258,23 @@ class CachedFunction:
         except (StoreError, OSError) as e:
             fault(f"the cache store is unusable ({e})")
             return self._run_live(sig, args, kwargs, "store unusable")
+        if spec.cpu_unserved is not None:
+            # Never a lookup of kernels this CPU cannot run, nor a compile for them.
+            record_miss(st, "cpu", "no CPU target this CPU supports")
+            logger.info("cachecompile miss %s [%s]: %s", self.__qualname__, describe(sig),
+                        spec.cpu_unserved)
+            fault(f"{self.__qualname__} [{describe(sig)}]: no CPU target of "
+                  f"CACHECOMPILE_CPU_TARGET fits this CPU ({spec.cpu_unserved}); it runs "
+                  "with a live native compile, neither loaded nor published")
+            return self._run_live(sig, args, kwargs, "no CPU target fits this CPU")
         probe = self._lookup.probe(st, frame, args, kwargs)
+        for alt in self._alt_keys if probe.runner is None and not probe.missing_ops else ():
+            found = self._lookup.probe(st, alt.frame(sig), args, kwargs)
+            if found.runner is not None or found.missing_ops:
+                # Served under the best target's frame from now on (repeated blocks share
+                # it); a miss of them all stays the best one's, which a compile fills.
+                probe = found
+                break
         if probe.runner is not None:
             self._add(sig, probe.runner, "hit")
             if self._shared is not None:

@@ -10,7 +10,9 @@ Hierarchy::
     ├── InferenceOnlyError                 a call needs autograd (input requires grad in grad mode)
     ├── UnsupportedProgramError            the compiled program cannot be replayed without
     │                                      Dynamo (degrades to a live compile, never raised to users)
-    └── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
+    ├── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
+    └── CpuTargetError (also ValueError)   an unknown CPU target, or a build for a level this
+                                           CPU lacks (CACHECOMPILE_CPU_TARGET, --cpu-target)
 
     CacheFaultWarning (UserWarning)        a cache fault; the call went on with a live compile
     └── UnsupportedTorchWarning            this torch is a release cachecompile is not tested
@@ -95,6 +97,11 @@ class UnsupportedProgramError(CacheCompileError):
 
 class RankConfigError(CacheCompileError, ValueError):
     """Rank information from different sources disagrees."""
+
+
+class CpuTargetError(CacheCompileError, ValueError):
+    """A CPU target that is unknown, or a build for a level this CPU cannot run
+    (``cachecompile.key.cpu``)."""
 
 
 class CacheFaultWarning(UserWarning):

@@ -34,10 +34,24 @@ class CompileSpec:
     # False under CACHECOMPILE_DISABLE: every call runs as plain torch.compile.
     enabled: bool = True
     extra_factors: Mapping[str, Any] | None = None
+    # CACHECOMPILE_CPU_TARGET (key.cpu): the named level ``options`` build for (None:
+    # native, or a backend without CPU targets); the options of the other candidates this
+    # CPU supports, best first, looked up when this one misses; and, where the CPU
+    # supports no candidate, why (every call is then a named miss and a live compile).
+    cpu_target: str | None = None
+    alternates: tuple[Mapping[str, Any], ...] = ()
+    cpu_unserved: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen all the way down: nothing the key hashed may change under it.
         object.__setattr__(self, "options", types.MappingProxyType(dict(self.options)))
+        object.__setattr__(self, "alternates",
+                           tuple(types.MappingProxyType(dict(o)) for o in self.alternates))
+
+    def for_alternate(self, i: int) -> CompileSpec:
+        """The spec of the ``i``-th alternate target (for its key: lookups only)."""
+        return dataclasses.replace(self, options=self.alternates[i], alternates=(),
+                                   cpu_target=None)
 
     @property
     def freezes(self) -> bool:

@@ -7,13 +7,18 @@ program's warm path calls :func:`async_compile_class`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import logging
 import re
 import unittest.mock
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cachecompile._torch import inductor_runtime
+
+logger = logging.getLogger(__name__)
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile with Inductor starts.
@@ -28,6 +33,9 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.async_compile", "AsyncCompile"),
     ("torch._inductor.codecache", "CppPythonBindingsCodeCache.load_pybinding"),
     ("torch._inductor.select_algorithm", "extern_kernels"),
+    ("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),
+    ("torch._inductor.cpu_vec_isa", "VecAVX2"),
+    ("torch._inductor.cpu_vec_isa", "VecAVX512"),
 )
 
 
@@ -99,6 +107,53 @@ def output_code(compiled: Any) -> OutputCode | None:
                       torchbind_constants=dict(compiled.torchbind_constants or {}),
                       inputs_to_check=tuple(int(i) for i in (compiled.inputs_to_check or ())),
                       mutated_inputs=tuple(int(i) for i in (compiled.mutated_input_idxs or ())))
+
+
+# -- CPU targets ---------------------------------------------------------------------------
+@functools.cache
+def _plain_isa(vec: str) -> Any:
+    """Inductor's vector ISA ``vec`` with nothing this CPU adds: AVX-512 without the
+    ``-mavx512bf16`` Inductor appends where this CPU has it (an x86-64-v4 host may not)."""
+    from torch._inductor import cpu_vec_isa
+
+    isa: Any
+    if vec == "avx2":
+        isa = cpu_vec_isa.VecAVX2()
+    elif vec == "avx512":
+        @dataclasses.dataclass
+        class PlainAVX512(cpu_vec_isa.VecAVX512):  # type: ignore[misc, name-defined]
+            # A class of its own: VecISA instances compare equal by class and fields, and
+            # Inductor caches __bool__ and the bf16 answer per equal instance.
+            __hash__ = cpu_vec_isa.VecAVX512.__hash__
+
+            def is_avx512_bf16_supported(self) -> bool:  # type: ignore[override]
+                return False
+
+            def build_arch_flags(self) -> str:
+                return str(self._arch_flags)
+
+        isa = PlainAVX512()
+    else:
+        raise ValueError(f"no vector ISA named {vec!r}")
+    # Its dry compile and load, as Inductor checks every ISA it picks from.
+    return isa if bool(isa) else None
+
+
+@contextlib.contextmanager
+def vec_isa_limited(march: str, vec: str | None) -> Iterator[None]:
+    """Compile for ``-march=<march>`` with vector ISA ``vec`` at most (None: scalar
+    kernels): Inductor's ``cpp.march`` plus its list of valid vector ISAs, which every
+    pick of an ISA (codegen, the kernels' build command, the code cache's key) reads."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    isas = [i for i in ([_plain_isa(vec)] if vec else []) if i is not None]
+    if vec and not isas:
+        logger.warning("Inductor's %s vector ISA failed its build check here; the kernels "
+                       "for %s are scalar", vec, march)
+    with inductor_config.patch({"cpp.march": march}), \
+            unittest.mock.patch.object(cpu_vec_isa, "valid_vec_isa_list", lambda: list(isas)):
+        yield
 
 
 # -- kernels -------------------------------------------------------------------------------

@@ -106,9 +106,16 @@ class Adapter(Protocol):
         their content is a key factor. Default: it does not."""
         return False
 
+    def cpu_target(self, options: Mapping[str, Any], target: str) -> Mapping[str, Any] | None:
+        """``options`` that build for the named CPU target ``target`` (``native`` or a
+        level of :mod:`cachecompile.key.cpu`), whose name :meth:`factors` then puts in the
+        key in place of this CPU's model and flags. Default None: this backend has no CPU
+        targets (its programs hold no code built for this CPU, or it cannot choose)."""
+        return None
+
 
 # The optional capabilities: defined with a default on Adapter.
-OPTIONAL = ("make_options", "freezes")
+OPTIONAL = ("make_options", "freezes", "cpu_target")
 # Everything else the protocol names is required.
 REQUIRED = tuple(sorted(
     {*Adapter.__annotations__,

@@ -26,6 +26,7 @@ given to ``cache_compile`` (the key would not hold the weights).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -50,7 +51,7 @@ from cachecompile.backends.base import (
 )
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
-from cachecompile.key import passes
+from cachecompile.key import cpu, passes
 
 logger = logging.getLogger(__name__)
 
@@ -72,28 +73,6 @@ _UNSUPPORTED_OPTIONS = ("cpp_wrapper", "triton.cudagraphs", "aot_inductor.packag
 
 
 @functools.cache
-def _cpu_identity() -> dict[str, JSON]:
-    """The CPU features that ``-march=native`` kernels depend on."""
-    import xxhash
-
-    model, flags = "unknown", ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import platform
-
-    return {"machine": platform.machine(), "model": model,
-            "flags": xxhash.xxh3_64_hexdigest(" ".join(sorted(flags.split())).encode())}
-
-
-@functools.cache
 def _compiler_identity() -> dict[str, JSON]:
     """Which C++ compiler builds the kernels, identified without running it (cheap)."""
     cxx = os.environ.get("CXX", "g++")
@@ -103,6 +82,20 @@ def _compiler_identity() -> dict[str, JSON]:
     real = os.path.realpath(path)
     st = os.stat(real)
     return {"cxx": cxx, "path": real, "size": st.st_size, "mtime": int(st.st_mtime)}
+
+
+def _level(options: Mapping[str, Any]) -> str | None:
+    """The named level the options build for (None: native or a march of the user's)."""
+    march = options.get("cpp.march")
+    return march if march in cpu.BY_NAME else None
+
+
+def _building_for(level: cpu.Level | None) -> contextlib.AbstractContextManager[None]:
+    """Inductor's vector ISA choice held to the level, so that the compiler's flags and
+    the kernels' vector code agree (-march alone leaves Inductor's ISA flags in)."""
+    if level is None:
+        return contextlib.nullcontext()
+    return inductor.vec_isa_limited(level.name, level.vec)
 
 
 def _env_factors() -> dict[str, str]:
@@ -118,7 +111,9 @@ class InductorAdapter(Adapter):
     def factors(self, options: Mapping[str, Any]) -> dict[str, JSON]:
         f: dict[str, JSON] = {
             "triton": package_version("triton"),
-            "cpu": _cpu_identity(),
+            # A named level (CACHECOMPILE_CPU_TARGET) in place of this CPU's model and
+            # flags: its kernels run on every CPU that has the level.
+            "cpu": cpu.factor(_level(options)),
             "compiler": _compiler_identity(),
             # Inductor bakes the OpenMP thread count into the generated C++.
             "num_threads": torch.get_num_threads(),
@@ -129,6 +124,19 @@ class InductorAdapter(Adapter):
     def freezes(self, options: Mapping[str, Any]) -> bool:
         return bool(options.get("freezing"))
 
+    def cpu_target(self, options: Mapping[str, Any], target: str) -> Mapping[str, Any] | None:
+        if "cpp.march" in options or "cpp.simdlen" in options:
+            return None  # the config chose its own; it stays as given
+        if target == cpu.NATIVE:
+            return dict(options)
+        level = cpu.BY_NAME[target]
+        # Inductor's own options: the compiler's -march, and a vector width the level has
+        # (in the FX graph cache's key too, so a native graph is never reused for it).
+        out = {**options, "cpp.march": level.name}
+        if level.simdlen is not None:
+            out["cpp.simdlen"] = level.simdlen
+        return out
+
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
         from cachecompile._torch import dynamo  # cold only: the warm path never needs it
@@ -136,10 +144,16 @@ class InductorAdapter(Adapter):
         n_inputs = len(example_inputs)
         sources = [dynamo.placeholder_source(n) or "" for n in gm.graph.nodes
                    if n.op == "placeholder"]
-        live, captured = inductor.compile_capturing(gm, example_inputs, options, decompositions)
+        level = cpu.BY_NAME.get(_level(options) or "")
+        with _building_for(level):
+            live, captured = inductor.compile_capturing(gm, example_inputs, options,
+                                                        decompositions)
 
         def program() -> Program:
-            return _capture_program(captured, n_inputs, options, sources)
+            # The capture run asks Inductor's code cache for each kernel by its build
+            # command: the same target, or it would build (and record) native ones.
+            with _building_for(level):
+                return _capture_program(captured, n_inputs, options, sources)
 
         return Compiled(live=live, program=program)
 

@@ -3,7 +3,8 @@
 For an image build step: ``factory()`` returns ``[(cached_fn, [example, ...]), ...]`` or
 ``{name: (cached_fn, [example, ...])}``; every distinct signature (every gear of a method
 with gears) is compiled and published, ``--jobs`` worker processes at a time (default:
-the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``). See docs/deploy.md.
+the node's compile slots, ``CACHECOMPILE_COMPILE_SLOTS``), for each ``--cpu-target`` in
+turn, of ``--shard``'s part only. See docs/deploy.md.
 
 This module imports neither torch nor cachecompile.build: ``cachectl`` stays torch-free
 (the build's parent side, cachecompile.procs.builders, is torch-free too: only the
@@ -21,12 +22,13 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cachecompile.errors import ContractError
-from cachecompile.key import shards
+from cachecompile.errors import ContractError, CpuTargetError
+from cachecompile.key import cpu, shards
 from cachecompile.procs.builders import (
     BuildError,
     BuildEvent,
     BuildResult,
+    Checked,
     check_factory,
     prebuild_factory,
     push_results,
@@ -68,12 +70,18 @@ class ShardParam(click.ParamType):
 @click.option("--shard", type=ShardParam(), default=None, envvar="CACHECOMPILE_BUILD_SHARD",
               help="Build shard I of N (0 <= I < N) of the signatures, split by a stable "
                    "hash; 'auto' or 'auto/N' takes it from a Kubernetes Indexed Job, a "
-                   "Slurm job array or torchrun (default: $CACHECOMPILE_BUILD_SHARD).")
+                   "Slurm job array or torchrun (default: $CACHECOMPILE_BUILD_SHARD). "
+                   "With --cpu-target, the same signatures for every target.")
 @click.option("--check", is_flag=True,
               help="Compile nothing: list the signatures the remote tier "
-                   "($CACHECOMPILE_REMOTE; else the local store) lacks. Exit 1 if any.")
+                   "($CACHECOMPILE_REMOTE; else the local store) lacks, for every "
+                   "--cpu-target. Exit 1 if any.")
+@click.option("--cpu-target", "cpu_targets", multiple=True, metavar="TARGET",
+              help="Build for this CPU target (native, x86-64-v2/-v3/-v4, or auto: every "
+                   "level this CPU has); repeat it or give a comma list to build several. "
+                   "Default: $CACHECOMPILE_CPU_TARGET, else native.")
 def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,
-              shard: shards.Shard | None, check: bool) -> None:
+              shard: shards.Shard | None, check: bool, cpu_targets: tuple[str, ...]) -> None:
     """Compile and publish every signature FACTORY lists, before serving.
 
     FACTORY is module:callable (the module is found from the current directory); it
@@ -81,12 +89,21 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     example is a tuple of positional arguments, a cachecompile.Call(*args, **kwargs),
     or one argument; a method with gears is built at every gear of each example.
     With --shard I/N, only the signatures of shard I (each signature is in exactly one
-    of the N shards). With a remote tier, every entry built or found is in the remote
+    of the N shards). With --cpu-target, each target in turn (the same signatures for
+    each; a target this CPU lacks is exit 2 before anything runs). With a remote tier, every entry built or found is in the remote
     when the build ends. Exit 0 when every signature is served from the cache, 1
     otherwise; with --check, 0 when the tier has every signature, 1 otherwise.
     """
+    try:
+        # Each target checked against this CPU before any worker starts: a build for a
+        # level it lacks could neither verify its program nor load it, and a check could
+        # not compute its keys (this CPU would key a native compile instead).
+        targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
+            else (None,)
+    except CpuTargetError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
     if check:
-        _check(cache_dir, factory, shard, as_json)
+        _check(cache_dir, factory, shard, targets, as_json)
         return
     # The workers import torch and the model's code; this process neither.
     con = _console()
@@ -98,7 +115,10 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
 
     def on_event(e: BuildEvent) -> None:
         if e.kind == "planned":
-            bar.append(progress.add_task("building", total=e.total))
+            if bar:  # the next CPU target: the same bar, from zero
+                progress.reset(bar[0], total=e.total)
+            else:
+                bar.append(progress.add_task("building", total=e.total))
             if not as_json:
                 con.print(f"{e.total} signature(s) to build" + _of_shard(shard))
         elif e.kind == "started" and e.task is not None and bar:
@@ -115,10 +135,20 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
                 else:
                     click.echo(_line(r))
 
+    results: list[BuildResult] = []
+    built_for: list[str | None] = []  # each result's CPU target (None: not named)
     try:
         with progress:
-            results = prebuild_factory(factory, jobs=jobs, cache_dir=cache_dir,
-                                       on_event=on_event, shard=shard)
+            for target in targets:
+                if target is not None and not as_json:
+                    con.print(f"CPU target {target}")
+                # Each target builds the same signatures (with --shard, this shard's: a
+                # signature's shard does not depend on the target), in workers of its
+                # own (the target is in their environment).
+                got = prebuild_factory(factory, jobs=jobs, cache_dir=cache_dir,
+                                       on_event=on_event, shard=shard, cpu_target=target)
+                results.extend(got)
+                built_for.extend([target] * len(got))
     except ContractError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     except BuildError as e:
@@ -128,7 +158,8 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     pushed = push_results(results, cache_dir=cache_dir)
     bad = [r for r in results if not r.ok]
     if as_json:
-        click.echo(json.dumps([_result_json(r) for r in results], indent=1))
+        click.echo(json.dumps([_result_json(r, t) for r, t in
+                               zip(results, built_for, strict=True)], indent=1))
     else:
         built = sum(r.status == "built" for r in results)
         present = sum(r.status == "present" for r in results)
@@ -151,31 +182,44 @@ def _of_shard(shard: shards.Shard | None) -> str:
         f" (shard {shard}, from the {shard.source})"
 
 
-def _result_json(r: BuildResult) -> dict[str, Any]:
+def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:
     return {"name": r.name, "signature": r.signature, "status": r.status,
             "seconds": round(r.seconds, 3), "detail": r.detail, "worker": r.worker,
-            "entries": list(r.entries)}
+            "entries": list(r.entries), **({"cpu_target": target} if target else {})}
 
 
 def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
-           as_json: bool) -> None:
-    """``build --check``: which declared signatures the tier lacks; exit 1 if any."""
+           targets: tuple[str | None, ...], as_json: bool) -> None:
+    """``build --check``: which declared signatures the tier lacks, for every CPU target
+    asked for (each target's entries have keys of their own); exit 1 if any."""
+    found: list[tuple[str | None, Checked]] = []
     try:
-        found = check_factory(factory, cache_dir=cache_dir, shard=shard)
+        for target in targets:
+            found.append((target, check_factory(factory, cache_dir=cache_dir, shard=shard,
+                                                cpu_target=target)))
     except ContractError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     except BuildError as e:
         raise CliError(str(e), EXIT_PROBLEMS) from None
-    n = len(found.present) + len(found.missing)
+    missing = [(target, t) for target, c in found for t in c.missing]
     if as_json:
-        click.echo(json.dumps({"tier": found.tier, "shard": str(shard) if shard else None,
-                               "declared": n, "present": len(found.present),
-                               "missing": [{k: t[k] for k in ("name", "signature", "key")}
-                                           for t in found.missing]}, indent=1))
+        named = [t for t in targets if t is not None]
+        click.echo(json.dumps({
+            "tier": found[0][1].tier, "shard": str(shard) if shard else None,
+            **({"cpu_targets": named} if named else {}),
+            "declared": sum(len(c.present) + len(c.missing) for _, c in found),
+            "present": sum(len(c.present) for _, c in found),
+            "missing": [{**{k: t[k] for k in ("name", "signature", "key")},
+                         **({"cpu_target": target} if target else {})}
+                        for target, t in missing]}, indent=1))
     else:
-        for t in found.missing:
-            click.echo(f"missing  {t['name']} [{t['signature']}]  {t['key'][:12]}")
-        click.echo(f"{f'shard {shard}: ' if shard else ''}{n} signatures declared; "
-                   f"{found.tier} has {len(found.present)}, lacks {len(found.missing)}")
-    if found.missing:
+        for target, t in missing:
+            click.echo(f"missing  {t['name']} [{t['signature']}]  {t['key'][:12]}"
+                       + (f"  ({target})" if target else ""))
+        for target, c in found:
+            where = ", ".join(w for w in (f"shard {shard}" if shard else "", target or "") if w)
+            click.echo(f"{f'{where}: ' if where else ''}"
+                       f"{len(c.present) + len(c.missing)} signatures declared; "
+                       f"{c.tier} has {len(c.present)}, lacks {len(c.missing)}")
+    if missing:
         sys.exit(EXIT_PROBLEMS)

@@ -213,6 +213,7 @@ class MissPath:
             "dynamic": str(spec.dynamic).lower(),
             "signature": describe(sig),
             "ranks": ranks.label(),
+            **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
             "world_size": str(ranks.world_size),
             "global_rank": str(ranks.global_rank),
             "frame": frame.digest[:32],

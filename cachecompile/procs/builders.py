@@ -4,7 +4,9 @@ from a process that never imports torch (``cachectl build``, ``build --check``).
 * :func:`prebuild_factory` starts ``jobs`` workers (``python -m cachecompile.build
   worker module:factory``, :mod:`cachecompile.build`), hands out the signatures they list
   (with ``shard``, that shard's part: :mod:`cachecompile.key.shards`), one at a time
-  to whichever is free, and collects one :class:`BuildResult` each;
+  to whichever is free, and collects one :class:`BuildResult` each; with ``cpu_target``,
+  the workers build for that CPU target (``CACHECOMPILE_CPU_TARGET``,
+  :mod:`cachecompile.key.cpu`);
 * :func:`list_factory` has one worker list what the factory declares, and
   :func:`check_factory` asks the tier for each signature's first entry;
 * :func:`push_results` uploads, and waits for, what the remote tier lacks of a build's
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cachecompile.errors import ContractError
+from cachecompile.key import cpu
 from cachecompile.key.shards import Shard, without_launcher
 from cachecompile.procs.slots import default_slots
 from cachecompile.store import open_store
@@ -169,11 +172,16 @@ class _Worker:
 _EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
 
 
-def _worker_env(n: int, cache_dir: str | None, shard: Shard | None) -> dict[str, str]:
+def _worker_env(n: int, cache_dir: str | None, shard: Shard | None,
+                cpu_target: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
         env["CACHECOMPILE_DIR"] = str(Path(cache_dir).resolve())
+    if cpu_target is not None:
+        # The workers' cache_compile builds for it and keys by it (key.cpu); a listing
+        # worker's keys are then that target's keys, which build --check asks for.
+        env[cpu.ENV] = cpu_target
     if n > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in env:
         # The workers are the parallelism: Inductor's own pool of compile processes (one
         # per core, in every worker) would oversubscribe the cores n times over and cost
@@ -189,17 +197,20 @@ def _worker_env(n: int, cache_dir: str | None, shard: Shard | None) -> dict[str,
 
 def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
                      on_event: OnEvent | None = None,
-                     shard: Shard | None = None) -> list[BuildResult]:
+                     shard: Shard | None = None,
+                     cpu_target: str | None = None) -> list[BuildResult]:
     """Build every signature the factory ``spec`` (``module:callable``) lists, in ``jobs``
     worker processes (default: the node's compile slots), or with ``shard``, the
-    signatures of that shard only (:mod:`cachecompile.key.shards`). Returns one result per
+    signatures of that shard only (:mod:`cachecompile.key.shards`); for ``cpu_target`` if
+    given (``CACHECOMPILE_CPU_TARGET`` in the workers; the caller checks it against this
+    CPU first, :func:`cachecompile.key.cpu.build_targets`). Returns one result per
     signature built, in the factory's order. Raises :class:`BuildError` if the factory
     fails in a worker, two workers list different tasks, or every worker dies."""
     parse_spec(spec)  # a usage error before any worker starts
     n = jobs if jobs is not None else default_slots()
     if n < 1:
         raise ContractError(f"jobs must be >= 1, got {n}")
-    env = _worker_env(n, cache_dir, shard)
+    env = _worker_env(n, cache_dir, shard, cpu_target)
     emit = on_event or (lambda e: None)
     events: queue.Queue[Any] = queue.Queue()
     workers = [_Worker(i, spec, env, events) for i in range(n)]
@@ -275,13 +286,15 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
 
 
 def list_factory(spec: str, *, cache_dir: str | None = None,
-                 shard: Shard | None = None) -> list[dict[str, Any]]:
+                 shard: Shard | None = None,
+                 cpu_target: str | None = None) -> list[dict[str, Any]]:
     """What the factory declares (``name``, ``signature``, ``key``: the digest of its first
     entry), listed by one worker process as a build lists it, compiling nothing; with
-    ``shard``, that shard's part only."""
+    ``shard``, that shard's part only; with ``cpu_target``, the keys of that target's
+    entries."""
     parse_spec(spec)
     events: queue.Queue[Any] = queue.Queue()
-    w = _Worker(0, spec, _worker_env(1, cache_dir, shard), events, mode="list")
+    w = _Worker(0, spec, _worker_env(1, cache_dir, shard, cpu_target), events, mode="list")
     try:
         while True:
             _, msg = events.get()
@@ -310,13 +323,16 @@ class Checked:
 
 
 def check_factory(spec: str, *, cache_dir: str | None = None,
-                  shard: Shard | None = None) -> Checked:
+                  shard: Shard | None = None,
+                  cpu_target: str | None = None) -> Checked:
     """Which of the factory's signatures (``shard``'s, if given) the shared tier lacks:
-    the remote tier if ``$CACHECOMPILE_REMOTE`` names one, else the local store.
+    the remote tier if ``$CACHECOMPILE_REMOTE`` names one, else the local store; with
+    ``cpu_target``, that target's entries (checked against this CPU first, as for a build:
+    a CPU that lacks the level cannot key its entries).
 
     A signature is there when the tier holds its first entry (variant 0); nothing is
     loaded, so no guard is checked (``cachectl build`` does that, and says ``present``)."""
-    tasks = list_factory(spec, cache_dir=cache_dir, shard=shard)
+    tasks = list_factory(spec, cache_dir=cache_dir, shard=shard, cpu_target=cpu_target)
     url = os.environ.get("CACHECOMPILE_REMOTE", "")
     has: Callable[[str], bool]
     if url:

@@ -238,3 +238,47 @@ def test_three_shards_fill_the_remote_once_and_a_killed_one_is_rerun(tmp_path: P
         assert len(found.present) == len(SIGNATURES)
     finally:
         moto.stop()
+
+
+# The same grid with Inductor (the default backend): its keys hold the CPU target. The
+# check below computes keys only, so nothing is compiled.
+TARGETED = GRID.replace(', backend="aot_eager"', "")
+
+
+def test_check_with_cpu_targets_checks_each_targets_keys_of_the_same_shard(
+        tmp_path: Path) -> None:
+    import platform
+
+    from cachecompile.key import cpu
+
+    if platform.machine() not in cpu.BY_NAME["x86-64-v2"].machines:
+        pytest.skip("CPU targets are x86-64 levels")
+    # Before any worker: a target this CPU lacks is exit 2 for the check as for a build
+    # (it could not compute that target's keys). The flags are pretended: an SSE2 CPU.
+    v1 = "fpu cmov cx8 fxsr mmx syscall sse sse2"
+    lacking = CliRunner().invoke(cli, ["build", "nowhere:factory", "--check", "--shard", "0/2",
+                                       "--cpu-target", "x86-64-v2"],
+                                 env={cpu.TEST_FLAGS_ENV: v1})
+    assert lacking.exit_code == 2, lacking.output
+    assert "cannot build for x86-64-v2: this CPU lacks" in lacking.output
+
+    box = Sandbox(tmp_path)
+    (box.root / "grid.py").write_text(TARGETED)
+    p = subprocess.run(_cmd("build", "grid:factory", "--check", "--json", "--shard", "0/2",
+                            "--cpu-target", "x86-64-v2", "--cpu-target", "native"),
+                       cwd=box.root, env=box.env(CACHECOMPILE_DIR=str(box.root / "empty")),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr  # an empty store lacks everything
+    found = json.loads(p.stdout)
+    assert found["cpu_targets"] == ["x86-64-v2", "native"]
+    mine = [s for s in SIGNATURES if Shard(0, 2).holds("step", s)]
+    by_target: dict[str, dict[str, str]] = {}
+    for m in found["missing"]:
+        by_target.setdefault(m["cpu_target"], {})[m["signature"]] = m["key"]
+    # Each target: the shard's signatures, the same split whatever the target ...
+    assert {t: sorted(k) for t, k in by_target.items()} == \
+        {"x86-64-v2": sorted(mine), "native": sorted(mine)}
+    assert found["declared"] == 2 * len(mine) and found["present"] == 0
+    # ... each with keys of its own (the workers were told the target).
+    assert not set(by_target["x86-64-v2"].values()) & set(by_target["native"].values())
+    assert all(by_target["x86-64-v2"].values())
