@@ -24,6 +24,7 @@ for path in (TESTS, REPO):
 from ccutil import SHARED_INDUCTOR_ENV  # noqa: E402
 
 _created: list[str] = []
+_set: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,6 +34,13 @@ def pytest_configure(config: pytest.Config) -> None:
         path = tempfile.mkdtemp(prefix="cachecompile-tests-inductor-")
         os.environ[SHARED_INDUCTOR_ENV] = path
         _created.append(path)
+        # The tests' own processes compile into the same Inductor cache as their children
+        # (it was torch's default dir, a second cache): a kernel that an in-process test and
+        # a child both build (the same model, the same shapes) is built once. Inductor
+        # reads the variable at each compile; Sandbox children get theirs from ccutil.
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
+            _set.append("TORCHINDUCTOR_CACHE_DIR")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,6 +58,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _created:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(SHARED_INDUCTOR_ENV, None)
+    for name in _set:
+        os.environ.pop(name, None)
 
 
 @pytest.fixture

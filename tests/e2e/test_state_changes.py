@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from zoo import models as zm
 from zoo.models import LlmRunner, tokens
 
 from cachecompile import cache_compile
@@ -88,34 +89,14 @@ def test_llama_state_changes_after_the_first_call(tmp_path: Path, backend: str) 
                 assert torch.allclose(logits(warm), logits(r.prefill), atol=1e-5), name
 
 
-def _unet() -> Any:
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-        attention_head_dim=8, norm_num_groups=8).eval()
-
-
-class UNetRunner(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.unet = _unet()
-
-    def denoise(self, x: torch.Tensor, t: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
-        return self.unet(x, t, encoder_hidden_states=enc).sample
-
-
-def _unet_attn_processor(r: UNetRunner) -> Callable[[], None]:
+def _unet_attn_processor(r: zm.UNetRunner) -> Callable[[], None]:
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
     r.unet.set_attn_processor(AttnProcessor())   # diffusers' attention switch
     return lambda: r.unet.set_attn_processor(AttnProcessor2_0())
 
 
-def _unet_residual_flag(r: UNetRunner) -> Callable[[], None]:
+def _unet_residual_flag(r: zm.UNetRunner) -> Callable[[], None]:
     # An adapter-style toggle: a bool the attention processor branches on (a plain
     # attribute of a module we did not write).
     attn = r.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1
@@ -129,25 +110,25 @@ UNET_CHANGES = {"attn_processor": _unet_attn_processor, "residual_flag": _unet_r
 
 
 def test_diffusers_unet_state_changes_after_the_first_call(tmp_path: Path) -> None:
-    """On the default backend (inductor); the Llama above runs on both."""
+    """On the default backend (inductor); the Llama above runs on both. The zoo's UNet and
+    step, served as the zoo serves them (static, batch 2): the first program's kernels are
+    the zoo's, built once in the session's Inductor cache (tests/conftest.py)."""
     backend = "inductor"
-    r = UNetRunner()
-    g = torch.Generator().manual_seed(1)
-    x, t, enc = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([10]), \
-        torch.randn(1, 3, 32, generator=g)
+    r = zm.UNetRunner()
+    x, t, enc = zm.unet_inputs(2)
     with torch.no_grad():
-        cache_compile(r.denoise, backend=backend, cache_dir=tmp_path)(x, t, enc)  # publish
-        warm = cache_compile(r.denoise, backend=backend, cache_dir=tmp_path)
+        cache_compile(r.step, dynamic=False, backend=backend, cache_dir=tmp_path)(x, t, enc)
+        warm = cache_compile(r.step, dynamic=False, backend=backend, cache_dir=tmp_path)
         for _ in range(3):
-            assert torch.allclose(warm(x, t, enc), r.denoise(x, t, enc), atol=1e-5)
+            assert torch.allclose(warm(x, t, enc), r.step(x, t, enc), atol=1e-5)
         assert [e for e, _ in warm.events] == ["hit"]
-        plain = r.denoise(x, t, enc)
+        plain = r.step(x, t, enc)
         for name, change in UNET_CHANGES.items():
             undo = change(r)
             try:
                 n = len(warm.events)
                 for _ in range(3):
-                    got, want = warm(x, t, enc), r.denoise(x, t, enc)
+                    got, want = warm(x, t, enc), r.step(x, t, enc)
                     assert torch.allclose(got, want, atol=1e-5), name
                 assert len(warm.events) > n, (name, warm.events)
                 if name != "attn_processor":   # the two processors agree numerically
@@ -155,4 +136,4 @@ def test_diffusers_unet_state_changes_after_the_first_call(tmp_path: Path) -> No
             finally:
                 undo()
             for _ in range(3):
-                assert torch.allclose(warm(x, t, enc), r.denoise(x, t, enc), atol=1e-5), name
+                assert torch.allclose(warm(x, t, enc), r.step(x, t, enc), atol=1e-5), name

@@ -6,7 +6,11 @@ model, two fresh processes over one store, Inductor on CPU:
 * cold: eager, then the cached methods; outputs equal eager;
 * warm: the same calls hit with zero C++ compiler calls and equal eager; then the same
   process serves a new batch size (a new signature after hits, which used to crash in
-  Dynamo) and still equals eager.
+  Dynamo) and still equals eager. That last step compiles (in the warm process's empty
+  Inductor dirs) wherever a method is static: it runs for Llama (a static decode), the DiT
+  (a static diffusers step) and, at no compile, for the dynamic ones (Mistral, Llama's own
+  forward); Qwen2 (Llama's decode with biases) and the UNet (a second static diffusers
+  step, the suite's costliest compile) skip it, keeping the suite's time (issue 36).
 
 LLMs (Llama, Qwen2, Mistral): ``prefill`` returns the default ``ModelOutput`` with a
 ``DynamicCache`` and also decodes through it (size-1 tokens are their own variant),
@@ -81,7 +85,7 @@ with torch.no_grad():
     out["first"] = serve(2)
     out["gxx_first"] = gxx_calls() - before
     out["events_first"] = [e[0] for c in cached for e in c.events]
-    if phase == "warm":
+    if phase == "warm" and {new_batch!r}:
         n = len(out["events_first"])
         out["second"] = serve(3)   # a new batch size after hits
         out["events_second"] = [e[0] for c in cached for e in c.events][n:]
@@ -89,13 +93,16 @@ report(out)
 '''
 
 MODELS = ["llama", "qwen2", "mistral", "llama-forward", "unet", "dit"]
+# The models whose warm process also serves a new batch size after its hits (see above).
+NEW_BATCH_AFTER_HITS = {"llama", "mistral", "llama-forward", "dit"}
 
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
 
 def _run(box: Sandbox, kind: str, phase: str) -> dict:
-    code = DRIVER.format(tests=TESTS, kind=kind, phase=phase)
+    code = DRIVER.format(tests=TESTS, kind=kind, phase=phase,
+                         new_batch=kind in NEW_BATCH_AFTER_HITS)
     # The warm phase counts g++ calls: empty Inductor dirs, so a live compile would show.
     return box.run(code, CXX_LOG=str(box.gxx_log), timeout=900,
                    fresh_inductor=phase == "warm").value
@@ -111,5 +118,6 @@ def test_zoo_model(tmp_path: Path, kind: str) -> None:
     assert all(warm["first"].values()), warm
     assert warm["events_first"] == ["hit"] * len(warm["events_first"]), warm
     assert warm["gxx_first"] == 0, warm
-    # A new batch size after hits: served right (compiled where the signature is new).
-    assert all(warm["second"].values()), warm
+    if kind in NEW_BATCH_AFTER_HITS:
+        # A new batch size after hits: served right (compiled where the signature is new).
+        assert all(warm["second"].values()), warm
