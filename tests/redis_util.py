@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,9 +28,33 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A test server's process: ``kill()`` it (SIGKILL) to simulate a crash, ``stop()`` it."""
+    """A test server's process: ``kill()`` it (SIGKILL) to simulate a crash, ``stop()`` it.
+    A subclass names its ``log_file`` and starts its process, then ``wait_up(probe)``."""
 
     proc: subprocess.Popen[bytes] | None = None
+    log_file: Path | None = None
+    name = "server"
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            if self.log_file is not None:
+                return self.log_file.read_text(errors="replace")
+        return ""
+
+    def wait_up(self, probe: Callable[[], bool], timeout: float) -> None:
+        """Until ``probe()`` says the server answers (an OSError from it: not yet); the
+        server's log in the error if it exits or never answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log()[-2000:]}")
+            try:
+                if probe():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not come up in {timeout:.0f} s: {self.log()[-2000:]}")
 
     def kill(self) -> None:
         """SIGKILL: the crash case (no goodbye to clients, no final save)."""
@@ -65,6 +89,8 @@ class RedisServer(ServerProcess):
         self.appendonly = appendonly
         self.maxmemory = maxmemory
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = self.dir / "redis.log"
+        self.name = "redis-server"
 
     def url(self, db: int = 0, **params: str) -> str:
         query = "&".join(f"{k}={v}" for k, v in params.items())
@@ -81,23 +107,14 @@ class RedisServer(ServerProcess):
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.log()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not come up in 10 s")
 
-    def log(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self.dir / "redis.log").read_text()
-        return ""
+        def pong() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        self.wait_up(pong, timeout=10)
+        return self
 
     def client(self) -> object:
         import redis

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -51,6 +50,8 @@ class MotoServer(ServerProcess):
         self.port = free_port()
         self.auth_after = auth_after
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = self.dir / "moto.log"
+        self.name = "moto_server"
 
     @property
     def endpoint(self) -> str:
@@ -71,21 +72,13 @@ class MotoServer(ServerProcess):
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=log, stderr=log, env=env)
         log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited: {self.log()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("moto_server did not come up in 30 s")
 
-    def log(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self.dir / "moto.log").read_text(errors="replace")
-        return ""
+        def answers() -> bool:
+            with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=0.5):
+                return True
+
+        self.wait_up(answers, timeout=30)
+        return self
 
     def client(self, service: str = "s3", keys: dict[str, str] | None = None) -> Any:
         import boto3
@@ -160,6 +153,8 @@ class S3rver(ServerProcess):
         self.port = free_port()
         self.bucket = bucket
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = self.dir / "s3rver.log"
+        self.name = "s3rver"
 
     @property
     def endpoint(self) -> str:
@@ -175,24 +170,16 @@ class S3rver(ServerProcess):
              "-a", "127.0.0.1", "-p", str(self.port), "--silent",
              "--configure-bucket", self.bucket], stdout=log, stderr=log)
         log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"s3rver exited: {self.log()[-2000:]}")
-            try:
-                # 403 (no signature) is an answer: the server is up.
-                urllib.request.urlopen(f"{self.endpoint}/{self.bucket}", timeout=0.5)
-                return self
-            except urllib.error.HTTPError:
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("s3rver did not come up in 30 s")
 
-    def log(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self.dir / "s3rver.log").read_text(errors="replace")
-        return ""
+        def answers() -> bool:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/{self.bucket}", timeout=0.5)
+            except urllib.error.HTTPError:
+                pass  # 403 (no signature) is an answer: the server is up
+            return True
+
+        self.wait_up(answers, timeout=30)
+        return self
 
     def store(self, prefix: str) -> Any:
         """An obstore client on the bucket under ``prefix``, for setting objects up."""
