@@ -9,13 +9,19 @@ Mechanisms, each a fresh process over the same N batch sizes:
               beforehand by a cold process), empty Inductor dirs
   tc_warm     torch.compile(m.forward, dynamic=False), in the dirs of an earlier run (its FX
               graph and kernel caches warm; Dynamo traces every batch size again)
+  mega        torch.compiler.load_cache_artifacts of what an earlier torch.compile process
+              saved (save_cache_artifacts, every batch size), empty dirs, then torch.compile
+  aot         AOT precompile: one aot_compile + save_compiled_function per batch size by an
+              earlier process; here load_compiled_function of each, empty dirs (a caller
+              dispatches by batch size itself: AOT precompile keeps one artifact per shape)
 
 The phase split runs one more cc_warm process under cProfile and reports, per entry, the
 cumulative time of each step of a lookup: reading the manifest, building the guard checker,
 verifying the files (store get), loading the program, rebuilding the method, and the C++
 guard tree built on each entry's second call.
 
-    python tools/bench_entries.py --entries 1 8 32 --runs 3
+    python tools/bench_entries.py --entries 8 --runs 3
+    python tools/bench_entries.py --entries 1 32 --runs 3 --others ''
 """
 
 from __future__ import annotations
@@ -40,20 +46,45 @@ from cachecompile.demo.models import build_decoder
 mode, n = sys.argv[1], int(sys.argv[2])
 m = build_decoder().eval()
 fn = m.forward
+art = os.environ.get("BENCH_ARTIFACTS", "")
+def inputs(b):
+    return torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
 if mode == "cc_warm":
     from cachecompile import cache_compile
     fn = cache_compile(m.forward, dynamic=False)
-elif mode == "tc_warm":
+elif mode in ("tc_warm", "mega_save"):
     fn = torch.compile(m.forward, dynamic=False)
+elif mode == "mega":
+    with open(os.path.join(art, "mega.bin"), "rb") as f:
+        torch.compiler.load_cache_artifacts(f.read())
+    fn = torch.compile(m.forward, dynamic=False)
+elif mode == "aot_save":
+    with torch.no_grad():
+        for b in range(1, n + 1):
+            c = torch.compile(m.forward, dynamic=False, fullgraph=True).aot_compile(
+                ((inputs(b),), {}))
+            c.save_compiled_function(os.path.join(art, f"aot-{b}.bin"))
+    fn = m.forward
+elif mode == "aot":
+    loaded = {}
+    def fn(x):
+        b = x.shape[0]
+        if b not in loaded:
+            with open(os.path.join(art, f"aot-{b}.bin"), "rb") as f:
+                loaded[b] = torch.compiler.load_compiled_function(f)
+        return loaded[b](m, x)
 first = {}
 with torch.no_grad():
     for b in range(1, n + 1):
-        x = torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
+        x = inputs(b)
         out = fn(x)
         first[b] = time.perf_counter() - t0
     for b in range(1, n + 1):     # second calls: cache_compile builds each entry's C++ tree
-        fn(torch.randint(0, 100, (b, 4)))
+        fn(inputs(b))
     second = time.perf_counter() - t0
+if mode == "mega_save":
+    with open(os.path.join(art, "mega.bin"), "wb") as f:
+        f.write(torch.compiler.save_cache_artifacts()[0])
 events = [e for e, _ in getattr(fn, "events", [])]
 import json
 print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
@@ -102,6 +133,10 @@ def main() -> None:
     ap.add_argument("--entries", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--others", default="mega,aot",
+                    help="torch's own mechanisms to compare too (comma list of mega, aot; "
+                         "'' for none: each recompiles every entry's kernels in empty dirs, "
+                         "minutes at 32 entries)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cc-bench-entries-"))
     base = {k: v for k, v in os.environ.items()
@@ -119,12 +154,24 @@ def main() -> None:
                 return {**base, "CACHECOMPILE_DIR": str(store),
                         "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TMPDIR": str(d / "tmp")}
 
+            art = work / f"artifacts-{n}"
+            art.mkdir()
             run("cc_warm", n, env("build"))            # cold: builds the N entries
             run("tc_warm", n, env("tc", warm_tc=True))  # fills torch.compile's caches
-            rows: dict[str, list[dict[str, float]]] = {"eager": [], "cc_warm": [], "tc_warm": []}
+            modes = ["eager", "cc_warm", "tc_warm"]
+            for mode, made in (("mega", "mega_save"), ("aot", "aot_save")):
+                if mode not in a.others.split(","):
+                    continue
+                try:                                   # the producers, in empty dirs
+                    run(made, n, {**env(made), "BENCH_ARTIFACTS": str(art)})
+                    modes.append(mode)
+                except SystemExit as e:
+                    print(f"  {mode}: could not package this model: {str(e)[-300:]}")
+            rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for _ in range(a.runs):                    # interleaved
                 for mode in rows:
-                    rows[mode].append(run(mode, n, env(mode, warm_tc=mode == "tc_warm")))
+                    rows[mode].append(run(mode, n, {**env(mode, warm_tc=mode == "tc_warm"),
+                                                    "BENCH_ARTIFACTS": str(art)}))
             eager = statistics.median(r["last_first"] for r in rows["eager"])
             print(f"\n{n} entries: last first output, medians of {a.runs}")
             for mode, rs in rows.items():
