@@ -88,7 +88,7 @@ def compression_of(path: Path | str) -> str:
         return "gzip"
     if name.endswith(".tar"):
         return "none"
-    raise ValueError(f"{path}: name the bundle .tar.zst, .tar.gz or .tar")
+    raise errors.StoreInputError(f"{path}: name the bundle .tar.zst, .tar.gz or .tar")
 
 
 class _Counting(io.RawIOBase):

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from . import errors
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["env_flag", "env_float", "env_int", "is_true", "parse_size"]
@@ -30,7 +32,7 @@ def parse_size(text: str | int) -> int:
         return text
     m = _SIZE.fullmatch(text.upper())
     if not m:
-        raise ValueError(f"not a size: {text!r} (try 10G, 512M, 1000000)")
+        raise errors.StoreInputError(f"not a size: {text!r} (try 10G, 512M, 1000000)")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
@@ -54,7 +56,7 @@ def _env_number(name: str, cast: Callable[[str], N], default: N | None, what: st
     except ValueError:
         problem = f"environment variable {name}={raw!r} is not {what}"
         if not lenient:
-            raise ValueError(problem) from None
+            raise errors.StoreInputError(problem) from None
         logger.warning("%s; using %s", problem, default)
         return default
 

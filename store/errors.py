@@ -57,6 +57,11 @@ class StoreError(Exception):
     """Base class of every fault raised by the store."""
 
 
+class StoreInputError(StoreError, ValueError):
+    """A value a user gave the store is not valid: a size, a number in a variable, a key, a
+    bundle's file name. cachectl says it as a usage error (exit 2)."""
+
+
 class StoreNotFound(StoreError):
     """The root holds no store: a mistyped path must not be created and reported empty."""
 

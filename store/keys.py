@@ -17,6 +17,8 @@ from typing import Any
 
 import xxhash
 
+from .errors import StoreInputError
+
 __all__ = ["Key", "canonical_json", "digest_of", "is_digest", "make_key"]
 
 DIGEST_LEN = 32
@@ -85,4 +87,4 @@ def digest_of(key: Key | str) -> str:
         return key.digest
     if isinstance(key, str) and is_digest(key):
         return key
-    raise ValueError(f"not a key or a 32-hex-digit digest: {key!r}")
+    raise StoreInputError(f"not a key or a 32-hex-digit digest: {key!r}")

@@ -40,6 +40,7 @@ ERROR_CODES: list[tuple[type[BaseException], int]] = [
     (errors.KeyNotFound, EXIT_USAGE),  # AmbiguousKey included
     (errors.StoreNotFound, EXIT_USAGE),  # a mistyped --cache-dir
     (errors.RemoteConfigError, EXIT_USAGE),  # a malformed CACHECOMPILE_REMOTE / --remote
+    (errors.StoreInputError, EXIT_USAGE),  # a size, a variable's number, a bundle's name
     (errors.InsecureStoreError, EXIT_INSECURE),
     (errors.LockTimeout, EXIT_LOCK),
     (errors.ReadOnlyStoreError, EXIT_READONLY),

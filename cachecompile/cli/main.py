@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from cachecompile.errors import CacheCompileError
 from cachecompile.store import errors
 
 from . import build, program, remote, store_verbs, torchair
@@ -23,7 +24,7 @@ class _Group(click.Group):
         except errors.StoreError as e:
             code = next(c for t, c in ERROR_CODES if isinstance(e, t))
             raise CliError(str(e), code) from None
-        except (ValueError, TypeError) as e:
+        except CacheCompileError as e:  # a declared signature, a rank, a CPU target
             raise CliError(str(e), EXIT_USAGE) from None
         except OSError as e:
             raise CliError(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "), EXIT_STORE) from None

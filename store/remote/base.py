@@ -308,6 +308,8 @@ class Breaker:
         self.quiet = False
         self._warned = False
         self._lock = threading.Lock()
+        # The clock the backoff runs on: a test moves it instead of sleeping.
+        self.clock: Callable[[], float] = time.monotonic
 
     @property
     def down(self) -> bool:
@@ -315,12 +317,12 @@ class Breaker:
 
     def allow(self) -> bool:
         with self._lock:
-            return self.down_since is None or time.monotonic() >= self.retry_at
+            return self.down_since is None or self.clock() >= self.retry_at
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:
             self.failures += 1
-            now = time.monotonic()
+            now = self.clock()
             if self.down_since is None:
                 self.down_since = now
                 self.delay = self.base
@@ -344,7 +346,7 @@ class Breaker:
         with self._lock:
             if self.down_since is not None:
                 logger.info("remote cache %s is back after %.1f s", self.name,
-                            time.monotonic() - self.down_since)
+                            self.clock() - self.down_since)
                 self.down_since = None
 
     def guard(self, what: str) -> None:
