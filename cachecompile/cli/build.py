@@ -61,6 +61,20 @@ class ShardParam(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def _env_target() -> tuple[str | None, ...]:
+    """Without --cpu-target: what a serving process with $CACHECOMPILE_CPU_TARGET compiles
+    on a miss (its best candidate this CPU has), checked like an option's value. The
+    workers inherit the variable; a check or a build for a level this CPU lacks would
+    key native compiles instead (a --check that passed on entries nobody asked for)."""
+    value = os.environ.get(cpu.ENV, "").strip()
+    if not value:
+        return (None,)
+    best = cpu.plan(cpu.parse(value))
+    if best.build is None:
+        raise CpuTargetError(f"${cpu.ENV}={value!r}: {best.why_none()}")
+    return (None,) if best.build == cpu.NATIVE else (best.build,)
+
+
 @click.command("build")
 @cache_dir_option
 @click.argument("factory", metavar="MODULE:FACTORY")
@@ -79,7 +93,8 @@ class ShardParam(click.ParamType):
 @click.option("--cpu-target", "cpu_targets", multiple=True, metavar="TARGET",
               help="Build for this CPU target (native, x86-64-v2/-v3/-v4, or auto: every "
                    "level this CPU has); repeat it or give a comma list to build several. "
-                   "Default: $CACHECOMPILE_CPU_TARGET, else native.")
+                   "Default: the target $CACHECOMPILE_CPU_TARGET serves with on this CPU "
+                   "(its best candidate this CPU has), else native.")
 def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,
               shard: shards.Shard | None, check: bool, cpu_targets: tuple[str, ...]) -> None:
     """Compile and publish every signature FACTORY lists, before serving.
@@ -99,7 +114,7 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
         # level it lacks could neither verify its program nor load it, and a check could
         # not compute its keys (this CPU would key a native compile instead).
         targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
-            else (None,)
+            else _env_target()
     except CpuTargetError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     if check:

@@ -229,6 +229,31 @@ def test_cachectl_build_refuses_a_target_the_cpu_lacks(monkeypatch: pytest.Monke
     assert unknown.exit_code == EXIT_USAGE and "unknown CPU target 'haswell'" in unknown.output
 
 
+def test_cachectl_build_takes_the_environments_target_as_a_server_would(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without --cpu-target, $CACHECOMPILE_CPU_TARGET is checked before any worker starts,
+    for a build and for --check alike: a level this CPU lacks was a check that passed on
+    the native entries, and a build whose every signature failed in its workers (exit 1)."""
+    from click.testing import CliRunner
+
+    from cachecompile.cli import build as build_cli
+    from cachecompile.cli.common import EXIT_USAGE
+    from cachecompile.cli.main import cli
+
+    _flags(monkeypatch, V3)
+    monkeypatch.setenv(cpu.ENV, "x86-64-v4")
+    for extra in ([], ["--check"]):
+        r = CliRunner().invoke(cli, ["build", "nowhere:factory", "--cache-dir", str(tmp_path),
+                                     *extra])
+        assert r.exit_code == EXIT_USAGE, r.output
+        assert "this CPU lacks avx512f" in r.output and "CACHECOMPILE_CPU_TARGET" in r.output
+    # A list: the best candidate this CPU has, as a serving process compiles on a miss.
+    monkeypatch.setenv(cpu.ENV, "x86-64-v4,x86-64-v3")
+    assert build_cli._env_target() == ("x86-64-v3",)
+    monkeypatch.setenv(cpu.ENV, "native")
+    assert build_cli._env_target() == (None,)
+
+
 def test_a_level_overrides_what_an_avx512_host_would_pick() -> None:
     """What the e2e test cannot show on a CPU without AVX-512: there, Inductor would pick
     its AVX-512 ISA (with -mavx512bf16 on a CPU that has it) and append its flags after
