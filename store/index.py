@@ -42,6 +42,11 @@ T = TypeVar("T")
 
 _E = "e:"
 _C = "c:"
+# Totals of the records, moved in the transaction that adds or removes a record, so that
+# ``stats`` reads three rows instead of every record (5 s and 500 MB at 100,000 entries).
+# Apart from the ``c:`` counters: ``stats --zero`` does not reset what the store holds.
+_T = "t:"
+TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
@@ -132,6 +137,18 @@ class _ReadOnlyCache:
             if isinstance(key, str):
                 yield key, self._disk.fetch(mode, filename, value, False)
 
+    def totals_snapshot(self, prefix: str, names: list[str]) -> tuple[int, list[Any]]:
+        """(how many keys start with ``prefix``, the values of ``names`` or None), read in
+        one snapshot: counting rows uses the key index, no value is decoded."""
+        con = self._con
+        con.execute("BEGIN")
+        try:
+            (n,) = con.execute("SELECT COUNT(*) FROM Cache WHERE raw = 1 AND key >= ? AND "
+                               "key < ?", (prefix, prefix + "\uffff")).fetchone()
+            return int(n), [self.get(name) for name in names]
+        finally:
+            con.execute("COMMIT")
+
     @contextlib.contextmanager
     def transact(self) -> Iterator[None]:
         yield  # one reader's snapshot: nothing to hold
@@ -143,6 +160,15 @@ class _ReadOnlyCache:
 
     def close(self) -> None:
         self._con.close()
+
+
+def _count(c: Any, rec: Mapping[str, Any], sign: int) -> None:
+    """Move the totals by one record ``rec``, added (+1) or removed (-1); inside the
+    caller's transaction."""
+    c.incr(_T + "entries", sign)
+    if is_shared_graph(rec.get("labels") or {}):
+        c.incr(_T + "graphs", sign)
+    c.incr(_T + "logical_bytes", sign * int(rec.get("size_bytes", 0)))
 
 
 class Index:
@@ -239,6 +265,7 @@ class Index:
                 if blobs is not None:
                     rec["blobs"] = dict(blobs)
                 c.set(_E + digest, rec)
+                _count(c, rec, +1)
 
     def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
                    counter: str = "hits", blobs: Mapping[str, int] | None = None) -> None:
@@ -251,13 +278,30 @@ class Index:
                 rec = {"size_bytes": size_bytes, "created": created, "hits": 0, "labels": labels}
                 if blobs is not None:
                     rec["blobs"] = dict(blobs)
+                _count(c, rec, +1)
             rec["hits"] = int(rec.get("hits", 0)) + 1
             rec["last_used"] = now
             c.set(_E + digest, rec)
             c.incr(_C + counter)
 
     def remove(self, digest: str) -> None:
-        self.cache.delete(_E + digest)
+        c = self.cache
+        with c.transact():
+            rec = c.get(_E + digest)
+            if rec is not None:
+                c.delete(_E + digest)
+                _count(c, rec, -1)
+
+    def remove_many(self, digests: list[str]) -> None:
+        """:meth:`remove` of each, in one transaction (gc evicts in batches: one commit,
+        one fsync of the index, per batch instead of per entry)."""
+        c = self.cache
+        with c.transact():
+            for digest in digests:
+                rec = c.get(_E + digest)
+                if rec is not None:
+                    c.delete(_E + digest)
+                    _count(c, rec, -1)
 
     def get(self, digest: str) -> EntryInfo | None:
         rec = self.cache.get(_E + digest)
@@ -267,12 +311,51 @@ class Index:
         for info, _ in self.items():
             yield info
 
-    def items(self) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
-        """Each record with its blob map (None for records written before blob maps)."""
-        for k, rec in list(self._bulk().prefixed(_E)):
+    def items(self, *, blobs: bool = True) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
+        """Each record with its blob map (None for records written before blob maps, and
+        without ``blobs``). Streamed from one query: nothing is held but the current row."""
+        for k, rec in self._bulk().prefixed(_E):
             if isinstance(rec, dict):
-                blobs = rec.get("blobs")
-                yield _info(k[len(_E) :], rec), (None if blobs is None else dict(blobs))
+                held = rec.get("blobs") if blobs else None
+                yield _info(k[len(_E) :], rec), (None if held is None else dict(held))
+
+    def totals(self) -> dict[str, int]:
+        """``entries``, ``graphs`` (shared-graph entries among them) and ``logical_bytes``
+        of the records, from the totals kept as records come and go.
+
+        The totals are checked against a count of the records in the same snapshot (an
+        index query, no record read); when they are missing (an index written before
+        totals) or off (a process of an older version added or removed records), they
+        are recounted from the records, and written back where the index is writable.
+        """
+        snap = self._bulk()
+        counted, kept = snap.totals_snapshot(_E, [_T + n for n in TOTALS])
+        if kept[0] == counted and all(v is not None for v in kept):
+            return {n: int(v or 0) for n, v in zip(TOTALS, kept, strict=True)}
+        return self.recount()
+
+    def recount(self) -> dict[str, int]:
+        """Recount the totals from every record (and write them, if writable)."""
+        out = {n: 0 for n in TOTALS}
+        c = self.cache
+        with c.transact():
+            for _k, rec in self._bulk().prefixed(_E) if self._readonly else self._records_in(c):
+                if isinstance(rec, dict):
+                    out["entries"] += 1
+                    out["graphs"] += is_shared_graph(rec.get("labels") or {})
+                    out["logical_bytes"] += int(rec.get("size_bytes", 0))
+            if not self._readonly:
+                for n, v in out.items():
+                    c.set(_T + n, v)
+        return out
+
+    @staticmethod
+    def _records_in(c: Any) -> Iterator[tuple[str, Any]]:
+        """Every record, read inside the writer's open transaction (so that no record
+        is added or removed between the count and the write of the totals)."""
+        for k in c.iterkeys():
+            if isinstance(k, str) and k.startswith(_E):
+                yield k, c.get(k)
 
     def _bulk(self) -> _ReadOnlyCache:
         """A reading connection for whole-index scans: what was committed (a writer's
@@ -307,7 +390,11 @@ class Index:
             old = {i.key: i for i in self.records()}
             for k in [k for k in c.iterkeys() if isinstance(k, str) and k.startswith(_E)]:
                 c.delete(k)
+            totals = dict.fromkeys(TOTALS, 0)
             for i in infos:
+                totals["entries"] += 1
+                totals["graphs"] += is_shared_graph(i.labels)
+                totals["logical_bytes"] += i.size_bytes
                 prev = old.get(i.key)
                 rec: dict[str, Any] = {
                     "size_bytes": i.size_bytes,
@@ -319,6 +406,8 @@ class Index:
                 if blobs is not None and i.key in blobs:
                     rec["blobs"] = dict(blobs[i.key])
                 c.set(_E + i.key, rec)
+            for n, v in totals.items():
+                c.set(_T + n, v)
 
     # -- counters --------------------------------------------------------------
     def incr(self, name: str, delta: int = 1) -> None:

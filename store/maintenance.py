@@ -275,12 +275,44 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
 
 
 # -- statistics ---------------------------------------------------------------------------
-def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
+def _recounted(layout: Layout, index: Index) -> dict[str, int]:
+    """Entries, shared graphs, physical and logical bytes from a full listing (every
+    record, the disk); the index's totals and ``bytes`` counter are set to them."""
+    infos, blobs = listing(layout, index, with_blobs=True)
+    graphs = sum(1 for i in infos if is_shared_graph(i.labels))
+    physical = physical_size(infos, blobs)
+    if not index.readonly:
+        def fix() -> None:
+            index.recount()
+            index.incr("bytes", physical - index.counter("bytes"))
+
+        index.safely("recount", fix)
+    return {"entries": len(infos), "graphs": graphs, "bytes": physical,
+            "logical_bytes": sum(i.size_bytes for i in infos)}
+
+
+def _kept(index: Index) -> dict[str, int] | None:
+    """The same figures from the totals the index keeps (no record read), or None."""
+    totals = index.safely("totals", index.totals)
+    physical = index.safely("bytes", lambda: index.counter("bytes"))
+    if totals is None or physical is None:
+        return None
+    return {**totals, "bytes": max(physical, 0)}
+
+
+def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> dict[str, Any]:
     """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
     graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
     the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
-    ``hits``, ``hits_remote`` were served by a download from a remote tier."""
-    infos, blobs = listing(layout, index, with_blobs=True)
+    ``hits``, ``hits_remote`` were served by a download from a remote tier.
+
+    Entry counts and sizes come from the totals the index keeps as entries come and go
+    (constant time at any store size); ``recount`` (or an index that cannot be read)
+    recounts them from every record and the disk, and writes the totals back.
+    """
+    sums = None if recount else _kept(index)
+    if sums is None:
+        sums = _recounted(layout, index)
     # The index's counters, plus those of read-only processes (their counters files).
     readers = read_counters(layout.root)
     counters = merge(index.safely("counters", index.counters) or {}, readers)
@@ -297,14 +329,14 @@ def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
         quarantined = sum(1 for n in os.listdir(layout.quarantine) if not n.endswith(".reason"))
     except FileNotFoundError:
         quarantined = 0
-    graphs = sum(1 for i in infos if is_shared_graph(i.labels))
+    graphs = sums["graphs"]
     hits = int(counters.get("hits", 0))
     remote = int(counters.get(REMOTE_HITS, 0))
     return {
         "root": str(layout.root),
-        "entries": len(infos) - graphs,
-        "bytes": physical_size(infos, blobs),
-        "logical_bytes": sum(i.size_bytes for i in infos),
+        "entries": sums["entries"] - graphs,
+        "bytes": sums["bytes"],
+        "logical_bytes": sums["logical_bytes"],
         "cap": cap,
         "hits": hits,
         "hits_local": max(hits - remote, 0),

@@ -310,7 +310,10 @@ _MISS_KINDS = {
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
-def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
+@click.option("--recount", is_flag=True,
+              help="Recount entries and sizes from every record and the disk (and correct "
+                   "the totals the index keeps) instead of reading those totals.")
+def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -> None:
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
     st = _open(cache_dir)
     if zero:
@@ -318,7 +321,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool) -> None:
         if st.readonly and not as_json:
             click.echo("read-only store: zeroed the counters of read-only processes; the "
                        "store's own counters stay", err=True)
-    s = st.stats()  # with a remote tier behind the store, it names the remote too
+    s = st.stats(recount=recount)  # with a remote tier behind the store, it names the remote
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
         return

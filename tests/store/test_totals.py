@@ -1,0 +1,69 @@
+"""The totals the index keeps (entries, shared graphs, logical bytes, the physical
+``bytes`` counter) stay equal to a full recount whatever the store goes through, so
+that ``stats`` can read them instead of every record."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from cachecompile import store
+from cachecompile.store import Store, make_key
+
+_SUMS = ("entries", "bytes", "logical_bytes")
+
+
+def _kept_and_recounted(st: Store) -> tuple[dict, dict]:
+    kept = st.stats()
+    full = st.stats(recount=True)
+    pick = lambda s: {**{k: s[k] for k in _SUMS},  # noqa: E731
+                      "graphs": s["shared_graphs"]["entries"]}
+    return pick(kept), pick(full)
+
+
+def test_totals_equal_a_recount_after_random_operations(tmp_path: Path) -> None:
+    rng = random.Random(32)
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    live: list[str] = []
+    shared = b"s" * 3000  # content several entries hold: physical bytes count it once
+    for step in range(300):
+        op = rng.random()
+        if op < 0.6 or not live:
+            n = rng.randrange(10_000)
+            files = {"a.bin": bytes([n % 251]) * rng.randrange(1, 2000)}
+            if rng.random() < 0.3:
+                files["shared.bin"] = shared
+            labels = {"kind": "graph"} if rng.random() < 0.2 else {"model": f"m{n % 3}"}
+            live.append(st.put(make_key({"n": n}), files, labels=labels).key)
+        elif op < 0.8:
+            st.delete(live.pop(rng.randrange(len(live))))
+        elif op < 0.9:
+            d = live.pop(rng.randrange(len(live)))
+            assert st.quarantine(d, "test") is not None
+        else:
+            st.gc(max_size=rng.randrange(5_000, 60_000))
+            live = list(st.digests())
+        if step % 50 == 0:
+            kept, full = _kept_and_recounted(st)
+            assert kept == full, step
+    kept, full = _kept_and_recounted(st)
+    assert kept == full
+    assert kept["entries"] + kept["graphs"] == len(list(st.digests())) > kept["graphs"]
+    assert kept["graphs"] > 0
+
+
+def test_missing_or_wrong_totals_are_recounted(tmp_path: Path) -> None:
+    """An index written before totals (or by an older version that did not move them)."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(5):
+        st.put(make_key({"i": i}), {"f": b"x" * (i + 1)}, labels={"model": "m"})
+    c = st.index.cache
+    c.delete("t:entries")
+    assert st.stats()["entries"] == 5 and st.stats()["logical_bytes"] == 15
+    c.set("t:entries", 9)  # off: the count of records says so
+    c.set("t:logical_bytes", 1)
+    s = st.stats()
+    assert (s["entries"], s["logical_bytes"]) == (5, 15)
+    assert c.get("t:entries") == 5  # written back
