@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import click
@@ -74,7 +74,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
     if as_json:
-        click.echo(json.dumps([i.to_json() for i in infos], indent=1))
+        _echo_json_array(i.to_json() for i in infos)
         return
     if not infos:
         click.echo(f"no entries in {st.root}")
@@ -84,6 +84,19 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
         click.echo(_plain_table(infos, groups))
         return
     _console().print(_entries_table(infos, groups=groups))
+
+
+def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
+    """Print ``json.dumps(list(items), indent=1)``, one item at a time: the whole text
+    of 100,000 entries was 150 MB held at once."""
+    out = sys.stdout
+    first = True
+    for item in items:
+        out.write("[\n " if first else ",\n ")
+        out.write(json.dumps(item, indent=1).replace("\n", "\n "))
+        first = False
+    out.write("[]\n" if first else "\n]\n")
+    out.flush()
 
 
 # Guards that say what a call (and the state it runs in) must be: the ones that tell
