@@ -309,11 +309,13 @@ class Index:
                 c.delete(_E + digest)
                 _count(c, rec, -1)
 
-    def remove_many(self, digests: list[str]) -> None:
-        """:meth:`remove` of each, in one transaction (gc evicts in batches: one commit,
-        one fsync of the index, per batch instead of per entry)."""
+    def remove_many(self, digests: list[str], freed: int = 0) -> None:
+        """:meth:`remove` of each, and ``bytes`` down by ``freed``, in one transaction (gc
+        evicts in batches: one commit per batch instead of two per entry)."""
         c = self.cache
         with c.transact():
+            if freed:
+                c.incr(_C + "bytes", -freed)
             for digest in digests:
                 rec = c.get(_E + digest)
                 if rec is not None:
