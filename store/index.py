@@ -183,8 +183,8 @@ def _count(c: Any, rec: Mapping[str, Any], sign: int) -> None:
     """Move the totals by one record ``rec``, added (+1) or removed (-1); inside the
     caller's transaction."""
     c.incr(_T + "entries", sign)
-    if is_shared_graph(rec.get("labels") or {}):
-        c.incr(_T + "graphs", sign)
+    # Moved by 0 too: a store without graphs has a total of 0, not none (none recounts).
+    c.incr(_T + "graphs", sign if is_shared_graph(rec.get("labels") or {}) else 0)
     c.incr(_T + "logical_bytes", sign * int(rec.get("size_bytes", 0)))
 
 

@@ -7,21 +7,31 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from cachecompile import store
-from cachecompile.store import Store, make_key
+from cachecompile.store import Store, maintenance, make_key
+from cachecompile.store.index import TOTALS, Index
 
 _SUMS = ("entries", "bytes", "logical_bytes")
 
 
 def _kept_and_recounted(st: Store) -> tuple[dict, dict]:
+    # The totals as kept, before stats could heal them (it recounts totals that are off).
+    raw = {n: st.index.cache.get("t:" + n) for n in TOTALS}
     kept = st.stats()
     full = st.stats(recount=True)
+    assert raw == {"entries": full["entries"] + full["shared_graphs"]["entries"],
+                   "graphs": full["shared_graphs"]["entries"],
+                   "logical_bytes": full["logical_bytes"]}
     pick = lambda s: {**{k: s[k] for k in _SUMS},  # noqa: E731
                       "graphs": s["shared_graphs"]["entries"]}
     return pick(kept), pick(full)
 
 
-def test_totals_equal_a_recount_after_random_operations(tmp_path: Path) -> None:
+def test_totals_equal_a_recount_after_random_operations(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(maintenance, "GC_BATCH", 3)  # gc evicts in several batches
     rng = random.Random(32)
     st = store.open_store(tmp_path / "c")
     assert isinstance(st, Store)
@@ -67,3 +77,46 @@ def test_missing_or_wrong_totals_are_recounted(tmp_path: Path) -> None:
     s = st.stats()
     assert (s["entries"], s["logical_bytes"]) == (5, 15)
     assert c.get("t:entries") == 5  # written back
+
+
+def test_stats_reads_no_record_and_ls_no_manifest(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats reads the kept totals (no listing, no record); listing the entries reads the
+    index's records, not one manifest per entry."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(30):
+        st.put(make_key({"i": i}), {"f": b"x" * 10}, labels={"kind": "graph"} if i < 4 else {})
+    st.stats()  # totals checked once
+
+    def no(*_: object, **__: object) -> None:
+        raise AssertionError("read every record")
+
+    with monkeypatch.context() as m:
+        m.setattr(maintenance, "listing", no)
+        m.setattr(Index, "items", no)
+        s = st.stats()
+    assert (s["entries"], s["shared_graphs"]["entries"], s["logical_bytes"]) == (26, 4, 300)
+    reads: list[str] = []
+    real = maintenance.read_manifest
+    monkeypatch.setattr(maintenance, "read_manifest",
+                        lambda layout, d, **kw: reads.append(d) or real(layout, d, **kw))
+    assert len(list(st.entries())) == 30 and reads == []
+    st.index.cache.delete("e:" + make_key({"i": 7}).digest)  # unindexed: its manifest says
+    assert {i.state for i in st.entries()} == {"ok", "unindexed"} and len(reads) == 1
+
+
+def test_gc_puts_back_an_entry_pinned_in_its_batch(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry pinned between gc's plan and its batch's renames is put back whole."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    keys = [st.put(make_key({"i": i}), {"f": bytes([i]) * 1000}).key for i in range(6)]
+    from cachecompile.store import publishing
+    real_pinned = publishing.pinned
+    monkeypatch.setattr(publishing, "pinned", lambda layout: real_pinned(layout) | {keys[0]})
+    report = st.gc(max_size=1)
+    assert keys[0] not in {i.key for i in report.evicted} and len(report.evicted) == 5
+    assert st.get(keys[0]) and list(st.digests()) == [keys[0]]
+    kept, full = _kept_and_recounted(st)
+    assert kept == full and kept["entries"] == 1
