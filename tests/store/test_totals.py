@@ -120,3 +120,29 @@ def test_gc_puts_back_an_entry_pinned_in_its_batch(tmp_path: Path,
     assert st.get(keys[0]) and list(st.digests()) == [keys[0]]
     kept, full = _kept_and_recounted(st)
     assert kept == full and kept["entries"] == 1
+
+
+def test_cachectl_stats_recount_corrects_the_kept_totals(tmp_path: Path) -> None:
+    """A total that is off without the record count saying so (logical bytes) stays off
+    until ``cachectl stats --recount`` recounts and corrects it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cachecompile.cli.main import cli
+
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(3):
+        st.put(make_key({"i": i}), {"f": b"x" * 100})
+    st.index.cache.set("t:logical_bytes", 7)
+
+    def stats(*args: str) -> dict:
+        r = CliRunner().invoke(cli, ["stats", "--json", "--cache-dir", str(st.root), *args],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    assert stats()["logical_bytes"] == 7
+    assert stats("--recount")["logical_bytes"] == 300
+    assert stats()["logical_bytes"] == 300 and stats()["entries"] == 3
