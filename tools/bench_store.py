@@ -235,18 +235,33 @@ def _env() -> dict[str, str]:
     return env
 
 
+_SPAWN = """
+import os, sys
+# A small parent: Linux starts a child's peak RSS at its parent's at fork, so the bench
+# (holding a filled store) would lend every child its own size.
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, ru = os.wait4(pid, 0)
+sys.stderr.write(f"\\nBENCH {ru.ru_utime + ru.ru_stime} {ru.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _child(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int]:
-    """(wall s, CPU s, peak RSS bytes) of one whole process, from its own rusage."""
+    """(wall s, CPU s, peak RSS bytes) of one whole process, from its own rusage (read by
+    a small parent process: see _SPAWN)."""
     with tempfile.TemporaryFile() as err:
         t = time.perf_counter()
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, ru = os.wait4(p.pid, 0)
+        rc = subprocess.run([sys.executable, "-c", _SPAWN, *cmd], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err).returncode
         wall = time.perf_counter() - t
-        p.returncode = os.waitstatus_to_exitcode(status)
-        if p.returncode != 0:
-            err.seek(0)
-            raise RuntimeError(f"{cmd} failed ({p.returncode}): {err.read()[-2000:]!r}")
-    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        if rc != 0:
+            raise RuntimeError(f"{cmd} failed ({rc}): {text[-2000:]!r}")
+    cpu, rss = text.rsplit("BENCH ", 1)[1].split()
+    return wall, float(cpu), int(rss) * 1024
 
 
 _READER = """
