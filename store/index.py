@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,6 +48,7 @@ _C = "c:"
 # ``stats`` reads three rows instead of every record (5 s and 500 MB at 100,000 entries).
 # Apart from the ``c:`` counters: ``stats --zero`` does not reset what the store holds.
 _T = "t:"
+_MODE_PICKLE = 4  # diskcache.core.MODE_PICKLE: a value stored pickled
 TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
@@ -143,9 +145,15 @@ class _ReadOnlyCache:
             "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key >= ? AND "
             "key < ? AND (expire_time IS NULL OR expire_time > ?)",  # in key order, unsorted
             (prefix, prefix + "\uffff", time.time()))
+        fetch = self._disk.fetch
         for key, mode, filename, value in rows:
             if isinstance(key, str):
-                yield key, self._disk.fetch(mode, filename, value, False)
+                if mode == _MODE_PICKLE and filename is None and isinstance(value, bytes):
+                    # What diskcache's fetch does for a pickle stored inline, without its
+                    # BytesIO per row (0.2 s of the 3 s of ls at 100,000 entries, measured).
+                    yield key, pickle.loads(value)  # the store's own index, as diskcache reads it
+                else:
+                    yield key, fetch(mode, filename, value, False)
 
     def keys(self, prefix: str) -> list[str]:
         """The string keys that start with ``prefix`` (the key index only, no value)."""
