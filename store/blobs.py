@@ -37,22 +37,31 @@ def exclusive_bytes(edir: Path) -> int:
     content is this entry's alone when its links, besides this entry's own, are at most
     the blob's one.
     """
-    data = edir / DATA
-    try:
-        if not (stat.S_ISDIR(os.lstat(edir).st_mode) and stat.S_ISDIR(os.lstat(data).st_mode)):
-            return 0
-    except OSError:
-        return 0
-    inodes: dict[int, list[int]] = {}  # inode -> [links from this entry, nlink, size]
-    for dirpath, _, names in os.walk(data):  # never follows links
-        for n in names:
-            try:
-                st = os.lstat(os.path.join(dirpath, n))
-            except OSError:
+    return exclusive_bytes_of([edir])
+
+
+def exclusive_bytes_of(edirs: list[Path]) -> int:
+    """Bytes that removing all the entries at ``edirs`` frees (content they share with
+    each other, and with no other entry, counts once): :func:`exclusive_bytes` of a
+    batch, counted before any of them is deleted."""
+    inodes: dict[int, list[int]] = {}  # inode -> [links from these entries, nlink, size]
+    for edir in edirs:
+        data = edir / DATA
+        try:
+            if not (stat.S_ISDIR(os.lstat(edir).st_mode)
+                    and stat.S_ISDIR(os.lstat(data).st_mode)):
                 continue
-            if stat.S_ISREG(st.st_mode):
-                rec = inodes.setdefault(st.st_ino, [0, st.st_nlink, st.st_size])
-                rec[0] += 1
+        except OSError:
+            continue
+        for dirpath, _, names in os.walk(data):  # never follows links
+            for n in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, n))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    rec = inodes.setdefault(st.st_ino, [0, st.st_nlink, st.st_size])
+                    rec[0] += 1
     return sum(size for mine, nlink, size in inodes.values() if nlink - mine <= 1)
 
 

@@ -320,9 +320,9 @@ class Store:
         """Check every entry in full, the store's directories, and the index against the disk."""
         return maintenance.verify(self.layout, self.index, fix)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, recount: bool = False) -> dict[str, Any]:
         """Entries, sizes, hits and misses (see :func:`cachecompile.store.maintenance.stats`)."""
-        return {**maintenance.stats(self.layout, self.index, self.max_size),
+        return {**maintenance.stats(self.layout, self.index, self.max_size, recount=recount),
                 "readonly": self.readonly}
 
     def zero_stats(self) -> None:

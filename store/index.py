@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -42,6 +44,12 @@ T = TypeVar("T")
 
 _E = "e:"
 _C = "c:"
+# Totals of the records, moved in the transaction that adds or removes a record, so that
+# ``stats`` reads three rows instead of every record (5 s and 500 MB at 100,000 entries).
+# Apart from the ``c:`` counters: ``stats --zero`` does not reset what the store holds.
+_T = "t:"
+_MODE_PICKLE = 4  # diskcache.core.MODE_PICKLE: a value stored pickled
+TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
@@ -73,6 +81,15 @@ def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> st
     return GRAPH_SCOPE if is_shared_graph(labels) else ""
 
 
+def _interned(labels: Any) -> dict[str, str]:
+    """The labels with their strings shared between records (each record decodes its
+    own copies of "model", "forward"...: 100,000 of them held by ls and gc)."""
+    if not isinstance(labels, dict):
+        return {}
+    return {sys.intern(k) if isinstance(k, str) else k: sys.intern(v) if isinstance(v, str)
+            else v for k, v in labels.items()}
+
+
 def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
     return EntryInfo(
         key=digest,
@@ -80,7 +97,7 @@ def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
         created=float(rec.get("created", 0.0)),
         last_used=float(rec.get("last_used", rec.get("created", 0.0))),
         hits=int(rec.get("hits", 0)),
-        labels=dict(rec.get("labels", {})),
+        labels=_interned(rec.get("labels")),
         state=str(rec.get("state", "ok")),
     )
 
@@ -126,11 +143,36 @@ class _ReadOnlyCache:
         (``ls`` at 10,000 entries made 10,000 single-row lookups)."""
         rows = self._con.execute(
             "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key >= ? AND "
-            "key < ? AND (expire_time IS NULL OR expire_time > ?) ORDER BY rowid",
+            "key < ? AND (expire_time IS NULL OR expire_time > ?)",  # in key order, unsorted
             (prefix, prefix + "\uffff", time.time()))
+        fetch = self._disk.fetch
         for key, mode, filename, value in rows:
             if isinstance(key, str):
-                yield key, self._disk.fetch(mode, filename, value, False)
+                if mode == _MODE_PICKLE and filename is None and isinstance(value, bytes):
+                    # What diskcache's fetch does for a pickle stored inline, without its
+                    # BytesIO per row (0.2 s of the 3 s of ls at 100,000 entries, measured).
+                    yield key, pickle.loads(value)  # the store's own index, as diskcache reads it
+                else:
+                    yield key, fetch(mode, filename, value, False)
+
+    def keys(self, prefix: str) -> list[str]:
+        """The string keys that start with ``prefix`` (the key index only, no value)."""
+        rows = self._con.execute(
+            "SELECT key FROM Cache WHERE raw = 1 AND key >= ? AND key < ?",
+            (prefix, prefix + "\uffff"))
+        return [k for (k,) in rows if isinstance(k, str)]
+
+    def totals_snapshot(self, prefix: str, names: list[str]) -> tuple[int, list[Any]]:
+        """(how many keys start with ``prefix``, the values of ``names`` or None), read in
+        one snapshot: counting rows uses the key index, no value is decoded."""
+        con = self._con
+        con.execute("BEGIN")
+        try:
+            (n,) = con.execute("SELECT COUNT(*) FROM Cache WHERE raw = 1 AND key >= ? AND "
+                               "key < ?", (prefix, prefix + "\uffff")).fetchone()
+            return int(n), [self.get(name) for name in names]
+        finally:
+            con.execute("COMMIT")
 
     @contextlib.contextmanager
     def transact(self) -> Iterator[None]:
@@ -143,6 +185,15 @@ class _ReadOnlyCache:
 
     def close(self) -> None:
         self._con.close()
+
+
+def _count(c: Any, rec: Mapping[str, Any], sign: int) -> None:
+    """Move the totals by one record ``rec``, added (+1) or removed (-1); inside the
+    caller's transaction."""
+    c.incr(_T + "entries", sign)
+    # Moved by 0 too: a store without graphs has a total of 0, not none (none recounts).
+    c.incr(_T + "graphs", sign if is_shared_graph(rec.get("labels") or {}) else 0)
+    c.incr(_T + "logical_bytes", sign * int(rec.get("size_bytes", 0)))
 
 
 class Index:
@@ -239,6 +290,7 @@ class Index:
                 if blobs is not None:
                     rec["blobs"] = dict(blobs)
                 c.set(_E + digest, rec)
+                _count(c, rec, +1)
 
     def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
                    counter: str = "hits", blobs: Mapping[str, int] | None = None) -> None:
@@ -251,13 +303,32 @@ class Index:
                 rec = {"size_bytes": size_bytes, "created": created, "hits": 0, "labels": labels}
                 if blobs is not None:
                     rec["blobs"] = dict(blobs)
+                _count(c, rec, +1)
             rec["hits"] = int(rec.get("hits", 0)) + 1
             rec["last_used"] = now
             c.set(_E + digest, rec)
             c.incr(_C + counter)
 
     def remove(self, digest: str) -> None:
-        self.cache.delete(_E + digest)
+        c = self.cache
+        with c.transact():
+            rec = c.get(_E + digest)
+            if rec is not None:
+                c.delete(_E + digest)
+                _count(c, rec, -1)
+
+    def remove_many(self, digests: list[str], freed: int = 0) -> None:
+        """:meth:`remove` of each, and ``bytes`` down by ``freed``, in one transaction (gc
+        evicts in batches: one commit per batch instead of two per entry)."""
+        c = self.cache
+        with c.transact():
+            if freed:
+                c.incr(_C + "bytes", -freed)
+            for digest in digests:
+                rec = c.get(_E + digest)
+                if rec is not None:
+                    c.delete(_E + digest)
+                    _count(c, rec, -1)
 
     def get(self, digest: str) -> EntryInfo | None:
         rec = self.cache.get(_E + digest)
@@ -267,12 +338,45 @@ class Index:
         for info, _ in self.items():
             yield info
 
-    def items(self) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
-        """Each record with its blob map (None for records written before blob maps)."""
-        for k, rec in list(self._bulk().prefixed(_E)):
+    def items(self, *, blobs: bool = True) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
+        """Each record with its blob map (None for records written before blob maps, and
+        without ``blobs``). Streamed from one query: nothing is held but the current row."""
+        for k, rec in self._bulk().prefixed(_E):
             if isinstance(rec, dict):
-                blobs = rec.get("blobs")
-                yield _info(k[len(_E) :], rec), (None if blobs is None else dict(blobs))
+                held = rec.get("blobs") if blobs else None
+                yield _info(k[len(_E) :], rec), (None if held is None else dict(held))
+
+    def totals(self) -> dict[str, int]:
+        """``entries``, ``graphs`` (shared-graph entries among them) and ``logical_bytes``
+        of the records, from the totals kept as records come and go.
+
+        The totals are checked against a count of the records in the same snapshot (an
+        index query, no record read); when they are missing (an index written before
+        totals) or off (a process of an older version added or removed records), they
+        are recounted from the records, and written back where the index is writable.
+        """
+        snap = self._bulk()
+        counted, kept = snap.totals_snapshot(_E, [_T + n for n in TOTALS])
+        if kept[0] == counted and all(v is not None for v in kept):
+            return {n: int(v or 0) for n, v in zip(TOTALS, kept, strict=True)}
+        return self.recount()
+
+    def recount(self) -> dict[str, int]:
+        """Recount the totals from every record (and write them, if writable)."""
+        out = {n: 0 for n in TOTALS}
+        c = self.cache
+        # Read in one query on the scan connection while the writer lock is held: no
+        # other process commits meanwhile, so the snapshot read is the state written over.
+        with c.transact():
+            for _k, rec in self._bulk().prefixed(_E):
+                if isinstance(rec, dict):
+                    out["entries"] += 1
+                    out["graphs"] += is_shared_graph(rec.get("labels") or {})
+                    out["logical_bytes"] += int(rec.get("size_bytes", 0))
+            if not self._readonly:
+                for n, v in out.items():
+                    c.set(_T + n, v)
+        return out
 
     def _bulk(self) -> _ReadOnlyCache:
         """A reading connection for whole-index scans: what was committed (a writer's
@@ -295,9 +399,9 @@ class Index:
                     c.set(_E + digest, rec)
 
     def digests(self) -> set[str]:
-        return {
-            k[len(_E) :] for k in self.cache.iterkeys() if isinstance(k, str) and k.startswith(_E)
-        }
+        # One query on the key index: iterating every key through diskcache took 7 s at
+        # 100,000 entries.
+        return {k[len(_E) :] for k in self._bulk().keys(_E)}
 
     def replace_all(self, infos: list[EntryInfo],
                     blobs: Mapping[str, Mapping[str, int]] | None = None) -> None:
@@ -305,9 +409,13 @@ class Index:
         c = self.cache
         with c.transact():
             old = {i.key: i for i in self.records()}
-            for k in [k for k in c.iterkeys() if isinstance(k, str) and k.startswith(_E)]:
+            for k in self._bulk().keys(_E):
                 c.delete(k)
+            totals = dict.fromkeys(TOTALS, 0)
             for i in infos:
+                totals["entries"] += 1
+                totals["graphs"] += is_shared_graph(i.labels)
+                totals["logical_bytes"] += i.size_bytes
                 prev = old.get(i.key)
                 rec: dict[str, Any] = {
                     "size_bytes": i.size_bytes,
@@ -319,6 +427,8 @@ class Index:
                 if blobs is not None and i.key in blobs:
                     rec["blobs"] = dict(blobs[i.key])
                 c.set(_E + i.key, rec)
+            for n, v in totals.items():
+                c.set(_T + n, v)
 
     # -- counters --------------------------------------------------------------
     def incr(self, name: str, delta: int = 1) -> None:
@@ -328,15 +438,13 @@ class Index:
         return int(self.cache.get(_C + name, 0))
 
     def counters(self) -> dict[str, int]:
-        c = self.cache
         out = {n: 0 for n in COUNTERS}
-        for k in c.iterkeys():
-            if isinstance(k, str) and k.startswith(_C):
-                out[k[len(_C) :]] = int(c.get(k, 0))
+        for k, v in self._bulk().prefixed(_C):   # one query, not one per key of the index
+            out[k[len(_C) :]] = int(v or 0)
         return out
 
     def zero(self) -> None:
         c = self.cache
         with c.transact():
-            for k in [k for k in c.iterkeys() if isinstance(k, str) and k.startswith(_C)]:
+            for k in self._bulk().keys(_C):
                 c.delete(k)

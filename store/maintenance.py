@@ -32,7 +32,7 @@ from .policy import (
     physical_size,
     split_pinned,
 )
-from .publishing import remove
+from .publishing import remove, remove_many
 from .verification import Bad, inspect, quarantine, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ __all__ = ["TEMP_GRACE_S", "gc", "info_from_manifest", "listing", "purge", "purg
            "reindex", "stats", "sweep_blobs", "sweep_temp", "verify"]
 
 TEMP_GRACE_S = 3600.0
+# Entries gc takes away per pin scan and index transaction: large enough that neither
+# dominates, small enough that the index is not held long while readers record hits.
+GC_BATCH = 256
 Blobs = dict[str, dict[str, int]]
 
 
@@ -54,40 +57,55 @@ def info_from_manifest(digest: str, m: Mapping[str, Any], state: str = "ok") -> 
 
 
 def listing(layout: Layout, index: Index, *, with_blobs: bool) -> tuple[list[EntryInfo], Blobs]:
-    """The entries on disk and, with ``with_blobs``, what each holds in blobs/.
+    """The entries on disk (ordered by digest) and, with ``with_blobs``, what each holds
+    in blobs/.
 
     Blob maps come from the index; a record without one (written before blob maps, or
-    not indexed) reads its manifest, and the index is filled in for next time.
+    not indexed) reads its manifest, and the index is filled in for next time. Records
+    are read as one stream (nothing but the entries kept is held: 100,000 entries held
+    every record twice over, 220-390 MB), and blob maps only when asked for.
     """
-    on_disk = set(layout.digests())
-    items = index.safely("list", lambda: list(index.items())) or []
-    indexed = {i.key: (i, b) for i, b in items}
+    unseen = set(layout.digests())
     infos: list[EntryInfo] = []
     blobs: Blobs = {}
     healed: Blobs = {}
-    for d in sorted(on_disk):
-        rec = indexed.get(d)
-        if rec is not None:
-            infos.append(rec[0])
-            if rec[1] is not None:
-                blobs[d] = rec[1]
-            if rec[1] is not None or not with_blobs:
-                continue
+    need: list[str] = []   # on disk, indexed without a blob map: read the manifest
+
+    def scan() -> None:
+        for info, held in index.items(blobs=with_blobs):
+            if info.key not in unseen:
+                continue   # a row whose entry is gone (verify drops it)
+            unseen.discard(info.key)
+            infos.append(info)
+            if held is not None:
+                blobs[info.key] = held
+            elif with_blobs:
+                need.append(info.key)
+
+    # A scan that fails (midway) keeps what it read; the rest is read from manifests.
+    index.safely("list", scan)
+    for d in [*need, *sorted(unseen)]:
+        indexed = d not in unseen
         try:
             m = read_manifest(layout, d)
         except (errors.StoreError, OSError):
-            if rec is None:
+            if not indexed:
                 infos.append(EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0,
                                        hits=0, state="bad-manifest"))
             continue
-        if rec is None:
+        if not indexed:
             infos.append(info_from_manifest(d, m, state="unindexed"))
         else:
             healed[d] = blob_map(m)
         blobs[d] = blob_map(m)
     if healed:
         index.safely("blobs", lambda: index.set_blobs(healed))
+    infos.sort(key=_by_key)
     return infos, blobs
+
+
+def _by_key(i: EntryInfo) -> str:
+    return i.key
 
 
 # -- sweeps -------------------------------------------------------------------------------
@@ -146,9 +164,11 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
         report.bytes_before = physical_size(infos, blobs)
         live = pinned(layout)
         report.pinned_skipped = sorted(live & {i.key for i in infos})
-        for victim in lru_evictions(infos, cap, live, blobs):
-            if remove(layout, index, victim.key, respect_pins=True, kind="evict"):
-                report.evicted.append(victim)
+        victims = lru_evictions(infos, cap, live, blobs)
+        for at in range(0, len(victims), GC_BATCH):
+            batch = {v.key: v for v in victims[at:at + GC_BATCH]}
+            for d in remove_many(layout, index, list(batch), respect_pins=True, kind="evict"):
+                report.evicted.append(batch[d])
         gone = {i.key for i in report.evicted}
         report.blobs_removed = sweep_blobs(layout)
         report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
@@ -275,12 +295,44 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
 
 
 # -- statistics ---------------------------------------------------------------------------
-def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
+def _recounted(layout: Layout, index: Index) -> dict[str, int]:
+    """Entries, shared graphs, physical and logical bytes from a full listing (every
+    record, the disk); the index's totals and ``bytes`` counter are set to them."""
+    infos, blobs = listing(layout, index, with_blobs=True)
+    graphs = sum(1 for i in infos if is_shared_graph(i.labels))
+    physical = physical_size(infos, blobs)
+    if not index.readonly:
+        def fix() -> None:
+            index.recount()
+            index.incr("bytes", physical - index.counter("bytes"))
+
+        index.safely("recount", fix)
+    return {"entries": len(infos), "graphs": graphs, "bytes": physical,
+            "logical_bytes": sum(i.size_bytes for i in infos)}
+
+
+def _kept(index: Index) -> dict[str, int] | None:
+    """The same figures from the totals the index keeps (no record read), or None."""
+    totals = index.safely("totals", index.totals)
+    physical = index.safely("bytes", lambda: index.counter("bytes"))
+    if totals is None or physical is None:
+        return None
+    return {**totals, "bytes": max(physical, 0)}
+
+
+def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> dict[str, Any]:
     """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
     graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
     the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
-    ``hits``, ``hits_remote`` were served by a download from a remote tier."""
-    infos, blobs = listing(layout, index, with_blobs=True)
+    ``hits``, ``hits_remote`` were served by a download from a remote tier.
+
+    Entry counts and sizes come from the totals the index keeps as entries come and go
+    (constant time at any store size); ``recount`` (or an index that cannot be read)
+    recounts them from every record and the disk, and writes the totals back.
+    """
+    sums = None if recount else _kept(index)
+    if sums is None:
+        sums = _recounted(layout, index)
     # The index's counters, plus those of read-only processes (their counters files).
     readers = read_counters(layout.root)
     counters = merge(index.safely("counters", index.counters) or {}, readers)
@@ -297,14 +349,14 @@ def stats(layout: Layout, index: Index, cap: int) -> dict[str, Any]:
         quarantined = sum(1 for n in os.listdir(layout.quarantine) if not n.endswith(".reason"))
     except FileNotFoundError:
         quarantined = 0
-    graphs = sum(1 for i in infos if is_shared_graph(i.labels))
+    graphs = sums["graphs"]
     hits = int(counters.get("hits", 0))
     remote = int(counters.get(REMOTE_HITS, 0))
     return {
         "root": str(layout.root),
-        "entries": len(infos) - graphs,
-        "bytes": physical_size(infos, blobs),
-        "logical_bytes": sum(i.size_bytes for i in infos),
+        "entries": sums["entries"] - graphs,
+        "bytes": sums["bytes"],
+        "logical_bytes": sums["logical_bytes"],
         "cap": cap,
         "hits": hits,
         "hits_local": max(hits - remote, 0),

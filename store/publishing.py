@@ -15,11 +15,12 @@ import os
 import stat
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from . import errors
-from .blobs import blob_map, exclusive_bytes, link_in
+from .blobs import blob_map, exclusive_bytes, exclusive_bytes_of, link_in
 from .fsutil import fsync_dir, rmtree_quiet, temp_name, write_new_file
 from .index import Index
 from .keys import Key
@@ -152,3 +153,51 @@ def remove(layout: Layout, index: Index, digest: str, *, respect_pins: bool, kin
     # Readers with open files keep them: unlink does not touch open descriptors.
     rmtree_quiet(gone)
     return True
+
+
+_RM_THREADS = 8  # deleting trees: 4 threads deleted 10x as many per second as one here
+
+
+def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pins: bool,
+                kind: str) -> list[str]:
+    """:func:`remove` of each of ``digests``, with one pin scan and one index transaction
+    for all of them (gc removing one entry at a time made a pin scan and two index
+    commits each: 46 entries/s with four readers recording hits). Returns the removed.
+
+    The promises are :func:`remove`'s: each entry leaves entries/ by one rename (whole or
+    absent to readers), and the pins are read after every rename of the batch, so an
+    entry pinned before its rename is put back.
+    """
+    taken: list[tuple[str, Path]] = []
+    absent: list[str] = []
+    for d in digests:
+        gone = _take_away(layout, d, kind)
+        if gone is None:
+            absent.append(d)
+        else:
+            taken.append((d, gone))
+    if respect_pins and taken:
+        live = pinned(layout)
+        kept: list[tuple[str, Path]] = []
+        for d, gone in taken:
+            if d in live:
+                try:
+                    os.rename(gone, layout.entry_dir(d))
+                    continue
+                except OSError:
+                    pass  # a fresh copy was published meanwhile; ours can go
+            kept.append((d, gone))
+        taken = kept
+    freed = exclusive_bytes_of([gone for _, gone in taken])
+    # The renames above were the removal; deleting the trees is I/O wait (an rmdir took
+    # 2 ms here), so several threads delete them at once. Readers with open files keep them.
+    if len(taken) > 1:
+        with ThreadPoolExecutor(min(len(taken), _RM_THREADS)) as pool:
+            list(pool.map(rmtree_quiet, [gone for _, gone in taken]))
+    else:
+        for _, gone in taken:
+            rmtree_quiet(gone)
+    removed = [d for d, _ in taken]
+
+    index.safely("delete", lambda: index.remove_many(removed + absent, freed))
+    return removed

@@ -104,8 +104,8 @@ class ReadOnlyStore(Wrapper[Store]):
         raise self.refusal("stage files")
 
     # -- maintenance (cachectl): reads pass through, writes are refused ------------------
-    def stats(self) -> dict[str, Any]:
-        return {**self.inner.stats(), "readonly": True}
+    def stats(self, *, recount: bool = False) -> dict[str, Any]:
+        return {**self.inner.stats(recount=recount), "readonly": True}
 
     def verify(self, fix: bool = False) -> VerifyReport:
         if fix:

@@ -235,8 +235,8 @@ class TieredStore(Wrapper[S]):
         self._replace.add(digest_of(key))
         return self.inner.delete(key)
 
-    def stats(self) -> dict[str, Any]:
-        return {**self.inner.stats(), "remote": self.remote.config.display}
+    def stats(self, *, recount: bool = False) -> dict[str, Any]:
+        return {**self.inner.stats(recount=recount), "remote": self.remote.config.display}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued uploads (see :meth:`Uploader.flush`); True if none is left."""

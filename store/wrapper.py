@@ -83,8 +83,8 @@ class Wrapper(Generic[S]):
     def count(self, counter: str, delta: int = 1) -> None:
         self.inner.count(counter, delta)
 
-    def stats(self) -> dict[str, Any]:
-        return self.inner.stats()
+    def stats(self, *, recount: bool = False) -> dict[str, Any]:
+        return self.inner.stats(recount=recount)
 
     def close(self) -> None:
         self.inner.close()

@@ -1,7 +1,7 @@
 """Benchmark the artifact store: publish / lookup latency, verify throughput, `cachectl ls`.
 
     python tools/bench_store.py [--reps 5] [--big-mb 100] [--ls-entries 10000]
-    python tools/bench_store.py --scale 1000,10000,100000 [--reps 3]
+    python tools/bench_store.py --scale 1000,10000,100000 [--reps 3] [--code DIR]
 
 Prints a markdown table of medians. Page cache: every read figure is taken warm
 (the file was just written and read once), for the store and for `cat` alike.
@@ -60,9 +60,12 @@ def main() -> None:
     ap.add_argument("--scale", default="",
                     help="comma-separated store sizes: time only ls, ls --json, stats and a "
                          "fresh process's lookup at each, and how each grows")
+    ap.add_argument("--code", type=Path, default=None,
+                    help="with --scale: time the cachecompile installed under this folder "
+                         "(pip install --no-deps --target DIR <checkout>) instead of this one")
     args = ap.parse_args()
     if args.scale:
-        scale([int(n) for n in args.scale.split(",")], args.reps)
+        scale([int(n) for n in args.scale.split(",")], args.reps, code=args.code)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_store."))
     rows: list[tuple[str, str, str]] = []
@@ -222,42 +225,147 @@ def _fill(root: Path, n: int) -> Store:
         os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
 
 
-def scale(sizes: list[int], reps: int) -> None:
-    """Whole-process wall time of ``ls``, ``ls --json``, ``stats`` and one lookup (import,
-    ``open_store``, ``get`` of an entry) at each store size: what grows with the store."""
+def _env() -> dict[str, str]:
+    """The environment of the timed processes: a user's, not a test harness's (with
+    PYTHONDONTWRITEBYTECODE every process compiles its imports anew, and with
+    PYTHONUNBUFFERED every line printed is a system call)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cli = [sys.executable, "-m", "cachecompile.cli.main"]
-    rows: list[tuple[int, float, float, float, float]] = []
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONUNBUFFERED", None)
+    return env
+
+
+_SPAWN = """
+import os, sys
+# A small parent: Linux starts a child's peak RSS at its parent's at fork, so the bench
+# (holding a filled store) would lend every child its own size.
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, ru = os.wait4(pid, 0)
+sys.stderr.write(f"\\nBENCH {ru.ru_utime + ru.ru_stime} {ru.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def _child(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of one whole process, from its own rusage (read by
+    a small parent process: see _SPAWN)."""
+    with tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        rc = subprocess.run([sys.executable, "-c", _SPAWN, *cmd], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err).returncode
+        wall = time.perf_counter() - t
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        if rc != 0:
+            raise RuntimeError(f"{cmd} failed ({rc}): {text[-2000:]!r}")
+    cpu, rss = text.rsplit("BENCH ", 1)[1].split()
+    return wall, float(cpu), int(rss) * 1024
+
+
+_READER = """
+import random, sys, time
+from cachecompile.store import make_key, open_store
+st = open_store(sys.argv[1]); n = int(sys.argv[2]); rng = random.Random(int(sys.argv[3]))
+end = time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    st.get(make_key({"i": rng.randrange(n)}))   # hits record in the index; evicted: miss
+"""
+
+
+_RUNNER = """
+import runpy, sys
+# Time the cachecompile under CODE (pip install --target CODE <a checkout>), not this one.
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+sys.path.insert(0, CODE)
+if sys.argv[1] == "-m":
+    sys.argv = [sys.argv[2], *sys.argv[3:]]
+    runpy.run_module(sys.argv[0], run_name="__main__")
+else:
+    code, sys.argv = sys.argv[2], ["-c", *sys.argv[3:]]
+    exec(compile(code, "<bench>", "exec"))
+"""
+
+
+def _python(code: Path | None, work: Path) -> list[str]:
+    """The interpreter command of the timed processes: this checkout's cachecompile, or
+    the one installed under ``code`` (to time a previous version in the same conditions)."""
+    if code is None:
+        return [sys.executable]
+    runner = work / "runner.py"
+    runner.write_text(f"CODE = {str(code)!r}\n" + _RUNNER)
+    return [sys.executable, str(runner)]
+
+
+def _gc_under_readers(root: Path, n: int, env: dict[str, str], py: list[str],
+                      readers: int = 4, most: int = 5000) -> float:
+    """Entries per second that ``cachectl gc`` evicts (half the store, at most ``most``)
+    while ``readers`` processes look entries up (and record their hits in the index) as
+    fast as they can."""
+    procs = [subprocess.Popen([*py, "-c", _READER, str(root), str(n), str(r), "600"],
+                              env=env) for r in range(readers)]
+    try:
+        time.sleep(2.0)  # readers started and looking up
+        before = sum(1 for _ in open_store(root).digests())
+        st = open_store(root)
+        assert isinstance(st, Store)
+        # Entries are alike in size: evicting a share of the bytes evicts that share of them.
+        cap = int(st.stats(recount=True)["bytes"] * (1 - min(n // 2, most) / n))
+        wall, _, _ = _child([*py, "-m", "cachecompile.cli.main", "gc", "--max-size",
+                             str(cap), "--cache-dir", str(root)], env)
+        after = sum(1 for _ in open_store(root).digests())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return (before - after) / wall
+
+
+def scale(sizes: list[int], reps: int, gc_readers: int = 4, code: Path | None = None) -> None:
+    """Whole-process wall time, CPU time and peak RSS of ``ls``, ``ls --json``, ``stats``,
+    ``verify`` and one lookup (import, ``open_store``, ``get`` of an entry) at each store
+    size, and the entries/s gc evicts with ``gc_readers`` readers running."""
+    env = _env()
+    rows: list[tuple[int, dict[str, tuple[float, float, int]], float]] = []
     work = Path(tempfile.mkdtemp(prefix="bench_store_scale."))
+    py = _python(code, work)
+    cli = [*py, "-m", "cachecompile.cli.main"]
     try:
         for n in sizes:
             root = work / f"s{n}"
             _fill(root, n)
             key = make_key({"i": n // 2}).digest
-            lookup = [sys.executable, "-c",
+            lookup = [*py, "-c",
                       "from cachecompile.store import Hit, open_store; "
                       f"assert isinstance(open_store({str(root)!r}).get({key!r}), Hit)"]
 
-            def run(cmd: list[str]) -> float:
-                subprocess.run(cmd, env=env, capture_output=True, check=True)  # warm caches
-                return median_time(lambda: subprocess.run(cmd, env=env, capture_output=True,
-                                                          check=True), reps)
+            def run(cmd: list[str]) -> tuple[float, float, int]:
+                _child(cmd, env)  # warm caches (and the index's totals)
+                runs = [_child(cmd, env) for _ in range(reps)]
+                return (statistics.median(r[0] for r in runs),
+                        statistics.median(r[1] for r in runs), max(r[2] for r in runs))
 
-            rows.append((n, run([*cli, "ls", "--cache-dir", str(root)]),
-                         run([*cli, "ls", "--json", "--cache-dir", str(root)]),
-                         run([*cli, "stats", "--cache-dir", str(root)]), run(lookup)))
+            got = {"ls": run([*cli, "ls", "--cache-dir", str(root)]),
+                   "ls --json": run([*cli, "ls", "--json", "--cache-dir", str(root)]),
+                   "stats": run([*cli, "stats", "--cache-dir", str(root)]),
+                   "verify": run([*cli, "verify", "--cache-dir", str(root)]),
+                   "lookup": run(lookup)}
+            rows.append((n, got, _gc_under_readers(root, n, env, py, gc_readers)))
             shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"| entries | `ls` | `ls --json` | `stats` | lookup (fresh process) | (median of {reps}, "
-          "whole processes) |")
-    print("|---|---|---|---|---|---|")
-    base = rows[0]
-    for r in rows:
-        growth = "" if r is base else (f"x{r[0] / base[0]:.0f} entries: ls x{r[1] / base[1]:.1f}, "
-                                       f"stats x{r[3] / base[3]:.1f}, lookup x{r[4] / base[4]:.1f}")
-        print(f"| {r[0]:,} | {fmt_s(r[1])} | {fmt_s(r[2])} | {fmt_s(r[3])} | {fmt_s(r[4])} | "
-              f"{growth} |")
+
+    def cell(m: tuple[float, float, int]) -> str:
+        return f"{fmt_s(m[0])} ({fmt_s(m[1])} CPU, {m[2] / 2**20:.0f} MiB)"
+
+    verbs = ("ls", "ls --json", "stats", "verify", "lookup")
+    print(f"| entries | {' | '.join(f'`{v}`' for v in verbs)} | gc with {gc_readers} readers |")
+    print("|---|" + "---|" * (len(verbs) + 1))
+    for n, got, rate in rows:
+        print(f"| {n:,} | {' | '.join(cell(got[v]) for v in verbs)} | {rate:,.0f} entries/s |")
+    print(f"\n(median of {reps} whole processes: wall (CPU, peak RSS); lookup: a fresh "
+          "process's import, open_store and get)")
 
 
 if __name__ == "__main__":

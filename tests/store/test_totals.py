@@ -1,0 +1,148 @@
+"""The totals the index keeps (entries, shared graphs, logical bytes, the physical
+``bytes`` counter) stay equal to a full recount whatever the store goes through, so
+that ``stats`` can read them instead of every record."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from cachecompile import store
+from cachecompile.store import Store, maintenance, make_key
+from cachecompile.store.index import TOTALS, Index
+
+_SUMS = ("entries", "bytes", "logical_bytes")
+
+
+def _kept_and_recounted(st: Store) -> tuple[dict, dict]:
+    # The totals as kept, before stats could heal them (it recounts totals that are off).
+    raw = {n: st.index.cache.get("t:" + n) for n in TOTALS}
+    kept = st.stats()
+    full = st.stats(recount=True)
+    assert raw == {"entries": full["entries"] + full["shared_graphs"]["entries"],
+                   "graphs": full["shared_graphs"]["entries"],
+                   "logical_bytes": full["logical_bytes"]}
+    pick = lambda s: {**{k: s[k] for k in _SUMS},  # noqa: E731
+                      "graphs": s["shared_graphs"]["entries"]}
+    return pick(kept), pick(full)
+
+
+def test_totals_equal_a_recount_after_random_operations(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(maintenance, "GC_BATCH", 3)  # gc evicts in several batches
+    rng = random.Random(32)
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    live: list[str] = []
+    shared = b"s" * 3000  # content several entries hold: physical bytes count it once
+    for step in range(300):
+        op = rng.random()
+        if op < 0.6 or not live:
+            n = rng.randrange(10_000)
+            files = {"a.bin": bytes([n % 251]) * rng.randrange(1, 2000)}
+            if rng.random() < 0.3:
+                files["shared.bin"] = shared
+            labels = {"kind": "graph"} if rng.random() < 0.2 else {"model": f"m{n % 3}"}
+            live.append(st.put(make_key({"n": n}), files, labels=labels).key)
+        elif op < 0.8:
+            st.delete(live.pop(rng.randrange(len(live))))
+        elif op < 0.9:
+            d = live.pop(rng.randrange(len(live)))
+            assert st.quarantine(d, "test") is not None
+        else:
+            st.gc(max_size=rng.randrange(5_000, 60_000))
+            live = list(st.digests())
+        if step % 50 == 0:
+            kept, full = _kept_and_recounted(st)
+            assert kept == full, step
+    kept, full = _kept_and_recounted(st)
+    assert kept == full
+    assert kept["entries"] + kept["graphs"] == len(list(st.digests())) > kept["graphs"]
+    assert kept["graphs"] > 0
+
+
+def test_missing_or_wrong_totals_are_recounted(tmp_path: Path) -> None:
+    """An index written before totals (or by an older version that did not move them)."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(5):
+        st.put(make_key({"i": i}), {"f": b"x" * (i + 1)}, labels={"model": "m"})
+    c = st.index.cache
+    c.delete("t:entries")
+    assert st.stats()["entries"] == 5 and st.stats()["logical_bytes"] == 15
+    c.set("t:entries", 9)  # off: the count of records says so
+    c.set("t:logical_bytes", 1)
+    s = st.stats()
+    assert (s["entries"], s["logical_bytes"]) == (5, 15)
+    assert c.get("t:entries") == 5  # written back
+
+
+def test_stats_reads_no_record_and_ls_no_manifest(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats reads the kept totals (no listing, no record); listing the entries reads the
+    index's records, not one manifest per entry."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(30):
+        st.put(make_key({"i": i}), {"f": b"x" * 10}, labels={"kind": "graph"} if i < 4 else {})
+    st.stats()  # totals checked once
+
+    def no(*_: object, **__: object) -> None:
+        raise AssertionError("read every record")
+
+    with monkeypatch.context() as m:
+        m.setattr(maintenance, "listing", no)
+        m.setattr(Index, "items", no)
+        s = st.stats()
+    assert (s["entries"], s["shared_graphs"]["entries"], s["logical_bytes"]) == (26, 4, 300)
+    reads: list[str] = []
+    real = maintenance.read_manifest
+    monkeypatch.setattr(maintenance, "read_manifest",
+                        lambda layout, d, **kw: reads.append(d) or real(layout, d, **kw))
+    assert len(list(st.entries())) == 30 and reads == []
+    st.index.cache.delete("e:" + make_key({"i": 7}).digest)  # unindexed: its manifest says
+    assert {i.state for i in st.entries()} == {"ok", "unindexed"} and len(reads) == 1
+
+
+def test_gc_puts_back_an_entry_pinned_in_its_batch(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry pinned between gc's plan and its batch's renames is put back whole."""
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    keys = [st.put(make_key({"i": i}), {"f": bytes([i]) * 1000}).key for i in range(6)]
+    from cachecompile.store import publishing
+    real_pinned = publishing.pinned
+    monkeypatch.setattr(publishing, "pinned", lambda layout: real_pinned(layout) | {keys[0]})
+    report = st.gc(max_size=1)
+    assert keys[0] not in {i.key for i in report.evicted} and len(report.evicted) == 5
+    assert st.get(keys[0]) and list(st.digests()) == [keys[0]]
+    kept, full = _kept_and_recounted(st)
+    assert kept == full and kept["entries"] == 1
+
+
+def test_cachectl_stats_recount_corrects_the_kept_totals(tmp_path: Path) -> None:
+    """A total that is off without the record count saying so (logical bytes) stays off
+    until ``cachectl stats --recount`` recounts and corrects it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cachecompile.cli.main import cli
+
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    for i in range(3):
+        st.put(make_key({"i": i}), {"f": b"x" * 100})
+    st.index.cache.set("t:logical_bytes", 7)
+
+    def stats(*args: str) -> dict:
+        r = CliRunner().invoke(cli, ["stats", "--json", "--cache-dir", str(st.root), *args],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    assert stats()["logical_bytes"] == 7
+    assert stats("--recount")["logical_bytes"] == 300
+    assert stats()["logical_bytes"] == 300 and stats()["entries"] == 3
