@@ -157,5 +157,15 @@ def parse(text: str, env: Mapping[str, str]) -> Shard:
     if m:
         shard = from_engine(env, int(m.group(1)) if m.group(1) else None)
         logger.info("build shard %s from the %s", shard, shard.source)
+        if (shard.source == TORCHRUN and env.get("OMP_NUM_THREADS") == "1"
+                and env.get("LOCAL_WORLD_SIZE", "1") not in ("", "1")):
+            # torchrun sets OMP_NUM_THREADS=1 in each process when it starts several per
+            # node; the thread count is a key factor, so these entries would serve only
+            # one-thread processes (a new-user trial's whole build missed at serve time).
+            logger.warning("torchrun set OMP_NUM_THREADS=1 for its %s processes on this node: "
+                           "the thread count is in every key, so this build serves only "
+                           "one-thread processes. Run one shard per node "
+                           "(--nproc-per-node 1), or set OMP_NUM_THREADS to the serving "
+                           "processes' count", env.get("LOCAL_WORLD_SIZE"))
         return shard
     raise ValueError(f"{text!r} is not I/N (e.g. 0/8), auto or auto/N")

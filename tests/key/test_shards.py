@@ -9,6 +9,7 @@ shard is read from the engines' own variables, and a wrong one is a clear error.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -109,3 +110,18 @@ def test_the_engines_say_which_shard() -> None:
                        ({"RANK": "0"}, "WORLD_SIZE is not set")]:
         with pytest.raises(ValueError, match=words):
             parse("auto", env)
+
+
+def test_torchrun_several_per_node_with_one_thread_is_warned(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 when it starts several processes per node, and the
+    thread count is a key factor: the build would serve no process with more threads."""
+    env = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "OMP_NUM_THREADS": "1"}
+    with caplog.at_level(logging.WARNING, logger="cachecompile.key.shards"):
+        assert str(shards.parse("auto", env)) == "1/3"
+    assert any("OMP_NUM_THREADS=1" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cachecompile.key.shards"):
+        shards.parse("auto", {**env, "LOCAL_WORLD_SIZE": "1"})  # one per node: its own choice
+        shards.parse("auto", {**env, "OMP_NUM_THREADS": "2"})
+    assert not caplog.records
