@@ -8,7 +8,7 @@ interleaved rounds of single calls, medians in microseconds, so that a loaded ma
 slows every mechanism alike. Besides the whole call, the guard check alone: Dynamo's own
 guard tree for torch.compile's entry against cache_compile's per-call check.
 
-    python tools/bench_guards.py [--models gpt2,llama,add] [--rounds 15] [--calls 200]
+    python tools/bench_guards.py [--models gpt2,llama,decoder8,add] [--rounds 15] [--calls 200]
 
 Prints a markdown table (the one in docs/performance.md, "Guards on every call"), and one
 of each model's guard tree: guards, native leaves, managers skipped while the state is
@@ -87,6 +87,14 @@ def model(name: str) -> tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]:
         m = AddOne()
         x = torch.zeros(4)
         return m, "add", (x,), {"self": m, "x": x}, lambda: None
+    if name == "decoder8":
+        # A decoder of our own (cachecompile.demo), 8 layers: its decode step on one token.
+        from cachecompile.demo.models import DecoderConfig, build_decoder
+
+        d = build_decoder(DecoderConfig(vocab=512, hidden=128, layers=8, heads=4, seq=64,
+                                        batch=1)).eval()
+        t = torch.randint(0, 512, (1, 1), generator=torch.Generator().manual_seed(0))
+        return d, "decode", (t,), {"self": d, "tokens": t}, lambda: None
     r = LlmRunner(name).eval()
     cache = r.static_cache(BLOCK + 8, early=1)
     ids, pos = tokens(1, 1), torch.tensor([3])
@@ -143,10 +151,18 @@ def bench(name: str, rounds: int, calls: int, store: Path
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="gpt2,llama,add")
+    p.add_argument("--models", default="gpt2,llama,decoder8,add")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--config-reads-exact", action="store_true",
+                   help="as before issue 33's decision: transformers' config reads are "
+                        "checked by calling PretrainedConfig.__getattribute__ on every call, "
+                        "not pinned by the dicts that decide them (the 'before' column)")
     a = p.parse_args()
+    if a.config_reads_exact:
+        from cachecompile.entry import guard_kinds
+
+        guard_kinds._config_getattribute = lambda: None  # type: ignore[assignment]
     rows = []
     trees: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-guards-") as d:
