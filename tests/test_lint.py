@@ -149,3 +149,12 @@ def test_ruff_bans_private_names_outside_the_layer(tmp_path: Path) -> None:
     # Lines 2-4 (imports) and 6 (attribute access); the string on line 7 is the AST check's.
     assert flagged == ["cachecompile/leak.py:2", "cachecompile/leak.py:3",
                        "cachecompile/leak.py:4", "cachecompile/leak.py:6"], p.stdout
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules by their basename (tests/'s folders are not packages):
+    two files of one name fail the whole suite's collection, after the other tests ran."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert [n for n, k in names.items() if k > 1] == []
