@@ -259,9 +259,11 @@ class MissPath:
                 return i
             if stale is None:
                 try:
-                    if deps_mod.changed(dict(st.manifest(key)["meta"]).get("deps", {})):
+                    # Any format: a variant another release wrote is as reusable a slot.
+                    meta = EntryMeta.from_json(st.manifest(key)["meta"], any_format=True)
+                    if deps_mod.changed(dict(meta.deps)):
                         stale = key
-                except (StoreError, OSError, KeyError, AttributeError):
+                except (StoreError, OSError, KeyError, UnsupportedProgramError):
                     continue
         if stale is not None and st.delete(stale):
             return int(stale.factors["variant"])
