@@ -58,7 +58,9 @@ def inputs(b):
     return torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
 if mode == "cc_warm":
     from cachecompile import cache_compile
-    fn = cache_compile(m.forward, dynamic=False)
+    # N static sizes: past cache_compile's default of 8 cached signatures per method
+    # (max_signatures, a SignatureLimitWarning), as a server declaring them would raise it.
+    fn = cache_compile(m.forward, dynamic=False, max_signatures=max(n, 8))
 elif mode in ("tc_warm", "mega_save"):
     fn = torch.compile(m.forward, dynamic=False)
 elif mode == "mega":
