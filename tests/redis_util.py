@@ -29,16 +29,19 @@ def free_port() -> int:
 
 class ServerProcess:
     """A test server's process: ``kill()`` it (SIGKILL) to simulate a crash, ``stop()`` it.
-    A subclass names its ``log_file`` and starts its process, then ``wait_up(probe)``."""
+    A subclass starts its process (logging to ``log_file``), then ``wait_up(probe)``."""
 
-    proc: subprocess.Popen[bytes] | None = None
-    log_file: Path | None = None
-    name = "server"
+    def __init__(self, workdir: Path, name: str, log_name: str) -> None:
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = self.dir / log_name
+        self.name = name
 
     def log(self) -> str:
         with contextlib.suppress(OSError):
-            if self.log_file is not None:
-                return self.log_file.read_text(errors="replace")
+            return self.log_file.read_text(errors="replace")
         return ""
 
     def wait_up(self, probe: Callable[[], bool], timeout: float) -> None:
@@ -82,15 +85,10 @@ class RedisServer(ServerProcess):
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip(SKIP_REASON)
+        super().__init__(workdir, "redis-server", "redis.log")
         self.exe = exe
-        self.dir = workdir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
         self.appendonly = appendonly
         self.maxmemory = maxmemory
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_file = self.dir / "redis.log"
-        self.name = "redis-server"
 
     def url(self, db: int = 0, **params: str) -> str:
         query = "&".join(f"{k}={v}" for k, v in params.items())
@@ -99,7 +97,7 @@ class RedisServer(ServerProcess):
     def start(self) -> RedisServer:
         args = [self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.dir),
                 "--save", "", "--protected-mode", "yes", "--daemonize", "no",
-                "--logfile", str(self.dir / "redis.log")]
+                "--logfile", str(self.log_file)]
         if self.appendonly:
             # Every write on disk before it is acknowledged: a kill -9 loses nothing acked,
             # so a restarted server shows exactly what a crashed upload left behind.

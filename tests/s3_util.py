@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_util import ServerProcess, free_port
+from redis_util import ServerProcess
 
 SKIP_REASON = ("moto[server] or obstore is not installed: pip install -e '.[test]' to run "
                "the S3-tier tests")
@@ -45,13 +45,8 @@ class MotoServer(ServerProcess):
     def __init__(self, workdir: Path, *, auth_after: int | None = None) -> None:
         if not available():
             pytest.skip(SKIP_REASON)
-        self.dir = workdir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        super().__init__(workdir, "moto_server", "moto.log")
         self.auth_after = auth_after
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_file = self.dir / "moto.log"
-        self.name = "moto_server"
 
     @property
     def endpoint(self) -> str:
@@ -67,7 +62,7 @@ class MotoServer(ServerProcess):
         if self.auth_after is not None:
             # IAM enforced after this many requests: the setup calls go first.
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
-        log = open(self.dir / "moto.log", "ab")  # the server keeps it
+        log = open(self.log_file, "ab")  # the server keeps it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=log, stderr=log, env=env)
@@ -149,14 +144,9 @@ class S3rver(ServerProcess):
             if os.environ.get("CACHECOMPILE_REQUIRE_S3RVER"):
                 pytest.fail(f"CACHECOMPILE_REQUIRE_S3RVER is set (CI): {S3RVER_SKIP}")
             pytest.skip(S3RVER_SKIP)
+        super().__init__(workdir, "s3rver", "s3rver.log")
         self.script = script
-        self.dir = workdir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
         self.bucket = bucket
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_file = self.dir / "s3rver.log"
-        self.name = "s3rver"
 
     @property
     def endpoint(self) -> str:
@@ -166,7 +156,7 @@ class S3rver(ServerProcess):
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **S3RVER_KEYS}
 
     def start(self) -> S3rver:
-        log = open(self.dir / "s3rver.log", "ab")
+        log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
             [shutil.which("node") or "node", str(self.script), "-d", str(self.dir / "data"),
              "-a", "127.0.0.1", "-p", str(self.port), "--silent",
