@@ -109,14 +109,12 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     when the build ends. Exit 0 when every signature is served from the cache, 1
     otherwise; with --check, 0 when the tier has every signature, 1 otherwise.
     """
-    try:
-        # Each target checked against this CPU before any worker starts: a build for a
-        # level it lacks could neither verify its program nor load it, and a check could
-        # not compute its keys (this CPU would key a native compile instead).
-        targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
-            else _env_target()
-    except CpuTargetError as e:
-        raise CliError(str(e), EXIT_USAGE) from None
+    # Each target checked against this CPU before any worker starts (CpuTargetError: exit
+    # 2, by the group's mapping): a build for a level it lacks could neither verify its
+    # program nor load it, and a check could not compute its keys (this CPU would key a
+    # native compile instead).
+    targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
+        else _env_target()
     if check:
         _check(cache_dir, factory, shard, targets, as_json)
         return
