@@ -25,10 +25,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A g++ stand-in that logs every invocation, then runs the real compiler. Inductor finds
-# it through CXX (which is a key factor, so cold and warm runs must both use it).
-GXX_WRAPPER = """#!/bin/sh
-echo "$@" >> "{log}"
+# A g++ stand-in that logs every invocation to the file its caller names, then runs the
+# real compiler. Inductor finds it through CXX, which is in our key and in Inductor's own
+# kernel hash (the compile command line): one wrapper *path* for the whole session, so a
+# kernel that one sandbox's child built is found by every other child that shares the
+# session's Inductor dirs. A per-sandbox path made every sandbox rebuild every kernel
+# (issue 36). The log file is per sandbox, through GXX_LOG_ENV (not a key factor).
+GXX_LOG_ENV = "CC_TESTS_GXX_LOG"
+GXX_WRAPPER = f"""#!/bin/sh
+echo "$@" >> "${{{GXX_LOG_ENV}:-/dev/null}}"
 exec g++ "$@"
 """
 
@@ -48,6 +53,21 @@ def shared_inductor_dirs() -> dict[str, str] | None:
     return {k: str(v) for k, v in dirs.items()}
 
 
+def logging_gxx(root: Path) -> Path:
+    """The logging g++ wrapper: the session's one (in its shared dir), else one in ``root``."""
+    base = os.environ.get(SHARED_INDUCTOR_ENV)
+    bindir = Path(base) / "bin" if base else root / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    gxx = bindir / "logging-g++"
+    if not gxx.exists():
+        # Written whole, then renamed: xdist's workers may race to make it.
+        tmp = bindir / f".logging-g++.{os.getpid()}"
+        tmp.write_text(GXX_WRAPPER)
+        tmp.chmod(0o755)
+        os.replace(tmp, gxx)
+    return gxx
+
+
 class Sandbox:
     """One test's cache directories: a cachecompile store plus Inductor/Triton/tmp dirs.
 
@@ -62,11 +82,7 @@ class Sandbox:
         self.store = root / "store"
         self.gxx_log = root / "gxx.log"
         self._n = 0
-        bindir = root / "bin"
-        bindir.mkdir(parents=True, exist_ok=True)
-        self.gxx = bindir / "logging-g++"
-        self.gxx.write_text(GXX_WRAPPER.format(log=self.gxx_log))
-        self.gxx.chmod(0o755)
+        self.gxx = logging_gxx(root)
 
     def fresh_inductor_dirs(self) -> dict[str, str]:
         """New, empty Inductor and Triton caches and TMPDIR (precompiled headers live there)."""
@@ -87,6 +103,7 @@ class Sandbox:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(self.root)])
         env["CACHECOMPILE_DIR"] = str(self.store)
         env["CXX"] = str(self.gxx)
+        env[GXX_LOG_ENV] = str(self.gxx_log)
         env["PYTHONWARNINGS"] = "default"
         fresh = self.fresh_inductor if fresh_inductor is None else fresh_inductor
         env.update(self.fresh_inductor_dirs() if fresh or shared is None else shared)
