@@ -21,7 +21,7 @@ for path in (TESTS, REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from ccutil import SHARED_INDUCTOR_ENV  # noqa: E402
+from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
 _created: list[str] = []
 _set: list[str] = []
@@ -41,6 +41,13 @@ def pytest_configure(config: pytest.Config) -> None:
         if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
             _set.append("TORCHINDUCTOR_CACHE_DIR")
+        # The same compiler path as the Sandbox children (ccutil.logging_gxx): Inductor
+        # hashes a kernel with its command line, compiler included, so an in-process
+        # test and a child compiling the same model share kernels only when both call
+        # the same CXX. Set before torch is imported: Inductor's config reads CXX once.
+        if "CXX" not in os.environ:
+            os.environ["CXX"] = str(logging_gxx(Path(path)))
+            _set.append("CXX")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
