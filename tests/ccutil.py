@@ -82,6 +82,7 @@ class Sandbox:
         self.store = root / "store"
         self.gxx_log = root / "gxx.log"
         self._n = 0
+        root.mkdir(parents=True, exist_ok=True)  # the children run in it
         self.gxx = logging_gxx(root)
 
     def fresh_inductor_dirs(self) -> dict[str, str]:
