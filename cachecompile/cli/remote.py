@@ -26,11 +26,10 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import errors, open_store
+from cachecompile.store import Maintenance, errors, open_store
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.readonly import ReadOnlyStore
 from cachecompile.store.remote import Remote, open_remote
 from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
@@ -38,7 +37,6 @@ from cachecompile.store.tiered import TieredStore
 from .common import (
     EXIT_STORE,
     CliError,
-    LocalStore,
     _console,
     _entries_table,
     _parse_labels,
@@ -69,11 +67,11 @@ def _remote(url: str | None) -> Remote:
     return r
 
 
-def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
+def _local(cache_dir: str | None, *, create: bool) -> Maintenance:
     # The local store alone: these verbs move entries between the tiers explicitly.
     # Verbs that only read it never create it (as the store verbs do): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
-    return open_store(cache_dir, remote="", create=create).local
+    return open_store(cache_dir, remote="", create=create).maintenance()
 
 
 @contextlib.contextmanager
@@ -271,8 +269,7 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     """Download remote entries (verified, then published): all, or those selected."""
     r = _remote(remote_url)
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
-    if isinstance(local, ReadOnlyStore):
-        raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
+    local.require_writable("pull entries into it")
     st = TieredStore(local, r)
     infos = [_info(rec) for rec in r.records()]
     todo = _selected(infos, keys, _parse_labels(label, model, function),

@@ -342,7 +342,7 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
         tier, has = remote.config.display, remote.contains
     else:
         try:
-            local = open_store(cache_dir, remote="", create=False).local
+            local = open_store(cache_dir, remote="", create=False).maintenance()
         except StoreNotFound:
             tier, has = f"{cache_dir or '$CACHECOMPILE_DIR'} (no store there)", lambda d: False
         else:
@@ -384,7 +384,7 @@ def push_results(results: Sequence[BuildResult], *,
     out = Pushed(remote.config.display)
     if not digests:
         return out
-    local = open_store(cache_dir, remote="", create=False).local
+    local = open_store(cache_dir, remote="", create=False).maintenance()
     for digest in digests:
         hit = local.peek(digest)
         if not isinstance(hit, Hit):
