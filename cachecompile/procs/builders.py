@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from cachecompile.errors import ContractError
+from cachecompile.errors import BuildError, ContractError
 from cachecompile.key import cpu
 from cachecompile.key.shards import Shard, without_launcher
 from cachecompile.procs.slots import default_slots
@@ -84,10 +84,6 @@ class BuildEvent:
 
 
 OnEvent = Callable[[BuildEvent], None]
-
-
-class BuildError(Exception):
-    """The build could not start or go on: a bad factory, workers that disagree or died."""
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
