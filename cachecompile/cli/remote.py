@@ -253,7 +253,7 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     """Download remote entries (verified, then published): all, or those selected."""
     r = _remote(remote_url)
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
-    local.require_writable("pull entries into it")
+    local.require_writable("pull entries")
     st = TieredStore(local, r)
     infos = [_info(rec) for rec in r.records()]
     todo = _selected(infos, keys, _parse_labels(label, model, function),

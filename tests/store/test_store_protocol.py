@@ -63,6 +63,14 @@ def test_every_store_implements_the_protocols(tmp_path: Path, down: str) -> None
         assert st.maintenance().maintenance() is st.maintenance()
     assert tiered.maintenance() is tiered.local and ro_tiered.maintenance() is ro_tiered.local
     assert not isinstance(tiered, Maintenance)  # a tier has no gc of its own
+    # Writable is a capability, not a class to test for: the protocol's default on a
+    # Store, the refusal (saying why) on the read-only view, before any work.
+    plain.maintenance().require_writable("purge entries")
+    tiered.maintenance().require_writable("purge entries")
+    for st in (ro, ro_tiered):
+        with pytest.raises(errors.ReadOnlyStoreError,
+                           match=r"cannot purge entries: .* is read-only \(opened with readonly"):
+            st.maintenance().require_writable("purge entries")
 
 
 def test_a_tier_wraps_its_local_store_and_uploads_only_its_own_puts(
