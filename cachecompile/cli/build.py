@@ -180,8 +180,12 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
         if pushed is not None:
             click.echo(f"remote {pushed.remote}: {pushed.sent} entries uploaded now, "
                        f"{pushed.there} there already"
+                       + (f", {len(pushed.not_taken)} refused (the remote kept its own "
+                          "record)" if pushed.not_taken else "")
                        + (f", {len(pushed.failed)} failed" if pushed.failed else ""))
     if pushed is not None:
+        for why in pushed.not_taken:
+            click.echo(f"refused by the remote: {why}", err=True)
         for why in pushed.failed:
             click.echo(f"not uploaded: {why}", err=True)
     if bad or (pushed is not None and pushed.failed):

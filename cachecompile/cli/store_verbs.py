@@ -24,7 +24,6 @@ from cachecompile.store import parse_size
 from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import has_labels, is_shared_graph
-from cachecompile.store.readonly import ReadOnlyStore
 
 from .common import (
     EXIT_PROBLEMS,
@@ -331,8 +330,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if not (keys or want or age is not None or purge_all):
         raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
     st = _open_local(cache_dir)
-    if isinstance(st, ReadOnlyStore) and not dry_run:
-        raise st.refusal("purge entries")  # before showing a list that cannot go
+    if not dry_run:
+        st.require_writable("purge entries")  # before showing a list that cannot go
     digests = [st.resolve(k) for k in keys]
     goes, kept = st.purge_plan(keys=digests or None, labels=want or None, older_than=age,
                                all=purge_all, include_pinned=include_pinned)
@@ -380,7 +379,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
     st = _open(cache_dir)
     if zero:
-        st.local.zero_stats()
+        st.maintenance().zero_stats()
         if st.readonly and not as_json:
             click.echo("read-only store: zeroed the counters of read-only processes; the "
                        "store's own counters stay", err=True)
@@ -441,8 +440,7 @@ def gc_cmd(cache_dir: str | None, max_size: str | None, other_versions: bool) ->
     st = _open_local(cache_dir)
     cap = parse_size(max_size) if max_size is not None else None
     if other_versions:
-        if isinstance(st, ReadOnlyStore):
-            raise st.refusal("retire entries")
+        st.require_writable("retire entries")
         mine = code_label()
         others = [i.key for i in st.entries() if i.labels.get("code") != mine]
         gone = st.purge(keys=others) if others else []

@@ -162,7 +162,7 @@ def _cached(adapter: TargetedAdapter, store: Path) -> CachedFunction:
 
 def _targets_stored(store: Path) -> list[str]:
     return sorted(e.labels.get("cpu_target", "native")
-                  for e in open_store(str(store)).local.entries())
+                  for e in open_store(str(store)).maintenance().entries())
 
 
 def test_a_lookup_tries_each_supported_level_best_first(
@@ -209,7 +209,7 @@ def test_a_level_the_cpu_lacks_is_a_named_miss_never_a_load(
     said = [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)]
     assert any("this CPU lacks avx512f" in w and "for x86-64-v4" in w for w in said), said
     assert _targets_stored(tmp_path) == ["x86-64-v4"]  # nothing published either
-    assert open_store(str(tmp_path)).local.stats()["misses"].get("cpu") == 1
+    assert open_store(str(tmp_path)).maintenance().stats()["misses"].get("cpu") == 1
 
 
 def test_cachectl_build_refuses_a_target_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch,
