@@ -38,7 +38,7 @@ from .policy import is_shared_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_SCOPE", "Index", "REMOTE_HITS", "counter_scope"]
+__all__ = ["GRAPH_SCOPE", "Index", "PULLS", "REMOTE_HITS", "counter_scope"]
 
 T = TypeVar("T")
 
@@ -53,6 +53,8 @@ TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
+# Entries `cachectl pull` downloaded ahead of use: not lookups, so never hits.
+PULLS = "pulls"
 
 
 ABOUT = "about:"   # counters of what misses were about: about:<kind>:<subject>

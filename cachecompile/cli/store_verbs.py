@@ -424,6 +424,8 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
                                    f"{sum(g['misses'].values())} misses")
     for k in ("publishes", "evictions", "corruptions", "quarantined"):
         t.add_row(k, str(s[k]))
+    if s.get("pulls"):
+        t.add_row("pulled", f"{s['pulls']} (cachectl pull; not hits)")
     if s.get("readonly"):
         t.add_row("read-only", "yes")
     _console().print(t)
