@@ -42,7 +42,7 @@ from . import errors
 from .config import env_float, env_int
 from .disk import Store
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet, temp_name
-from .index import REMOTE_HITS, counter_scope
+from .index import PULLS, REMOTE_HITS, counter_scope
 from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
 from .protocol import DiskStorage, FileSource, Maintenance
@@ -212,6 +212,23 @@ class TieredStore(Wrapper[S]):
         self.inner.count(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
         return hit
 
+    def pull(self, key: Key | str) -> Hit | Miss:
+        """Download ``key`` from the remote into the local store ahead of use (``cachectl
+        pull``); the local entry if it is here already.
+
+        Not a lookup: neither the store's hits nor the entry's own hit count and last use
+        move (a prefetch is not evidence the entry serves anyone, and ``gc``'s LRU must
+        not think so); each download counts once under ``pulls`` instead."""
+        local = self.inner.peek(key)
+        if isinstance(local, Hit):
+            return local
+        digest = digest_of(key)
+        got = self._fetch_into(self.inner, key, digest, lookup=False)
+        if got is None:
+            return local
+        self.inner.count(PULLS)
+        return got
+
     def put(self, key: Key, files: Mapping[str, FileSource], *,
             labels: Mapping[str, Any] | None = None,
             meta: Mapping[str, Any] | None = None) -> Entry:
@@ -238,8 +255,12 @@ class TieredStore(Wrapper[S]):
         self.remote.close()
         self.inner.close()
 
-    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str) -> Hit | None:
-        """Download ``digest`` into ``target`` and return its local Hit; None on any failure."""
+    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str, *,
+                    lookup: bool = True) -> Hit | None:
+        """Download ``digest`` into ``target`` and return its local Hit; None on any failure.
+
+        ``lookup`` (a process wants the entry now) reads it back with ``get``, which
+        records the hit; a pull (``lookup=False``) reads it with ``peek``, which does not."""
         if not self.remote.available:
             return None
         staging: Path | None = None
@@ -291,9 +312,15 @@ class TieredStore(Wrapper[S]):
         finally:
             if staging is not None:
                 rmtree_quiet(staging)
+        ms = (time.perf_counter() - t0) * 1e3
+        if not lookup:
+            logger.info("pulled %s: downloaded %d bytes in %.1f ms", digest[:12],
+                        rec.size_bytes, ms)
+            got = target.peek(digest)
+            return got if isinstance(got, Hit) else None
         self.remote_hits += 1
         logger.info("remote hit %s: downloaded %d bytes in %.1f ms", digest[:12],
-                    rec.size_bytes, (time.perf_counter() - t0) * 1e3)
+                    rec.size_bytes, ms)
         hit = target.get(digest)
         return hit if isinstance(hit, Hit) else None
 

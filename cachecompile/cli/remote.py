@@ -263,7 +263,8 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
         if isinstance(st.peek(i.key), Hit):
             have += 1
             continue
-        if st.get(i.key):
+        # pull, not get: a prefetch is not a hit (cachectl stats counts it as a pull).
+        if isinstance(st.pull(i.key), Hit):
             got += 1
         else:
             failed += 1  # cachecompile.store.tiered logged why
