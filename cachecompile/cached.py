@@ -302,8 +302,10 @@ class CachedFunction:
             # A miss for want of a key is counted by what set the nearest entry apart; a
             # signature outside the declared gears by that (cachectl stats counts them).
             record_miss(st, "absent", OFF_GEAR if off_gear else ", ".join(differ[:3]) or None)
-        logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__, frame.digest[:12],
-                    describe(sig), why)
+        # The key the compile will publish (under a CPU target, the target's), so that
+        # the digest here is the one `cachectl ls` shows once it is published.
+        logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__,
+                    probe.publish_key(frame).digest[:12], describe(sig), why)
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
         # (it imports them: most of what torch.compile itself imports before tracing).
         t1 = time.perf_counter()

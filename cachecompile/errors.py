@@ -11,8 +11,16 @@ Hierarchy::
     ├── UnsupportedProgramError            the compiled program cannot be replayed without
     │                                      Dynamo (degrades to a live compile, never raised to users)
     ├── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
-    └── CpuTargetError (also ValueError)   an unknown CPU target, or a build for a level this
-                                           CPU lacks (CACHECOMPILE_CPU_TARGET, --cpu-target)
+    ├── CpuTargetError (also ValueError)   an unknown CPU target, or a build for a level this
+    │                                      CPU lacks (CACHECOMPILE_CPU_TARGET, --cpu-target)
+    ├── BuildError                         cachectl build cannot start or go on: a bad
+    │                                      factory, workers that disagree or died
+    ├── TorchairUnavailableError           torch_npu / torchair cannot be imported here
+    │   (also RuntimeError)
+    └── GearMismatchError                  a loaded TorchAir program was compiled for other
+        (also RuntimeError)                gears than this call's inputs carry
+
+Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
 
     CacheFaultWarning (UserWarning)        a cache fault; the call went on with a live compile
     └── UnsupportedTorchWarning            this torch is a release cachecompile is not tested
@@ -24,6 +32,12 @@ Hierarchy::
     IgnoredArgumentWarning (UserWarning)   keyword arguments cache_compile does not know (TorchAir
                                            accepts and ignores them; so do we, once warned)
     OutOfGearWarning (UserWarning)         a call whose shape is none of the declared gears
+
+    CliError (click.ClickException)        cachectl's one line and exit code, made from the
+                                           errors above (cachecompile.cli.common)
+    _Absent, _Vacated                      control flow inside warm/lookup.py; never escape it
+    _NotAPath                              control flow inside entry/guard_tree.py
+    _Unstorable                            control flow inside backends/bare.py
 
 Store faults are ``cachecompile.store.errors.StoreError`` subclasses; the integration layer turns them
 into a ``CacheFaultWarning`` and a live compile, never a crash.
@@ -102,6 +116,21 @@ class RankConfigError(CacheCompileError, ValueError):
 class CpuTargetError(CacheCompileError, ValueError):
     """A CPU target that is unknown, or a build for a level this CPU cannot run
     (``cachecompile.key.cpu``)."""
+
+
+class BuildError(CacheCompileError):
+    """The build could not start or go on: a bad factory, workers that disagree or died
+    (cachecompile.procs.builders; ``cachectl build`` exits 1)."""
+
+
+class TorchairUnavailableError(CacheCompileError, RuntimeError):
+    """torch_npu / torchair cannot be imported here; says why (cachecompile.backends.torchair).
+    Also a ``RuntimeError``, as it was first."""
+
+
+class GearMismatchError(CacheCompileError, RuntimeError):
+    """A loaded TorchAir program was compiled for other gears than this call's inputs
+    carry. Also a ``RuntimeError``, as it was first."""
 
 
 class CacheFaultWarning(UserWarning):

@@ -16,22 +16,22 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
 
 from . import errors
 from .config import env_flag, parse_size
 from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
-from .protocol import Catalog, DiskStorage, LocalStorage, Locking, Storage
+from .protocol import (
+    Catalog,
+    DiskStorage,
+    LocalStorage,
+    Locking,
+    Maintenance,
+    OpenStore,
+    Storage,
+)
 from .readonly import ReadOnlyStore
-
-if TYPE_CHECKING:
-    from .tiered import TieredStore
-
-    # What open_store returns (a read-only node with a remote: a tier over ReadOnlyStore);
-    # ``.local`` of any of them is the Store or ReadOnlyStore that maintenance works on.
-    OpenStore: TypeAlias = Store | ReadOnlyStore | TieredStore[Store] | TieredStore[ReadOnlyStore]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ __all__ = [
     "Key",
     "LocalStorage",
     "Locking",
+    "Maintenance",
     "Miss",
+    "OpenStore",
     "Pin",
     "ReadOnlyStore",
     "Storage",
@@ -96,8 +98,11 @@ def open_store(
 ) -> OpenStore:
     """Open (creating with mode 0700) the store at ``root``.
 
-    Raises InsecureStoreError if the root may be written by someone else. A root that
-    cannot be written gives a :class:`ReadOnlyStore`, with one warning logged; so does
+    Returns the :class:`~cachecompile.store.protocol.OpenStore` protocol, whatever
+    stands behind it; its ``maintenance()`` is the store on this node's disk, which
+    ``cachectl`` maintains. Raises InsecureStoreError if the root may be written by
+    someone else. A root that cannot be written gives a read-only store
+    (:class:`ReadOnlyStore`), with one warning logged; so does
     ``readonly=True`` or ``$CACHECOMPILE_READONLY=1`` (decided here, so that the cache and
     ``cachectl`` both honour it). ``create=False`` raises StoreNotFound instead of creating
     a missing store (a mistyped path must not look like an empty cache).
@@ -158,7 +163,7 @@ def _open_local(
     readonly: bool,
     shared_group: bool | None,
     create: bool,
-) -> Store | ReadOnlyStore:
+) -> Maintenance:
     path = Path(root).expanduser() if root is not None else default_root()
     if max_size is None:
         max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE

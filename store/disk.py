@@ -33,7 +33,7 @@ from .manifest import check_names, validate_name
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 from .pins import Pin
 from .policy import has_labels
-from .protocol import FileSource
+from .protocol import FileSource, Maintenance
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,13 @@ DEFAULT_MAX_SIZE = 10 * 1024**3
 TEMP_GRACE_S = maintenance.TEMP_GRACE_S
 
 
-class Store:
+class Store(Maintenance):
     """A local, content-addressed artifact store. Build it with
     :func:`cachecompile.store.open_store`.
 
-    Implements :class:`~cachecompile.store.protocol.DiskStorage`; the maintenance
-    operations (gc, purge, verify, stats...) are its own, for ``cachectl``.
+    Implements :class:`~cachecompile.store.protocol.Maintenance` (and so every storage
+    protocol): the maintenance operations (gc, purge, verify, stats...) are its own,
+    for ``cachectl``. Subclassed, not only matched, for the protocol's defaults.
     """
 
     readonly = False
@@ -56,7 +57,7 @@ class Store:
     def __init__(self, root: Path, *, max_size: int = DEFAULT_MAX_SIZE,
                  shared_group: bool = False) -> None:
         self.layout = Layout(root, shared_group=shared_group)
-        self.max_size = int(max_size)
+        self._max_size = int(max_size)
         self.index = Index(self.layout.index, guard=lambda: self.layout.real("index"),
                            on_unsafe=self.layout.warn_unsafe_index, shared=shared_group)
         # Pins taken through this store last as long as it does (usually the process).
@@ -74,6 +75,10 @@ class Store:
         return view
 
     @property
+    def max_size(self) -> int:
+        return self._max_size
+
+    @property
     def root(self) -> Path:
         return self.layout.root
 
@@ -85,8 +90,7 @@ class Store:
     def shared_group(self) -> bool:
         return self.layout.shared_group
 
-    @property
-    def local(self) -> Store:
+    def maintenance(self) -> Store:
         """The store on this node's disk that maintenance works on: this one."""
         return self
 

@@ -7,6 +7,8 @@ into a warning and a recompile, and so that ``cachectl`` can map it to an exit c
 ::
 
     StoreError                      base of every store fault
+    ├── StoreInputError             a value a user gave is not valid: a size, a variable's
+    │   (also ValueError)           number, a key, a bundle's file name (cachectl: usage)
     ├── StoreNotFound               no store at the given root (cachectl never creates one)
     ├── InsecureStoreError          root/entry owned by someone else, group/world-writable,
     │                               or a directory inside the root that is a symlink
@@ -17,8 +19,20 @@ into a warning and a recompile, and so that ``cachectl`` can map it to an exit c
     ├── PublishConflict             a put kept losing its key to entries deleted at once
     ├── ManifestError               a manifest is not valid JSON or has the wrong shape
     │   └── UnsafePathError         a manifest/file name escapes its entry (absolute, ``..``, symlink)
-    └── KeyNotFound                 no entry matches a key or prefix (also a ``LookupError``)
-        └── AmbiguousKey            a prefix matches more than one entry
+    ├── KeyNotFound                 no entry matches a key or prefix (also a ``LookupError``)
+    │   └── AmbiguousKey            a prefix matches more than one entry
+    ├── RemoteError                 the remote tier failed: refused, a timeout, a partial read
+    ├── RemoteConfigError           the remote's URL is malformed (never holds its password)
+    │   (also ValueError)
+    ├── UntrustedEntryError         an entry of a remote or a bundle lacks a valid signature
+    └── UnsafeArchiveError          a bundle is malformed or malicious (tar-slip, a link...)
+
+Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
+
+    Bad (verification.py)           why an entry being inspected is not a hit; caught by
+                                    the lookup that raised it and turned into a miss
+    _Gone (remote/s3.py)            an object is not there (HTTP 404), told apart from a
+                                    failure of the remote; control flow inside s3.py
 """
 
 from __future__ import annotations
@@ -34,10 +48,15 @@ __all__ = [
     "ManifestError",
     "PublishConflict",
     "ReadOnlyStoreError",
+    "RemoteConfigError",
+    "RemoteError",
     "StoreError",
     "StoreFullError",
+    "StoreInputError",
     "StoreNotFound",
+    "UnsafeArchiveError",
     "UnsafePathError",
+    "UntrustedEntryError",
 ]
 
 SHARED_HINT = (
@@ -134,8 +153,7 @@ class AmbiguousKey(KeyNotFound):
         super().__init__(f"prefix {prefix!r} matches {len(matches)} entries ({shown}...)")
 
 
-# -- remote tier and bundles (issue 6): RemoteError < StoreError; UntrustedEntryError and
-# UnsafeArchiveError < StoreError. Appended here so the tree above stays stable.
+# -- the remote tier and bundles
 
 
 class RemoteError(StoreError):

@@ -9,14 +9,17 @@ counts shared content once without reading every manifest); counters are
 Counters: ``hits``, ``miss:<kind>`` (one per lookup that found nothing to use, counted
 by its caller), ``about:<kind>:<subject>`` (what such misses were about, e.g. the guard
 that failed), ``publishes``, ``evictions``, ``corruptions``,
-``hits:remote`` (hits a remote tier served by a download, counted in ``hits`` too) and
+``hits:remote`` (hits a remote tier served by a download, counted in ``hits`` too),
+``pulls`` (entries ``cachectl pull`` downloaded: not lookups, so never hits) and
 ``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
 (see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
 instead, so ``hits`` and ``miss:*`` are what the user's own methods did.
 
 The index is a cache: :meth:`Index.safely` runs an index operation so that its failure
 (a locked or damaged database, a full disk, a symlinked ``index/``) is logged and never
-fails the lookup or publish around it.
+fails the lookup or publish around it. A read-only index (:meth:`Index.reader`) whose
+database does not exist is empty, not failed (a read-only consumer of a store nothing was
+published to reads it on every miss); one that cannot be read is said once per index.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .policy import is_shared_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_SCOPE", "Index", "REMOTE_HITS", "counter_scope"]
+__all__ = ["GRAPH_SCOPE", "Index", "PULLS", "REMOTE_HITS", "counter_scope"]
 
 T = TypeVar("T")
 
@@ -53,6 +56,8 @@ TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
+# Entries `cachectl pull` downloaded ahead of use: not lookups, so never hits.
+PULLS = "pulls"
 
 
 ABOUT = "about:"   # counters of what misses were about: about:<kind>:<subject>
@@ -100,6 +105,10 @@ def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
         labels=_interned(rec.get("labels")),
         state=str(rec.get("state", "ok")),
     )
+
+
+class _NoDatabase(Exception):
+    """A read-only index whose database was never made: nothing was published there."""
 
 
 class _ReadOnlyCache:
@@ -213,6 +222,8 @@ class Index:
         self._guard = guard
         # Told when the guard refused (the store warns once per link, not per lookup).
         self._on_unsafe = on_unsafe
+        # A read-only index cannot repair itself: its failure is warned about once.
+        self._warned = False
 
     @property
     def cache(self) -> Any:
@@ -220,6 +231,9 @@ class Index:
             if self._guard is not None:
                 self._guard()
             if self._readonly:
+                if not (self.path / "cache.db").exists():
+                    # Not kept: a writer may make it later, and this reader then reads it.
+                    raise _NoDatabase(self.path)
                 self._cache = _ReadOnlyCache(self.path)
                 return self._cache
             import diskcache  # deferred: ~15 ms of imports not needed by every caller
@@ -270,8 +284,17 @@ class Index:
             if self._on_unsafe is not None:
                 self._on_unsafe(e)
             return None
+        except _NoDatabase:
+            return None  # an empty index: every caller reads None as "no records"
         except Exception as e:  # sqlite3 errors, timeouts, a full disk
-            logger.warning("cache index update (%s) failed: %s", what, e)
+            if self._readonly and self._warned:
+                logger.debug("cache index read (%s) failed: %s", what, e)
+            elif self._readonly:
+                self._warned = True
+                logger.warning("cache index %s cannot be read (%s: %s); this read-only "
+                               "view goes on without it (said once)", self.path, what, e)
+            else:
+                logger.warning("cache index update (%s) failed: %s", what, e)
             return None
 
     # -- records ---------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 from . import errors
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
-from .index import ABOUT, GRAPH_SCOPE, REMOTE_HITS, Index
+from .index import ABOUT, GRAPH_SCOPE, PULLS, REMOTE_HITS, Index
 from .keys import digest_of
 from .layout import Layout
 from .metrics import merge, read_counters, remove_counters
@@ -324,7 +324,8 @@ def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> d
     """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
     graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
     the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
-    ``hits``, ``hits_remote`` were served by a download from a remote tier.
+    ``hits``, ``hits_remote`` were served by a download from a remote tier; ``pulls``
+    counts the entries ``cachectl pull`` downloaded ahead of use (not lookups, so not hits).
 
     Entry counts and sizes come from the totals the index keeps as entries come and go
     (constant time at any store size); ``recount`` (or an index that cannot be read)
@@ -367,6 +368,7 @@ def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> d
                           "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
                           "misses": graph_misses},
         "publishes": int(counters.get("publishes", 0)),
+        "pulls": int(counters.get(PULLS, 0)),
         "evictions": int(counters.get("evictions", 0)),
         "corruptions": int(counters.get("corruptions", 0)),
         "quarantined": quarantined,

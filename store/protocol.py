@@ -10,11 +10,17 @@ needs beyond it. Callers type against these, never against a concrete store.
     LocalStorage     Storage + Catalog + Locking: what cachecompile uses (cached, coop)
     DiskStorage      LocalStorage + side-effect-free lookups, staging under its own
                      tmp/, counters, stats: what a tier wraps (tiered, bundle)
+    OpenStore        DiskStorage + ``maintenance()``: what ``open_store`` returns,
+                     with or without a remote tier behind the local store
+    Maintenance      OpenStore + what ``cachectl`` does to the store on this node's disk:
+                     resolve a prefix, gc, purge, verify, reindex, zero the counters;
+                     ``require_writable`` (a capability with a default: writable)
 
 :class:`~cachecompile.store.disk.Store` implements all of them. The features wrap one:
-:class:`~cachecompile.store.readonly.ReadOnlyStore` (lookups only) and
-:class:`~cachecompile.store.tiered.TieredStore` (a remote behind a local store), both
-through :class:`~cachecompile.store.wrapper.Wrapper`.
+:class:`~cachecompile.store.readonly.ReadOnlyStore` (lookups only; a Maintenance whose
+writes are refused) and :class:`~cachecompile.store.tiered.TieredStore` (a remote behind
+a local store; an OpenStore whose ``maintenance()`` is the local store's), both through
+:class:`~cachecompile.store.wrapper.Wrapper`.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from .errors import ReadOnlyStoreError
 from .keys import Key
-from .outcomes import Entry, EntryInfo, Hit, Miss
+from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 
-__all__ = ["Catalog", "DiskStorage", "FileSource", "LocalStorage", "Locking", "Owned",
-           "Storage"]
+__all__ = ["Catalog", "DiskStorage", "FileSource", "LocalStorage", "Locking", "Maintenance",
+           "OpenStore", "Owned", "Storage"]
 
 FileSource = bytes | os.PathLike[str] | str
 
@@ -140,3 +147,66 @@ class DiskStorage(LocalStorage, Protocol):
     def stats(self, *, recount: bool = False) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class OpenStore(DiskStorage, Protocol):
+    """What :func:`~cachecompile.store.open_store` returns: the local store, or a remote
+    tier behind it. Lookups and publishes go through it (a tier asks its remote on a
+    local miss and uploads its puts); maintenance is the local store's alone."""
+
+    def maintenance(self) -> Maintenance:
+        """The store on this node's disk that ``cachectl`` maintains (gc, purge...)."""
+        ...
+
+
+@runtime_checkable
+class Maintenance(OpenStore, Protocol):
+    """The store on this node's disk, as ``cachectl`` (and a node's prepare step)
+    maintains it. Its ``maintenance()`` is itself. A read-only one lists, verifies and
+    plans a purge, and refuses every write with ReadOnlyStoreError."""
+
+    @property
+    def max_size(self) -> int:
+        """The size cap gc enforces, in bytes."""
+        ...
+
+    def require_writable(self, what: str) -> None:
+        """Raise the ReadOnlyStoreError a write ``what`` ("purge entries"...) would raise,
+        before any work; nothing on a writable store (the default)."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"cannot {what}: cache {self.root} is read-only")
+
+    def resolve(self, prefix: str) -> str:
+        """The full digest of the one entry whose digest starts with ``prefix``
+        (KeyNotFound, AmbiguousKey)."""
+        ...
+
+    def entry_dir(self, digest: str) -> Path: ...
+
+    def digests(self) -> Iterator[str]:
+        """Digests of the entries on disk, unverified."""
+        ...
+
+    def gc(self, max_size: int | None = None, *, lock_timeout: float = 60.0) -> GcReport:
+        """Enforce the size cap (LRU, pinned entries skipped) and sweep leftovers."""
+        ...
+
+    def purge_plan(
+        self, *, keys: list[str] | None = None, labels: Mapping[str, Any] | None = None,
+        older_than: float | None = None, all: bool = False, include_pinned: bool = False,
+    ) -> tuple[list[EntryInfo], list[EntryInfo]]:
+        """(goes, kept) of a purge: read-only, so a read-only store answers it too."""
+        ...
+
+    def purge(
+        self, *, keys: list[str] | None = None, labels: Mapping[str, Any] | None = None,
+        older_than: float | None = None, all: bool = False, include_pinned: bool = False,
+        dry_run: bool = False,
+    ) -> list[EntryInfo]: ...
+
+    def verify(self, fix: bool = False) -> VerifyReport: ...
+
+    def reindex(self) -> int: ...
+
+    def zero_stats(self) -> None: ...

@@ -51,8 +51,7 @@ class ReadOnlyStore(Wrapper[Store]):
     def readonly(self) -> bool:
         return True
 
-    @property
-    def local(self) -> ReadOnlyStore:
+    def maintenance(self) -> ReadOnlyStore:
         """The store maintenance works on: this view (its writes are refused)."""
         return self
 
@@ -63,6 +62,9 @@ class ReadOnlyStore(Wrapper[Store]):
     def refusal(self, what: str) -> ReadOnlyStoreError:
         """The error a write ``what`` ("purge entries"...) raises; says why it is read-only."""
         return ReadOnlyStoreError(f"cannot {what}: cache {self.root} is read-only ({self.why})")
+
+    def require_writable(self, what: str) -> None:
+        raise self.refusal(what)
 
     # -- reads: no hit recording in the index, no quarantine (both would write) ----------
     def get(self, key: Key | str) -> Hit | Miss:
@@ -112,8 +114,13 @@ class ReadOnlyStore(Wrapper[Store]):
             raise self.refusal("fix entries")
         return self.inner.verify(fix=False)
 
-    def purge_plan(self, **kw: Any) -> tuple[list[EntryInfo], list[EntryInfo]]:
-        return self.inner.purge_plan(**kw)  # only lists: what a purge would do
+    def purge_plan(
+        self, *, keys: list[str] | None = None, labels: Mapping[str, Any] | None = None,
+        older_than: float | None = None, all: bool = False, include_pinned: bool = False,
+    ) -> tuple[list[EntryInfo], list[EntryInfo]]:
+        # Only lists: what a purge would do.
+        return self.inner.purge_plan(keys=keys, labels=labels, older_than=older_than, all=all,
+                                     include_pinned=include_pinned)
 
     def resolve(self, prefix: str) -> str:
         return self.inner.resolve(prefix)
@@ -124,10 +131,13 @@ class ReadOnlyStore(Wrapper[Store]):
     def digests(self) -> Iterator[str]:
         return self.inner.digests()
 
-    def gc(self, max_size: int | None = None, **_: Any) -> GcReport:
+    def gc(self, max_size: int | None = None, *, lock_timeout: float = 60.0) -> GcReport:
         raise self.refusal("collect garbage")
 
-    def purge(self, **_: Any) -> list[EntryInfo]:
+    def purge(self, *, keys: list[str] | None = None,
+              labels: Mapping[str, Any] | None = None, older_than: float | None = None,
+              all: bool = False, include_pinned: bool = False,
+              dry_run: bool = False) -> list[EntryInfo]:
         raise self.refusal("purge entries")
 
     def zero_stats(self) -> None:

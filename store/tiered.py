@@ -4,11 +4,12 @@ upload local publishes in the background.
 ``open_store()`` builds one when ``$CACHECOMPILE_REMOTE`` (or ``remote=``) is set:
 
 * :class:`TieredStore` wraps the local store (any
-  :class:`~cachecompile.store.protocol.DiskStorage`): a local miss asks the remote; a
+  :class:`~cachecompile.store.protocol.Maintenance`): a local miss asks the remote; a
   remote hit is downloaded, verified (signature, SHA-256), published through the local
   store's own ``put`` (so it is not uploaded back) and returned as a Hit of that LOCAL
   entry. A ``put`` through the tier publishes locally, then queues an upload for the
-  :class:`Uploader` thread. Everything else is the local store's (:attr:`TieredStore.local`).
+  :class:`Uploader` thread. Maintenance is the local store's alone
+  (:meth:`TieredStore.maintenance`).
 * Over a read-only local store (:class:`~cachecompile.store.readonly.ReadOnlyStore`) the
   tier is the same class composed with that view: every write is refused as on any
   read-only store, nothing is uploaded, and a remote hit is published into a private
@@ -35,17 +36,16 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from . import errors
 from .config import env_float, env_int
 from .disk import Store
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet, temp_name
-from .index import REMOTE_HITS, counter_scope
+from .index import PULLS, REMOTE_HITS, counter_scope
 from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
-from .protocol import DiskStorage, FileSource
-from .readonly import ReadOnlyStore
+from .protocol import DiskStorage, FileSource, Maintenance
 from .remote.base import Remote, open_remote
 from .wrapper import Wrapper
 
@@ -56,13 +56,7 @@ __all__ = ["TieredStore", "Uploader", "scratch_store", "wrap"]
 DEFAULT_FLUSH_TIMEOUT = 5.0
 DEFAULT_QUEUE = 64
 
-S = TypeVar("S", bound=DiskStorage)
-
-# Operations of the local store alone (maintenance, layout): see TieredStore.__getattr__.
-_LOCAL_ONLY = frozenset({
-    "max_size", "resolve", "entry_dir", "digests", "pinned", "quarantine", "gc", "purge",
-    "purge_plan", "verify", "reindex", "zero_stats", "sweep_temp", "sweep_blobs",
-})
+S = TypeVar("S", bound=Maintenance)
 
 # (remote, subject, message) already warned about: one lookup looks an entry up several
 # times (its meta, then its variant, then a free variant slot), and every cache_compile'd
@@ -194,13 +188,10 @@ class TieredStore(Wrapper[S]):
         """The local store: what maintenance (cachectl gc, verify, purge...) works on."""
         return self.inner
 
-    def __getattr__(self, name: str) -> Any:
-        # The local store's own operations pass through by name (the tier adds nothing
-        # to them), so open_store's result keeps them whether or not a remote is set;
-        # typed code asks for them on ``.local``.
-        if name in _LOCAL_ONLY:
-            return getattr(self.inner, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def maintenance(self) -> S:
+        """The local store's maintenance (gc, verify, purge...): the tier adds nothing to
+        it, and a remote has its own verbs (``cachectl remote``)."""
+        return self.inner
 
     def get(self, key: Key | str) -> Hit | Miss:
         local = self.inner.get(key)
@@ -220,6 +211,23 @@ class TieredStore(Wrapper[S]):
             return local
         self.inner.count(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
         return hit
+
+    def pull(self, key: Key | str) -> Hit | Miss:
+        """Download ``key`` from the remote into the local store ahead of use (``cachectl
+        pull``); the local entry if it is here already.
+
+        Not a lookup: neither the store's hits nor the entry's own hit count and last use
+        move (a prefetch is not evidence the entry serves anyone, and ``gc``'s LRU must
+        not think so); each download counts once under ``pulls`` instead."""
+        local = self.inner.peek(key)
+        if isinstance(local, Hit):
+            return local
+        digest = digest_of(key)
+        got = self._fetch_into(self.inner, key, digest, lookup=False)
+        if got is None:
+            return local
+        self.inner.count(PULLS)
+        return got
 
     def put(self, key: Key, files: Mapping[str, FileSource], *,
             labels: Mapping[str, Any] | None = None,
@@ -247,8 +255,12 @@ class TieredStore(Wrapper[S]):
         self.remote.close()
         self.inner.close()
 
-    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str) -> Hit | None:
-        """Download ``digest`` into ``target`` and return its local Hit; None on any failure."""
+    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str, *,
+                    lookup: bool = True) -> Hit | None:
+        """Download ``digest`` into ``target`` and return its local Hit; None on any failure.
+
+        ``lookup`` (a process wants the entry now) reads it back with ``get``, which
+        records the hit; a pull (``lookup=False``) reads it with ``peek``, which does not."""
         if not self.remote.available:
             return None
         staging: Path | None = None
@@ -300,9 +312,15 @@ class TieredStore(Wrapper[S]):
         finally:
             if staging is not None:
                 rmtree_quiet(staging)
+        ms = (time.perf_counter() - t0) * 1e3
+        if not lookup:
+            logger.info("pulled %s: downloaded %d bytes in %.1f ms", digest[:12],
+                        rec.size_bytes, ms)
+            got = target.peek(digest)
+            return got if isinstance(got, Hit) else None
         self.remote_hits += 1
         logger.info("remote hit %s: downloaded %d bytes in %.1f ms", digest[:12],
-                    rec.size_bytes, (time.perf_counter() - t0) * 1e3)
+                    rec.size_bytes, ms)
         hit = target.get(digest)
         return hit if isinstance(hit, Hit) else None
 
@@ -363,12 +381,7 @@ def scratch_store(max_size: int) -> Callable[[], Store]:
     return get
 
 
-@overload
-def wrap(local: ReadOnlyStore, remote: str | Remote) -> TieredStore[ReadOnlyStore]: ...
-@overload
-def wrap(local: Store, remote: str | Remote) -> TieredStore[Store]: ...
-def wrap(local: Store | ReadOnlyStore,
-         remote: str | Remote) -> TieredStore[Store] | TieredStore[ReadOnlyStore]:
+def wrap(local: S, remote: str | Remote) -> TieredStore[S]:
     """Put ``remote`` behind ``local``; a bad URL raises RemoteConfigError (a ValueError).
 
     Over a read-only local store the tier is the same class, composed with the read-only
@@ -376,6 +389,6 @@ def wrap(local: Store | ReadOnlyStore,
     (the view refuses writes), and nothing is uploaded (the view says it is read-only).
     """
     r = open_remote(remote) if isinstance(remote, str) else remote
-    if isinstance(local, ReadOnlyStore):
+    if local.readonly:
         return TieredStore(local, r, backfill=scratch_store(local.max_size))
     return TieredStore(local, r)

@@ -64,7 +64,7 @@ from cachecompile.backends.base import (
     package_version,
 )
 from cachecompile.entry import files as entry_files
-from cachecompile.errors import UnsupportedProgramError
+from cachecompile.errors import GearMismatchError, TorchairUnavailableError, UnsupportedProgramError
 from cachecompile.key.factors import canonical
 
 logger = logging.getLogger(__name__)
@@ -80,10 +80,6 @@ _ACL_MODES = ("reduce-overhead", "npugraph_ex")
 # Environment that changes what GE compiles (read by torchair / GE at compile time).
 _ENV_KEYS = ("AUTOFUSE_FLAGS", "ASCEND_OPP_PATH", "ASCEND_CUSTOM_OPP_PATH")
 _IMPORT_ERRORS = (ImportError, OSError, RuntimeError)
-
-
-class TorchairUnavailableError(RuntimeError):
-    """torch_npu / torchair cannot be imported here; says why."""
 
 
 # -- importing torchair -------------------------------------------------------------------
@@ -395,10 +391,6 @@ def _gears_of(args: Sequence[Any]) -> dict[str, JSON]:
         if g:
             out[str(i)] = {str(d): list(v) for d, v in sorted(g.items())}
     return out
-
-
-class GearMismatchError(RuntimeError):
-    """A loaded program was compiled for other gears than this call's inputs carry."""
 
 
 def _with_gear_check(kernel: Callable[..., Any], gears: Mapping[str, JSON]) -> GraphCallable:

@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -56,9 +57,20 @@ class ShardParam(click.ParamType):
         if isinstance(value, shards.Shard):
             return value
         try:
-            return shards.parse(str(value), os.environ)
+            return shards.parse(str(value), os.environ, _given_by(param, ctx))
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+def _given_by(param: click.Parameter | None, ctx: click.Context | None) -> str:
+    """Where click read the option's value: its environment variable, else the option
+    (click records the source before it converts the value)."""
+    if param is None or ctx is None or param.name is None:
+        return shards.GIVEN
+    envvar = param.envvar if isinstance(param.envvar, str) else None
+    if envvar and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
+        return f"${envvar}"
+    return shards.GIVEN
 
 
 def _env_target() -> tuple[str | None, ...]:
@@ -180,8 +192,12 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
         if pushed is not None:
             click.echo(f"remote {pushed.remote}: {pushed.sent} entries uploaded now, "
                        f"{pushed.there} there already"
+                       + (f", {len(pushed.not_taken)} refused (the remote kept its own "
+                          "record)" if pushed.not_taken else "")
                        + (f", {len(pushed.failed)} failed" if pushed.failed else ""))
     if pushed is not None:
+        for why in pushed.not_taken:
+            click.echo(f"refused by the remote: {why}", err=True)
         for why in pushed.failed:
             click.echo(f"not uploaded: {why}", err=True)
     if bad or (pushed is not None and pushed.failed):
@@ -191,8 +207,9 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
 def _of_shard(shard: shards.Shard | None) -> str:
     if shard is None:
         return ""
-    return f" (shard {shard})" if shard.source == shards.GIVEN else \
-        f" (shard {shard}, from the {shard.source})"
+    # What the user typed needs no source; a variable or an engine is named.
+    return f" (shard {shard})" if shard.origin == shards.GIVEN else \
+        f" (shard {shard}, from {shard.origin})"
 
 
 def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -22,10 +22,8 @@ from rich.table import Table
 from cachecompile._version import code_label
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
-from cachecompile.store import errors, open_store
-from cachecompile.store.disk import Store
+from cachecompile.store import Maintenance, OpenStore, errors, open_store
 from cachecompile.store.outcomes import EntryInfo
-from cachecompile.store.readonly import ReadOnlyStore
 
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
@@ -48,13 +46,7 @@ ERROR_CODES: list[tuple[type[BaseException], int]] = [
     (errors.StoreError, EXIT_STORE),
 ]
 
-if TYPE_CHECKING:
-    from cachecompile.store import OpenStore
-
 F = TypeVar("F", bound=Callable[..., Any])
-# The local store the verbs read and maintain (``.local`` of what open_store returns: a
-# remote tier behind it is the remote verbs' business, cachecompile.cli.remote).
-LocalStore = Store | ReadOnlyStore
 
 
 class CliError(click.ClickException):
@@ -81,8 +73,10 @@ def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
     return open_store(cache_dir, create=False, **kw)
 
 
-def _open_local(cache_dir: str | None) -> LocalStore:
-    return _open(cache_dir).local
+def _open_local(cache_dir: str | None) -> Maintenance:
+    # The store on this node's disk, which the verbs read and maintain: a remote tier
+    # behind it is the remote verbs' business (cachecompile.cli.remote).
+    return _open(cache_dir).maintenance()
 
 
 def _console() -> Console:

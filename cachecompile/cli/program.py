@@ -27,7 +27,7 @@ from rich.syntax import Syntax
 from cachecompile.entry import guard_paths
 from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
 
-from .common import _console, _open, cache_dir_option, read_meta
+from .common import _console, _open_local, cache_dir_option, read_meta
 
 # A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
 # '\x00cachecompile-const\x000' (the backslashes are in the text); the index is group 1.
@@ -65,7 +65,7 @@ def disassemble(data: bytes, consts: list[Any]) -> str:
                    "Leaves a module's unchanged dicts decide are skipped until one changes.")
 def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) -> None:
     """Print an entry's guards, bytecode and program readably (KEY may be a prefix)."""
-    st = _open(cache_dir)
+    st = _open_local(cache_dir)
     digest = st.resolve(key)
     m = st.manifest(digest)
     meta = read_meta(m)

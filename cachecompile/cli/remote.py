@@ -26,19 +26,18 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import errors, open_store
+from cachecompile.store import Maintenance, errors, open_store
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.readonly import ReadOnlyStore
 from cachecompile.store.remote import Remote, open_remote
+from cachecompile.store.remote.push import push_entries
 from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
 
 from .common import (
     EXIT_STORE,
     CliError,
-    LocalStore,
     _console,
     _entries_table,
     _parse_labels,
@@ -69,11 +68,11 @@ def _remote(url: str | None) -> Remote:
     return r
 
 
-def _local(cache_dir: str | None, *, create: bool) -> LocalStore:
+def _local(cache_dir: str | None, *, create: bool) -> Maintenance:
     # The local store alone: these verbs move entries between the tiers explicitly.
     # Verbs that only read it never create it (as the store verbs do): on a mistyped
     # --cache-dir, "pushed 0 entries" would hide the typo and leave a stray cache behind.
-    return open_store(cache_dir, remote="", create=create).local
+    return open_store(cache_dir, remote="", create=create).maintenance()
 
 
 @contextlib.contextmanager
@@ -228,37 +227,20 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
-    sent = have = repaired = kept = resigned = refused = 0
     with _progress("push", sum(i.size_bytes for i in infos)) as advance:
-        for i in infos:
-            hit = st.peek(i.key)
-            if not isinstance(hit, Hit):
-                click.echo(f"{i.key[:12]}  skipped: {hit.reason}", err=True)
-                continue
-            # repair: the operator who pushes with a key vouches that it is the fleet's.
-            done = r.upload(hit.entry, overwrite=force, repair=r.trust.key is not None,
-                            resign=resign, progress=advance)
-            if done:
-                sent += 1
-                repaired += done.found in ("unsigned", "malformed", "foreign")
-                resigned += done.found == "trusted"
-                continue
-            advance(i.size_bytes)
-            if done.refused:
-                refused += 1
-                click.echo(f"{i.key[:12]}  kept: {done.refused}", err=True)
-            elif done.found == "foreign":
-                kept += 1
-                click.echo(f"{i.key[:12]}  kept: the remote record is signed and "
-                           "CACHECOMPILE_SIGNING_KEY is not set", err=True)
-            else:
-                have += 1
-    click.echo(f"pushed {sent} entries to {r.config.display}; {have} were there already"
-               + (f"; {repaired} replaced records that did not verify" if repaired else "")
-               + (f"; {resigned} re-signed with the current key" if resigned else "")
-               + (f"; {kept} signed records kept" if kept else "")
-               + (f"; {refused} records not replaced (the server cannot do it safely)"
-                  if refused else ""))
+        # repair (push_entries' default): the operator who pushes with a key vouches
+        # that it is the fleet's.
+        done = push_entries(r, st, [i.key for i in infos], overwrite=force, resign=resign,
+                            progress=advance,
+                            on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
+    click.echo(f"pushed {done.sent} entries to {r.config.display}; {done.there} were there "
+               "already"
+               + (f"; {done.repaired} replaced records that did not verify"
+                  if done.repaired else "")
+               + (f"; {done.resigned} re-signed with the current key" if done.resigned else "")
+               + (f"; {len(done.kept)} signed records kept" if done.kept else "")
+               + (f"; {len(done.refused)} records not replaced (the server cannot do it "
+                  "safely)" if done.refused else ""))
 
 
 @click.command("pull")
@@ -271,8 +253,7 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     """Download remote entries (verified, then published): all, or those selected."""
     r = _remote(remote_url)
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
-    if isinstance(local, ReadOnlyStore):
-        raise errors.ReadOnlyStoreError(f"cannot pull into {local.root}: it is read-only")
+    local.require_writable("pull entries")
     st = TieredStore(local, r)
     infos = [_info(rec) for rec in r.records()]
     todo = _selected(infos, keys, _parse_labels(label, model, function),
@@ -282,7 +263,8 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
         if isinstance(st.peek(i.key), Hit):
             have += 1
             continue
-        if st.get(i.key):
+        # pull, not get: a prefetch is not a hit (cachectl stats counts it as a pull).
+        if isinstance(st.pull(i.key), Hit):
             got += 1
         else:
             failed += 1  # cachecompile.store.tiered logged why

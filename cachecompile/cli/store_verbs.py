@@ -11,7 +11,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -20,11 +20,12 @@ from rich.table import Table
 from rich.text import Text
 
 from cachecompile._version import code_label
-from cachecompile.store import parse_size
+from cachecompile.store import default_root, open_store, parse_size
+from cachecompile.store.errors import StoreNotFound
 from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
+from cachecompile.store.metrics import read_counters, stats_dir
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import has_labels, is_shared_graph
-from cachecompile.store.readonly import ReadOnlyStore
 
 from .common import (
     EXIT_PROBLEMS,
@@ -43,6 +44,9 @@ from .common import (
     parse_duration,
     read_meta,
 )
+
+if TYPE_CHECKING:
+    from cachecompile.store import OpenStore
 
 _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
     "key": lambda i: i.key,
@@ -331,8 +335,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if not (keys or want or age is not None or purge_all):
         raise click.UsageError("say what to purge: KEY..., --label, --older-than or --all")
     st = _open_local(cache_dir)
-    if isinstance(st, ReadOnlyStore) and not dry_run:
-        raise st.refusal("purge entries")  # before showing a list that cannot go
+    if not dry_run:
+        st.require_writable("purge entries")  # before showing a list that cannot go
     digests = [st.resolve(k) for k in keys]
     goes, kept = st.purge_plan(keys=digests or None, labels=want or None, older_than=age,
                                all=purge_all, include_pinned=include_pinned)
@@ -369,6 +373,19 @@ _MISS_KINDS = {
 }
 
 
+def _open_counted(cache_dir: str | None) -> tuple[OpenStore, StoreNotFound | None]:
+    """The store at ``cache_dir`` for ``stats``; where there is none but read-only
+    processes counted lookups of that path (a consumer of a store nothing was published
+    to, docs/store.md), a read-only view of the empty path, with why there is no store."""
+    try:
+        return _open(cache_dir), None
+    except StoreNotFound as e:
+        root = default_root() if cache_dir is None else e.path
+        if not read_counters(root):
+            raise  # a mistyped path stays an error
+        return open_store(root, readonly=True), e
+
+
 @click.command("stats")
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True)
@@ -378,13 +395,16 @@ _MISS_KINDS = {
                    "the totals the index keeps) instead of reading those totals.")
 def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -> None:
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
-    st = _open(cache_dir)
+    st, missing = _open_counted(cache_dir)
     if zero:
-        st.local.zero_stats()
+        st.maintenance().zero_stats()
         if st.readonly and not as_json:
             click.echo("read-only store: zeroed the counters of read-only processes; the "
                        "store's own counters stay", err=True)
     s = st.stats(recount=recount)  # with a remote tier behind the store, it names the remote
+    s["readonly_stats_dir"] = str(stats_dir(st.root))
+    if missing is not None:
+        s["no_store"] = missing.problem
     if as_json:
         click.echo(json.dumps(s, indent=1, sort_keys=True))
         return
@@ -392,6 +412,9 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     t.add_column("stat")
     t.add_column("value", justify="right")
     t.add_row("root", s["root"])
+    if missing is not None:
+        t.add_row("store", "none at this path (nothing was published here): the counts "
+                           "are its read-only processes'")
     t.add_row("entries", str(s["entries"]))
     # Physical: content shared by entries (dedup) counts once, as it does against the cap.
     t.add_row("size", f"{human_size(s['bytes'])} of {human_size(s['cap'])} "
@@ -416,7 +439,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     ro = s.get("readonly_processes") or {}
     if ro.get("hits") or ro.get("misses"):
         t.add_row("read-only processes", f"{ro['hits']} hits, {ro['misses']} misses "
-                                         "(counted above)")
+                                         f"(counted above; from {s['readonly_stats_dir']})")
     g = s.get("shared_graphs") or {}
     if g.get("entries") or g.get("hits") or g.get("misses"):
         # Internal entries (ls --graphs): counted apart so the numbers above match ls.
@@ -424,6 +447,8 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
                                    f"{sum(g['misses'].values())} misses")
     for k in ("publishes", "evictions", "corruptions", "quarantined"):
         t.add_row(k, str(s[k]))
+    if s.get("pulls"):
+        t.add_row("pulled", f"{s['pulls']} (cachectl pull; not hits)")
     if s.get("readonly"):
         t.add_row("read-only", "yes")
     _console().print(t)
@@ -441,8 +466,7 @@ def gc_cmd(cache_dir: str | None, max_size: str | None, other_versions: bool) ->
     st = _open_local(cache_dir)
     cap = parse_size(max_size) if max_size is not None else None
     if other_versions:
-        if isinstance(st, ReadOnlyStore):
-            raise st.refusal("retire entries")
+        st.require_writable("retire entries")
         mine = code_label()
         others = [i.key for i in st.entries() if i.labels.get("code") != mine]
         gone = st.purge(keys=others) if others else []

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import logging
 import os
+import threading
 import time
 import types
 import warnings
@@ -49,6 +50,27 @@ logger = logging.getLogger(__name__)
 # A guard whose subject forces more new variants than this in one process is taken for a
 # value that changes on every call: later variants for it run live and are not published.
 CHURN_LIMIT = 2
+
+
+# Read-only stores this process has warned about (their roots): a read-only consumer's
+# every miss compiles and publishes nothing, which it is told once, not once per miss.
+_told_readonly: set[str] = set()
+_told_lock = threading.Lock()
+
+
+def _not_published(st: LocalStorage, qualname: str, sig: Signature) -> None:
+    """Say that a compile was not published to the read-only ``st``: one warning per
+    store and process, then an INFO line per signature (cachectl stats counts them)."""
+    with _told_lock:
+        first = str(st.root) not in _told_readonly
+        _told_readonly.add(str(st.root))
+    if first:
+        fault(f"the cache at {st.root} is read-only; {qualname} [{describe(sig)}] was "
+              "compiled but not published, nor will later misses be (said once per "
+              "process; each is logged at INFO)")
+    else:
+        logger.info("cachecompile %s [%s]: compiled, not published (read-only cache %s)",
+                    qualname, describe(sig), st.root)
 
 
 class Outcome(enum.Enum):
@@ -162,8 +184,7 @@ class MissPath:
                       "It runs with live torch.compile in this process")
                 return served
             if st.readonly:
-                fault(f"the cache at {st.root} is read-only; {self._qualname} "
-                      f"[{describe(sig)}] was compiled but not published")
+                _not_published(st, self._qualname, sig)
                 return served
             t_publish = time.perf_counter()
             if share is not None:

@@ -65,19 +65,23 @@ def shard_of(name: str, signature: str, count: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Shard ``index`` of ``count``, and what said so (``--shard``, or the engine)."""
+    """Shard ``index`` of ``count``; ``source``: given (:data:`GIVEN`) or which engine
+    said so; ``origin``: where the value was read, as the user would look for it (the
+    option, ``$CACHECOMPILE_BUILD_SHARD``, or the engine's variables and what said
+    ``auto``). Two shards are equal whatever their origin."""
 
     index: int
     count: int
     source: str = GIVEN
+    origin: str = dataclasses.field(default=GIVEN, compare=False)
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ValueError(f"a build has at least 1 shard, not {self.count} "
-                             f"(from the {self.source})")
+                             f"(from {self.origin})")
         if not 0 <= self.index < self.count:
             raise ValueError(f"shard index {self.index} is not in 0..{self.count - 1} "
-                             f"(from the {self.source})")
+                             f"(from {self.origin})")
 
     def holds(self, name: str, signature: str) -> bool:
         return shard_of(name, signature, self.count) == self.index
@@ -113,50 +117,61 @@ def _slurm(env: Mapping[str, str], task: int) -> tuple[int, int | None]:
     return offset // step, count
 
 
-def from_engine(env: Mapping[str, str], count: int | None = None) -> Shard:
-    """The shard the engine running this process says, with ``count`` if given (``auto/N``).
+def from_engine(env: Mapping[str, str], count: int | None = None,
+                given_by: str = GIVEN) -> Shard:
+    """The shard the engine running this process says, with ``count`` if given (``auto/N``);
+    ``given_by`` is what said ``auto`` (the option or the variable), for the messages.
 
     Kubernetes first, then Slurm, then torchrun: a Slurm or torchrun step inside a
     Kubernetes pod is a shard of the pod's Job, not the other way round."""
+    said = f"{given_by}=auto" + (f"/{count}" if count is not None else "")
+
+    def read(engine: str, variables: str) -> str:
+        return f"{variables} ({engine}; {said})"
+
     index = _int(env, "JOB_COMPLETION_INDEX")
     if index is not None:
         if count is None:
             raise ValueError("a Kubernetes Indexed Job says the index ($JOB_COMPLETION_INDEX), "
-                             "not the count: give --shard auto/N with N = the Job's "
+                             f"not the count: give {given_by} auto/N with N = the Job's "
                              "completions")
-        return Shard(index, count, KUBERNETES)
+        return Shard(index, count, KUBERNETES, read(KUBERNETES, "$JOB_COMPLETION_INDEX"))
     task = _int(env, "SLURM_ARRAY_TASK_ID")
     if task is not None:
         index, engine_count = _slurm(env, task)
-        return Shard(index, _agree(count, engine_count, "SLURM_ARRAY_TASK_COUNT"), SLURM)
+        return Shard(index, _agree(count, engine_count, "SLURM_ARRAY_TASK_COUNT", given_by),
+                     SLURM, read(SLURM, "$SLURM_ARRAY_TASK_ID"))
     rank = _int(env, "RANK")
     if rank is not None:
         world = _int(env, "WORLD_SIZE")
-        return Shard(rank, _agree(count, world, "WORLD_SIZE"), TORCHRUN)
-    raise ValueError("--shard auto: no engine says which shard this is (none of "
+        return Shard(rank, _agree(count, world, "WORLD_SIZE", given_by), TORCHRUN,
+                     read(TORCHRUN, "$RANK and $WORLD_SIZE"))
+    raise ValueError(f"{given_by} auto: no engine says which shard this is (none of "
                      "$JOB_COMPLETION_INDEX, $SLURM_ARRAY_TASK_ID, torchrun's $RANK is set); "
-                     "give --shard I/N")
+                     f"give {given_by} I/N")
 
 
-def _agree(given: int | None, engine: int | None, name: str) -> int:
+def _agree(given: int | None, engine: int | None, name: str, given_by: str = GIVEN) -> int:
     if engine is None and given is None:
-        raise ValueError(f"${name} is not set: give --shard auto/N")
+        raise ValueError(f"${name} is not set: give {given_by} auto/N")
     if engine is not None and given is not None and engine != given:
-        raise ValueError(f"--shard auto/{given} disagrees with ${name}={engine}")
+        raise ValueError(f"{given_by} auto/{given} disagrees with ${name}={engine}")
     count = given if given is not None else engine
     assert count is not None
     return count
 
 
-def parse(text: str, env: Mapping[str, str]) -> Shard:
-    """``I/N``, ``auto`` or ``auto/N`` -> a Shard; ValueError saying what is wrong."""
+def parse(text: str, env: Mapping[str, str], given_by: str = GIVEN) -> Shard:
+    """``I/N``, ``auto`` or ``auto/N`` -> a Shard; ValueError saying what is wrong.
+    ``given_by``: where ``text`` was read (``--shard``, or ``$CACHECOMPILE_BUILD_SHARD``),
+    which the shard's messages and ``cachectl build``'s output name."""
     m = _GIVEN.match(text)
     if m:
-        return Shard(int(m.group(1)), int(m.group(2)))
+        return Shard(int(m.group(1)), int(m.group(2)), GIVEN, given_by)
     m = _AUTO.match(text.lower())
     if m:
-        shard = from_engine(env, int(m.group(1)) if m.group(1) else None)
-        logger.info("build shard %s from the %s", shard, shard.source)
+        shard = from_engine(env, int(m.group(1)) if m.group(1) else None, given_by)
+        logger.info("build shard %s from %s", shard, shard.origin)
         if (shard.source == TORCHRUN and env.get("OMP_NUM_THREADS") == "1"
                 and env.get("LOCAL_WORLD_SIZE", "1") not in ("", "1")):
             # torchrun sets OMP_NUM_THREADS=1 in each process when it starts several per
@@ -168,4 +183,4 @@ def parse(text: str, env: Mapping[str, str]) -> Shard:
                            "(--nproc-per-node 1), or set OMP_NUM_THREADS to the serving "
                            "processes' count", env.get("LOCAL_WORLD_SIZE"))
         return shard
-    raise ValueError(f"{text!r} is not I/N (e.g. 0/8), auto or auto/N")
+    raise ValueError(f"{given_by}={text!r} is not I/N (e.g. 0/8), auto or auto/N")

@@ -36,15 +36,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from cachecompile.errors import ContractError
+from cachecompile.errors import BuildError, ContractError
 from cachecompile.key import cpu
 from cachecompile.key.shards import Shard, without_launcher
 from cachecompile.procs.slots import default_slots
 from cachecompile.store import open_store
 from cachecompile.store.config import env_float
-from cachecompile.store.errors import StoreError, StoreNotFound
-from cachecompile.store.outcomes import Hit
+from cachecompile.store.errors import StoreNotFound
 from cachecompile.store.remote import open_remote
+from cachecompile.store.remote.push import Pushed, push_entries
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,6 @@ class BuildEvent:
 
 
 OnEvent = Callable[[BuildEvent], None]
-
-
-class BuildError(Exception):
-    """The build could not start or go on: a bad factory, workers that disagree or died."""
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -342,7 +338,7 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
         tier, has = remote.config.display, remote.contains
     else:
         try:
-            local = open_store(cache_dir, remote="", create=False).local
+            local = open_store(cache_dir, remote="", create=False).maintenance()
         except StoreNotFound:
             tier, has = f"{cache_dir or '$CACHECOMPILE_DIR'} (no store there)", lambda d: False
         else:
@@ -351,16 +347,6 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
     for t in tasks:
         (out.present if t["key"] and has(t["key"]) else out.missing).append(t)
     return out
-
-
-@dataclasses.dataclass
-class Pushed:
-    """What :func:`push_results` did: entries uploaded, there already, failed."""
-
-    remote: str
-    sent: int = 0
-    there: int = 0
-    failed: list[str] = dataclasses.field(default_factory=list)
 
 
 def push_results(results: Sequence[BuildResult], *,
@@ -372,7 +358,9 @@ def push_results(results: Sequence[BuildResult], *,
     ``CACHECOMPILE_REMOTE_FLUSH_TIMEOUT`` for its uploads, and a build killed before that
     leaves entries only in its local store: run again, it finds them there (``present``)
     and would never upload them. This uploads whatever the remote still lacks, in this
-    process, waiting for each (an entry there already costs one read)."""
+    process, waiting for each (an entry there already costs one read), through the loop
+    ``cachectl push`` runs (:func:`cachecompile.store.remote.push.push_entries`): a
+    record the remote kept rather than take ours is counted apart, as refused."""
     url = os.environ.get("CACHECOMPILE_REMOTE", "")
     digests = list(dict.fromkeys(d for r in results if r.ok for d in r.entries))
     if not url:
@@ -381,24 +369,9 @@ def push_results(results: Sequence[BuildResult], *,
     if remote.readonly:
         return None
     remote.breaker.quiet = True
-    out = Pushed(remote.config.display)
     if not digests:
-        return out
-    local = open_store(cache_dir, remote="", create=False).local
-    for digest in digests:
-        hit = local.peek(digest)
-        if not isinstance(hit, Hit):
-            out.failed.append(f"{digest[:12]}: not in the local store ({hit.reason})")
-            continue
-        try:
-            # repair, as `cachectl push` does: a builder with the fleet's key replaces a
-            # record that does not verify under it (nodes would refuse that one).
-            done = remote.upload(hit.entry, repair=remote.trust.key is not None)
-        except StoreError as e:
-            out.failed.append(f"{digest[:12]}: {e}")
-            continue
-        if done:
-            out.sent += 1
-        else:
-            out.there += 1
-    return out
+        return Pushed(remote.config.display)
+    local = open_store(cache_dir, remote="", create=False).maintenance()
+    # repair (the default), as `cachectl push` does: a builder with the fleet's key
+    # replaces a record that does not verify under it (nodes would refuse that one).
+    return push_entries(remote, local, digests, keep_going=True)

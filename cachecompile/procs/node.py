@@ -174,5 +174,5 @@ def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,
     sweep the same directory at once. Needs LOCAL_WORLD_SIZE / LOCAL_RANK."""
     from cachecompile import store
 
-    st = store.open_store(cache_dir).local  # the cap is the local store's
+    st = store.open_store(cache_dir).maintenance()  # the cap is the local store's
     node_once(st.root, "prepare", st.gc, timeout=timeout)

@@ -93,6 +93,13 @@ class Probe:
     # made for (a counter's steps: many; a flag changed once: one).
     guard_values: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
+    def publish_key(self, frame: Key) -> Key:
+        """The key a compile of this miss publishes under, which ``cachectl ls`` lists and
+        the miss line names: the first free variant of ``frame`` (the frame's own key is
+        never an entry's). With every index taken, the frame: the publish then picks a
+        stale slot, or publishes nothing, and its own line says which."""
+        return frame if self.free is None else variant_key(frame, self.free)
+
     def reject(self, kind: str, why: str) -> None:
         self.rejected.append(why)
         self.first(kind)

@@ -7,7 +7,10 @@
     redis    RedisRemote: records, chunked blobs and pins as Redis keys
     s3       S3Remote: records, blobs and pins as objects in an S3-compatible bucket
 
-:func:`open_remote` picks one by the URL's scheme. Neither client library is imported
+Each server's class parses its own URL (``parse_url``) and registers its schemes
+(``@register``); :func:`open_remote` picks one by the URL's scheme through that registry.
+Importing this package imports every server's module, which fills the registry: a new
+server is one module here and one import line below. Neither client library is imported
 until the first call that needs the network.
 """
 

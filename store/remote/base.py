@@ -30,7 +30,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 from .. import errors
 from ..config import parse_size
@@ -40,7 +40,7 @@ from ..signing import Record, Trust, make_record, parse_record, sha256_file
 logger = logging.getLogger(__name__)
 
 __all__ = ["BlobRemote", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
-           "may_replace", "open_remote", "record_state", "redact"]
+           "may_replace", "open_remote", "record_state", "redact", "register"]
 
 MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
@@ -51,10 +51,12 @@ DEFAULT_CHUNK = 4 * 1024**2
 DEFAULT_LEASE = 600.0
 CAS_TRIES = 5  # records rewritten under us this often in a row: give up this upload
 _OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
-SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "s3": "s3"}
-# Seconds: Redis, per socket operation; S3, a stall (no byte for that long).
-_DEFAULT_TIMEOUT = {"redis": 5.0, "s3": 5.0}
-_DEFAULT_PREFIX = {"redis": "cachecompile:v1", "s3": "cachecompile"}
+# The remotes by URL scheme: each server's class registers its own (:func:`register`),
+# as ccache's k_remote_storage_implementations lists its backends; the package
+# (cachecompile.store.remote) imports every server's module, so the registry is whole
+# before anything here parses a URL.
+_REMOTES: dict[str, type[BlobRemote]] = {}
+R = TypeVar("R", bound="BlobRemote")
 
 # What a remote record is, as this node sees it: "ours" verifies under our signing key;
 # "trusted" under one of our other verify keys (an old key, while it is rotated out);
@@ -191,6 +193,8 @@ class RemoteConfig:
     prefix: str = "cachecompile:v1"
     lease: float = DEFAULT_LEASE
     extra: dict[str, str] = field(default_factory=dict)
+    # The URL for logs, as the remote's class shows it (parse fills it in).
+    shown: str = ""
     # The credentials, given to the client apart from the URL; never in a repr.
     username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
@@ -216,9 +220,11 @@ class RemoteConfig:
     def _parse(cls, url: str, env: Mapping[str, str]) -> RemoteConfig:
         public, username, password = _split_secret(url)
         parts = urllib.parse.urlsplit(public)
-        kind = SCHEMES.get(parts.scheme)
-        if kind is None:
-            raise ValueError("only redis://, rediss://, unix:// and s3:// URLs are supported")
+        remote = _REMOTES.get(parts.scheme)
+        if remote is None:
+            schemes = [f"{k}://" for k in _REMOTES]
+            raise ValueError(f"only {', '.join(schemes[:-1])} and {schemes[-1]} URLs are "
+                             "supported")
         if parts.fragment or "#" in public:
             raise ValueError("a '#' is no part of a remote URL (percent-encode it: %23)")
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
@@ -237,10 +243,10 @@ class RemoteConfig:
                 rest.append((k, v))
         from_env = _password_from_env(env)
         if from_env is not None:
-            if kind == "s3":
+            if remote.credentials_elsewhere:
                 raise errors.RemoteConfigError(
-                    f"{' / '.join(PASSWORD_VARS)} is for Redis; the S3 tier takes its keys "
-                    "from the AWS_* variables: unset it")
+                    f"{' / '.join(PASSWORD_VARS)} is for Redis; "
+                    f"{remote.credentials_elsewhere}: unset it")
             if password is not None:
                 raise errors.RemoteConfigError(
                     f"the password is given twice: in the URL and in {PASSWORD_VARS[0]} "
@@ -255,42 +261,26 @@ class RemoteConfig:
         lease = float(ours.get("lease", DEFAULT_LEASE))
         if not lease >= 1:
             raise ValueError("lease must be at least 1 second")
-        if kind == "s3":
-            if username is not None or password is not None:
-                raise ValueError("s3://bucket/prefix takes no user or password (the keys "
-                                 "come from the AWS_* variables; an '@' in the prefix is "
-                                 "written %40)")
-            if rest:
-                raise ValueError(f"unknown parameters {sorted(k for k, _ in rest)} (the "
-                                 "endpoint, keys and region come from the AWS_* variables)")
-            if len(parts.hostname or "") < 3 or parts.port:
-                raise ValueError("s3:// takes a bucket name (3 characters or more) and an "
-                                 "optional prefix: s3://bucket/prefix")
-            if "prefix" in ours:
-                raise ValueError("on s3:// the prefix is the URL's path: s3://bucket/prefix")
-            target = parts.hostname or ""
-            prefix = parts.path.strip("/") or _DEFAULT_PREFIX["s3"]
-        else:
-            # By hand: urlunsplit drops the "//" of an empty host (unix:///run/redis.sock
-            # would become unix:/run/redis.sock, which redis-py refuses).
-            passed = urllib.parse.urlencode(rest)
-            target = (f"{parts.scheme}://{parts.netloc}{parts.path}"
-                      + (f"?{passed}" if passed else ""))
-            prefix = ours.get("prefix", _DEFAULT_PREFIX["redis"])
-        return cls(url=redact(url), target=target, kind=kind, readonly=mode == "ro",
-                   chunk=chunk, timeout=float(ours.get("timeout", _DEFAULT_TIMEOUT[kind])),
+        target, prefix = remote.parse_url(parts, ours, rest,
+                                          credentials=username is not None or password is not None)
+        return cls(url=redact(url), target=target, kind=remote.kind, readonly=mode == "ro",
+                   shown=redact(remote.display_of(target, prefix)),
+                   chunk=chunk, timeout=float(ours.get("timeout", remote.default_timeout)),
                    backoff=float(ours.get("backoff", 1.0)), prefix=prefix, lease=lease,
                    username=username, password=password)
 
     @property
+    def remote(self) -> type[BlobRemote]:
+        """The class that serves this URL's scheme (RemoteConfigError if none does)."""
+        for remote in _REMOTES.values():
+            if remote.kind == self.kind:
+                return remote
+        raise errors.RemoteConfigError(f"no remote serves {self.kind!r} URLs")
+
+    @property
     def display(self) -> str:
         """The URL without a password or parameters, for logs."""
-        if self.kind == "s3":
-            return redact(f"s3://{self.target}/{self.prefix}")
-        p = urllib.parse.urlsplit(self.target)
-        host = p.hostname or ""
-        netloc = f"{host}:{p.port}" if p.port else host
-        return redact(urllib.parse.urlunsplit(p._replace(netloc=netloc, query="")))
+        return self.shown or redact(self.target)
 
 
 class Breaker:
@@ -502,6 +492,34 @@ class BlobRemote:
     """
 
     kind = ""  # the RemoteConfig.kind it serves
+    schemes: tuple[str, ...] = ()  # the URL schemes it parses (:func:`register`)
+    default_timeout = 5.0  # seconds (what ``timeout=`` bounds is the server's business)
+    # Where this server's credentials come from, if not from the URL or
+    # CACHECOMPILE_REMOTE_PASSWORD(_FILE) (which it then refuses): a phrase for the error.
+    credentials_elsewhere = ""
+    default_prefix = "cachecompile"
+
+    @classmethod
+    def from_url(cls: type[R], url: str, trust: Trust | None = None) -> R:
+        """The remote ``url`` names (RemoteConfigError if it is malformed or not one of
+        this class's schemes); no network yet."""
+        return cls(RemoteConfig.parse(url), trust)
+
+    @classmethod
+    def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
+                  rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
+        """This server's half of parsing its URL: (the target its client is given, the
+        prefix of its keys or objects). ``ours``: our own parameters (mode, chunk...),
+        already checked; ``rest``: the others; ``credentials``: whether a user or
+        password was given. ValueError says what is wrong (without the password: it
+        was taken out before)."""
+        raise NotImplementedError
+
+    @classmethod
+    def display_of(cls, target: str, prefix: str) -> str:
+        """The URL for logs, from what :meth:`parse_url` made of it (no parameters;
+        :func:`redact` masks a password after)."""
+        raise NotImplementedError
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
         self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
@@ -654,13 +672,17 @@ def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:
             logger.warning("remote entry %s is malformed: %s", digest, e)
 
 
+def register(cls: type[R]) -> type[R]:
+    """Register a remote class for its :attr:`~BlobRemote.schemes` (a class decorator)."""
+    for scheme in cls.schemes:
+        if _REMOTES.get(scheme, cls) is not cls:
+            raise ValueError(f"{scheme}:// is served by {_REMOTES[scheme].__name__} already")
+        _REMOTES[scheme] = cls
+    return cls
+
+
 def open_remote(url: str | RemoteConfig, trust: Trust | None = None) -> Remote:
     """The remote a URL names (RemoteConfigError if it is malformed); no network yet."""
     config = RemoteConfig.parse(url) if isinstance(url, str) else url
-    if config.kind == "s3":
-        from .s3 import S3Remote
-
-        return S3Remote(config, trust)
-    from .redis import RedisRemote
-
-    return RedisRemote(config, trust)
+    # A registered class is a server's: BlobRemote plus the rest of Remote (ping...).
+    return cast(Remote, config.remote(config, trust))

@@ -25,8 +25,9 @@ import logging
 import math
 import threading
 import time
+import urllib.parse
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Record, Trust
-from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly
+from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,33 @@ return n
 """
 
 
+@register
 class RedisRemote(BlobRemote):
     """One Redis remote: the half of :class:`~cachecompile.store.remote.base.BlobRemote`
     that differs by server, over Redis keys."""
 
     kind = "redis"
+    schemes = ("redis", "rediss", "unix")
+    default_timeout = 5.0  # seconds per socket operation
+    default_prefix = "cachecompile:v1"
+
+    @classmethod
+    def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
+                  rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
+        # redis-py gets the URL without credentials or our parameters, and keeps its own
+        # (db, ssl_cert_reqs...). By hand: urlunsplit drops the "//" of an empty host
+        # (unix:///run/redis.sock would become unix:/run/redis.sock, which redis-py refuses).
+        passed = urllib.parse.urlencode(rest)
+        target = (f"{parts.scheme}://{parts.netloc}{parts.path}"
+                  + (f"?{passed}" if passed else ""))
+        return target, ours.get("prefix", cls.default_prefix)
+
+    @classmethod
+    def display_of(cls, target: str, prefix: str) -> str:
+        p = urllib.parse.urlsplit(target)
+        host = p.hostname or ""
+        netloc = f"{host}:{p.port}" if p.port else host
+        return urllib.parse.urlunsplit(p._replace(netloc=netloc, query=""))
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None,
                  client: Any = None) -> None:

@@ -47,8 +47,9 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -58,7 +59,7 @@ from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Record, Trust
-from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly
+from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,37 @@ class _Gone(Exception):
     """The object is not there (HTTP 404), told apart from a failure of the remote."""
 
 
+@register
 class S3Remote(BlobRemote):
     """One bucket and prefix: the half of :class:`~cachecompile.store.remote.base.BlobRemote`
     that differs by server, over S3 objects."""
 
     kind = "s3"
+    schemes = ("s3",)
+    default_timeout = 5.0  # seconds of a stall (no byte for that long)
+    default_prefix = "cachecompile"
+    credentials_elsewhere = "the S3 tier takes its keys from the AWS_* variables"
+
+    @classmethod
+    def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
+                  rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
+        if credentials:
+            raise ValueError("s3://bucket/prefix takes no user or password (the keys "
+                             "come from the AWS_* variables; an '@' in the prefix is "
+                             "written %40)")
+        if rest:
+            raise ValueError(f"unknown parameters {sorted(k for k, _ in rest)} (the "
+                             "endpoint, keys and region come from the AWS_* variables)")
+        if len(parts.hostname or "") < 3 or parts.port:
+            raise ValueError("s3:// takes a bucket name (3 characters or more) and an "
+                             "optional prefix: s3://bucket/prefix")
+        if "prefix" in ours:
+            raise ValueError("on s3:// the prefix is the URL's path: s3://bucket/prefix")
+        return parts.hostname or "", parts.path.strip("/") or cls.default_prefix
+
+    @classmethod
+    def display_of(cls, target: str, prefix: str) -> str:
+        return f"s3://{target}/{prefix}"
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
         super().__init__(config, trust)

@@ -68,6 +68,43 @@ def test_shard_options_are_checked_before_anything_runs() -> None:
         assert words in r.output and "--shard" in r.output
 
 
+def test_the_shard_names_where_it_was_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CACHECOMPILE_BUILD_SHARD was reported as "from the --shard": the variable, the
+    option or the engine's variable is named, in errors and in the build's own output."""
+    from cachecompile.cli import build as build_cli
+    from cachecompile.procs.builders import BuildEvent
+
+    runner = CliRunner()
+    engines = {k: "" for k in ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "RANK")}
+    var = "$CACHECOMPILE_BUILD_SHARD"
+    for args, env, words in [
+            ([], {"CACHECOMPILE_BUILD_SHARD": "3/3"}, f"not in 0..2 (from {var})"),
+            (["--shard", "3/3"], {"CACHECOMPILE_BUILD_SHARD": "0/3"}, "not in 0..2 (from --shard)"),
+            ([], {"CACHECOMPILE_BUILD_SHARD": "auto"}, f"{var} auto: no engine says"),
+            ([], {"CACHECOMPILE_BUILD_SHARD": "auto/2", "JOB_COMPLETION_INDEX": "5"},
+             f"not in 0..1 (from $JOB_COMPLETION_INDEX (Kubernetes Indexed Job; "
+             f"{var}=auto/2))")]:
+        r = runner.invoke(cli, ["build", "nowhere:factory", *args], env={**engines, **env})
+        flat = " ".join(r.output.split())  # click folds long messages
+        assert r.exit_code == 2 and words in flat, flat
+
+    # A build's "N signature(s) to build" line: no workers (the subject is the line).
+    def prebuild(*_: Any, on_event: Any, **__: Any) -> list[Any]:
+        on_event(BuildEvent("planned", 0))
+        return []
+
+    monkeypatch.setattr(build_cli, "prebuild_factory", prebuild)
+    monkeypatch.delenv("CACHECOMPILE_REMOTE", raising=False)
+    for args, env, words in [
+            ([], {"CACHECOMPILE_BUILD_SHARD": "1/2"}, f"(shard 1/2, from {var})"),
+            (["--shard", "1/2"], {}, "(shard 1/2)"),
+            ([], {"CACHECOMPILE_BUILD_SHARD": "auto", "RANK": "1", "WORLD_SIZE": "2"},
+             f"(shard 1/2, from $RANK and $WORLD_SIZE (torchrun; {var}=auto))")]:
+        r = runner.invoke(cli, ["build", "grid:factory", *args], env={**engines, **env})
+        flat = " ".join(r.output.split())
+        assert r.exit_code == 0 and words in flat, flat
+
+
 def test_a_build_sharded_by_torchrun_keys_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     # torchrun's RANK / WORLD_SIZE pick the shard; the factory's processes must not see
     # them, or every entry would be keyed as rank I of N (ranks are key factors).

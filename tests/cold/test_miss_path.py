@@ -94,7 +94,7 @@ def _cached(module: torch.nn.Module, adapter: FakeAdapter, store: Path, **kw: An
 
 
 def _entries(store: Path) -> list[Any]:
-    return [e for e in open_store(str(store)).local.entries() if e.labels.get("kind") != "graph"]
+    return [e for e in open_store(str(store)).maintenance().entries() if e.labels.get("kind") != "graph"]
 
 
 @pytest.fixture

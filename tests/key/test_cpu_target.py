@@ -143,26 +143,30 @@ class TargetedAdapter:
 
 
 class Scaled(torch.nn.Module):
+    k = 2.0  # guarded by Dynamo (a constant of the trace), not a key factor
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2.0 + 1.0
+        return x * self.k + 1.0
 
 
 X = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
 
 
-def _cached(adapter: TargetedAdapter, store: Path) -> CachedFunction:
+def _cached(adapter: TargetedAdapter, store: Path, k: float = 2.0) -> CachedFunction:
     """As ``cache_compile`` makes it, under this process's CACHECOMPILE_CPU_TARGET."""
     targets = _cpu_targets(adapter, {})
     options = targets.pop("options", {})
     spec = CompileSpec(adapter=adapter, options=options, decompositions=None, dynamic=False,
                        guards=GuardMode.ALWAYS, ranks=detect(), cache_dir=str(store),
                        max_signatures=8, **targets)
-    return CachedFunction(Scaled().eval().run, spec)
+    module = Scaled().eval()
+    module.k = k
+    return CachedFunction(module.run, spec)
 
 
 def _targets_stored(store: Path) -> list[str]:
     return sorted(e.labels.get("cpu_target", "native")
-                  for e in open_store(str(store)).local.entries())
+                  for e in open_store(str(store)).maintenance().entries())
 
 
 def test_a_lookup_tries_each_supported_level_best_first(
@@ -209,7 +213,45 @@ def test_a_level_the_cpu_lacks_is_a_named_miss_never_a_load(
     said = [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)]
     assert any("this CPU lacks avx512f" in w and "for x86-64-v4" in w for w in said), said
     assert _targets_stored(tmp_path) == ["x86-64-v4"]  # nothing published either
-    assert open_store(str(tmp_path)).local.stats()["misses"].get("cpu") == 1
+    assert open_store(str(tmp_path)).maintenance().stats()["misses"].get("cpu") == 1
+
+
+def test_the_miss_line_names_the_key_cachectl_ls_shows_under_a_target(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An operator greps the miss line's digest in `cachectl ls`: it must be the key the
+    compile published (the target's variant), not a key no entry is stored under."""
+    import json
+    import logging
+
+    import ccutil
+
+    def miss_digests(caplog: pytest.LogCaptureFixture) -> list[str]:
+        return [r.getMessage().split()[3] for r in caplog.records
+                if r.getMessage().startswith("cachecompile miss")]
+
+    def listed() -> dict[str, dict[str, str]]:
+        r = ccutil.cachectl("ls", "--cache-dir", str(tmp_path), "--json")
+        return {e["key"]: e["labels"] for e in json.loads(r.stdout)}
+
+    fake = TargetedAdapter()
+    _flags(monkeypatch, V3)
+    monkeypatch.setenv(cpu.ENV, "x86-64-v2")
+    caplog.set_level(logging.INFO, logger="cachecompile")
+    _cached(fake, tmp_path)(X)
+    (said,) = miss_digests(caplog)
+    (key,) = listed()
+    assert key.startswith(said), (said, key)
+    assert listed()[key]["cpu_target"] == "x86-64-v2"
+
+    # A second variant of the same frame (a guarded attribute differs): the next free
+    # index's key, not the first one's.
+    caplog.clear()
+    other = _cached(fake, tmp_path, k=3.0)
+    assert torch.equal(other(X), X * 3.0 + 1.0)
+    (said,) = miss_digests(caplog)
+    assert not key.startswith(said)
+    assert [k for k in listed() if k.startswith(said)], (said, list(listed()))
 
 
 def test_cachectl_build_refuses_a_target_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch,

@@ -383,6 +383,34 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     assert p.returncode == 7 and "Connection refused" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_cachectl_pull_is_counted_as_a_pull_not_a_hit(tmp_path: Path, srv: RedisServer,
+                                                       child_env: dict[str, str]) -> None:
+    env = dict(child_env, CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_SIGNING_KEY=KEY_A)
+    a = store.open_store(tmp_path / "a")
+    key = make_key({"m": "llama"})
+    a.put(key, FILES, labels={"model": "llama"})
+    assert cachectl(env, "push", "--cache-dir", str(tmp_path / "a")).returncode == 0
+    p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"))
+    assert p.returncode == 0 and "pulled 1 entries" in p.stdout, p.stderr
+
+    s = json.loads(cachectl(env, "stats", "--cache-dir", str(tmp_path / "b"), "--json").stdout)
+    assert (s["hits"], s["hits_remote"]) == (0, 0), s
+    assert s.get("pulls") == 1, s
+    # Nor is the entry's own hit count (gc's LRU reads it) moved by the prefetch.
+    b = store.open_store(tmp_path / "b")
+    info = b.stat(key)
+    assert info is not None and info.hits == 0
+    p = cachectl(env, "stats", "--cache-dir", str(tmp_path / "b"))
+    assert "pulled" in p.stdout and "not hits" in p.stdout, p.stdout
+    # A second pull finds it here: nothing downloaded, nothing counted.
+    p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"))
+    assert "pulled 0 entries" in p.stdout and "1 were here already" in p.stdout, p.stdout
+    # The first real lookup is a local hit.
+    assert isinstance(b.get(key), Hit)
+    s = json.loads(cachectl(env, "stats", "--cache-dir", str(tmp_path / "b"), "--json").stdout)
+    assert (s["hits"], s["hits_local"], s["hits_remote"], s["pulls"]) == (1, 1, 0, 1), s
+
+
 @pytest.mark.parametrize("verb", [("push",), ("export", "out.tar")])
 def test_cachectl_verbs_that_read_the_local_store_never_create_it(
         tmp_path: Path, srv: RedisServer, child_env: dict[str, str], verb: tuple[str, ...]) -> None:

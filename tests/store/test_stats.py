@@ -140,3 +140,44 @@ def test_a_read_only_process_counts_where_cachectl_stats_reads(tmp_path: Path) -
     assert _cachectl(ro, "stats", "--zero").returncode == 0
     s = json.loads(_cachectl(ro, "stats", "--json").stdout)
     assert s["readonly_processes"] == {"hits": 0, "misses": 0}, s
+
+
+def test_a_read_only_consumer_of_an_empty_path_is_counted_there_and_warns_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/deploy.md's read-only consumer, before anything was published at its path:
+    `cachectl stats PATH` shows its lookups (it said "no store"), and three misses are one
+    warning (each was a "cache index update failed" warning, and a CacheFaultWarning)."""
+    import logging
+    import warnings
+
+    from cachecompile.errors import CacheFaultWarning
+
+    monkeypatch.setenv("CACHECOMPILE_READONLY", "1")
+    monkeypatch.setenv("CACHECOMPILE_STATS_DIR", str(tmp_path / "stats"))
+    monkeypatch.delenv("CACHECOMPILE_REMOTE", raising=False)
+    empty = tmp_path / "never-published"
+    m = Scaled().eval()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=empty, dynamic=False)
+    caplog.set_level(logging.WARNING, logger="cachecompile")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in (2, 3, 4):
+            cached(torch.randn(n, 4))
+    assert [e for e, _ in cached.events] == ["miss"] * 3
+    faults = [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)]
+    assert len(faults) == 1 and "read-only" in faults[0], faults
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not empty.exists()  # a read-only consumer writes nothing there
+
+    r = ccutil.cachectl("stats", "--cache-dir", str(empty), "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert (s["entries"], s["hits"], s["misses"]) == (0, 0, {"absent": 3}), s
+    assert s["readonly_processes"] == {"hits": 0, "misses": 3}, s
+    assert s["readonly_stats_dir"] == str(tmp_path / "stats") and "no_store" in s, s
+    text = ccutil.cachectl("stats", "--cache-dir", str(empty)).stdout
+    assert "nothing was published here" in text and str(tmp_path / "stats") in text, text
+    # A path no process counted lookups of is still a mistyped one.
+    typo = ccutil.cachectl("stats", "--cache-dir", str(tmp_path / "nevre-published"))
+    assert typo.returncode == 2 and "no cache at" in typo.stderr, typo

@@ -311,6 +311,35 @@ def test_readonly_wrapper(st: Store, caplog: pytest.LogCaptureFixture) -> None:
     assert [i.key for i in ro.entries()] == [key.digest]
 
 
+def test_a_read_only_index_missing_is_empty_and_unreadable_is_said_once(
+        st: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only view reads its index on every miss's explanation (entries, stat):
+    a database never made is an empty index, no warning; one that cannot be read is
+    one warning for the view, not one per read."""
+    key = make_key({"i": 1})
+    st.put(key, {"a": b"x"})
+    st.close()
+
+    def warnings_after(ro: ReadOnlyStore) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cachecompile.store"):
+            for _ in range(3):
+                assert [i.key for i in ro.entries()] == [key.digest]  # the disk is the truth
+                ro.stat(key)
+        return [r.getMessage() for r in caplog.records]
+
+    db = st.root / "v1" / "index" / "cache.db"
+    assert db.is_file()
+    db.rename(db.with_name("moved.db"))
+    missing = open_store(st.root, readonly=True)
+    assert isinstance(missing, ReadOnlyStore) and warnings_after(missing) == []
+    db.write_bytes(b"not a database" * 100)
+    broken = open_store(st.root, readonly=True)
+    assert isinstance(broken, ReadOnlyStore)
+    said = warnings_after(broken)
+    assert len(said) == 1 and "said once" in said[0], said
+
+
 def test_unwritable_root_opens_read_only(st: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     # Running as root, mode bits do not stop writes; the probe is what decides.
     from cachecompile import store as store_pkg

@@ -421,7 +421,7 @@ def test_a_remote_record_with_edited_meta_is_refused(
     b = open_store(tmp_path / "b", remote=url)
     hit = b.get(make_key(KEY))
     assert isinstance(hit, Hit) and hit.entry.meta == META
-    assert b.verify().ok
+    assert b.maintenance().verify().ok
 
     client.set(rkey, _rewrite_record(client.get(rkey), _edit_meta))
     c = open_store(tmp_path / "c", remote=url)

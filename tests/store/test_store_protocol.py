@@ -15,7 +15,9 @@ from cachecompile.store import (
     Hit,
     LocalStorage,
     Locking,
+    Maintenance,
     Miss,
+    OpenStore,
     ReadOnlyStore,
     Storage,
     Store,
@@ -54,8 +56,21 @@ def test_every_store_implements_the_protocols(tmp_path: Path, down: str) -> None
         Store, ReadOnlyStore, TieredStore, TieredStore)
     assert isinstance(ro_tiered.local, ReadOnlyStore)  # a tier over the read-only view
     for st in (plain, ro, tiered, ro_tiered):
-        for proto in (Storage, Catalog, Locking, LocalStorage, DiskStorage):
+        for proto in (Storage, Catalog, Locking, LocalStorage, DiskStorage, OpenStore):
             assert isinstance(st, proto), (st, proto)
+        # Maintenance is the local store's, one protocol for all four.
+        assert isinstance(st.maintenance(), Maintenance), st
+        assert st.maintenance().maintenance() is st.maintenance()
+    assert tiered.maintenance() is tiered.local and ro_tiered.maintenance() is ro_tiered.local
+    assert not isinstance(tiered, Maintenance)  # a tier has no gc of its own
+    # Writable is a capability, not a class to test for: the protocol's default on a
+    # Store, the refusal (saying why) on the read-only view, before any work.
+    plain.maintenance().require_writable("purge entries")
+    tiered.maintenance().require_writable("purge entries")
+    for st in (ro, ro_tiered):
+        with pytest.raises(errors.ReadOnlyStoreError,
+                           match=r"cannot purge entries: .* is read-only \(opened with readonly"):
+            st.maintenance().require_writable("purge entries")
 
 
 def test_a_tier_wraps_its_local_store_and_uploads_only_its_own_puts(
@@ -70,10 +85,9 @@ def test_a_tier_wraps_its_local_store_and_uploads_only_its_own_puts(
     assert isinstance(local.get(key), Hit)  # the tier published through the local store
     local.put(make_key({"beside": 1}), {"f": b"y"})  # a local put: nothing to upload
     assert {i.key for i in tier.entries()} == {entry.key, make_key({"beside": 1}).digest}
-    # The local store's own operations stay reachable on the tier.
-    assert tier.local.gc().evicted == [] and tier.verify().ok
-    with pytest.raises(AttributeError):
-        tier.no_such_operation  # noqa: B018 - only the local store's operations pass through
+    # The local store's own operations are reached through maintenance(), never by name.
+    assert tier.maintenance().gc().evicted == [] and tier.maintenance().verify().ok
+    assert not hasattr(tier, "gc") and not hasattr(tier, "verify")
     tier.close()
 
 
