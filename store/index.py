@@ -48,6 +48,10 @@ _C = "c:"
 # ``stats`` reads three rows instead of every record (5 s and 500 MB at 100,000 entries).
 # Apart from the ``c:`` counters: ``stats --zero`` does not reset what the store holds.
 _T = "t:"
+# Stamps of the last full verification of each entry (see verification.Stamp): what lets
+# ``cachectl verify`` read only the entries that changed since. Not records: the totals
+# and ``ls`` never see them; verify drops those of entries no longer on disk.
+_V = "v:"
 _MODE_PICKLE = 4  # diskcache.core.MODE_PICKLE: a value stored pickled
 TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
@@ -429,6 +433,34 @@ class Index:
                 c.set(_E + i.key, rec)
             for n, v in totals.items():
                 c.set(_T + n, v)
+
+    # -- verification stamps ---------------------------------------------------
+    def stamps(self) -> dict[str, tuple[bool, Any]]:
+        """Digest -> (shared graph, stamp) of each entry a full check stamped, from one
+        query (rows whose value is not such a pair are ignored: verify reads those
+        entries in full)."""
+        out: dict[str, tuple[bool, Any]] = {}
+        names: dict[Any, Any] = {}   # the path lists, one object each (most are alike)
+        for k, v in self._bulk().prefixed(_V):
+            if (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], tuple)
+                    and len(v[1]) == 2 and isinstance(v[1][0], tuple)):
+                graph, (paths, sealed) = v
+                out[k[len(_V):]] = (bool(graph), (names.setdefault(paths, paths), sealed))
+        return out
+
+    def set_stamps(self, stamps: Mapping[str, tuple[bool, Any]]) -> None:
+        """Keep the stamps of entries just checked in full, in one transaction."""
+        c = self.cache
+        with c.transact():
+            for digest, value in stamps.items():
+                c.set(_V + digest, value)
+
+    def drop_stamps(self, digests: list[str]) -> None:
+        """Forget the stamps of ``digests`` (gone, or found bad), in one transaction."""
+        c = self.cache
+        with c.transact():
+            for digest in digests:
+                c.delete(_V + digest)
 
     # -- counters --------------------------------------------------------------
     def incr(self, name: str, delta: int = 1) -> None:

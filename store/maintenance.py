@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import errors
+from . import errors, verification
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
 from .index import ABOUT, GRAPH_SCOPE, REMOTE_HITS, Index
@@ -33,7 +33,7 @@ from .policy import (
     split_pinned,
 )
 from .publishing import remove, remove_many
-from .verification import Bad, inspect, quarantine, read_manifest
+from .verification import Bad, Stamp, quarantine, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ TEMP_GRACE_S = 3600.0
 # Entries gc takes away per pin scan and index transaction: large enough that neither
 # dominates, small enough that the index is not held long while readers record hits.
 GC_BATCH = 256
+# Stamps verify writes per index transaction (the index is not held long while readers
+# record hits).
+_STAMP_BATCH = 2000
 Blobs = dict[str, dict[str, int]]
 
 
@@ -241,8 +244,16 @@ def reindex(layout: Layout, index: Index) -> int:
     return len(infos)
 
 
-def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
-    """Check every entry in full, the store's directories, and the index against the disk.
+def verify(layout: Layout, index: Index, fix: bool = False, *,
+           full: bool = False) -> VerifyReport:
+    """Check the entries, the store's directories, and the index against the disk.
+
+    Each entry is checked in full (manifest digest, every checksum) once, and then only
+    when it changed: a full check leaves a stamp in the index (the lstat of each path it
+    read: inode, mode, owner, size, mtime, ctime), and an entry that still matches its
+    stamp is not read again (:func:`verification.unchanged`). Any write, rename, chmod,
+    chown or utime moves a ctime, so what a stamp misses is damage that changes bytes
+    without a write (a failing disk): ``full`` reads every entry, as the first run does.
 
     A directory that is a symlink is a problem (named by its path, not a digest);
     ``fix`` leaves it alone (whatever it points at is not the store's to move).
@@ -250,8 +261,23 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
     report = VerifyReport()
     report.problems.extend(layout.problems())
     on_disk = set(layout.digests(warn=False))
+    known = {} if full else (index.safely("stamps", index.stamps) or {})
+    fresh: dict[str, tuple[bool, Stamp]] = {}
+    writable = not index.readonly
+
+    def keep_stamps() -> None:
+        if fresh and writable:
+            batch = dict(fresh)
+            index.safely("stamps", lambda: index.set_stamps(batch))
+        fresh.clear()
+
     for d in sorted(on_disk):
         report.checked += 1
+        was = known.get(d)
+        if was is not None and verification.unchanged(layout, d, was[1]):
+            report.unchanged += 1
+            report.shared_graphs += was[0]
+            continue
 
         def bad(b: Bad, d: str = d) -> None:
             # Called while the entry's directory is held open (corrupt or insecure), so
@@ -263,13 +289,25 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
                 index.safely("corruptions", lambda: index.incr("corruptions"))
 
         try:
-            if is_shared_graph(inspect(layout, d, full=True, on_bad=bad).labels):
-                report.shared_graphs += 1
+            entry, stamp = verification.check(layout, d, on_bad=bad)
+            graph = is_shared_graph(entry.labels)
+            report.shared_graphs += graph
+            if stamp is not None:
+                fresh[d] = (graph, stamp)
+                if len(fresh) >= _STAMP_BATCH:
+                    keep_stamps()
         except Bad as b:
             if b.kind == "absent":
                 report.checked -= 1  # deleted or evicted while verify read it: not a problem
             elif b.kind not in ("corrupt", "insecure"):   # those went through bad()
                 bad(b)
+    keep_stamps()
+    # Stamps of entries gone (or found bad: a stamp is only kept for an entry that was
+    # whole) are dropped; a stale one could not match anyway (a new directory, a new ctime).
+    stale = [d for d in known if d not in on_disk]
+    stale += [d for d, _ in report.problems if d in known]
+    if stale and writable:
+        index.safely("stamps", lambda: index.drop_stamps(stale))
     indexed = index.safely("list", index.digests) or set()
     # Looked at again now: an entry published or removed while verify ran is no mismatch.
     def unindexed(d: str) -> bool:
