@@ -325,7 +325,10 @@ def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_
                 raise Bad("corrupt", f"cannot read {name!r}: {e}") from None
             if digest_hex != rec["xxh3_128"]:
                 raise Bad("corrupt", f"file {name!r} fails its checksum")
-        _VERIFIED[key] = (msig, manifest)
+        # A check for verify (``seen``) adds nothing: holding every manifest of the store
+        # took verify to 350 MB at 100,000 entries. It refreshes what a lookup holds.
+        if seen is None or key in _VERIFIED:
+            _VERIFIED[key] = (msig, manifest)
         _PARSED.pop(key, None)
     return Entry(key=digest, path=edir, files=files, manifest=manifest)
 
