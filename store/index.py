@@ -94,7 +94,21 @@ def _interned(labels: Any) -> dict[str, str]:
             else v for k, v in labels.items()}
 
 
+_intern = sys.intern
+
+
 def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
+    # What this package writes (see Index.add), read without a conversion per field: half
+    # the time of ls and gc at 100,000 entries was here. Anything else takes the long way.
+    try:
+        size, created, last_used, hits, labels = (
+            rec["size_bytes"], rec["created"], rec["last_used"], rec["hits"], rec["labels"])
+        if (type(size) is int and type(created) is float and type(last_used) is float
+                and type(hits) is int and type(labels) is dict and "state" not in rec):
+            return EntryInfo(digest, size, created, last_used, hits,
+                             {_intern(k): _intern(v) for k, v in labels.items()})
+    except (KeyError, TypeError):   # a record of another shape; a label not a string
+        pass
     return EntryInfo(
         key=digest,
         size_bytes=int(rec.get("size_bytes", 0)),
@@ -325,14 +339,22 @@ class Index:
         """:meth:`remove` of each, and ``bytes`` down by ``freed``, in one transaction (gc
         evicts in batches: one commit per batch instead of two per entry)."""
         c = self.cache
+        entries = graphs = logical = 0
         with c.transact():
             if freed:
                 c.incr(_C + "bytes", -freed)
             for digest in digests:
-                rec = c.get(_E + digest)
-                if rec is not None:
-                    c.delete(_E + digest)
-                    _count(c, rec, -1)
+                rec = c.pop(_E + digest)
+                if isinstance(rec, dict):
+                    entries += 1
+                    graphs += is_shared_graph(rec.get("labels") or {})
+                    logical += int(rec.get("size_bytes", 0))
+            # The totals moved once for the batch (three updates per entry were a third
+            # of gc's index time).
+            if entries:
+                c.incr(_T + "entries", -entries)
+                c.incr(_T + "graphs", -graphs)
+                c.incr(_T + "logical_bytes", -logical)
 
     def get(self, digest: str) -> EntryInfo | None:
         rec = self.cache.get(_E + digest)
@@ -348,7 +370,8 @@ class Index:
         for k, rec in self._bulk().prefixed(_E):
             if isinstance(rec, dict):
                 held = rec.get("blobs") if blobs else None
-                yield _info(k[len(_E) :], rec), (None if held is None else dict(held))
+                # Each row is decoded afresh: its blob map is the caller's, uncopied.
+                yield _info(k[len(_E) :], rec), (held if isinstance(held, dict) else None)
 
     def totals(self) -> dict[str, int]:
         """``entries``, ``graphs`` (shared-graph entries among them) and ``logical_bytes``

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
 from .index import ABOUT, GRAPH_SCOPE, REMOTE_HITS, Index
 from .keys import digest_of
-from .layout import Layout
+from .layout import Layout, blob_name
 from .metrics import merge, read_counters, remove_counters
 from .outcomes import EntryInfo, GcReport, VerifyReport
 from .pins import lock, pinned
@@ -32,7 +35,7 @@ from .policy import (
     physical_size,
     split_pinned,
 )
-from .publishing import remove, remove_many
+from .publishing import RM_THREADS, remove, remove_many
 from .verification import Bad, Stamp, quarantine, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -136,7 +139,7 @@ def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
 
 def sweep_blobs(layout: Layout) -> int:
     """Remove blobs no entry links to any more (link count 1)."""
-    n = 0
+    unused: list[str] = []
     for shard in layout.scan("blobs"):
         if not shard.is_dir(follow_symlinks=False):
             if shard.is_symlink():
@@ -146,10 +149,37 @@ def sweep_blobs(layout: Layout) -> int:
             for b in it:
                 try:
                     if b.stat(follow_symlinks=False).st_nlink <= 1:
-                        os.unlink(b.path)
-                        n += 1
+                        unused.append(b.path)
                 except FileNotFoundError:
                     pass
+    if len(unused) <= 1:
+        return sum(map(_unlink_unused, unused))
+    # Each unlink that frees a blob's blocks waits on the disk: many at once (see RM_THREADS).
+    with ThreadPoolExecutor(min(len(unused), RM_THREADS)) as pool:
+        return sum(pool.map(_unlink_unused, unused))
+
+
+def _unlink_unused(path: str) -> bool:
+    """Unlink the blob ``path`` if still no entry links it (one may have since the scan)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def _drop_blobs(layout: Layout, held: Mapping[str, int]) -> int:
+    """Unlink the blobs of the contents ``held`` (an evicted entry's) that no entry links
+    any more: :func:`sweep_blobs` for one entry, run as soon as its tree is deleted."""
+    n = 0
+    for cs in held:
+        if len(cs) != 32 or layout.unreal("blobs", cs[:2]) is not None:
+            continue   # not a checksum, or a shard that is a link: sweep_blobs warns
+        for executable in (False, True):
+            n += _unlink_unused(os.path.join(layout.blobs, cs[:2], blob_name(cs, executable)))
     return n
 
 
@@ -159,6 +189,9 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
 
     Sizes are physical: content shared by several entries counts once, and evicting
     an entry frees only what no remaining entry holds.
+
+    Entries go in batches, each taken out of entries/ and the index at once; their trees
+    and freed blobs are deleted by threads while the next batch is taken away.
     """
     report = GcReport(max_size=cap)
     with lock(layout, "gc", timeout=lock_timeout):
@@ -168,12 +201,22 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
         live = pinned(layout)
         report.pinned_skipped = sorted(live & {i.key for i in infos})
         victims = lru_evictions(infos, cap, live, blobs)
-        for at in range(0, len(victims), GC_BATCH):
-            batch = {v.key: v for v in victims[at:at + GC_BATCH]}
-            for d in remove_many(layout, index, list(batch), respect_pins=True, kind="evict"):
-                report.evicted.append(batch[d])
+        dropped = [0]
+        counting = threading.Lock()
+
+        def drop_blobs(d: str) -> None:   # in a deleting thread
+            n = _drop_blobs(layout, blobs.get(d) or {})
+            with counting:
+                dropped[0] += n
+
+        with ThreadPoolExecutor(RM_THREADS) as pool:
+            for at in range(0, len(victims), GC_BATCH):
+                batch = {v.key: v for v in victims[at:at + GC_BATCH]}
+                for d in remove_many(layout, index, list(batch), respect_pins=True,
+                                     kind="evict", pool=pool, then=drop_blobs):
+                    report.evicted.append(batch[d])
         gone = {i.key for i in report.evicted}
-        report.blobs_removed = sweep_blobs(layout)
+        report.blobs_removed = dropped[0] + sweep_blobs(layout)
         report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
         report.freed_bytes = report.bytes_before - report.bytes_after
 
