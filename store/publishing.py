@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -175,21 +176,22 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
 
     With ``pool``, the trees (already out of entries/, and out of the index) are deleted
     by its threads, and this returns without waiting: the caller waits for the pool
-    (gc deletes one batch while it takes the next away). ``then(digest)`` runs in the
-    same thread after an entry's tree is deleted.
+    (gc deletes one batch while it takes the next away), and sets the ``bytes`` counter
+    itself. ``then(digest)`` runs in the same thread after an entry's tree is deleted.
     """
     taken: list[tuple[str, Path]] = []
     absent: list[str] = []
-    tmp = layout.real("tmp")   # checked once for the batch, not once per entry
+    # The batch goes into a directory of its own under tmp/ (swept if this process dies):
+    # a rename into a directory waits for its lock, which the deleting threads' rmdirs
+    # held 3 ms each when every batch went into tmp/ itself (renames took 1 ms each).
+    into = layout.staging_dir(kind, "batch")
 
     def take(d: str) -> Path | None:
-        return _take_away(layout, d, kind, tmp)
+        return _take_away(layout, d, kind, into)
 
     if pool is not None and len(digests) > 1:
-        # A rename waited 1 ms here while other threads deleted trees: renamed by threads
-        # too, all of the batch before the pins are read.
         with ThreadPoolExecutor(min(len(digests), RM_THREADS)) as renaming:
-            moved = list(renaming.map(take, digests))
+            moved = list(renaming.map(take, digests))   # all of them before pins are read
     else:
         moved = [take(d) for d in digests]
     for d, gone in zip(digests, moved, strict=True):
@@ -209,15 +211,28 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
                     pass  # a fresh copy was published meanwhile; ours can go
             kept.append((d, gone))
         taken = kept
-    freed = exclusive_bytes_of([gone for _, gone in taken])
+    # What the batch frees moves the ``bytes`` counter; with ``pool`` the caller (gc) sets
+    # the counter from its own count at the end instead, and the walk of every tree it
+    # deletes (a third of remove_many's time) is saved.
+    freed = 0 if pool is not None else exclusive_bytes_of([gone for _, gone in taken])
     # The renames above were the removal; deleting the trees is I/O wait, so several
     # threads delete them at once. Readers with open files keep them.
+
+    left = [len(taken)]
+    counting = threading.Lock()
 
     def delete(d: str, gone: Path) -> None:
         rmtree_quiet(gone)
         if then is not None:
             then(d)
+        with counting:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            rmtree_quiet(into)   # empty by now, unless a put-back failed midway
 
+    if not taken:
+        rmtree_quiet(into)
     removed = [d for d, _ in taken]
     index.safely("delete", lambda: index.remove_many(removed + absent, freed))
     if pool is not None:

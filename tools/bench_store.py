@@ -68,6 +68,8 @@ def main() -> None:
                     help="with --scale: keep the filled stores under this folder and reuse "
                          "them on the next run (a 100,000-entry fill takes minutes); gc's "
                          "evictions are filled back in afterwards")
+    ap.add_argument("--gc-readers", type=int, default=4,
+                    help="with --scale: processes looking entries up while gc runs")
     ap.add_argument("--verbs", default=",".join(VERBS),
                     help=f"with --scale: which to time, of {','.join(VERBS)}")
     args = ap.parse_args()
@@ -76,7 +78,7 @@ def main() -> None:
         unknown = set(verbs) - set(VERBS)
         if unknown:
             ap.error(f"unknown --verbs {sorted(unknown)}; known: {','.join(VERBS)}")
-        scale([int(n) for n in args.scale.split(",")], args.reps, code=args.code,
+        scale([int(n) for n in args.scale.split(",")], args.reps, args.gc_readers, code=args.code,
               store_dir=args.store_dir, verbs=verbs)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_store."))
@@ -323,7 +325,7 @@ def _gc_under_readers(root: Path, n: int, env: dict[str, str], py: list[str],
     procs = [subprocess.Popen([*py, "-c", _READER, str(root), str(n), str(r), "600"],
                               env=env) for r in range(readers)]
     try:
-        time.sleep(2.0)  # readers started and looking up
+        time.sleep(2.0 if readers else 0.0)  # readers started and looking up
         before = sum(1 for _ in open_store(root).digests())
         st = open_store(root)
         assert isinstance(st, Store)
