@@ -304,7 +304,7 @@ def verify(layout: Layout, index: Index, fix: bool = False, *,
     report = VerifyReport()
     report.problems.extend(layout.problems())
     on_disk = set(layout.digests(warn=False))
-    known = {} if full else (index.safely("stamps", index.stamps) or {})
+    known = index.safely("stamps", index.stamps) or {}
     fresh: dict[str, tuple[bool, Stamp]] = {}
     writable = not index.readonly
 
@@ -317,7 +317,7 @@ def verify(layout: Layout, index: Index, fix: bool = False, *,
     for d in sorted(on_disk):
         report.checked += 1
         was = known.get(d)
-        if was is not None and verification.unchanged(layout, d, was[1]):
+        if not full and was is not None and verification.unchanged(layout, d, was[1]):
             report.unchanged += 1
             report.shared_graphs += was[0]
             continue
@@ -335,7 +335,7 @@ def verify(layout: Layout, index: Index, fix: bool = False, *,
             entry, stamp = verification.check(layout, d, on_bad=bad)
             graph = is_shared_graph(entry.labels)
             report.shared_graphs += graph
-            if stamp is not None:
+            if stamp is not None and (graph, stamp) != was:   # a row per change only
                 fresh[d] = (graph, stamp)
                 if len(fresh) >= _STAMP_BATCH:
                     keep_stamps()
