@@ -71,8 +71,12 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
     everything = list(st.entries())
-    infos = [i for i in everything if has_labels(i.labels, want)
-             and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
+    if want:
+        infos = [i for i in everything if has_labels(i.labels, want)
+                 and (graphs or want.get("kind") == "graph" or not is_shared_graph(i.labels))]
+    else:   # no label to match: no has_labels per entry (100,000 calls)
+        infos = list(everything) if graphs else [i for i in everything
+                                                 if not is_shared_graph(i.labels)]
     infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
     if as_json:
