@@ -222,9 +222,13 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
     counting = threading.Lock()
 
     def delete(d: str, gone: Path) -> None:
-        rmtree_quiet(gone)
-        if then is not None:
-            then(d)
+        try:
+            rmtree_quiet(gone)
+            if then is not None:
+                then(d)
+        except Exception as e:   # in a pool's thread, where nobody would see it raised
+            logger.warning("deleting the evicted entry %s failed: %s (tmp/ sweeps it)",
+                           d, e)
         with counting:
             left[0] -= 1
             last = left[0] == 0
