@@ -320,9 +320,10 @@ class Store(Maintenance):
         """Rebuild the index from the manifests on disk (the manifests are the truth)."""
         return maintenance.reindex(self.layout, self.index)
 
-    def verify(self, fix: bool = False) -> VerifyReport:
-        """Check every entry in full, the store's directories, and the index against the disk."""
-        return maintenance.verify(self.layout, self.index, fix)
+    def verify(self, fix: bool = False, *, full: bool = False) -> VerifyReport:
+        """Check the entries (in full the first time, then those that changed; ``full``:
+        every one), the store's directories, and the index against the disk."""
+        return maintenance.verify(self.layout, self.index, fix, full=full)
 
     def stats(self, *, recount: bool = False) -> dict[str, Any]:
         """Entries, sizes, hits and misses (see :func:`cachecompile.store.maintenance.stats`)."""

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import errors
+from . import errors, verification
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
 from .index import ABOUT, GRAPH_SCOPE, PULLS, REMOTE_HITS, Index
 from .keys import digest_of
-from .layout import Layout
+from .layout import Layout, blob_name
 from .metrics import merge, read_counters, remove_counters
 from .outcomes import EntryInfo, GcReport, VerifyReport
 from .pins import lock, pinned
@@ -32,8 +35,8 @@ from .policy import (
     physical_size,
     split_pinned,
 )
-from .publishing import remove, remove_many
-from .verification import Bad, inspect, quarantine, read_manifest
+from .publishing import RM_THREADS, remove, remove_many
+from .verification import Bad, Stamp, quarantine, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ TEMP_GRACE_S = 3600.0
 # Entries gc takes away per pin scan and index transaction: large enough that neither
 # dominates, small enough that the index is not held long while readers record hits.
 GC_BATCH = 256
+# Stamps verify writes per index transaction (the index is not held long while readers
+# record hits).
+_STAMP_BATCH = 2000
 Blobs = dict[str, dict[str, int]]
 
 
@@ -133,7 +139,7 @@ def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
 
 def sweep_blobs(layout: Layout) -> int:
     """Remove blobs no entry links to any more (link count 1)."""
-    n = 0
+    unused: list[str] = []
     for shard in layout.scan("blobs"):
         if not shard.is_dir(follow_symlinks=False):
             if shard.is_symlink():
@@ -143,10 +149,37 @@ def sweep_blobs(layout: Layout) -> int:
             for b in it:
                 try:
                     if b.stat(follow_symlinks=False).st_nlink <= 1:
-                        os.unlink(b.path)
-                        n += 1
+                        unused.append(b.path)
                 except FileNotFoundError:
                     pass
+    if len(unused) <= 1:
+        return sum(map(_unlink_unused, unused))
+    # Each unlink that frees a blob's blocks waits on the disk: many at once (see RM_THREADS).
+    with ThreadPoolExecutor(min(len(unused), RM_THREADS)) as pool:
+        return sum(pool.map(_unlink_unused, unused))
+
+
+def _unlink_unused(path: str) -> bool:
+    """Unlink the blob ``path`` if still no entry links it (one may have since the scan)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def _drop_blobs(layout: Layout, held: Mapping[str, int]) -> int:
+    """Unlink the blobs of the contents ``held`` (an evicted entry's) that no entry links
+    any more: :func:`sweep_blobs` for one entry, run as soon as its tree is deleted."""
+    n = 0
+    for cs in held:
+        if len(cs) != 32 or layout.unreal("blobs", cs[:2]) is not None:
+            continue   # not a checksum, or a shard that is a link: sweep_blobs warns
+        for executable in (False, True):
+            n += _unlink_unused(os.path.join(layout.blobs, cs[:2], blob_name(cs, executable)))
     return n
 
 
@@ -156,6 +189,9 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
 
     Sizes are physical: content shared by several entries counts once, and evicting
     an entry frees only what no remaining entry holds.
+
+    Entries go in batches, each taken out of entries/ and the index at once; their trees
+    and freed blobs are deleted by threads while the next batch is taken away.
     """
     report = GcReport(max_size=cap)
     with lock(layout, "gc", timeout=lock_timeout):
@@ -165,12 +201,22 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
         live = pinned(layout)
         report.pinned_skipped = sorted(live & {i.key for i in infos})
         victims = lru_evictions(infos, cap, live, blobs)
-        for at in range(0, len(victims), GC_BATCH):
-            batch = {v.key: v for v in victims[at:at + GC_BATCH]}
-            for d in remove_many(layout, index, list(batch), respect_pins=True, kind="evict"):
-                report.evicted.append(batch[d])
+        dropped = [0]
+        counting = threading.Lock()
+
+        def drop_blobs(d: str) -> None:   # in a deleting thread
+            n = _drop_blobs(layout, blobs.get(d) or {})
+            with counting:
+                dropped[0] += n
+
+        with ThreadPoolExecutor(RM_THREADS) as pool:
+            for at in range(0, len(victims), GC_BATCH):
+                batch = {v.key: v for v in victims[at:at + GC_BATCH]}
+                for d in remove_many(layout, index, list(batch), respect_pins=True,
+                                     kind="evict", pool=pool, then=drop_blobs):
+                    report.evicted.append(batch[d])
         gone = {i.key for i in report.evicted}
-        report.blobs_removed = sweep_blobs(layout)
+        report.blobs_removed = dropped[0] + sweep_blobs(layout)
         report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
         report.freed_bytes = report.bytes_before - report.bytes_after
 
@@ -241,8 +287,16 @@ def reindex(layout: Layout, index: Index) -> int:
     return len(infos)
 
 
-def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
-    """Check every entry in full, the store's directories, and the index against the disk.
+def verify(layout: Layout, index: Index, fix: bool = False, *,
+           full: bool = False) -> VerifyReport:
+    """Check the entries, the store's directories, and the index against the disk.
+
+    Each entry is checked in full (manifest digest, every checksum) once, and then only
+    when it changed: a full check leaves a stamp in the index (the lstat of each path it
+    read: inode, mode, owner, size, mtime, ctime), and an entry that still matches its
+    stamp is not read again (:func:`verification.unchanged`). Any write, rename, chmod,
+    chown or utime moves a ctime, so what a stamp misses is damage that changes bytes
+    without a write (a failing disk): ``full`` reads every entry, as the first run does.
 
     A directory that is a symlink is a problem (named by its path, not a digest);
     ``fix`` leaves it alone (whatever it points at is not the store's to move).
@@ -250,8 +304,23 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
     report = VerifyReport()
     report.problems.extend(layout.problems())
     on_disk = set(layout.digests(warn=False))
+    known = index.safely("stamps", index.stamps) or {}
+    fresh: dict[str, tuple[bool, Stamp]] = {}
+    writable = not index.readonly
+
+    def keep_stamps() -> None:
+        if fresh and writable:
+            batch = dict(fresh)
+            index.safely("stamps", lambda: index.set_stamps(batch))
+        fresh.clear()
+
     for d in sorted(on_disk):
         report.checked += 1
+        was = known.get(d)
+        if not full and was is not None and verification.unchanged(layout, d, was[1]):
+            report.unchanged += 1
+            report.shared_graphs += was[0]
+            continue
 
         def bad(b: Bad, d: str = d) -> None:
             # Called while the entry's directory is held open (corrupt or insecure), so
@@ -263,13 +332,25 @@ def verify(layout: Layout, index: Index, fix: bool = False) -> VerifyReport:
                 index.safely("corruptions", lambda: index.incr("corruptions"))
 
         try:
-            if is_shared_graph(inspect(layout, d, full=True, on_bad=bad).labels):
-                report.shared_graphs += 1
+            entry, stamp = verification.check(layout, d, on_bad=bad)
+            graph = is_shared_graph(entry.labels)
+            report.shared_graphs += graph
+            if stamp is not None and (graph, stamp) != was:   # a row per change only
+                fresh[d] = (graph, stamp)
+                if len(fresh) >= _STAMP_BATCH:
+                    keep_stamps()
         except Bad as b:
             if b.kind == "absent":
                 report.checked -= 1  # deleted or evicted while verify read it: not a problem
             elif b.kind not in ("corrupt", "insecure"):   # those went through bad()
                 bad(b)
+    keep_stamps()
+    # Stamps of entries gone (or found bad: a stamp is only kept for an entry that was
+    # whole) are dropped; a stale one could not match anyway (a new directory, a new ctime).
+    stale = [d for d in known if d not in on_disk]
+    stale += [d for d, _ in report.problems if d in known]
+    if stale and writable:
+        index.safely("stamps", lambda: index.drop_stamps(stale))
     indexed = index.safely("list", index.digests) or set()
     # Looked at again now: an entry published or removed while verify ran is no mismatch.
     def unindexed(d: str) -> bool:

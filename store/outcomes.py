@@ -101,6 +101,9 @@ class GcReport:
 @dataclass
 class VerifyReport:
     checked: int = 0
+    # Of those checked, the entries that matched the stamp of their last full check and
+    # were not read again (``verify(full=True)`` reads every one).
+    unchanged: int = 0
     # Of those checked, the shared graphs' programs (``cachectl ls`` lists them apart).
     shared_graphs: int = 0
     problems: list[tuple[str, str]] = field(default_factory=list)  # (digest, reason)

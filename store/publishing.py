@@ -13,9 +13,10 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,13 @@ def publish(
                  manifest=manifest), True
 
 
-def _take_away(layout: Layout, digest: str, kind: str) -> Path | None:
-    """Atomically move an entry out of entries/ (readers see it whole or absent)."""
+def _take_away(layout: Layout, digest: str, kind: str, tmp: Path | None = None) -> Path | None:
+    """Atomically move an entry out of entries/ (readers see it whole or absent).
+    ``tmp``: ``layout.real("tmp")``, checked by the caller already."""
     # Renaming through a symlinked shard would pull an outside tree into tmp/ (and
     # then delete it): refuse instead.
     src = layout.real("entries", digest[:2]) / digest
-    dst = layout.real("tmp") / temp_name(kind, digest)
+    dst = (tmp if tmp is not None else layout.real("tmp")) / temp_name(kind, digest)
     try:
         os.rename(src, dst)
     except FileNotFoundError:
@@ -155,11 +157,15 @@ def remove(layout: Layout, index: Index, digest: str, *, respect_pins: bool, kin
     return True
 
 
-_RM_THREADS = 8  # deleting trees: 4 threads deleted 10x as many per second as one here
+# Deleting trees: each rmdir, and each unlink that frees a file's blocks, waited about 3 ms
+# on this disk (ext4 mounted with discard), and they overlap: 16 threads unlinked 20x as
+# many files per second as one (32 no more than 16).
+RM_THREADS = 16
 
 
 def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pins: bool,
-                kind: str) -> list[str]:
+                kind: str, pool: Executor | None = None,
+                then: Callable[[str], None] | None = None) -> list[str]:
     """:func:`remove` of each of ``digests``, with one pin scan and one index transaction
     for all of them (gc removing one entry at a time made a pin scan and two index
     commits each: 46 entries/s with four readers recording hits). Returns the removed.
@@ -167,11 +173,28 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
     The promises are :func:`remove`'s: each entry leaves entries/ by one rename (whole or
     absent to readers), and the pins are read after every rename of the batch, so an
     entry pinned before its rename is put back.
+
+    With ``pool``, the trees (already out of entries/, and out of the index) are deleted
+    by its threads, and this returns without waiting: the caller waits for the pool
+    (gc deletes one batch while it takes the next away), and sets the ``bytes`` counter
+    itself. ``then(digest)`` runs in the same thread after an entry's tree is deleted.
     """
     taken: list[tuple[str, Path]] = []
     absent: list[str] = []
-    for d in digests:
-        gone = _take_away(layout, d, kind)
+    # The batch goes into a directory of its own under tmp/ (swept if this process dies):
+    # a rename into a directory waits for its lock, which the deleting threads' rmdirs
+    # held 3 ms each when every batch went into tmp/ itself (renames took 1 ms each).
+    into = layout.staging_dir(kind, "batch")
+
+    def take(d: str) -> Path | None:
+        return _take_away(layout, d, kind, into)
+
+    if pool is not None and len(digests) > 1:
+        with ThreadPoolExecutor(min(len(digests), RM_THREADS)) as renaming:
+            moved = list(renaming.map(take, digests))   # all of them before pins are read
+    else:
+        moved = [take(d) for d in digests]
+    for d, gone in zip(digests, moved, strict=True):
         if gone is None:
             absent.append(d)
         else:
@@ -188,16 +211,41 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
                     pass  # a fresh copy was published meanwhile; ours can go
             kept.append((d, gone))
         taken = kept
-    freed = exclusive_bytes_of([gone for _, gone in taken])
-    # The renames above were the removal; deleting the trees is I/O wait (an rmdir took
-    # 2 ms here), so several threads delete them at once. Readers with open files keep them.
-    if len(taken) > 1:
-        with ThreadPoolExecutor(min(len(taken), _RM_THREADS)) as pool:
-            list(pool.map(rmtree_quiet, [gone for _, gone in taken]))
-    else:
-        for _, gone in taken:
-            rmtree_quiet(gone)
-    removed = [d for d, _ in taken]
+    # What the batch frees moves the ``bytes`` counter; with ``pool`` the caller (gc) sets
+    # the counter from its own count at the end instead, and the walk of every tree it
+    # deletes (a third of remove_many's time) is saved.
+    freed = 0 if pool is not None else exclusive_bytes_of([gone for _, gone in taken])
+    # The renames above were the removal; deleting the trees is I/O wait, so several
+    # threads delete them at once. Readers with open files keep them.
 
+    left = [len(taken)]
+    counting = threading.Lock()
+
+    def delete(d: str, gone: Path) -> None:
+        try:
+            rmtree_quiet(gone)
+            if then is not None:
+                then(d)
+        except Exception as e:   # in a pool's thread, where nobody would see it raised
+            logger.warning("deleting the evicted entry %s failed: %s (tmp/ sweeps it)",
+                           d, e)
+        with counting:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            rmtree_quiet(into)   # empty by now, unless a put-back failed midway
+
+    if not taken:
+        rmtree_quiet(into)
+    removed = [d for d, _ in taken]
     index.safely("delete", lambda: index.remove_many(removed + absent, freed))
+    if pool is not None:
+        for d, gone in taken:
+            pool.submit(delete, d, gone)
+    elif len(taken) > 1:
+        with ThreadPoolExecutor(min(len(taken), RM_THREADS)) as own:
+            list(own.map(delete, removed, [gone for _, gone in taken]))
+    else:
+        for d, gone in taken:
+            delete(d, gone)
     return removed

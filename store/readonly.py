@@ -109,10 +109,10 @@ class ReadOnlyStore(Wrapper[Store]):
     def stats(self, *, recount: bool = False) -> dict[str, Any]:
         return {**self.inner.stats(recount=recount), "readonly": True}
 
-    def verify(self, fix: bool = False) -> VerifyReport:
+    def verify(self, fix: bool = False, *, full: bool = False) -> VerifyReport:
         if fix:
             raise self.refusal("fix entries")
-        return self.inner.verify(fix=False)
+        return self.inner.verify(fix=False, full=full)
 
     def purge_plan(
         self, *, keys: list[str] | None = None, labels: Mapping[str, Any] | None = None,

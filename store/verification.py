@@ -4,16 +4,22 @@ one that does not is moved to ``quarantine/`` (never deleted silently).
 Full checksums on the first read of an entry in a process, sizes only after that (issue
 2): what this process verified, and which manifests it parsed and digest-checked, is
 remembered per entry directory and manifest signature (inode, mtime, size).
+
+``cachectl verify`` reads every entry in full once, and then only what changed: a full
+check (:func:`check`) returns a :data:`Stamp` of what it read, and :func:`unchanged`
+tells whether the entry still matches it without reading the manifest or hashing a file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
 import stat
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +35,8 @@ from .outcomes import Entry, MissKind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bad", "Ident", "forget", "inspect", "quarantine", "read_manifest", "remember"]
+__all__ = ["Bad", "Ident", "Stamp", "check", "forget", "inspect", "quarantine",
+           "read_manifest", "remember", "unchanged"]
 
 # Entries verified in full by this process: entry dir -> (manifest signature, manifest).
 # Later reads in this process check sizes only (issue 2: "full checksums on the first read").
@@ -87,6 +94,37 @@ class Bad(Exception):
         self.ident = ident
 
 
+# What a full check of an entry read, as :func:`unchanged` compares it later: the paths
+# (relative to the entry directory: ".", the manifest, data/, each directory on the way to
+# a file, each file) and a digest of their lstat (inode, mode, owner, size, mtime, ctime).
+# Any write, rename, chmod, chown, utime or replacement moves the ctime of what it
+# touches, which the kernel sets and no user can set back.
+Stamp = tuple[tuple[str, ...], bytes]
+StatRecord = tuple[str, int, int, int, int, int, int, int]
+# A stamp is only kept when everything it covers last changed this long before the check
+# began: file times come from a coarse clock (a tick of a few ms; seconds on some file
+# systems), so a change made in the same tick as the last one could leave every field
+# equal ("racy git"). An entry changed that recently is read in full next time.
+RACY_NS = 2_000_000_000
+_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}   # one tuple per distinct name list
+
+
+def _record(name: str, st: os.stat_result) -> StatRecord:
+    return (name, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
+            st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _seal(records: list[StatRecord]) -> Stamp:
+    names = tuple(r[0] for r in records)
+    shared = _NAMES.setdefault(names, names)
+    numbers = [v for r in records for v in r[1:]]
+    try:
+        packed = struct.pack(f"<{len(numbers)}q", *numbers)   # repr was a third of verify
+    except struct.error:   # an inode number past 2**63 (some network file systems)
+        packed = repr(numbers).encode()
+    return shared, hashlib.blake2b(packed, digest_size=16).digest()
+
+
 def _lstat(name: str, fd: int, missing: tuple[MissKind, str], what: str) -> os.stat_result:
     """lstat ``name`` inside the directory ``fd``; Bad(*missing) when it is not there,
     ``unreadable`` when it may not be looked at."""
@@ -123,6 +161,48 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None,
     directory by :attr:`Bad.ident`, which cannot name a new entry while the descriptor
     keeps the inode from being reused.
     """
+    return _inspect(layout, digest, full, on_bad, None)
+
+
+def check(layout: Layout, digest: str, *, on_bad: Callable[[Bad], None] | None = None,
+          ) -> tuple[Entry, Stamp | None]:
+    """:func:`inspect` in full (every checksum), and the stamp of what it read, for
+    :func:`unchanged` to compare later; None when something in the entry changed too
+    recently for its times to tell a later change apart (see ``RACY_NS``).
+
+    The stamp is of the state before the manifest and files were read: whatever changes
+    them during or after the check moves their ctime, so it cannot match it.
+    """
+    began = time.time_ns()
+    seen: list[StatRecord] = []
+    entry = _inspect(layout, digest, True, on_bad, seen)
+    if max(r[7] for r in seen) > began - RACY_NS:
+        return entry, None
+    return entry, _seal(seen)
+
+
+def unchanged(layout: Layout, digest: str, stamp: Stamp) -> bool:
+    """Whether the entry is still exactly what a full check stamped ``stamp``: the same
+    paths, through one descriptor of the entry directory (no link followed), with the
+    same inode, mode, owner, size, mtime and ctime. No file is read."""
+    names, sealed = stamp
+    try:
+        # A str path: pathlib's joins were a quarter of a verify with nothing changed.
+        fd = os.open(os.path.join(layout.entries, digest[:2], digest), _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        records = [_record(n, os.fstat(fd) if n == "." else os.lstat(n, dir_fd=fd))
+                   for n in names]
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return _seal(records)[1] == sealed
+
+
+def _inspect(layout: Layout, digest: str, full: bool | None,
+             on_bad: Callable[[Bad], None] | None, seen: list[StatRecord] | None) -> Entry:
     edir = layout.entry_dir(digest)
     found = layout.unreal("entries", digest[:2])
     if found is not None:
@@ -144,7 +224,7 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None,
         dst = os.fstat(fd)
         held = (dst.st_dev, dst.st_ino)
         try:
-            return _inspect_dir(layout, digest, edir, fd, dst, full)
+            return _inspect_dir(layout, digest, edir, fd, dst, full, seen)
         except Bad as b:
             if b.kind not in ("corrupt", "insecure"):
                 raise
@@ -160,12 +240,15 @@ def inspect(layout: Layout, digest: str, *, full: bool | None = None,
 
 
 def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_result,
-                 full: bool | None) -> Entry:
-    """:func:`inspect` of the entry directory open as ``fd`` (``dst``: its stat)."""
+                 full: bool | None, seen: list[StatRecord] | None = None) -> Entry:
+    """:func:`inspect` of the entry directory open as ``fd`` (``dst``: its stat). Each
+    lstat made on the way is added to ``seen`` (what a :data:`Stamp` covers)."""
     problem = owner_problem(dst, layout.shared_group, layout.group)
     if problem:
         raise Bad("insecure", f"entry {problem}")
     mst = _lstat(MANIFEST, fd, ("corrupt", "manifest.json is missing"), "manifest")
+    if seen is not None:
+        seen += [_record(".", dst), _record(MANIFEST, mst)]
     if not stat.S_ISREG(mst.st_mode):
         raise Bad("insecure", "manifest.json is not a regular file")
     key = str(edir)
@@ -199,9 +282,12 @@ def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_
     data = edir / DATA
     # data/ itself too: lstat of data/<name> would follow a symlinked data/.
     try:
-        data_mode: int | None = os.lstat(DATA, dir_fd=fd).st_mode
+        dat = os.lstat(DATA, dir_fd=fd)
     except FileNotFoundError:
-        data_mode = None
+        dat = None
+    data_mode = None if dat is None else dat.st_mode
+    if seen is not None and dat is not None:
+        seen.append(_record(DATA, dat))
     if data_mode is None:
         if manifest["files"]:
             raise Bad("corrupt", "data/ is missing")
@@ -223,6 +309,8 @@ def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_
                 if not stat.S_ISDIR(sst.st_mode):
                     raise Bad("insecure", f"{sub!r} is not a real directory")
                 checked_dirs.add(sub)
+                if seen is not None:
+                    seen.append(_record(f"{DATA}/{sub}", sst))
         fst = _lstat(f"{DATA}/{name}", fd, ("corrupt", f"file {name!r} is missing"), repr(name))
         if not stat.S_ISREG(fst.st_mode):
             raise Bad("insecure", f"file {name!r} is not a regular file (symlink?)")
@@ -232,6 +320,8 @@ def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_
         if fst.st_size != rec["size"]:
             raise Bad("corrupt", f"file {name!r} has size {fst.st_size}, manifest says {rec['size']}")
         files[name] = data / name
+        if seen is not None:
+            seen.append(_record(f"{DATA}/{name}", fst))
     if not verified:
         for name, rec in manifest["files"].items():
             try:
@@ -242,7 +332,10 @@ def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_
                 raise Bad("corrupt", f"cannot read {name!r}: {e}") from None
             if digest_hex != rec["xxh3_128"]:
                 raise Bad("corrupt", f"file {name!r} fails its checksum")
-        _VERIFIED[key] = (msig, manifest)
+        # A check for verify (``seen``) adds nothing: holding every manifest of the store
+        # took verify to 350 MB at 100,000 entries. It refreshes what a lookup holds.
+        if seen is None or key in _VERIFIED:
+            _VERIFIED[key] = (msig, manifest)
         _PARSED.pop(key, None)
     return Entry(key=digest, path=edir, files=files, manifest=manifest)
 

@@ -2,6 +2,7 @@
 
     python tools/bench_store.py [--reps 5] [--big-mb 100] [--ls-entries 10000]
     python tools/bench_store.py --scale 1000,10000,100000 [--reps 3] [--code DIR]
+                                [--store-dir DIR] [--verbs ls,stats,verify,gc]
 
 Prints a markdown table of medians. Page cache: every read figure is taken warm
 (the file was just written and read once), for the store and for `cat` alike.
@@ -63,9 +64,22 @@ def main() -> None:
     ap.add_argument("--code", type=Path, default=None,
                     help="with --scale: time the cachecompile installed under this folder "
                          "(pip install --no-deps --target DIR <checkout>) instead of this one")
+    ap.add_argument("--store-dir", type=Path, default=None,
+                    help="with --scale: keep the filled stores under this folder and reuse "
+                         "them on the next run (a 100,000-entry fill takes minutes); gc's "
+                         "evictions are filled back in afterwards")
+    ap.add_argument("--gc-readers", type=int, default=4,
+                    help="with --scale: processes looking entries up while gc runs")
+    ap.add_argument("--verbs", default=",".join(VERBS),
+                    help=f"with --scale: which to time, of {','.join(VERBS)}")
     args = ap.parse_args()
     if args.scale:
-        scale([int(n) for n in args.scale.split(",")], args.reps, code=args.code)
+        verbs = [v.strip() for v in args.verbs.split(",") if v.strip()]
+        unknown = set(verbs) - set(VERBS)
+        if unknown:
+            ap.error(f"unknown --verbs {sorted(unknown)}; known: {','.join(VERBS)}")
+        scale([int(n) for n in args.scale.split(",")], args.reps, args.gc_readers, code=args.code,
+              store_dir=args.store_dir, verbs=verbs)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_store."))
     rows: list[tuple[str, str, str]] = []
@@ -210,15 +224,20 @@ def main() -> None:
 
 
 def _fill(root: Path, n: int) -> Store:
-    """``n`` small entries in seven models, without fsync (filling is not what is timed)."""
+    """``n`` small entries in seven models, without fsync (filling is not what is timed).
+    Entries already on disk are kept (a reused store is only topped up)."""
     real_fsync, real_fsync_dir = os.fsync, publishing.fsync_dir
     os.fsync = lambda fd: None  # type: ignore[assignment]
     publishing.fsync_dir = lambda p: None  # type: ignore[assignment]
     try:
         st = open_store(root)
         assert isinstance(st, Store)
+        there = set(st.digests())
         for i in range(n):
-            st.put(make_key({"i": i}), {"code.py": f"x = {i}\n".encode()},
+            key = make_key({"i": i})
+            if key.digest in there:
+                continue
+            st.put(key, {"code.py": f"x = {i}\n".encode()},
                    labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)})
         return st
     finally:
@@ -306,7 +325,7 @@ def _gc_under_readers(root: Path, n: int, env: dict[str, str], py: list[str],
     procs = [subprocess.Popen([*py, "-c", _READER, str(root), str(n), str(r), "600"],
                               env=env) for r in range(readers)]
     try:
-        time.sleep(2.0)  # readers started and looking up
+        time.sleep(2.0 if readers else 0.0)  # readers started and looking up
         before = sum(1 for _ in open_store(root).digests())
         st = open_store(root)
         assert isinstance(st, Store)
@@ -322,19 +341,30 @@ def _gc_under_readers(root: Path, n: int, env: dict[str, str], py: list[str],
     return (before - after) / wall
 
 
-def scale(sizes: list[int], reps: int, gc_readers: int = 4, code: Path | None = None) -> None:
+VERBS = ("ls", "ls --json", "stats", "verify", "verify --full", "lookup", "gc")
+
+
+def scale(sizes: list[int], reps: int, gc_readers: int = 4, code: Path | None = None,
+          store_dir: Path | None = None, verbs: list[str] | None = None) -> None:
     """Whole-process wall time, CPU time and peak RSS of ``ls``, ``ls --json``, ``stats``,
     ``verify`` and one lookup (import, ``open_store``, ``get`` of an entry) at each store
-    size, and the entries/s gc evicts with ``gc_readers`` readers running."""
+    size, and the entries/s gc evicts with ``gc_readers`` readers running.
+
+    ``store_dir``: fill the stores there, keep them, and reuse them next time (gc's
+    evictions are put back after it ran)."""
     env = _env()
-    rows: list[tuple[int, dict[str, tuple[float, float, int]], float]] = []
+    verbs = list(VERBS) if verbs is None else verbs
+    rows: list[tuple[int, dict[str, tuple[float, float, int]], float | None]] = []
     work = Path(tempfile.mkdtemp(prefix="bench_store_scale."))
     py = _python(code, work)
     cli = [*py, "-m", "cachecompile.cli.main"]
     try:
         for n in sizes:
-            root = work / f"s{n}"
+            root = (store_dir if store_dir is not None else work) / f"s{n}"
+            t_fill = time.perf_counter()
             _fill(root, n)
+            print(f"{n:,} entries filled in {time.perf_counter() - t_fill:.0f} s",
+                  file=sys.stderr)
             key = make_key({"i": n // 2}).digest
             lookup = [*py, "-c",
                       "from cachecompile.store import Hit, open_store; "
@@ -346,24 +376,36 @@ def scale(sizes: list[int], reps: int, gc_readers: int = 4, code: Path | None = 
                 return (statistics.median(r[0] for r in runs),
                         statistics.median(r[1] for r in runs), max(r[2] for r in runs))
 
-            got = {"ls": run([*cli, "ls", "--cache-dir", str(root)]),
-                   "ls --json": run([*cli, "ls", "--json", "--cache-dir", str(root)]),
-                   "stats": run([*cli, "stats", "--cache-dir", str(root)]),
-                   "verify": run([*cli, "verify", "--cache-dir", str(root)]),
-                   "lookup": run(lookup)}
-            rows.append((n, got, _gc_under_readers(root, n, env, py, gc_readers)))
-            shutil.rmtree(root, ignore_errors=True)
+            commands = {
+                "ls": [*cli, "ls", "--cache-dir", str(root)],
+                "ls --json": [*cli, "ls", "--json", "--cache-dir", str(root)],
+                "stats": [*cli, "stats", "--cache-dir", str(root)],
+                "verify": [*cli, "verify", "--cache-dir", str(root)],
+                "verify --full": [*cli, "verify", "--full", "--cache-dir", str(root)],
+                "lookup": lookup,
+            }
+            got = {v: run(cmd) for v, cmd in commands.items() if v in verbs}
+            rate = _gc_under_readers(root, n, env, py, gc_readers) if "gc" in verbs else None
+            rows.append((n, got, rate))
+            if store_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+            elif rate is not None:
+                _fill(root, n)  # put back what gc evicted, for the next run
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     def cell(m: tuple[float, float, int]) -> str:
         return f"{fmt_s(m[0])} ({fmt_s(m[1])} CPU, {m[2] / 2**20:.0f} MiB)"
 
-    verbs = ("ls", "ls --json", "stats", "verify", "lookup")
-    print(f"| entries | {' | '.join(f'`{v}`' for v in verbs)} | gc with {gc_readers} readers |")
-    print("|---|" + "---|" * (len(verbs) + 1))
+    timed = [v for v in verbs if v != "gc"]
+    gc_col = [f"gc with {gc_readers} readers"] if "gc" in verbs else []
+    print(f"| entries | {' | '.join([*(f'`{v}`' for v in timed), *gc_col])} |")
+    print("|---|" + "---|" * (len(timed) + len(gc_col)))
     for n, got, rate in rows:
-        print(f"| {n:,} | {' | '.join(cell(got[v]) for v in verbs)} | {rate:,.0f} entries/s |")
+        cells = [cell(got[v]) for v in timed]
+        if rate is not None:
+            cells.append(f"{rate:,.0f} entries/s")
+        print(f"| {n:,} | {' | '.join(cells)} |")
     print(f"\n(median of {reps} whole processes: wall (CPU, peak RSS); lookup: a fresh "
           "process's import, open_store and get)")
 

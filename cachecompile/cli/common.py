@@ -212,11 +212,61 @@ def _plain_table(infos: list[EntryInfo], groups: dict[str, str] | None = None) -
 
 
 def _plain_lines(infos: list[EntryInfo], groups: dict[str, str] | None = None) -> Iterator[str]:
-    """The lines of a plain aligned table, header first. Widths need every row, so rows
-    are made first (tuples of short strings), then formatted with one format string."""
-    rows = [tuple(c for c, _ in _COLUMNS)] + [tuple(_row(i, groups)) for i in infos]
-    widths = [max(map(len, col)) for col in zip(*rows, strict=True)]
-    fmt = "  ".join(f"{{:{'>' if just == 'right' else '<'}{w}}}"
+    """The lines of a plain aligned table, header first: each row as :func:`_row` makes
+    it. Widths need every row, so the cells are made first, a column at a time (a list
+    per column, equal cells shared: a tuple per row was 30 MB and a third of ``ls`` at
+    100,000 entries), then formatted with one format string."""
+    head = [c for c, _ in _COLUMNS]
+    cols = _columns(infos, groups)
+    widths = [max(len(h), max(map(len, col), default=0)) for h, col in zip(head, cols,
+                                                                            strict=True)]
+    # %-formatting of the row tuple zip makes: the same text as "{:<w}".format for
+    # strings, in 60% of the time.
+    fmt = "  ".join(f"%{'' if just == 'right' else '-'}{w}s"
                     for w, (_, just) in zip(widths, _COLUMNS, strict=True))
-    for r in rows:
-        yield fmt.format(*r).rstrip()
+    yield (fmt % tuple(head)).rstrip()
+    for r in zip(*cols, strict=True):
+        yield (fmt % r).rstrip()
+
+
+def _columns(infos: list[EntryInfo], groups: dict[str, str] | None) -> list[list[str]]:
+    """The cells of :func:`_row`, a column at a time (tests/cli check they are the same)."""
+    groups = groups or {}
+    labels = [i.labels for i in infos]
+    sizes: dict[int, str] = {}
+    counts: dict[int, str] = {}
+    mine = code_label()
+
+    def size(n: int) -> str:
+        text = sizes.get(n)
+        if text is None:
+            text = sizes[n] = human_size(n)
+        return text
+
+    def count(n: int) -> str:
+        text = counts.get(n)
+        if text is None:
+            text = counts[n] = str(n)
+        return text
+
+    def signature(sig: str) -> str:
+        return sig if len(sig) <= SIGNATURE_WIDTH else sig[:SIGNATURE_WIDTH - 1] + "…"
+
+    def group(g: str) -> str:
+        return groups.get(g, g[:8])
+
+    return [
+        [i.key[:12] for i in infos],
+        [lab.get("model", "") for lab in labels],
+        [lab.get("function", "") for lab in labels],
+        [lab.get("ranks") or lab.get("rank", "") for lab in labels],
+        [group(lab.get("group", "")) for lab in labels],
+        [lab.get("dynamic", "") for lab in labels],
+        [signature(lab.get("signature", "")) for lab in labels],
+        [size(i.size_bytes) for i in infos],
+        [_when(i.created) for i in infos],
+        [_when(i.last_used) for i in infos],
+        [count(i.hits) for i in infos],
+        [i.state for i in infos],
+        ["this" if lab.get("code") == mine else "other" for lab in labels],
+    ]

@@ -205,6 +205,29 @@ def test_large_listing_is_plain_aligned_text() -> None:
     assert len({ln.index(" m ") for ln in lines[1:]}) == 1  # columns line up
 
 
+def test_plain_listing_is_the_rows_of_the_table() -> None:
+    # The plain table is made a column at a time (issue 32: ls at 100,000 entries): each
+    # line must be what the row-by-row table (the rich one's _row) makes.
+    from cachecompile._version import code_label
+    from cachecompile.cli.common import _COLUMNS, _plain_lines, _row, group_status
+    from cachecompile.store import EntryInfo
+
+    variants = [{"model": "m", "function": "f"}, {"ranks": "0,1", "code": code_label()},
+                {"rank": "3", "group": "g" * 20, "global_rank": "3", "group_size": "4"},
+                {"signature": "s" * 80, "dynamic": "1", "model": "[bold]x"}, {}]
+    infos = [EntryInfo(key=f"{i * 7919:032x}", size_bytes=(i * 104729) % 3_000_000,
+                       created=0.0 if i % 5 == 0 else 1.7e9 + i * 37.5,
+                       last_used=1.7e9 + i * 91.0, hits=i % 13, labels=variants[i % 5],
+                       state=("ok", "unindexed", "bad-manifest")[i % 3]) for i in range(60)]
+    groups = group_status(infos)
+    rows = [tuple(c for c, _ in _COLUMNS)] + [tuple(_row(i, groups)) for i in infos]
+    widths = [max(map(len, col)) for col in zip(*rows, strict=True)]
+    fmt = "  ".join(f"{{:{'>' if just == 'right' else '<'}{w}}}"
+                    for w, (_, just) in zip(widths, _COLUMNS, strict=True))
+    assert list(_plain_lines(infos, groups)) == [fmt.format(*r).rstrip() for r in rows]
+    assert list(_plain_lines([], None)) == ["  ".join(c for c, _ in _COLUMNS)]
+
+
 
 def test_program_shows_placeholder_constants_as_stored() -> None:
     """cachectl program's placeholder pattern is built from entry.files.CONST_PREFIX and
