@@ -24,7 +24,7 @@ guard tree built on each entry's second call.
     python tools/bench_entries.py --entries 1 32 --runs 3 --others ''
 
 cachecompile's own modules are byte-compiled first (``compileall``, as ``pip install``
-does for a wheel), so that a warm process reads them as an installed package's: an
+does for a wheel; with the code digest's cache beside them), so that a warm process reads them as an installed package's: an
 editable checkout under ``PYTHONDONTWRITEBYTECODE=1`` otherwise compiles its ~70 modules
 from source in every process, about 0.15-0.2 s that eager never pays (torch's own are
 compiled at install). ``--source-only`` measures that case.
@@ -157,6 +157,9 @@ def byte_compile() -> list[str]:
             dirs.append(store)
     for d in dirs:
         compileall.compile_dir(d, quiet=1)
+    from cachecompile._version import save_code_digest
+
+    save_code_digest()   # the code digest's cache beside the bytecode, as for an install
     return dirs
 
 
