@@ -222,6 +222,7 @@ class Index:
         self._hits: list[tuple[int, tuple[Any, ...]]] = []
         self._hits_lock = threading.Lock()
         self._hits_timer: threading.Timer | None = None
+        self._hits_timer_pid = 0
         self._hits_atexit = False
         self._readonly = readonly
         # A team store's index: every member of the group writes it (hits, deletions).
@@ -323,11 +324,14 @@ class Index:
         if not self.hits_later:
             self._write_hits([hit])
             return
+        me = os.getpid()
         with self._hits_lock:
-            self._hits.append((os.getpid(), hit))
-            if self._hits_timer is None:
+            self._hits.append((me, hit))
+            # A forked child holds its parent's timer object but not its thread.
+            if self._hits_timer is None or self._hits_timer_pid != me:
                 self._hits_timer = threading.Timer(HITS_DELAY_S, self._flush_quietly)
                 self._hits_timer.daemon = True
+                self._hits_timer_pid = me
                 self._hits_timer.start()
             if not self._hits_atexit:
                 self._hits_atexit = True
