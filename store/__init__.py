@@ -95,6 +95,7 @@ def open_store(
     shared_group: bool | None = None,
     remote: str | None = None,
     create: bool = True,
+    hits_later: bool = False,
 ) -> OpenStore:
     """Open (creating with mode 0700) the store at ``root``.
 
@@ -105,12 +106,14 @@ def open_store(
     (:class:`ReadOnlyStore`), with one warning logged; so does
     ``readonly=True`` or ``$CACHECOMPILE_READONLY=1`` (decided here, so that the cache and
     ``cachectl`` both honour it). ``create=False`` raises StoreNotFound instead of creating
-    a missing store (a mistyped path must not look like an empty cache).
+    a missing store (a mistyped path must not look like an empty cache). ``hits_later``:
+    hits are queued and written together a moment later (a serving process's first calls
+    then never open the index; :mod:`cachecompile.store.index` says when they are written).
     With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
     local store gets a remote tier behind it (:mod:`cachecompile.store.tiered`); ``remote=""`` opts out.
     """
     local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
-                        create=create)
+                        create=create, hits_later=hits_later)
     url = os.environ.get("CACHECOMPILE_REMOTE", "") if remote is None else remote
     if not url:
         return local
@@ -163,6 +166,7 @@ def _open_local(
     readonly: bool,
     shared_group: bool | None,
     create: bool,
+    hits_later: bool = False,
 ) -> Maintenance:
     path = Path(root).expanduser() if root is not None else default_root()
     if max_size is None:
@@ -170,7 +174,8 @@ def _open_local(
     if shared_group is None:
         shared_group = (env_flag("CACHECOMPILE_SHARED_GROUP")
                         if "CACHECOMPILE_SHARED_GROUP" in os.environ else made_shared(path))
-    st = Store(path, max_size=parse_size(max_size), shared_group=shared_group)
+    st = Store(path, max_size=parse_size(max_size), shared_group=shared_group,
+               hits_later=hits_later)
     if not create:
         st.check_root()  # an insecure root says so, even if it holds no store
         _must_exist(path)

@@ -55,11 +55,14 @@ class Store(Maintenance):
     readonly = False
 
     def __init__(self, root: Path, *, max_size: int = DEFAULT_MAX_SIZE,
-                 shared_group: bool = False) -> None:
+                 shared_group: bool = False, hits_later: bool = False) -> None:
         self.layout = Layout(root, shared_group=shared_group)
         self._max_size = int(max_size)
+        # hits_later: a serving process's hits are written together, a moment after its
+        # first calls (see cachecompile.store.index).
         self.index = Index(self.layout.index, guard=lambda: self.layout.real("index"),
-                           on_unsafe=self.layout.warn_unsafe_index, shared=shared_group)
+                           on_unsafe=self.layout.warn_unsafe_index, shared=shared_group,
+                           hits_later=hits_later)
         # Pins taken through this store last as long as it does (usually the process).
         self._held_pins: list[Pin] = []
         self._gc_failed = False  # an automatic gc failed (warned once)

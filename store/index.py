@@ -15,6 +15,13 @@ that failed), ``publishes``, ``evictions``, ``corruptions``,
 (see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
 instead, so ``hits`` and ``miss:*`` are what the user's own methods did.
 
+Hits recorded later (``open_store(hits_later=True)``, a serving process's store): a warm
+start's first calls neither open the database (~20 ms: diskcache's import, its pragmas)
+nor write a transaction per entry. The hits are queued and written in one transaction
+:data:`HITS_DELAY_S` after the first, when this index is next used for anything else
+(so this process always reads its own hits), or at exit; a process killed before then
+loses them (its entries' last use is then older than it was: gc may take them earlier).
+
 The index is a cache: :meth:`Index.safely` runs an index operation so that its failure
 (a locked or damaged database, a full disk, a symlinked ``index/``) is logged and never
 fails the lookup or publish around it. A read-only index (:meth:`Index.reader`) whose
@@ -24,11 +31,13 @@ published to reads it on every miss); one that cannot be read is said once per i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -65,6 +74,8 @@ PULLS = "pulls"
 
 
 ABOUT = "about:"   # counters of what misses were about: about:<kind>:<subject>
+# Seconds from a queued hit to the transaction that writes the queue (hits_later).
+HITS_DELAY_S = 2.0
 
 
 def miss_counters(kind: str, about: str | None = None) -> list[str]:
@@ -228,9 +239,18 @@ class Index:
 
     def __init__(self, path: Path, guard: Callable[[], object] | None = None,
                  on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None,
-                 *, readonly: bool = False, shared: bool = False) -> None:
+                 *, readonly: bool = False, shared: bool = False,
+                 hits_later: bool = False) -> None:
         self.path = path
         self._cache: Any = None
+        # Hits queued to be written together (see the module doc): (pid, record_hit's
+        # arguments); another pid's (a fork's copy) are not this process's to write.
+        self.hits_later = hits_later
+        self._hits: list[tuple[int, tuple[Any, ...]]] = []
+        self._hits_lock = threading.Lock()
+        self._hits_timer: threading.Timer | None = None
+        self._hits_timer_pid = 0
+        self._hits_atexit = False
         self._readonly = readonly
         # A team store's index: every member of the group writes it (hits, deletions).
         self._shared = shared
@@ -245,6 +265,11 @@ class Index:
 
     @property
     def cache(self) -> Any:
+        if self._hits:
+            self.flush_hits()   # this process reads its own hits
+        return self._open()
+
+    def _open(self) -> Any:
         if self._cache is None:
             if self._guard is not None:
                 self._guard()
@@ -287,6 +312,7 @@ class Index:
                      shared=self._shared)
 
     def close(self) -> None:
+        self.flush_hits()
         if self._scan is not None:
             self._scan.close()
             self._scan = None
@@ -335,20 +361,55 @@ class Index:
 
     def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
                    counter: str = "hits", blobs: Mapping[str, int] | None = None) -> None:
-        c = self.cache
-        now = time.time()
+        hit = (digest, size_bytes, created, labels, counter, blobs, time.time())
+        if not self.hits_later:
+            self._write_hits([hit])
+            return
+        me = os.getpid()
+        with self._hits_lock:
+            self._hits.append((me, hit))
+            # A forked child holds its parent's timer object but not its thread.
+            if self._hits_timer is None or self._hits_timer_pid != me:
+                self._hits_timer = threading.Timer(HITS_DELAY_S, self._flush_quietly)
+                self._hits_timer.daemon = True
+                self._hits_timer_pid = me
+                self._hits_timer.start()
+            if not self._hits_atexit:
+                self._hits_atexit = True
+                atexit.register(self._flush_quietly)
+
+    def flush_hits(self) -> None:
+        """Write the queued hits (hits_later) in one transaction."""
+        with self._hits_lock:
+            queued, self._hits = self._hits, []
+            timer, self._hits_timer = self._hits_timer, None
+        if timer is not None:
+            timer.cancel()
+        me = os.getpid()
+        mine = [hit for pid, hit in queued if pid == me]
+        if mine:
+            self._write_hits(mine)
+
+    def _flush_quietly(self) -> None:
+        """The timer's and exit's flush: a failure is logged, as every hit's is."""
+        self.safely("hit", self.flush_hits)
+
+    def _write_hits(self, hits: list[tuple[Any, ...]]) -> None:
+        c = self._open()
         with c.transact():
-            rec = c.get(_E + digest)
-            if rec is None:
-                # Published by a process that died before indexing: heal the index here.
-                rec = {"size_bytes": size_bytes, "created": created, "hits": 0, "labels": labels}
-                if blobs is not None:
-                    rec["blobs"] = dict(blobs)
-                _count(c, rec, +1)
-            rec["hits"] = int(rec.get("hits", 0)) + 1
-            rec["last_used"] = now
-            c.set(_E + digest, rec)
-            c.incr(_C + counter)
+            for digest, size_bytes, created, labels, counter, blobs, when in hits:
+                rec = c.get(_E + digest)
+                if rec is None:
+                    # Published by a process that died before indexing: heal the index.
+                    rec = {"size_bytes": size_bytes, "created": created, "hits": 0,
+                           "labels": labels}
+                    if blobs is not None:
+                        rec["blobs"] = dict(blobs)
+                    _count(c, rec, +1)
+                rec["hits"] = int(rec.get("hits", 0)) + 1
+                rec["last_used"] = max(when, float(rec.get("last_used") or 0))
+                c.set(_E + digest, rec)
+                c.incr(_C + counter)
 
     def remove(self, digest: str) -> None:
         c = self.cache

@@ -77,12 +77,30 @@ _MEMBER = re.compile(r"^    ([A-Za-z_]\w*) = (\d+)[ \t]*(?:#[^\n]*)?$", re.M)
 _TOP_ASSIGN = r"^{name}[ \t]*(?::[^=\n]+)?=[ \t]*([^\n#]*?)[ \t]*(?:#[^\n]*)?$"
 
 
+def _search_from(src: str, head: str, pattern: str) -> re.Match[str] | None:
+    """``re.search(pattern, src, re.M)`` for a pattern anchored at a line that starts
+    with ``head``: matched only at such lines (found with str.find), which spares a scan
+    of the whole file by the regex engine (~10 ms a pattern on torch/_dynamo's sources)."""
+    rx = re.compile(pattern, re.M)
+    at = 0 if src.startswith(head) else src.find("\n" + head) + 1
+    if at == 0 and not src.startswith(head):
+        return None
+    while True:
+        m = rx.match(src, at)
+        if m is not None:
+            return m
+        nxt = src.find("\n" + head, at)
+        if nxt < 0:
+            return None
+        at = nxt + 1
+
+
 @functools.cache
 def _manager_type() -> type[enum.Enum] | None:
     """A copy of this torch's ``GuardManagerType`` (names and values, read from the
     source of torch/_dynamo/guards.py), or None if it is not there as expected."""
     src = _module_source("torch._dynamo.guards") or ""
-    body = re.search(_CLASS_BODY.format(name="GuardManagerType"), src, re.M)
+    body = _search_from(src, "class GuardManagerType", _CLASS_BODY.format(name="GuardManagerType"))
     members = {k: int(v) for k, v in _MEMBER.findall(body.group(1))} if body else {}
     if "GUARD_MANAGER" in members:
         return enum.Enum("GuardManagerType", members)  # type: ignore[return-value]
@@ -95,7 +113,7 @@ def _config_defaults() -> dict[str, Any] | None:
     src = _module_source("torch._dynamo.config") or ""
     found: dict[str, Any] = {}
     for name in _CONFIG_FLAGS:
-        m = re.search(_TOP_ASSIGN.format(name=name), src, re.M)
+        m = _search_from(src, name, _TOP_ASSIGN.format(name=name))
         if m is None:
             continue
         if name == "verbose":   # set from the environment in every release

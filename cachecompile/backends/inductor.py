@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from cachecompile.backends.base import (
     Program,
     package_version,
 )
+from cachecompile.entry import codeobj
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import cpu, passes
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 name = "inductor"
 
 PROGRAM_FILE = entry_files.INDUCTOR_PROGRAM
+PROGRAM_CODE = entry_files.INDUCTOR_PROGRAM_CODE
 CONSTANTS_FILE = "constants.pt"
 
 # Env vars that change what Inductor generates (cache locations excluded: they do not).
@@ -167,8 +170,11 @@ class InductorAdapter(Adapter):
         if CONSTANTS_FILE in files:
             # weights_only=True: the restricted unpickler; an entry's bytes are untrusted.
             constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
-        src = files[PROGRAM_FILE].read_text(encoding="utf-8")
-        return _exec_program(src, str(files[PROGRAM_FILE]), async_compile, constants,
+        code = _stored_code(files) if meta.get("code") == PROGRAM_CODE else None
+        if code is None:
+            src = files[PROGRAM_FILE].read_text(encoding="utf-8")
+            code = _compile_program(src, str(files[PROGRAM_FILE]))
+        return _exec_program(code, str(files[PROGRAM_FILE]), async_compile, constants,
                              meta.get("inputs_to_check", []), meta.get("kept_inputs"))
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
@@ -177,12 +183,29 @@ class InductorAdapter(Adapter):
         return "inductor", dict(options) or None
 
 
-def _exec_program(src: str, filename: str, async_compile: Callable[[], Any],
+def _compile_program(src: str, filename: str) -> types.CodeType:
+    return compile(src, filename, "exec")
+
+
+def _stored_code(files: Mapping[str, Path]) -> types.CodeType | None:
+    """The program's code object the entry stores (``PROGRAM_CODE``), verified with the
+    entry's other files; None where it does not load here (the source is compiled)."""
+    path = files.get(PROGRAM_CODE)
+    if path is None:
+        return None
+    try:
+        return codeobj.loads(path.read_bytes(), [])
+    except (UnsupportedProgramError, OSError):
+        logger.debug("stored program code does not load: compiling its source", exc_info=True)
+        return None
+
+
+def _exec_program(code: types.CodeType, filename: str, async_compile: Callable[[], Any],
                   constants: Mapping[str, Any], inputs_to_check: Sequence[int],
                   kept: Sequence[int] | None = None) -> GraphCallable:
     ns: dict[str, Any] = {"__name__": "cachecompile_program", "__file__": filename,
                           "__cachecompile_async_compile__": async_compile}
-    exec(compile(src, filename, "exec"), ns)  # the entry was verified and owned
+    exec(code, ns)  # the entry was verified and owned
     ns.update(constants)
     program_call = ns["call"]
     check = tuple(inputs_to_check)
@@ -270,10 +293,17 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
     inputs_to_check = list(code.inputs_to_check)
     # Execute the program exactly as a warm process would, except that kernels come from
     # Inductor's cache (already built) so we learn their paths.
-    light = _exec_program(src, "<cachecompile capture>", lambda: recorder, constants,
+    program_code = _compile_program(src, PROGRAM_FILE)
+    light = _exec_program(program_code, "<cachecompile capture>", lambda: recorder, constants,
                           inputs_to_check, kept)
 
     files: dict[str, bytes | Path] = {PROGRAM_FILE: src.encode("utf-8")}
+    try:
+        stored, consts = codeobj.dumps(program_code)
+    except UnsupportedProgramError:  # the source alone serves: compiled when loaded
+        stored, consts = b"", [None]
+    if not consts:   # plain constants only (a program's are): stored compiled
+        files[PROGRAM_CODE] = stored
     operators = passes.operators_in(src)
     kernels: dict[str, str] = {}
     for digest, path in sorted(recorder.kernels.items()):
@@ -289,6 +319,8 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
         logger.info("the warm path of this program keeps real imports: %s", ", ".join(heavy))
     meta: dict[str, JSON] = {
         "kernels": kernels,
+        # The compiled program (PROGRAM_CODE), loaded in place of compiling the source.
+        "code": PROGRAM_CODE if PROGRAM_CODE in files else None,
         "async_compile": "real" if recorder.needs_real else "light",
         "heavy_imports": heavy,
         "inputs_to_check": inputs_to_check,

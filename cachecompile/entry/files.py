@@ -11,6 +11,10 @@ BYTECODE_FILE = "bytecode.bin"
 # The backend's program, by adapter (backends.inductor / aot_eager, backends.torchair);
 # for a bare backend callable (backends.bare), Dynamo's FX graph as Python code.
 INDUCTOR_PROGRAM = "program.py"
+# That program compiled (marshal, entry.codeobj): a warm process runs it without parsing
+# and compiling ~50 kB of source per entry (issue 33). The source stays the truth for
+# people (cachectl program) and for an entry without it.
+INDUCTOR_PROGRAM_CODE = "program.code"
 AOT_EAGER_PROGRAM = "program.py"
 TORCHAIR_PROGRAM = "torchair_program.py"
 BARE_GRAPH = "dynamo_graph.json"

@@ -31,6 +31,7 @@ import base64
 import collections
 import dataclasses
 import enum
+import functools
 import inspect
 import json
 import logging
@@ -239,15 +240,12 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         env[name] = v
         return name
 
-    def rewrite(expr: str) -> str:
-        def local(m: re.Match[str]) -> str:
-            n = m.group(1)
-            if n not in names and n not in freevars:
-                raise UnsupportedProgramError(f"guard reads an unknown local {n!r}: {expr}")
-            return n
-        return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
+    known = (tuple(names), tuple(freevars))
 
-    ordered = sorted(guards, key=lambda g: KINDS.index(g["kind"]) if g["kind"] in KINDS else 99)
+    def rewrite(expr: str) -> str:
+        return _rewrite(expr, known)
+
+    ordered = sorted(guards, key=lambda g: _KIND_RANK.get(g["kind"], 99))
     src = _Source(const, rewrite)
     for g in ordered:
         kind, text = g["kind"], g.get("text", "")
@@ -259,8 +257,9 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
         conds.append((cond, per_call, text))
         observed.append((e, kind))
 
+    every = "\n".join(c for c, _, _ in conds) if freevars else ""
     prologue = "".join(f"    {n} = __cc_closure[{i}].cell_contents\n"
-                       for i, n in enumerate(freevars) if any(n in c for c, _, _ in conds))
+                       for i, n in enumerate(freevars) if n in every)
 
     per = [c for c, p, _ in conds if p]
 
@@ -406,6 +405,26 @@ def build_checker(func: types.FunctionType, guards: Sequence[GuardDict],
                    lines=stored_lines,
                    parts=Parts(func=func, guards=list(ordered), conds=[c for c, _, _ in conds],
                                env=env, params=params, names=names))
+
+
+# The order a checker runs the kinds in, by name.
+_KIND_RANK = {k: i for i, k in enumerate(KINDS)}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rewrite(expr: str, known: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
+    """Dynamo's source expression in the checker's names (``L['x']`` -> ``x``,
+    ``G['n']`` -> ``__cc_G['n']``); ``known``: the method's parameters and free
+    variables, the only locals a guard may read. Cached: the entries of one method (its
+    sizes, its variants) hold mostly the same expressions."""
+    names, freevars = known
+
+    def local(m: re.Match[str]) -> str:
+        n = m.group(1)
+        if n not in names and n not in freevars:
+            raise UnsupportedProgramError(f"guard reads an unknown local {n!r}: {expr}")
+        return n
+    return GLOBAL_RE.sub(lambda m: f"__cc_G[{m.group(1)!r}]", LOCAL_RE.sub(local, expr))
 
 
 def _stored_code(stored: Mapping[str, Any]) -> types.CodeType | None:

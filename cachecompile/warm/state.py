@@ -28,17 +28,19 @@ _off_lock = threading.Lock()
 
 def store_for(cache_dir: str | None) -> LocalStorage:
     """One store object per root and process. ``open_store`` decides read-only
-    (``CACHECOMPILE_READONLY``), as it does for cachectl."""
+    (``CACHECOMPILE_READONLY``), as it does for cachectl. Hits are written a moment after
+    the calls that made them (``hits_later``): a warm start's first calls never wait for
+    the index."""
     root = cache_dir if cache_dir is not None else str(default_root())
     with _stores_lock:
         st = _stores.get(root)
         if st is None:
             try:
-                st = open_store(root)
+                st = open_store(root, hits_later=True)
             except RemoteConfigError as e:
                 # A malformed remote must not cost the local entries: serve from them.
                 fault(f"{e}; using the local cache at {root} only")
-                st = open_store(root, remote="")
+                st = open_store(root, remote="", hits_later=True)
             _stores[root] = st
         return st
 

@@ -18,7 +18,17 @@ SCRIPT = """
 import sys, time, warnings
 import torch
 from cachecompile import cache_compile
+from cachecompile.backends import inductor as inductor_adapter
 from cachecompile.demo import models
+
+# Programs compiled from source: at capture; never in a warm process (it loads the
+# compiled program the entry stores).
+compiled_sources = []
+_compile_program = inductor_adapter._compile_program
+def counting_compile(src, filename):
+    compiled_sources.append(filename)
+    return _compile_program(src, filename)
+inductor_adapter._compile_program = counting_compile
 
 class Served(torch.nn.Module):
     def __init__(self):
@@ -62,6 +72,7 @@ for name, fn in [("prefill", served.cached_prefill), ("decode", served.cached_de
     events[name] = [e[0] for e in fn.events]
 report({"events": events, "diffs": results,
         "dynamo": "torch._dynamo" in sys.modules, "inductor": "torch._inductor" in sys.modules,
+        "program_compiles": len(compiled_sources),
         "warnings": [str(w.message) for w in caught if "cachecompile" in str(w.message)]})
 """
 
@@ -74,6 +85,7 @@ def test_cold_then_warm_compiles_nothing(tmp_path: Path) -> None:
                               "buffer": ["miss", "miss"]}, cold.value
     assert cold["warnings"] == []
     assert box.compiler_calls() > 0, "the cold run should have built kernels with g++"
+    assert cold["program_compiles"] > 0
 
     box.reset_compiler_log()
     warm = box.run(SCRIPT)  # new empty Inductor/Triton/tmp dirs, same cachecompile store
@@ -83,6 +95,7 @@ def test_cold_then_warm_compiles_nothing(tmp_path: Path) -> None:
     assert box.compiler_calls() == 0, box.gxx_log.read_text()
     assert warm["dynamo"] is False, "a warm process must not import torch._dynamo"
     assert warm["inductor"] is False, "a warm process must not import torch._inductor"
+    assert warm["program_compiles"] == 0, "the warm process compiled a program's source"
     # Same kernels, same program: the warm results are the cold results.
     assert warm["diffs"] == cold["diffs"]
 

@@ -608,3 +608,37 @@ def test_missing_root_is_not_created_when_asked(tmp_path: Path) -> None:
     assert list((tmp_path / "empty").iterdir()) == []
     open_store(tmp_path / "real")
     assert isinstance(open_store(tmp_path / "real", create=False), Store)
+
+
+def test_hits_later_are_written_together_and_read_back_by_their_own_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A serving process (hits_later) does not open the index on a hit; its hits are
+    # written in one transaction on a timer, before any read of its own, or at exit.
+    from cachecompile.store import index as index_mod
+
+    root = tmp_path / "cache"
+    key = make_key({"n": 1})
+    open_store(root).put(key, {"a": b"x"})
+    serving = open_store(root, hits_later=True)
+    other = open_store(root)                      # another process's view of the index
+    monkeypatch.setattr(index_mod, "HITS_DELAY_S", 3600.0)
+    assert serving.get(key) and serving.get(key)
+    assert isinstance(serving, Store) and serving.index._cache is None  # not opened
+    assert other.stats()["hits"] == 0             # queued, not written yet
+    assert serving.stats()["hits"] == 2           # its own read writes the queue first
+    assert other.stats()["hits"] == 2
+    info = other.stat(key)
+    assert info is not None and info.hits == 2
+
+    monkeypatch.setattr(index_mod, "HITS_DELAY_S", 0.01)
+    assert serving.get(key)
+    timer = serving.index._hits_timer
+    assert timer is not None
+    timer.join(30)                                # the timer writes it
+    assert other.stats()["hits"] == 3
+
+    code = ("import sys; from cachecompile.store import open_store\n"
+            "assert open_store(sys.argv[1], hits_later=True).get(sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, str(root), key.digest], check=True,
+                   timeout=120)                   # written at exit
+    assert other.stats()["hits"] == 4
