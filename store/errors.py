@@ -33,6 +33,8 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
                                     the lookup that raised it and turned into a miss
     _Gone (remote/s3.py)            an object is not there (HTTP 404), told apart from a
                                     failure of the remote; control flow inside s3.py
+    _NoDatabase (index.py)          a read-only view's index file does not exist yet: an
+                                    empty index, not a fault; control flow inside index.py
 """
 
 from __future__ import annotations
