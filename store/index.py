@@ -39,7 +39,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -225,7 +225,7 @@ class _ReadOnlyCache:
         self._con.close()
 
 
-def _count(c: Any, recs: list[Mapping[str, Any]], sign: int) -> None:
+def _count(c: Any, recs: Sequence[Mapping[str, Any]], sign: int) -> None:
     """Move the totals by the records ``recs``, added (+1) or removed (-1), with one
     update of each total (gc removes a batch: three updates per entry were a third of
     its index time); inside the caller's transaction."""
