@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ccutil import Sandbox
+from ccutil import GXX_LOG_ENV, Sandbox
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -40,7 +40,7 @@ from zoo import models as zm
 from cachecompile import cache_compile
 
 kind, phase = {kind!r}, {phase!r}
-log = os.environ["CXX_LOG"]
+log = os.environ[{log_env!r}]
 def gxx_calls():
     return len(open(log).read().splitlines()) if os.path.exists(log) else 0
 
@@ -104,9 +104,9 @@ TESTS = str(Path(__file__).resolve().parents[1])
 
 def _run(box: Sandbox, kind: str, phase: str) -> dict:
     code = DRIVER.format(tests=TESTS, kind=kind, phase=phase,
-                         new_batch=kind in NEW_BATCH_AFTER_HITS)
+                         new_batch=kind in NEW_BATCH_AFTER_HITS, log_env=GXX_LOG_ENV)
     # The warm phase counts g++ calls: empty Inductor dirs, so a live compile would show.
-    return box.run(code, CXX_LOG=str(box.gxx_log), timeout=900,
+    return box.run(code, timeout=900,
                    fresh_inductor=phase == "warm").value
 
 
