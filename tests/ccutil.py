@@ -36,6 +36,12 @@ GXX_WRAPPER = f"""#!/bin/sh
 echo "$@" >> "${{{GXX_LOG_ENV}:-/dev/null}}"
 exec g++ "$@"
 """
+# The session's wrapper logs the same way, then runs g++ through the session's memo
+# (tests/gxx_memo.py): an identical compile, from any child, is built once.
+GXX_MEMO_WRAPPER = f"""#!/bin/sh
+echo "$@" >> "${{{GXX_LOG_ENV}:-/dev/null}}"
+exec "@python@" -S -E "@memo@" "@memo_dir@" "$@"
+"""
 
 
 SHARED_INDUCTOR_ENV = "CACHECOMPILE_TEST_INDUCTOR_DIR"
@@ -60,9 +66,13 @@ def logging_gxx(root: Path) -> Path:
     bindir.mkdir(parents=True, exist_ok=True)
     gxx = bindir / "logging-g++"
     if not gxx.exists():
+        text = GXX_WRAPPER if not base else (
+            GXX_MEMO_WRAPPER.replace("@python@", sys.executable)
+            .replace("@memo@", str(Path(__file__).with_name("gxx_memo.py")))
+            .replace("@memo_dir@", str(Path(base) / "gxx-memo")))
         # Written whole, then renamed: xdist's workers may race to make it.
         tmp = bindir / f".logging-g++.{os.getpid()}"
-        tmp.write_text(GXX_WRAPPER)
+        tmp.write_text(text)
         tmp.chmod(0o755)
         os.replace(tmp, gxx)
     return gxx

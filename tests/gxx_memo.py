@@ -1,0 +1,124 @@
+"""The test session's g++ memo: ccache's idea, for the suite's own compiler wrapper.
+
+Run by the session's logging g++ wrapper (ccutil.logging_gxx) with the compiler's
+arguments. The wrapper has already logged the call, so the tests' counts of compiler
+calls (cold "builds kernels", warm "zero compiler calls") are exactly what they were:
+this file changes what a call *costs*, never whether it happened.
+
+A call that writes one output (``-o OUT``) is keyed by its arguments with every input
+file replaced by its content (the kernel's source, the ``-include`` header and the
+precompiled header beside it, objects being linked) and the output by its suffix. A
+second call with the same key, from any process of the session and whatever cache dir
+it writes into, gets the bytes the first one's g++ wrote. Inductor's kernel sources
+name their headers by absolute path under torch's install, which is constant within a
+session, and the memo lives in the session's temporary dir: nothing crosses sessions.
+
+Why: a test whose subject is the compiler (``fresh_inductor=True``: empty Inductor
+dirs, so a live compile in a warm process is seen) rebuilt every kernel and the
+precompiled header from scratch, 5-30 s of g++ each, though another test had already
+built the same bytes (issue 36). ``CC_TESTS_GXX_MEMO=0`` turns it off.
+
+Stdlib only, started with ``python -S -E``: it runs before every g++ call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+# Suffixes of the files a call reads whose *content* decides its output; anything else
+# that names an existing path (-I dirs, -L dirs) is constant within a session.
+_INPUTS = (".cpp", ".cc", ".c", ".h", ".hpp", ".i", ".o", ".so", ".a", ".pch", ".gch")
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def memo_key(args: list[str]) -> tuple[str, str] | None:
+    """(key, output path) for a memoisable call, else None (run g++ as it is)."""
+    if "-o" not in args or args.count("-o") != 1:
+        return None
+    i = args.index("-o")
+    if i + 1 >= len(args):
+        return None
+    out = args[i + 1]
+    h = hashlib.sha256()
+    for j, arg in enumerate(args):
+        if j == i + 1:
+            h.update(b"OUT" + os.path.splitext(out)[1].encode())
+        elif arg.endswith(_INPUTS) and os.path.isfile(arg):
+            h.update(b"FILE" + _digest(arg).encode())
+            # gcc reads header.h.gch (or .pch) beside an -include'd header, if present.
+            for ext in (".gch", ".pch"):
+                if os.path.isfile(arg + ext):
+                    h.update(ext.encode() + _digest(arg + ext).encode())
+        elif arg.endswith(_INPUTS):
+            return None  # an input we cannot read: let g++ say so
+        else:
+            h.update(b"ARG" + arg.encode())
+        h.update(b"\0")
+    return h.hexdigest(), out
+
+
+def _put(src: str, dst: str) -> None:
+    """Copy src to dst whole: written beside dst, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)) or ".",
+                               prefix=".gxx-memo.")
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                out.write(chunk)
+        os.chmod(tmp, os.stat(src).st_mode & 0o777)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(memo_dir: str, args: list[str]) -> int:
+    found = memo_key(args) if os.environ.get("CC_TESTS_GXX_MEMO", "1") != "0" else None
+    if found is None:
+        return subprocess.call(["g++", *args])
+    key, out = found
+    kept = os.path.join(memo_dir, key)
+    if os.path.isfile(kept):
+        try:
+            _put(kept, out)
+        except OSError:
+            return subprocess.call(["g++", *args])  # g++ gives the error, if any
+        _note(memo_dir, "hit", kept)
+        return 0
+    rc = subprocess.call(["g++", *args])
+    if rc == 0 and os.path.isfile(out):
+        os.makedirs(memo_dir, exist_ok=True)
+        _put(out, kept)
+        cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open(kept + ".cpu", "w") as f:
+            f.write(f"{cpu.ru_utime + cpu.ru_stime:.2f}\n")
+        _note(memo_dir, "miss", kept)
+    return rc
+
+
+def _note(memo_dir: str, what: str, kept: str) -> None:
+    # One line per memoised call: what docs/performance.md's "g++ saved" figure reads.
+    try:
+        with open(kept + ".cpu") as f:
+            cpu = f.read().strip()
+    except OSError:
+        cpu = "?"
+    with open(os.path.join(memo_dir, "log"), "a") as f:
+        f.write(f"{what} {cpu} {os.path.basename(kept)[:12]}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
