@@ -21,6 +21,7 @@ for path in (TESTS, REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import gxx_memo  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
 _created: list[str] = []
@@ -73,6 +74,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # every one of the longest tests to the first worker.
     items.sort(key=lambda item: (item.get_closest_marker("longest") is None,
                                  item.get_closest_marker("slow") is None))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # What the session's g++ cost and what its memo saved (tests/gxx_memo.py): the
+    # suite's time is mostly C++ compiles, so this is the figure to watch.
+    base = os.environ.get(SHARED_INDUCTOR_ENV)
+    line = gxx_memo.summary(os.path.join(base, "gxx-memo")) if base else None
+    if line:
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -122,3 +122,22 @@ def _note(memo_dir: str, what: str, kept: str) -> None:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1], sys.argv[2:]))
+
+
+def summary(memo_dir: str) -> str | None:
+    """One line on what the memo did this session (conftest prints it), or None."""
+    try:
+        with open(os.path.join(memo_dir, "log")) as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    seconds = {"hit": 0.0, "miss": 0.0}
+    counts = {"hit": 0, "miss": 0}
+    for what, cpu, _ in (r for r in rows if len(r) == 3):
+        counts[what] = counts.get(what, 0) + 1
+        try:
+            seconds[what] = seconds.get(what, 0.0) + float(cpu)
+        except ValueError:
+            pass
+    return (f"g++ memo: {counts['miss']} compiles built ({seconds['miss']:.0f} s of CPU), "
+            f"{counts['hit']} served from the memo (about {seconds['hit']:.0f} s of CPU saved)")
