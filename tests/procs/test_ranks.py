@@ -196,11 +196,13 @@ report({"events": [e[0] for e in m.cached.events],
 
 
 def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
-    # Rank 0 must still be compiling when it is killed: no Inductor cache to hit.
+    # Rank 0 must still be compiling when it is killed: no Inductor cache to hit, and
+    # g++ itself (not the session's memo of kernels another test built: tests/gxx_memo.py).
     box = Sandbox(tmp_path, fresh_inductor=True)
     prelude = "import json\ndef report(o):\n    print('RESULT ' + json.dumps(o), flush=True)\n"
     (box.root / "kill_job.py").write_text(prelude + KILL_SCRIPT)
-    env_a = box.env(WORLD_SIZE="2", RANK="0", CACHECOMPILE_COMPILE_SLOTS="1")
+    env_a = box.env(WORLD_SIZE="2", RANK="0", CACHECOMPILE_COMPILE_SLOTS="1",
+                    CC_TESTS_GXX_MEMO="0")
     a = subprocess.Popen([sys.executable, "kill_job.py"], env=env_a, cwd=box.root,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     locks = box.store / "v1" / "locks"
@@ -218,7 +220,7 @@ def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
     # B traces, then waits on what A holds (the one compile slot, or the graph's lock) and
     # says so: only then is A killed, so that B recovers from a dead owner (not from one that
     # released, nor from a lock never contended).
-    waiting, err_lines = threading.Event(), []
+    waiting, ended, err_lines = threading.Event(), threading.Event(), []
 
     def read_err() -> None:
         assert b.stderr is not None
@@ -226,11 +228,15 @@ def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
             err_lines.append(line)
             if " waits for " in line:  # rank 0's compile slot or graph lock
                 waiting.set()
+        ended.set()
+        waiting.set()  # wake the test at once: rank 1 ended, waiting or not
 
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
-    assert waiting.wait(timeout=300), "rank 1 never waited on rank 0's lock: " + \
-        "".join(err_lines)[-4000:]
+    waiting.wait(timeout=300)
+    assert any(" waits for " in line for line in err_lines), \
+        f"rank 1 never waited on rank 0's lock (rank 1 {'ended' if ended.is_set() else 'runs'}): " \
+        + "".join(err_lines)[-4000:]
     assert a.poll() is None, "rank 0 finished before it could be killed; use a bigger model"
     os.kill(a.pid, signal.SIGKILL)
     a.wait()
