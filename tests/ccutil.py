@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zygote
+
 REPO = Path(__file__).resolve().parent.parent
 
 # A g++ stand-in that logs every invocation to the file its caller names, then runs the
@@ -92,6 +94,7 @@ class Sandbox:
         self.store = root / "store"
         self.gxx_log = root / "gxx.log"
         self._n = 0
+        self._turn = 0  # which of the two zygotes (two hash seeds) the next child forks from
         root.mkdir(parents=True, exist_ok=True)  # the children run in it
         self.gxx = logging_gxx(root)
 
@@ -137,9 +140,18 @@ class Sandbox:
             def report(obj):
                 print("RESULT " + _json.dumps(obj), flush=True)
         """)
-        proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                              env=self.env(fresh_inductor=fresh_inductor, **extra), capture_output=True, text=True,
-                              timeout=timeout, cwd=str(self.root))
+        body = textwrap.dedent(code)
+        env = self.env(fresh_inductor=fresh_inductor, **extra)
+        proc = None
+        if zygote.usable(body):
+            # A script that imports torch first forks from a process that already did
+            # (tests/zygote.py: what differs from a fresh interpreter, and how each is held).
+            self._turn += 1
+            proc = zygote.run(prelude + body, env, str(self.root), timeout, self._turn)
+        if proc is None:
+            proc = subprocess.run([sys.executable, "-c", prelude + body], env=env,
+                                  capture_output=True, text=True, timeout=timeout,
+                                  cwd=str(self.root))
         results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if check and (proc.returncode != 0 or not results):
             raise AssertionError(f"child failed (rc={proc.returncode})\nstdout:\n{proc.stdout}"
