@@ -134,7 +134,12 @@ class Sandbox:
 
     def run(self, code: str, *, timeout: float = 600, check: bool = True,
             fresh_inductor: bool | None = None, **extra: str) -> Any:
-        """Run ``code`` in a fresh interpreter; it reports with ``report(obj)``."""
+        """Run ``code`` in a fresh process; it reports with ``report(obj)``.
+
+        A script whose first statement imports torch forks from one of the test process's
+        two zygotes (tests/zygote.py), which imported torch and nothing else; any other
+        script, or one whose environment differs in what torch's import read, runs as
+        ``python -c``."""
         prelude = textwrap.dedent("""
             import json as _json, sys as _sys
             def report(obj):

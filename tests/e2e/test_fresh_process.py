@@ -1,6 +1,7 @@
 """Claims about fresh processes: source edits, weight swaps, faults, read-only caches.
 
-Every run is a new interpreter on a shared store (tests/ccutil.Sandbox).
+Every run is a new process on a shared store (tests/ccutil.Sandbox: forked from a zygote
+that imported torch and nothing else, or a plain interpreter).
 """
 
 from __future__ import annotations
