@@ -56,6 +56,34 @@ logger = logging.getLogger(__name__)
 MAX_BUILDS = 8
 SKIPPING_BUILDS = 3
 
+# A first build's price before this method has built one: per guard, measured on this
+# 2-core machine (305 guards, 7-16 ms a build once the process is warm, loaded).
+FIRST_PRICE_MS_PER_GUARD = 0.04
+
+
+class BuildCost:
+    """When a variant's first tree is worth building, shared by a method's variants.
+
+    A tree costs ~300 accessors and leaves built from Python (10-15 ms an entry on this
+    machine) and then saves the Python check's time on every call (0.2-0.5 ms against
+    0.01). Built on a variant's second call, N entries that each serve a few calls pay N
+    builds where they saved little. So the variant first rents: its calls run the Python
+    check (every guard, every call, as always) and add up what that took; once the rent
+    reaches a build's price, the tree is built (ski rental: at most twice the cost of
+    knowing the call count beforehand). The price is the method's last build, per guard
+    (its variants differ by sizes only), or :data:`FIRST_PRICE_MS_PER_GUARD` before one."""
+
+    __slots__ = ("ms_per_guard",)
+
+    def __init__(self) -> None:
+        self.ms_per_guard = FIRST_PRICE_MS_PER_GUARD
+
+    def price_ms(self, n_guards: int) -> float:
+        return self.ms_per_guard * max(n_guards, 1)
+
+    def note(self, n_guards: int, build_ms: float) -> None:
+        self.ms_per_guard = build_ms / max(n_guards, 1)
+
 
 class Node:
     """Where a guard's leaf goes: a manager of the tree being built and its live value.
@@ -544,11 +572,18 @@ class EveryCall:
     by identity) and when an anchor's state changed under it (its skipping is then off):
     the first :data:`SKIPPING_BUILDS` builds skip unchanged state, later ones check every
     leaf (they hold across equal replacements), and past :data:`MAX_BUILDS` the variant
-    keeps the Python check."""
+    keeps the Python check.
 
-    def __init__(self, parts: Parts, python: Callable[..., bool]) -> None:
+    ``cost``: the first tree waits until the Python checks of passing calls have taken as
+    long as a build would (:class:`BuildCost`); until then every call runs the Python
+    check. None: the first passing check builds it."""
+
+    def __init__(self, parts: Parts, python: Callable[..., bool],
+                 cost: BuildCost | None = None) -> None:
         self._parts = parts
         self._python = python
+        self._cost = cost
+        self._rent_ms = 0.0     # the Python checks' time of passing calls, before a tree
         self._tree: Tree | None = None
         # The tree's check while it may answer alone; None once an object it matched died
         # or its skipping turned off (the tree calls _off), and while there is no tree.
@@ -581,9 +616,22 @@ class EveryCall:
                 logger.debug("guard tree raised", exc_info=True)
         elif self._settle(args, kwargs):
             return True
+        elif self._cost is not None and self._builds == 0:
+            return self._rent(args, kwargs)
         if not self._python(*args, **kwargs):
             return False
         self._build(args, kwargs)
+        return True
+
+    def _rent(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """No tree yet: the Python check decides, and its time counts toward a build."""
+        t0 = time.perf_counter()
+        if not self._python(*args, **kwargs):
+            return False
+        self._rent_ms += (time.perf_counter() - t0) * 1e3
+        cost = self._cost
+        if cost is not None and self._rent_ms >= cost.price_ms(len(self._parts.guards)):
+            self._build(args, kwargs)
         return True
 
     def _off(self) -> None:
@@ -625,6 +673,8 @@ class EveryCall:
                                   skip=self._builds <= SKIPPING_BUILDS)
         self._check = None
         if tree is not None:
+            if self._cost is not None:
+                self._cost.note(len(self._parts.guards), tree.build_ms)
             tree.held.on_death = tree.rearm.on_due = self._off
             if tree.held.alive:
                 self._check = tree.check

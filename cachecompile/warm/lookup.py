@@ -138,6 +138,9 @@ class Lookup:
         self._spec = spec
         self._pins: list[Any] = []   # leases on loaded entries (eviction leaves them be)
         self._fetched: dict[str, Hit] = {}  # fetched for their meta, not yet loaded
+        # When a variant's C++ tree is worth building: its variants differ by sizes only,
+        # so one's build prices the next's.
+        self._tree_cost = guard_tree.BuildCost()
 
     def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
@@ -276,9 +279,10 @@ class Lookup:
         and the tree alone (ALWAYS), which dispatch tries first among several variants."""
         m = self._module
         if self._spec.guards is GuardMode.ALWAYS:
-            # Every guard on every call: Dynamo's C++ tree once the Python check has
-            # passed, the Python check whenever the tree does not hold.
-            every = guard_tree.EveryCall(checker.parts, checker.full)
+            # Every guard on every call: Dynamo's C++ tree once the Python checks of the
+            # variant's calls took as long as building it, the Python check until then and
+            # whenever the tree does not hold.
+            every = guard_tree.EveryCall(checker.parts, checker.full, self._tree_cost)
             return types.MethodType(every, m), types.MethodType(every.fast, m)
         return types.MethodType(
             guard_tree.FirstCall(checker.parts, checker.full,

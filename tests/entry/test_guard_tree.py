@@ -249,6 +249,36 @@ def test_equal_replacements_rebuild_the_tree_a_bounded_number_of_times() -> None
     assert every(m, x, y)
 
 
+def test_a_priced_tree_waits_for_its_rent_and_every_call_is_checked_until_then() -> None:
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = M()
+    c = _checker(m, x, y)
+    assert c.parts is not None
+    calls = []
+
+    def python(*args: Any, **kwargs: Any) -> bool:
+        calls.append(1)
+        return c.full(*args, **kwargs)
+
+    cost = guard_tree.BuildCost()
+    cost.ms_per_guard = 1e9                 # a build never pays off: the Python check runs
+    every = guard_tree.EveryCall(c.parts, python, cost)
+    for i in range(5):
+        assert every(m, x, y) and every.tree is None and len(calls) == i + 1
+        assert not every.fast(m, x, y)      # no tree answers alone
+    m.fn = F.silu                           # checked on the very next call
+    assert not every(m, x, y) and every.tree is None
+    m.fn = F.relu
+    assert every(m, x, y)
+    cost.ms_per_guard = 0.0                 # the rent now covers the price: built
+    assert every(m, x, y) and every.tree is not None
+    n = len(calls)
+    assert every(m, x, y) and len(calls) == n   # the tree answers; Python is not called
+    assert cost.ms_per_guard > 0            # the build priced the method's next variants
+    m.fn = F.silu
+    assert not every(m, x, y)
+
+
 def _copy(fn: Any) -> Any:
     out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
                              fn.__closure__)
