@@ -5,8 +5,8 @@
     >>> st.put(key, {"kernel.so": b"..."}, labels={"model": "m"})
     >>> st.get(key)            # Hit(entry) or Miss(reason, kind)
 
-Importing this package loads only the standard library and xxhash; diskcache and
-filelock are imported on first use of the index and of locks.
+Importing this package loads only the standard library (sqlite3 for the index
+included) and xxhash; filelock is imported on first use of locks.
 """
 
 from __future__ import annotations

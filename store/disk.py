@@ -6,7 +6,7 @@
     publishing.py    stage, fsync, rename, then index; take away, then delete
     pins.py          filelocks and pins (leases that keep gc off an entry)
     maintenance.py   listing, gc, purge, verify/reindex, stats, sweeps
-    index.py         the diskcache index of records and counters (a cache of manifests)
+    index.py         the SQLite index of records and counters (a cache of manifests)
 
 :class:`Store` holds a :class:`~cachecompile.store.layout.Layout` and an
 :class:`~cachecompile.store.index.Index` and turns each operation into a call of the

@@ -1,10 +1,16 @@
-"""The metadata index: a diskcache (SQLite) of entry records and counters.
+"""The metadata index: an SQLite database of entry records and counters, in a schema
+of its own (``index/entries.db``, ``PRAGMA user_version`` = :data:`SCHEMA_VERSION`).
 
 It is a cache of what the manifests say plus usage data (last use, hits), and can
-always be rebuilt from the manifests on disk. Records are ``"e:<digest>"`` ->
-dict (size, dates, hits, labels, and ``blobs``: content checksum -> size, so that gc
-counts shared content once without reading every manifest); counters are
-``"c:<name>"`` -> int.
+always be rebuilt from the manifests on disk. Tables:
+
+- ``entries``: one row per entry, a column per field that ``ls``, ``stats`` and gc read
+  (digest, size, created, last use, hits, labels as JSON, shared graph or not, state) and
+  ``blobs`` (JSON: content checksum -> size, so that gc counts shared content once
+  without reading every manifest). Scans are SQL (``ORDER BY``, ``SUM``): no row is
+  decoded whole to be sorted or counted.
+- ``counters``: name -> int.
+- ``stamps``: digest -> the stamp of its last full verification (see verification.Stamp).
 
 Counters: ``hits``, ``miss:<kind>`` (one per lookup that found nothing to use, counted
 by its caller), ``about:<kind>:<subject>`` (what such misses were about, e.g. the guard
@@ -15,12 +21,24 @@ that failed), ``publishes``, ``evictions``, ``corruptions``,
 (see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
 instead, so ``hits`` and ``miss:*`` are what the user's own methods did.
 
+The totals (entries, shared graphs, logical bytes) are aggregates of ``entries``, read
+in one query: they cannot drift from the records.
+
+Upgrade: versions before this one kept the index in diskcache's private table
+(``index/cache.db``, pickled records). The first writable open of a store without
+``entries.db`` (or with one of another version) creates the schema and copies the old
+records, counters and stamps in one ``BEGIN IMMEDIATE`` transaction that also sets the
+version: SQLite's write lock serialises concurrent openers, each re-checks the version
+once it holds the lock, and a reader sees either no schema (an empty index: the disk is
+listed, entries read as unindexed) or the whole migrated one. ``cache.db`` is left as it
+was (an older process still running keeps writing it; delete it once none is left).
+
 Hits recorded later (``open_store(hits_later=True)``, a serving process's store): a warm
-start's first calls neither open the database (~20 ms: diskcache's import, its pragmas)
-nor write a transaction per entry. The hits are queued and written in one transaction
-:data:`HITS_DELAY_S` after the first, when this index is next used for anything else
-(so this process always reads its own hits), or at exit; a process killed before then
-loses them (its entries' last use is then older than it was: gc may take them earlier).
+start's first calls neither open the database nor write a transaction per entry. The
+hits are queued and written in one transaction :data:`HITS_DELAY_S` after the first,
+when this index is next used for anything else (so this process always reads its own
+hits), or at exit; a process killed before then loses them (its entries' last use is
+then older than it was: gc may take them earlier).
 
 The index is a cache: :meth:`Index.safely` runs an index operation so that its failure
 (a locked or damaged database, a full disk, a symlinked ``index/``) is logged and never
@@ -33,9 +51,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import pickle
+import sqlite3
 import sys
 import threading
 import time
@@ -54,17 +74,26 @@ __all__ = ["GRAPH_SCOPE", "Index", "PULLS", "REMOTE_HITS", "counter_scope"]
 
 T = TypeVar("T")
 
-_E = "e:"
-_C = "c:"
-# Totals of the records, moved in the transaction that adds or removes a record, so that
-# ``stats`` reads three rows instead of every record (5 s and 500 MB at 100,000 entries).
-# Apart from the ``c:`` counters: ``stats --zero`` does not reset what the store holds.
-_T = "t:"
-# Stamps of the last full verification of each entry (see verification.Stamp): what lets
-# ``cachectl verify`` read only the entries that changed since. Not records: the totals
-# and ``ls`` never see them; verify drops those of entries no longer on disk.
-_V = "v:"
-_MODE_PICKLE = 4  # diskcache.core.MODE_PICKLE: a value stored pickled
+DB_NAME = "entries.db"
+OLD_DB_NAME = "cache.db"   # diskcache's, before SCHEMA_VERSION 2: migrated once
+SCHEMA_VERSION = 2
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    digest TEXT PRIMARY KEY,
+    size_bytes INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL,
+    hits INTEGER NOT NULL DEFAULT 0,
+    labels TEXT NOT NULL DEFAULT '{}',
+    graph INTEGER NOT NULL DEFAULT 0,
+    state TEXT,
+    blobs TEXT
+);
+CREATE INDEX IF NOT EXISTS entries_by_last_use ON entries (last_used);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS stamps (digest TEXT PRIMARY KEY, value BLOB NOT NULL);
+"""
+_MODE_PICKLE = 4  # diskcache.core.MODE_PICKLE: how the old index stored a record inline
 TOTALS = ("entries", "graphs", "logical_bytes")
 COUNTERS = ("hits", "publishes", "evictions", "corruptions")
 GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
@@ -101,149 +130,136 @@ def counter_scope(key: Key | str, labels: Mapping[str, str] | None = None) -> st
     return GRAPH_SCOPE if is_shared_graph(labels) else ""
 
 
-def _interned(labels: Any) -> dict[str, str]:
-    """The labels with their strings shared between records (each record decodes its
-    own copies of "model", "forward"...: 100,000 of them held by ls and gc)."""
-    if not isinstance(labels, dict):
-        return {}
-    return {sys.intern(k) if isinstance(k, str) else k: sys.intern(v) if isinstance(v, str)
-            else v for k, v in labels.items()}
+def _labels_json(labels: Mapping[str, str] | None) -> str:
+    return json.dumps(dict(labels or {}), sort_keys=True, separators=(",", ":"))
 
 
-_intern = sys.intern
+def _blobs_json(blobs: Mapping[str, int] | None) -> str | None:
+    return None if blobs is None else json.dumps(dict(blobs), separators=(",", ":"))
 
 
-def _info(digest: str, rec: dict[str, Any]) -> EntryInfo:
-    # What this package writes (see Index.add), read without a conversion per field: half
-    # the time of ls and gc at 100,000 entries was here. Anything else takes the long way.
-    try:
-        size, created, last_used, hits, labels = (
-            rec["size_bytes"], rec["created"], rec["last_used"], rec["hits"], rec["labels"])
-        if (type(size) is int and type(created) is float and type(last_used) is float
-                and type(hits) is int and type(labels) is dict and "state" not in rec):
-            return EntryInfo(digest, size, created, last_used, hits,
-                             {_intern(k): _intern(v) for k, v in labels.items()})
-    except (KeyError, TypeError):   # a record of another shape; a label not a string
-        pass
-    return EntryInfo(
-        key=digest,
-        size_bytes=int(rec.get("size_bytes", 0)),
-        created=float(rec.get("created", 0.0)),
-        last_used=float(rec.get("last_used", rec.get("created", 0.0))),
-        hits=int(rec.get("hits", 0)),
-        labels=_interned(rec.get("labels")),
-        state=str(rec.get("state", "ok")),
-    )
+class _Labels:
+    """Decodes label columns, each distinct text once (most entries share a few label
+    sets: 100,000 json.loads were most of a scan), handing out a copy per entry."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, dict[str, str]] = {}
+
+    def __call__(self, text: str | None) -> dict[str, str]:
+        got = self._seen.get(text or "{}")
+        if got is None:
+            try:
+                raw = json.loads(text or "{}")
+            except ValueError:
+                raw = {}
+            got = {sys.intern(str(k)): sys.intern(str(v))
+                   for k, v in (raw.items() if isinstance(raw, dict) else ())}
+            self._seen[text or "{}"] = got
+        return dict(got)
+
+
+_COLS = "digest, size_bytes, created, last_used, hits, labels, state"
+
+
+def _info(row: Sequence[Any], labels: _Labels) -> EntryInfo:
+    digest, size, created, last_used, hits, text, state = row[:7]
+    return EntryInfo(digest, int(size), float(created), float(last_used), int(hits),
+                     labels(text), state or "ok")
 
 
 class _NoDatabase(Exception):
-    """A read-only index whose database was never made: nothing was published there."""
+    """A read-only index whose database was never made (nothing was published there), or
+    is of an older layout that only a writer migrates: an empty index."""
 
 
-class _ReadOnlyCache:
-    """The few reads :class:`Index` makes of a diskcache, on a database it may not write.
+def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit: :meth:`Index._tx`).
 
-    diskcache always opens its database for writing (it sets pragmas and creates tables),
-    which fails on a read-only file system: ``verify`` then took every entry for
-    unindexed and ``stats`` showed no counters. This opens the SQLite file read-only
-    (``mode=ro``; ``immutable=1`` where not even the ``-shm`` file can be made, which then
-    reads the last checkpoint) and decodes rows with diskcache's own ``Disk``.
-    """
+    Read-only: ``mode=ro``, or ``immutable=1`` where not even the ``-shm`` file can be
+    made (a read-only file system), which then reads the last checkpoint."""
+    if not readonly:
+        con = sqlite3.connect(str(path), timeout=60, isolation_level=None,
+                              check_same_thread=False)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA synchronous=NORMAL")
+        return con
+    import urllib.parse
 
-    def __init__(self, directory: Path) -> None:
-        import sqlite3
-        import urllib.parse
+    db = urllib.parse.quote(str(path))
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=60,
+                              isolation_level=None, check_same_thread=False)
+        con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error:
+        con = sqlite3.connect(f"file:{db}?immutable=1", uri=True, isolation_level=None,
+                              check_same_thread=False)
+    return con
 
-        import diskcache
 
-        self._disk = diskcache.Disk(str(directory))
-        db = urllib.parse.quote(str(directory / "cache.db"))
-        try:
-            self._con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, check_same_thread=False)
-            self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
-        except sqlite3.Error:
-            self._con = sqlite3.connect(f"file:{db}?immutable=1", uri=True,
-                                        check_same_thread=False)
-            self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        row = self._con.execute(
-            "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1 AND "
-            "(expire_time IS NULL OR expire_time > ?)", (key, time.time())).fetchone()
-        return default if row is None else self._disk.fetch(row[0], row[1], row[2], False)
-
-    def iterkeys(self) -> Iterator[Any]:
-        for key, raw in self._con.execute("SELECT key, raw FROM Cache ORDER BY rowid"):
-            yield self._disk.get(key, raw)
-
-    def prefixed(self, prefix: str) -> Iterator[tuple[str, Any]]:
-        """Every (key, value) whose string key starts with ``prefix``, in one query
-        (``ls`` at 10,000 entries made 10,000 single-row lookups)."""
-        rows = self._con.execute(
-            "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key >= ? AND "
-            "key < ? AND (expire_time IS NULL OR expire_time > ?)",  # in key order, unsorted
-            (prefix, prefix + "\uffff", time.time()))
-        fetch = self._disk.fetch
+def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(key, value) of each row of an index of the old layout (diskcache's ``Cache``
+    table, its values pickled inline). A value diskcache kept in a file of its own (over
+    32 KB: a huge blob map) is skipped: that entry reads as unindexed until a hit or
+    ``verify --fix`` writes it again, never as something it is not."""
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+    try:
+        rows = con.execute("SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND "
+                           "(expire_time IS NULL OR expire_time > ?)", (time.time(),))
         for key, mode, filename, value in rows:
             if isinstance(key, str):
                 if mode == _MODE_PICKLE and filename is None and isinstance(value, bytes):
-                    # What diskcache's fetch does for a pickle stored inline, without its
-                    # BytesIO per row (0.2 s of the 3 s of ls at 100,000 entries, measured).
-                    yield key, pickle.loads(value)  # the store's own index, as diskcache reads it
-                else:
-                    yield key, fetch(mode, filename, value, False)
-
-    def keys(self, prefix: str) -> list[str]:
-        """The string keys that start with ``prefix`` (the key index only, no value)."""
-        rows = self._con.execute(
-            "SELECT key FROM Cache WHERE raw = 1 AND key >= ? AND key < ?",
-            (prefix, prefix + "\uffff"))
-        return [k for (k,) in rows if isinstance(k, str)]
-
-    def totals_snapshot(self, prefix: str, names: list[str]) -> tuple[int, list[Any]]:
-        """(how many keys start with ``prefix``, the values of ``names`` or None), read in
-        one snapshot: counting rows uses the key index, no value is decoded."""
-        con = self._con
-        con.execute("BEGIN")
-        try:
-            (n,) = con.execute("SELECT COUNT(*) FROM Cache WHERE raw = 1 AND key >= ? AND "
-                               "key < ?", (prefix, prefix + "\uffff")).fetchone()
-            return int(n), [self.get(name) for name in names]
-        finally:
-            con.execute("COMMIT")
-
-    @contextlib.contextmanager
-    def transact(self) -> Iterator[None]:
-        yield  # one reader's snapshot: nothing to hold
-
-    def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise errors.ReadOnlyStoreError("the index of a read-only store is not written")
-
-    set = incr = delete = _refuse
-
-    def close(self) -> None:
-        self._con.close()
+                    try:
+                        yield key, pickle.loads(value)  # this package's own old index
+                    except Exception:  # a damaged row: skipped, not guessed
+                        continue
+                elif isinstance(value, int):
+                    yield key, value   # diskcache stores integers as themselves
+    finally:
+        con.close()
 
 
-def _count(c: Any, recs: Sequence[Mapping[str, Any]], sign: int) -> None:
-    """Move the totals by the records ``recs``, added (+1) or removed (-1), with one
-    update of each total (gc removes a batch: three updates per entry were a third of
-    its index time); inside the caller's transaction."""
-    c.incr(_T + "entries", sign * len(recs))
-    # Moved by 0 too: a store without graphs has a total of 0, not none (none recounts).
-    c.incr(_T + "graphs", sign * sum(is_shared_graph(r.get("labels") or {}) for r in recs))
-    c.incr(_T + "logical_bytes", sign * sum(int(r.get("size_bytes", 0)) for r in recs))
+def _migrate(con: sqlite3.Connection, old: Path) -> int:
+    """Copy an old index's records, counters and stamps (inside the caller's transaction).
+    Returns the number of records copied."""
+    n = 0
+    for key, value in _old_rows(old):
+        if key.startswith("e:") and isinstance(value, dict):
+            try:
+                raw = value.get("labels")
+                labels: dict[str, str] = (
+                    {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {})
+                blobs = value.get("blobs")
+                created = float(value.get("created", 0.0))
+                con.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (key[2:], int(value.get("size_bytes", 0)), created,
+                     float(value.get("last_used", created)), int(value.get("hits", 0)),
+                     _labels_json(labels), int(is_shared_graph(labels)),
+                     value.get("state") if value.get("state") not in (None, "ok") else None,
+                     _blobs_json(blobs) if isinstance(blobs, dict) else None))
+                n += 1
+            except (TypeError, ValueError):
+                continue
+        elif key.startswith("c:") and isinstance(value, int):
+            con.execute("INSERT OR REPLACE INTO counters VALUES (?, ?)", (key[2:], value))
+        elif key.startswith("v:"):
+            con.execute("INSERT OR REPLACE INTO stamps VALUES (?, ?)",
+                        (key[2:], pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)))
+    return n
 
 
 class Index:
-    """Lazily opened diskcache. Opening is deferred so that ``open_store()`` stays cheap."""
+    """Lazily opened database. Opening is deferred so that ``open_store()`` stays cheap."""
 
     def __init__(self, path: Path, guard: Callable[[], object] | None = None,
                  on_unsafe: Callable[[errors.InsecureStoreError], None] | None = None,
                  *, readonly: bool = False, shared: bool = False,
                  hits_later: bool = False) -> None:
         self.path = path
-        self._cache: Any = None
+        self._con: sqlite3.Connection | None = None
+        # One connection shared by this process's threads (gc's deleters, the hits
+        # timer): its use is serialised here, SQLite's locks serialise the processes.
+        self._lock = threading.RLock()
         # Hits queued to be written together (see the module doc): (pid, record_hit's
         # arguments); another pid's (a fork's copy) are not this process's to write.
         self.hits_later = hits_later
@@ -255,7 +271,7 @@ class Index:
         self._readonly = readonly
         # A team store's index: every member of the group writes it (hits, deletions).
         self._shared = shared
-        self._scan: _ReadOnlyCache | None = None
+        self._scan: sqlite3.Connection | None = None
         # Called before the database is opened (the store checks that no directory on
         # the way is a symlink); once open, the handle no longer depends on the path.
         self._guard = guard
@@ -265,42 +281,114 @@ class Index:
         self._warned = False
 
     @property
-    def cache(self) -> Any:
+    def db(self) -> Path:
+        """The database file."""
+        return self.path / DB_NAME
+
+    def _db(self) -> sqlite3.Connection:
         if self._hits:
             self.flush_hits()   # this process reads its own hits
         return self._open()
 
-    def _open(self) -> Any:
-        if self._cache is None:
-            if self._guard is not None:
-                self._guard()
-            if self._readonly:
-                if not (self.path / "cache.db").exists():
-                    # Not kept: a writer may make it later, and this reader then reads it.
-                    raise _NoDatabase(self.path)
-                self._cache = _ReadOnlyCache(self.path)
-                return self._cache
-            import diskcache  # deferred: ~15 ms of imports not needed by every caller
+    def _open(self) -> sqlite3.Connection:
+        with self._lock:
+            if self._con is None:
+                if self._guard is not None:
+                    self._guard()
+                if self._readonly:
+                    if not self.db.exists():
+                        # Not kept: a writer may make it later, and this reader then reads it.
+                        raise _NoDatabase(self.path)
+                    con = _connect(self.db, readonly=True)
+                    (version,) = con.execute("PRAGMA user_version").fetchone()
+                    if version != SCHEMA_VERSION:
+                        con.close()
+                        raise _NoDatabase(self.path)   # not migrated yet: nothing to read
+                    self._con = con
+                    return con
+                self.path.mkdir(parents=True, exist_ok=True)
+                con = _connect(self.db, readonly=False)
+                try:
+                    self._upgrade(con)
+                except BaseException:
+                    con.close()
+                    raise
+                self._con = con
+                if self._shared:
+                    self._share()
+            return self._con
 
-            # Eviction inside diskcache is off: the store owns eviction policy.
-            self._cache = diskcache.Cache(
-                str(self.path), eviction_policy="none", size_limit=2**62, timeout=60
-            )
-            if self._shared:
-                self._share()
-        return self._cache
+    def _upgrade(self, con: sqlite3.Connection) -> None:
+        """Create the schema, migrating an old-layout index once (see the module doc)."""
+        (version,) = con.execute("PRAGMA user_version").fetchone()
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise errors.StoreError(
+                f"the index {self.db} is of a newer layout ({version}) than this version "
+                f"reads ({SCHEMA_VERSION}): upgrade cachecompile")
+        con.execute("BEGIN IMMEDIATE")   # the write lock: one process migrates
+        try:
+            (version,) = con.execute("PRAGMA user_version").fetchone()
+            if version == 0:
+                # Statement by statement: executescript would commit the transaction.
+                for statement in filter(str.strip, _SCHEMA.split(";")):
+                    con.execute(statement)
+                old = self.path / OLD_DB_NAME
+                if old.is_file():
+                    try:
+                        n = _migrate(con, old)
+                        logger.info("cache index %s: %d records migrated from %s", self.db,
+                                    n, OLD_DB_NAME)
+                    except sqlite3.Error as e:   # unreadable: rebuilt by hits, verify --fix
+                        logger.warning("cache index %s: the old index %s could not be "
+                                       "read (%s); starting empty (`cachectl verify --fix` "
+                                       "rebuilds it)", self.db, old, e)
+                con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
 
     def _share(self) -> None:
-        """Group-write the index whatever the creator's umask (it made cache.db 0644, and
-        the other members' hits and deletions failed: "readonly database"). SQLite gives
-        its -wal and -shm files the database file's mode."""
+        """Group-write the index whatever the creator's umask (it made the database 0644,
+        and the other members' hits and deletions failed: "readonly database"). SQLite
+        gives its -wal and -shm files the database file's mode."""
         me = os.geteuid()
-        for path, mode in ((self.path, 0o2770), (self.path / "cache.db", 0o660),
-                           (self.path / "cache.db-wal", 0o660),
-                           (self.path / "cache.db-shm", 0o660)):
+        for path, mode in ((self.path, 0o2770), (self.db, 0o660),
+                           (self.path / (DB_NAME + "-wal"), 0o660),
+                           (self.path / (DB_NAME + "-shm"), 0o660)):
             with contextlib.suppress(OSError):
                 if os.lstat(path).st_uid == me and not os.path.islink(path):
                     os.chmod(path, mode)
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (the write lock taken at its start)."""
+        if self._readonly:
+            raise errors.ReadOnlyStoreError("the index of a read-only store is not written")
+        con = self._db()
+        with self._lock:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> Iterator[Any]:
+        """The rows of a scan, streamed from a connection of their own (its snapshot is
+        what was committed when it began; this process may write meanwhile)."""
+        con = self._db()
+        if self._readonly:
+            scan = con
+        else:
+            with self._lock:
+                if self._scan is None:
+                    self._scan = _connect(self.db, readonly=True)
+                scan = self._scan
+        yield from scan.execute(sql, args)
 
     @property
     def readonly(self) -> bool:
@@ -314,12 +402,11 @@ class Index:
 
     def close(self) -> None:
         self.flush_hits()
-        if self._scan is not None:
-            self._scan.close()
-            self._scan = None
-        if self._cache is not None:
-            self._cache.close()
-            self._cache = None
+        with self._lock:
+            for con in (self._scan, self._con):
+                if con is not None:
+                    con.close()
+            self._scan = self._con = None
 
     def safely(self, what: str, fn: Callable[[], T]) -> T | None:
         """``fn()``, or None when it fails: logged, never raised (see the module doc)."""
@@ -345,20 +432,11 @@ class Index:
     # -- records ---------------------------------------------------------------
     def add(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
             blobs: Mapping[str, int] | None = None) -> None:
-        c = self.cache
-        with c.transact():
-            if c.get(_E + digest) is None:
-                rec: dict[str, Any] = {
-                    "size_bytes": size_bytes,
-                    "created": created,
-                    "last_used": created,
-                    "hits": 0,
-                    "labels": labels,
-                }
-                if blobs is not None:
-                    rec["blobs"] = dict(blobs)
-                c.set(_E + digest, rec)
-                _count(c, [rec], +1)
+        with self._tx() as con:
+            con.execute("INSERT OR IGNORE INTO entries (digest, size_bytes, created, "
+                        "last_used, hits, labels, graph, blobs) VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
+                        (digest, size_bytes, created, created, _labels_json(labels),
+                         int(is_shared_graph(labels)), _blobs_json(blobs)))
 
     def record_hit(self, digest: str, size_bytes: int, created: float, labels: dict[str, str],
                    counter: str = "hits", blobs: Mapping[str, int] | None = None) -> None:
@@ -396,141 +474,96 @@ class Index:
         self.safely("hit", self.flush_hits)
 
     def _write_hits(self, hits: list[tuple[Any, ...]]) -> None:
-        c = self._open()
-        with c.transact():
+        with self._tx() as con:
             for digest, size_bytes, created, labels, counter, blobs, when in hits:
-                rec = c.get(_E + digest)
-                if rec is None:
-                    # Published by a process that died before indexing: heal the index.
-                    rec = {"size_bytes": size_bytes, "created": created, "hits": 0,
-                           "labels": labels}
-                    if blobs is not None:
-                        rec["blobs"] = dict(blobs)
-                    _count(c, [rec], +1)
-                rec["hits"] = int(rec.get("hits", 0)) + 1
-                rec["last_used"] = max(when, float(rec.get("last_used") or 0))
-                c.set(_E + digest, rec)
-                c.incr(_C + counter)
+                # A missing row: published by a process that died before indexing, healed.
+                con.execute(
+                    "INSERT INTO entries (digest, size_bytes, created, last_used, hits, "
+                    "labels, graph, blobs) VALUES (?, ?, ?, ?, 1, ?, ?, ?) "
+                    "ON CONFLICT (digest) DO UPDATE SET hits = hits + 1, "
+                    "last_used = max(last_used, excluded.last_used)",
+                    (digest, size_bytes, created, when, _labels_json(labels),
+                     int(is_shared_graph(labels)), _blobs_json(blobs)))
+                self._incr(con, counter, 1)
 
     def remove(self, digest: str) -> None:
-        c = self.cache
-        with c.transact():
-            rec = c.get(_E + digest)
-            if rec is not None:
-                c.delete(_E + digest)
-                _count(c, [rec], -1)
+        with self._tx() as con:
+            con.execute("DELETE FROM entries WHERE digest = ?", (digest,))
 
     def remove_many(self, digests: list[str], freed: int = 0) -> None:
         """:meth:`remove` of each, and ``bytes`` down by ``freed``, in one transaction (gc
         evicts in batches: one commit per batch instead of two per entry)."""
-        c = self.cache
-        with c.transact():
+        with self._tx() as con:
             if freed:
-                c.incr(_C + "bytes", -freed)
-            gone = [rec for rec in (c.pop(_E + d) for d in digests) if isinstance(rec, dict)]
-            if gone:
-                _count(c, gone, -1)
+                self._incr(con, "bytes", -freed)
+            con.executemany("DELETE FROM entries WHERE digest = ?", [(d,) for d in digests])
 
     def get(self, digest: str) -> EntryInfo | None:
-        rec = self.cache.get(_E + digest)
-        return None if rec is None else _info(digest, rec)
+        con = self._db()
+        with self._lock:
+            row = con.execute(f"SELECT {_COLS} FROM entries WHERE digest = ?",
+                              (digest,)).fetchone()
+        return None if row is None else _info(row, _Labels())
 
     def records(self) -> Iterator[EntryInfo]:
-        for info, _ in self.items():
+        for info, _ in self.items(blobs=False):
             yield info
 
-    def items(self, *, blobs: bool = True) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
-        """Each record with its blob map (None for records written before blob maps, and
-        without ``blobs``). Streamed from one query: nothing is held but the current row."""
-        for k, rec in self._bulk().prefixed(_E):
-            if isinstance(rec, dict):
-                held = rec.get("blobs") if blobs else None
-                # Each row is decoded afresh: its blob map is the caller's, uncopied.
-                yield _info(k[len(_E) :], rec), (held if isinstance(held, dict) else None)
+    def items(self, *, blobs: bool = True, order: str = "digest",
+              limit: int | None = None) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
+        """Each record with its blob map (None for records written without one, and
+        without ``blobs``), in ``order`` (``digest``, or ``last_used``: least recently
+        used first, gc's order), at most ``limit``. Streamed from one query: nothing is
+        held but the current row."""
+        by = {"digest": "digest", "last_used": "last_used, digest"}[order]
+        sql = f"SELECT {_COLS}{', blobs' if blobs else ''} FROM entries ORDER BY {by}"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        labels = _Labels()
+        for row in self._rows(sql):
+            held = None
+            if blobs and row[7] is not None:
+                with contextlib.suppress(ValueError):
+                    held = json.loads(row[7])
+            yield _info(row, labels), (held if isinstance(held, dict) else None)
 
     def totals(self) -> dict[str, int]:
         """``entries``, ``graphs`` (shared-graph entries among them) and ``logical_bytes``
-        of the records, from the totals kept as records come and go.
-
-        The totals are checked against a count of the records in the same snapshot (an
-        index query, no record read); when they are missing (an index written before
-        totals) or off (a process of an older version added or removed records), they
-        are recounted from the records, and written back where the index is writable.
-        """
-        snap = self._bulk()
-        counted, kept = snap.totals_snapshot(_E, [_T + n for n in TOTALS])
-        if kept[0] == counted and all(v is not None for v in kept):
-            return {n: int(v or 0) for n, v in zip(TOTALS, kept, strict=True)}
-        return self.recount()
+        of the records: aggregates of the entries table in one query (no record decoded),
+        so they are always those of the records."""
+        row = next(self._rows("SELECT COUNT(*), TOTAL(graph), TOTAL(size_bytes) FROM entries"))
+        return {n: int(v or 0) for n, v in zip(TOTALS, row, strict=True)}
 
     def recount(self) -> dict[str, int]:
-        """Recount the totals from every record (and write them, if writable)."""
-        out = {n: 0 for n in TOTALS}
-        c = self.cache
-        # Read in one query on the scan connection while the writer lock is held: no
-        # other process commits meanwhile, so the snapshot read is the state written over.
-        with c.transact():
-            for _k, rec in self._bulk().prefixed(_E):
-                if isinstance(rec, dict):
-                    out["entries"] += 1
-                    out["graphs"] += is_shared_graph(rec.get("labels") or {})
-                    out["logical_bytes"] += int(rec.get("size_bytes", 0))
-            if not self._readonly:
-                for n, v in out.items():
-                    c.set(_T + n, v)
-        return out
-
-    def _bulk(self) -> _ReadOnlyCache:
-        """A reading connection for whole-index scans: what was committed (a writer's
-        open transaction is not seen; nothing here reads inside one)."""
-        c = self.cache  # opened (and created) first
-        if isinstance(c, _ReadOnlyCache):
-            return c
-        if self._scan is None:
-            self._scan = _ReadOnlyCache(self.path)
-        return self._scan
+        """The totals, read afresh (kept for ``stats --recount``: they are aggregates now)."""
+        return self.totals()
 
     def set_blobs(self, blobs: Mapping[str, Mapping[str, int]]) -> None:
         """Fill in the blob maps of existing records (read from their manifests)."""
-        c = self.cache
-        with c.transact():
-            for digest, held in blobs.items():
-                rec = c.get(_E + digest)
-                if rec is not None:
-                    rec["blobs"] = dict(held)
-                    c.set(_E + digest, rec)
+        with self._tx() as con:
+            con.executemany("UPDATE entries SET blobs = ? WHERE digest = ?",
+                            [(_blobs_json(held), d) for d, held in blobs.items()])
 
     def digests(self) -> set[str]:
-        # One query on the key index: iterating every key through diskcache took 7 s at
-        # 100,000 entries.
-        return {k[len(_E) :] for k in self._bulk().keys(_E)}
+        return {d for (d,) in self._rows("SELECT digest FROM entries")}
 
     def replace_all(self, infos: list[EntryInfo],
                     blobs: Mapping[str, Mapping[str, int]] | None = None) -> None:
         """Rebuild records from ``infos`` (from manifests), keeping known usage data."""
-        c = self.cache
-        with c.transact():
-            old = {i.key: i for i in self.records()}
-            for k in self._bulk().keys(_E):
-                c.delete(k)
-            totals = dict.fromkeys(TOTALS, 0)
+        with self._tx() as con:
+            old = {d: (lu, h) for d, lu, h in
+                   con.execute("SELECT digest, last_used, hits FROM entries")}
+            con.execute("DELETE FROM entries")
+            rows = []
             for i in infos:
-                totals["entries"] += 1
-                totals["graphs"] += is_shared_graph(i.labels)
-                totals["logical_bytes"] += i.size_bytes
-                prev = old.get(i.key)
-                rec: dict[str, Any] = {
-                    "size_bytes": i.size_bytes,
-                    "created": i.created,
-                    "last_used": prev.last_used if prev else i.created,
-                    "hits": prev.hits if prev else 0,
-                    "labels": i.labels,
-                }
-                if blobs is not None and i.key in blobs:
-                    rec["blobs"] = dict(blobs[i.key])
-                c.set(_E + i.key, rec)
-            for n, v in totals.items():
-                c.set(_T + n, v)
+                last_used, hits = old.get(i.key, (i.created, 0))
+                held = blobs.get(i.key) if blobs is not None else None
+                rows.append((i.key, i.size_bytes, i.created, last_used, hits,
+                             _labels_json(i.labels), int(is_shared_graph(i.labels)),
+                             _blobs_json(held)))
+            con.executemany("INSERT OR REPLACE INTO entries (digest, size_bytes, created, "
+                            "last_used, hits, labels, graph, blobs) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     # -- verification stamps ---------------------------------------------------
     def stamps(self) -> dict[str, tuple[bool, Any]]:
@@ -539,42 +572,51 @@ class Index:
         entries in full)."""
         out: dict[str, tuple[bool, Any]] = {}
         names: dict[Any, Any] = {}   # the path lists, one object each (most are alike)
-        for k, v in self._bulk().prefixed(_V):
+        for d, blob in self._rows("SELECT digest, value FROM stamps"):
+            try:
+                v = pickle.loads(blob)   # written by set_stamps: this index's own values
+            except Exception:  # a damaged stamp: that entry is read in full
+                continue
             if (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], tuple)
                     and len(v[1]) == 2 and isinstance(v[1][0], tuple)):
                 graph, (paths, sealed) = v
-                out[k[len(_V):]] = (bool(graph), (names.setdefault(paths, paths), sealed))
+                out[d] = (bool(graph), (names.setdefault(paths, paths), sealed))
         return out
 
     def set_stamps(self, stamps: Mapping[str, tuple[bool, Any]]) -> None:
         """Keep the stamps of entries just checked in full, in one transaction."""
-        c = self.cache
-        with c.transact():
-            for digest, value in stamps.items():
-                c.set(_V + digest, value)
+        with self._tx() as con:
+            con.executemany("INSERT OR REPLACE INTO stamps VALUES (?, ?)",
+                            [(d, pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL))
+                             for d, v in stamps.items()])
 
     def drop_stamps(self, digests: list[str]) -> None:
         """Forget the stamps of ``digests`` (gone, or found bad), in one transaction."""
-        c = self.cache
-        with c.transact():
-            for digest in digests:
-                c.delete(_V + digest)
+        with self._tx() as con:
+            con.executemany("DELETE FROM stamps WHERE digest = ?", [(d,) for d in digests])
 
     # -- counters --------------------------------------------------------------
+    @staticmethod
+    def _incr(con: sqlite3.Connection, name: str, delta: int) -> None:
+        con.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT (name) "
+                    "DO UPDATE SET value = value + excluded.value", (name, delta))
+
     def incr(self, name: str, delta: int = 1) -> None:
-        self.cache.incr(_C + name, delta)
+        with self._tx() as con:
+            self._incr(con, name, delta)
 
     def counter(self, name: str) -> int:
-        return int(self.cache.get(_C + name, 0))
+        con = self._db()
+        with self._lock:
+            row = con.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        return int(row[0]) if row else 0
 
     def counters(self) -> dict[str, int]:
         out = {n: 0 for n in COUNTERS}
-        for k, v in self._bulk().prefixed(_C):   # one query, not one per key of the index
-            out[k[len(_C) :]] = int(v or 0)
+        for name, v in self._rows("SELECT name, value FROM counters"):
+            out[name] = int(v or 0)
         return out
 
     def zero(self) -> None:
-        c = self.cache
-        with c.transact():
-            for k in self._bulk().keys(_C):
-                c.delete(k)
+        with self._tx() as con:
+            con.execute("DELETE FROM counters")

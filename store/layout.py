@@ -7,7 +7,7 @@ Layout under ``<root>/v1/`` (see docs/store.md)::
     blobs/<c[:2]>/<xxh3>[.x]                  one inode per distinct content and mode
     tmp/                                      staging; swept when stale
     quarantine/                               entries that failed verification
-    locks/  pins/  index/                     filelocks, leases, diskcache index
+    locks/  pins/  index/                     filelocks, leases, SQLite index
 
 No directory below the root is ever followed if it is a symlink (each level is checked
 with lstat on the way down): a lookup through one is an ``insecure`` miss, a write

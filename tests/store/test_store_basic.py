@@ -328,7 +328,7 @@ def test_a_read_only_index_missing_is_empty_and_unreadable_is_said_once(
                 ro.stat(key)
         return [r.getMessage() for r in caplog.records]
 
-    db = st.root / "v1" / "index" / "cache.db"
+    db = st.root / "v1" / "index" / "entries.db"
     assert db.is_file()
     db.rename(db.with_name("moved.db"))
     missing = open_store(st.root, readonly=True)
@@ -623,7 +623,7 @@ def test_hits_later_are_written_together_and_read_back_by_their_own_process(
     other = open_store(root)                      # another process's view of the index
     monkeypatch.setattr(index_mod, "HITS_DELAY_S", 3600.0)
     assert serving.get(key) and serving.get(key)
-    assert isinstance(serving, Store) and serving.index._cache is None  # not opened
+    assert isinstance(serving, Store) and serving.index._con is None  # not opened
     assert other.stats()["hits"] == 0             # queued, not written yet
     assert serving.stats()["hits"] == 2           # its own read writes the queue first
     assert other.stats()["hits"] == 2
