@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import json
 import logging
 import os
@@ -196,6 +197,18 @@ def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
     return con
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads what the old index held (dicts, lists, strings, numbers) and nothing that
+    names a class or a function: an index file is not trusted to run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused: the old index names {module}.{name}")
+
+
+def _plain_loads(data: bytes) -> Any:
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
 def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(key, value) of each row of an index of the old layout (diskcache's ``Cache``
     table, its values pickled inline). A value diskcache kept in a file of its own (over
@@ -209,7 +222,7 @@ def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
             if isinstance(key, str):
                 if mode == _MODE_PICKLE and filename is None and isinstance(value, bytes):
                     try:
-                        yield key, pickle.loads(value)  # this package's own old index
+                        yield key, _plain_loads(value)  # this package's own old index
                     except Exception:  # a damaged row: skipped, not guessed
                         continue
                 elif isinstance(value, int):

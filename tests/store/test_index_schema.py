@@ -86,3 +86,28 @@ def test_ls_order_and_gc_order_are_sql(tmp_path: Path) -> None:
     lru = [i.key for i, _ in st.index.items(order="last_used", blobs=False)]
     assert lru[-1] == keys[0] and sorted(lru) == sorted(keys)
     assert [i.key for i, _ in st.index.items(limit=2)] == sorted(keys)[:2]
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("the old index ran code",))
+
+
+def test_an_old_row_that_names_a_callable_is_skipped_not_run(tmp_path: Path,
+                                                              capsys: object) -> None:
+    st = store.open_store(tmp_path / "c")
+    assert isinstance(st, Store)
+    digest = st.put(make_key({"i": 1}), {"f": b"x"}, labels={"model": "m"}).key
+    st.close()
+    idx = st.index.path
+    for f in idx.iterdir():
+        f.unlink()
+    _old_index(idx, {"e:" + digest: {"size_bytes": 1, "created": 1.0, "labels": _Boom()},
+                     "c:hits": 3})
+    i = Index(idx)
+    assert i.counters()["hits"] == 3   # the plain rows are migrated ...
+    i.close()
+    assert "ran code" not in capsys.readouterr().out  # type: ignore[attr-defined]
+    st2 = store.open_store(tmp_path / "c")
+    assert isinstance(st2, Store)
+    assert {e.key: e.state for e in st2.entries()} == {digest: "unindexed"}  # ... that one not
