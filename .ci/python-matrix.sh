@@ -77,7 +77,7 @@ tier_prepare() {
     echo "== Python $v: torch $TORCH has no build for this Python: the torch-free tests only"
     python -m pip install -q --no-deps -e . || return 1
     # The runtime requirements but torch, and the test tools.
-    python -m pip install -q diskcache filelock xxhash click rich redis zstandard \
+    python -m pip install -q filelock xxhash click rich redis zstandard \
       "${TEST_TOOLS[@]}" || return 1
     echo torch-free > "$venv/tier-selection"
   fi
