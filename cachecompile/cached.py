@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CachedFunction", "SharedEntries", "cache_off"]
 
+# Read on every call: the function itself, not two attribute lookups through ``torch``.
+_grad_enabled = torch.is_grad_enabled
+
 # What a miss of a signature outside the declared gears is counted about (cachectl stats).
 OFF_GEAR = "outside the declared gears"
 
@@ -109,6 +112,7 @@ class CachedFunction:
         self._module = method.__self__
         self.spec = spec
         self._gears = spec.gears
+        self._dynamic = spec.dynamic
         self._gear_warned = False
         self._runners: dict[Signature, list[Variant]] = {}
         self._keys = FrameKeys(method, spec)
@@ -132,7 +136,19 @@ class CachedFunction:
 
     # -- calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        # The warm call, inline (every decode step runs it): grad off, no gears, a
+        # signature seen before whose one variant's check holds. Everything else, and any
+        # change of those, takes the general path below.
+        if self._gears is None and not _grad_enabled():
+            sig = signature(args, kwargs, self._dynamic)
+            variants = self._runners.get(sig)
+            if variants is not None and len(variants) == 1:
+                v = variants[0]
+                if v.check is None or v.check(*args, **kwargs):
+                    return v.run(*args, **kwargs)
+                return self._locked(sig, args, kwargs)  # as _dispatch after its checks
+            return self._dispatch(args, kwargs, sig=sig)
+        if _grad_enabled():
             if requires_grad(args, kwargs):
                 raise InferenceOnlyError(
                     f"{self.__qualname__} is cached for inference only, but an input requires "
@@ -189,8 +205,9 @@ class CachedFunction:
         return self._dispatch(args, kwargs, off_gear=True)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  off_gear: bool = False) -> Any:
-        sig = signature(args, kwargs, self.spec.dynamic)
+                  off_gear: bool = False, sig: Signature | None = None) -> Any:
+        if sig is None:
+            sig = signature(args, kwargs, self._dynamic)
         variants = self._runners.get(sig)
         if variants is not None:
             if len(variants) > 1:
@@ -203,6 +220,12 @@ class CachedFunction:
             for v in variants:
                 if v.check is None or v.check(*args, **kwargs):
                     return v.run(*args, **kwargs)
+        return self._locked(sig, args, kwargs, off_gear)
+
+    def _locked(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                off_gear: bool = False) -> Any:
+        """No variant of ``sig`` held without the lock: again under it (another thread may
+        have added one), else the signature's first call (or a new variant's)."""
         with self._lock:
             for v in self._runners.get(sig, ()):
                 if v.check is None or v.check(*args, **kwargs):

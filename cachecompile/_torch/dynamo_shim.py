@@ -36,11 +36,16 @@ def call_storage_offset(x: Any) -> int:
     return x.storage_offset()  # type: ignore[no-any-return]
 
 
+# Stateless, so one serves every call: replayed bytecode enters it on each call while no
+# profiler runs (torch's own helper makes a new one each time).
+_NO_PROFILER = contextlib.nullcontext()
+
+
 def record_pregraph_bytecode_enter() -> contextlib.AbstractContextManager[None]:
     cm: contextlib.AbstractContextManager[None] = (
         torch._C._profiler._RecordFunctionFast("Pregraph bytecode")
         if torch.autograd.profiler._is_profiler_enabled
-        else contextlib.nullcontext()
+        else _NO_PROFILER
     )
     cm.__enter__()
     return cm

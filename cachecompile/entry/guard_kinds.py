@@ -304,6 +304,17 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _overlap_check(groups: JSON) -> Callable[..., bool]:
     expected = sorted(sorted(grp) for grp in groups)
+    if not expected:
+        def distinct(*tensors: Any) -> bool:
+            # The common case inline, as on every call: one storage each, no list built.
+            try:
+                if len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors):
+                    return True
+            except Exception:  # not all dense tensors: the general rule decides
+                pass
+            return not overlap_groups(tensors)
+
+        return distinct
 
     def check(*tensors: Any) -> bool:
         return overlap_groups(tensors) == expected
