@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,11 +74,10 @@ def _put(src: str, dst: str) -> None:
     """Copy src to dst whole: written beside dst, then renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)) or ".",
                                prefix=".gxx-memo.")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                out.write(chunk)
-        os.chmod(tmp, os.stat(src).st_mode & 0o777)
+        shutil.copyfile(src, tmp)
+        shutil.copymode(src, tmp)
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):

@@ -55,6 +55,9 @@ _FIRST_IMPORTS_TORCH = re.compile(
 
 _SERVER = r'''
 import json, os, selectors, socket, sys
+# The interpreter's own entries of sys.path (the stdlib, site-packages), as a fresh
+# `python -c` has them after its PYTHONPATH entries (this one is started without any).
+_base_path = sys.path[1:]
 _orig = type(os.environ)
 _read = set()
 _get, _has, _iter = _orig.__getitem__, _orig.__contains__, _orig.__iter__
@@ -130,7 +133,7 @@ os.close(_null)
 os.chdir(_job["cwd"])
 os.environ.clear()
 os.environ.update(_job["env"])
-sys.path[:] = [""] + [p for p in _job["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + _job["path"]
+sys.path[:] = [""] + [p for p in _job["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + _base_path
 sys.argv[:] = ["-c"]
 import tempfile
 tempfile.tempdir = None
@@ -166,12 +169,7 @@ class _Server:
         if not line:
             raise RuntimeError("the zygote did not start")
         read = set(json.loads(line)["read"])
-        self.sensitive = {k for k in read} | {k for k in self.env if k.startswith(_READ_BY_LIBRARIES)}
-        # The interpreter's own entries of sys.path (the stdlib, site-packages), as a fresh
-        # `python -c` has them after the PYTHONPATH entries.
-        self.base_path = json.loads(subprocess.run(
-            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-            env=server_env, cwd="/", capture_output=True, text=True, check=True).stdout)
+        self.sensitive = read | {k for k in self.env if k.startswith(_READ_BY_LIBRARIES)}
 
     def fits(self, env: Mapping[str, str]) -> bool:
         keys = self.sensitive | {k for k in env if k.startswith(_READ_BY_LIBRARIES)}
@@ -189,7 +187,7 @@ class _Server:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
-            job = {"code": code, "env": dict(env), "cwd": cwd, "path": self.base_path}
+            job = {"code": code, "env": dict(env), "cwd": cwd}
             socket.send_fds(conn, [json.dumps(job).encode() + b"\n"], [out_w, err_w])
         finally:
             os.close(out_w)
