@@ -198,11 +198,12 @@ def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Reads what the old index held (dicts, lists, strings, numbers) and nothing that
-    names a class or a function: an index file is not trusted to run code."""
+    """Reads what the index pickles (the old index's records, the stamps: dicts, tuples,
+    strings, numbers) and nothing that names a class or a function: an index file is
+    not trusted to run code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refused: the old index names {module}.{name}")
+        raise pickle.UnpicklingError(f"refused: the index names {module}.{name}")
 
 
 def _plain_loads(data: bytes) -> Any:
@@ -587,7 +588,7 @@ class Index:
         names: dict[Any, Any] = {}   # the path lists, one object each (most are alike)
         for d, blob in self._rows("SELECT digest, value FROM stamps"):
             try:
-                v = pickle.loads(blob)   # written by set_stamps: this index's own values
+                v = _plain_loads(blob)   # written by set_stamps: plain tuples only
             except Exception:  # a damaged stamp: that entry is read in full
                 continue
             if (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], tuple)
