@@ -133,13 +133,18 @@ class Sandbox:
         self.gxx_log.unlink(missing_ok=True)
 
     def run(self, code: str, *, timeout: float = 600, check: bool = True,
-            fresh_inductor: bool | None = None, **extra: str) -> Any:
+            fresh_inductor: bool | None = None, compiles: bool | None = None,
+            **extra: str) -> Any:
         """Run ``code`` in a fresh process; it reports with ``report(obj)``.
 
-        A script whose first statement imports torch forks from one of the test process's
-        two zygotes (tests/zygote.py), which imported torch and nothing else; any other
-        script, or one whose environment differs in what torch's import read, runs as
-        ``python -c``."""
+        A script that imports torch before anything but the standard library forks from
+        one of the test process's zygotes (tests/zygote.py), which imported torch; any other
+        script, or one whose environment differs in what the zygote's imports read, runs
+        as ``python -c``. A child that ``compiles`` forks from a zygote that has imported
+        Dynamo and Inductor's compiler too (what it would import first anyway, ~3 s of a
+        core). By default a child compiles when its store holds no entry yet (a cold
+        run); a warm child, whose promise may be that it imports no Dynamo, never gets
+        them."""
         prelude = textwrap.dedent("""
             import json as _json, sys as _sys
             def report(obj):
@@ -152,7 +157,18 @@ class Sandbox:
             # A script that imports torch first forks from a process that already did
             # (tests/zygote.py: what differs from a fresh interpreter, and how each is held).
             self._turn += 1
-            proc = zygote.run(prelude + body, env, str(self.root), timeout, self._turn)
+            if compiles is None:
+                compiles = not _has_entries(Path(env["CACHECOMPILE_DIR"]))
+            # Inductor's import reads its dirs (and CXX): a zygote that imported it serves
+            # only children on the session's shared dirs, which it was started with.
+            shared = shared_inductor_dirs()
+            preload = zygote.COMPILER if compiles and shared is not None and all(
+                env.get(k) == v for k, v in shared.items()) else ()
+            # A zygote starts from a sandbox's plain environment (shared dirs, no extras),
+            # not from the first child's: children with extras then fit where they can.
+            base = env if shared is None else self.env(fresh_inductor=False)
+            proc = zygote.run(prelude + body, env, str(self.root), timeout, self._turn,
+                              preload, base=base)
         if proc is None:
             proc = subprocess.run([sys.executable, "-c", prelude + body], env=env,
                                   capture_output=True, text=True, timeout=timeout,
@@ -163,6 +179,14 @@ class Sandbox:
                                  f"\nstderr:\n{proc.stderr[-6000:]}")
         out = json.loads(results[-1]) if results else None
         return ChildResult(out, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _has_entries(store: Path) -> bool:
+    """Whether the store at ``store`` holds any entry (store/layout.py's layout)."""
+    try:
+        return any(any(v.iterdir()) for v in store.glob("v*/entries"))
+    except OSError:
+        return False
 
 
 class ChildResult:

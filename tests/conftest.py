@@ -21,6 +21,15 @@ for path in (TESTS, REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+# The suite runs two xdist workers on two cores, each with children whose OpenMP has a
+# thread per core: libgomp's threads spin while they wait for work (OMP_WAIT_POLICY's
+# default), and with more threads than cores that spinning took ~8% of the suite's CPU
+# (tests/e2e/test_zoo.py's UNet: 121 s of CPU against 111 s passive). Passive waiting keeps
+# every kernel and key as it was (threads are still one per core, and the policy is no key
+# factor). Set here, before any torch import: the workers and every child inherit it,
+# and libgomp reads it when it loads. A caller's own setting stands.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import gxx_memo  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import zygote
 from ccutil import Sandbox
@@ -26,8 +27,8 @@ sys.exit(int(os.environ.get("CC_ZYGOTE_RC", "0")))
 def test_a_zygote_child_is_a_fresh_python_c(tmp_path: Path) -> None:
     assert zygote.usable(PROBE)
     box = Sandbox(tmp_path)
-    a = box.run(PROBE, CC_ZYGOTE_PROBE="one")
-    b = box.run(PROBE, CC_ZYGOTE_PROBE="two")
+    a = box.run(PROBE, compiles=False, CC_ZYGOTE_PROBE="one")
+    b = box.run(PROBE, compiles=False, CC_ZYGOTE_PROBE="two")
     for r in (a, b):
         assert r.value == {"atexit": True}  # the last RESULT line: atexit ran at the exit
         assert "to stderr" in r.stderr
@@ -41,7 +42,7 @@ def test_a_zygote_child_is_a_fresh_python_c(tmp_path: Path) -> None:
     # fresh interpreters have.
     assert va["hash"] != vb["hash"]
     assert not va["dynamo"] and not va["inductor"] and va["ours"] == []
-    bad = box.run(PROBE, check=False, CC_ZYGOTE_RC="3")
+    bad = box.run(PROBE, check=False, compiles=False, CC_ZYGOTE_RC="3")
     assert bad.rc == 3
 
 
@@ -50,6 +51,11 @@ def test_scripts_that_do_something_before_torch_run_as_plain_interpreters() -> N
     assert not zygote.usable("from cachecompile import cache_compile\n")
     assert zygote.usable("# a comment\n\nimport torch, sys\n")
     assert zygote.usable("import torch.nn as nn\n")
+    # Standard-library imports before torch set nothing torch's import reads.
+    assert zygote.usable("import os, sys, torch\n")
+    assert zygote.usable("from __future__ import annotations\nimport json\nfrom torch import nn\n")
+    assert not zygote.usable("import numpy\nimport torch\n")
+    assert not zygote.usable("import os\nprint(os.getpid())\nimport torch\n")
 
 
 def test_an_environment_torch_reads_at_import_gets_a_plain_interpreter(tmp_path: Path) -> None:
@@ -61,3 +67,24 @@ def test_an_environment_torch_reads_at_import_gets_a_plain_interpreter(tmp_path:
     plain = box.run(script, TORCH_LOGS="-all", CC_TEST_PID=str(os.getpid()))
     forked = box.run(script, CC_TEST_PID=str(os.getpid()))
     assert plain["fork"] is False and forked["fork"] is True
+
+
+def _probe(r: Any) -> dict[str, Any]:
+    return dict(json.loads(next(ln[7:] for ln in r.stdout.splitlines()
+                                if ln.startswith("RESULT "))))
+
+
+def test_a_compiling_child_forks_with_the_compiler_imported_only_on_shared_dirs(
+        tmp_path: Path) -> None:
+    """A cold child (empty store) gets Dynamo and Inductor's compiler already imported,
+    and is otherwise the same fresh ``python -c``; a child on fresh Inductor dirs (which
+    Inductor's import reads) and a warm one do not."""
+    box = Sandbox(tmp_path)
+    cold = _probe(box.run(PROBE, CC_ZYGOTE_PROBE="cold"))   # nothing in the store yet
+    assert cold["dynamo"] and cold["inductor"] and cold["ours"] == []
+    assert cold["env"] == "cold" and cold["argv"] == ["-c"] and cold["cwd"] == str(tmp_path)
+    fresh = _probe(box.run(PROBE, fresh_inductor=True))
+    assert not fresh["dynamo"] and not fresh["inductor"]
+    (box.store / "v1" / "entries" / "ab").mkdir(parents=True)   # an entry's shard: warm
+    warm = _probe(box.run(PROBE))
+    assert not warm["dynamo"] and not warm["inductor"]

@@ -3,9 +3,9 @@
 Most of the suite's children are scripts whose first statement is ``import torch``. That
 import costs each of them about 1.7 s of a core (issue 36: hundreds of children). A zygote
 is a server process that has imported torch and nothing else (no torch._dynamo, no
-Inductor, nothing of cachecompile, no test code); for each script it forks a child, which
-sets the script's environment, working directory and ``sys.path``, then runs the script as
-``python -c`` runs it: as ``__main__``, with its output on the caller's pipes, ending
+Inductor, nothing of cachecompile, no test code; but see the compiling child below); for
+each script it forks a child, which sets the script's environment, working directory and
+``sys.path``, then runs the script as ``python -c`` runs it: as ``__main__``, with its output on the caller's pipes, ending
 through the interpreter's normal exit (atexit handlers, flushes) with the status the
 caller sees as a return code.
 
@@ -20,19 +20,27 @@ exceptions, each handled:
 - **The hash seed.** Children of one zygote share its ``str`` hash seed. Each test process
   runs two zygotes (two seeds) and a Sandbox alternates between them, so a cold run and
   the warm run after it still hash differently, as two fresh processes do.
-- **Import order.** Only a script whose first statement imports torch uses a zygote; one
-  that sets a variable or imports anything first (``import os; os.environ[...]``) runs as
-  ``python -c``.
+- **Import order.** Only a script that imports torch before anything but standard-library
+  imports uses a zygote; one that sets a variable or imports anything else first
+  (``import os; os.environ[...]``, ``from cachecompile import ...``) runs as ``python -c``.
+
+**A child that will compile** (a cold run: its store holds no entry yet; tests/ccutil.py
+decides) forks from a third zygote that has also imported Dynamo and Inductor's compiler
+(:data:`COMPILER`, about 3 s of a core that such a child pays at its first compile
+otherwise). The same three rules hold for it, and one more: Inductor's import reads its
+cache dirs, ``TMPDIR`` and ``CXX``, so only children on the session's shared Inductor
+dirs (which that zygote was started with) use it; a child with empty dirs of its own runs
+as ``python -c``. A warm child never uses it: its promise may be that it imports no Dynamo.
 
 ``CC_TESTS_ZYGOTE=0`` turns zygotes off (every child a plain interpreter).
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -49,9 +57,10 @@ from collections.abc import Mapping
 # ones that torch's import reads.
 _READ_BY_LIBRARIES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_",
                       "GLIBC_", "PYTHON", "TORCH_", "PYTORCH_", "CUDA", "NUMEXPR_", "NPY_")
-# The first statement of a script that may run in a zygote: it imports torch first.
-_FIRST_IMPORTS_TORCH = re.compile(
-    r"import torch(\.\w+)*(\s+as\s+\w+)?\s*(,.*)?$|from torch(\.\w+)* import ")
+# Modules a script may import before torch and still fork from a zygote: the standard
+# library's (torch's import brings in many of them anyway, and importing one sets nothing
+# torch's import reads).
+_STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
 
 _SERVER = r'''
 import json, os, selectors, socket, sys
@@ -78,7 +87,12 @@ def _i(self):
     _scanned[0] = None
 _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _g, _h, _i
 import torch  # noqa: F401  (the whole point)
+import importlib, threading
+for _m in filter(None, sys.argv[3].split(",")):
+    importlib.import_module(_m)
 _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _get, _has, _iter
+if threading.active_count() != 1:
+    sys.exit("a preloaded module started a thread: forking would copy it half-held")
 
 def _serve(path, parent):
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,13 +169,14 @@ exec(_code, _fresh(_d, _keep))
 class _Server:
     """One zygote: a process that imported torch and forks a child per script."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], preload: tuple[str, ...] = ()) -> None:
         self.env = dict(env)
         self.dir = tempfile.mkdtemp(prefix="cc-zygote-")
         self.path = os.path.join(self.dir, "sock")
         # Started from / with no PYTHONPATH: it imports torch, and nothing of this checkout.
         server_env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.path, str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.path, str(os.getpid()),
+                                      ",".join(preload)],
                                      env=server_env, cwd="/", stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -234,44 +249,70 @@ class _Server:
             pass
 
 
-_servers: list[_Server] = []
+# What a compiling child imports anyway, and what costs it most (~3 s of a core after
+# torch): Dynamo and Inductor's compiler. A child that will compile forks from a zygote
+# that imported them too (see :func:`run`).
+COMPILER = ("torch._dynamo", "torch._inductor.compile_fx")
+_servers: dict[tuple[str, ...], list[_Server]] = {}
 _lock = threading.Lock()
+_broken: dict[tuple[str, ...], str] = {}
 
 
-_broken: list[str] = []
-
-
-def _zygotes(env: Mapping[str, str]) -> list[_Server]:
+def _zygotes(base: Mapping[str, str], preload: tuple[str, ...]) -> list[_Server]:
     with _lock:
-        if _servers and any(s.proc.poll() is not None for s in _servers):
-            _broken.append("a zygote exited")
-        if not _servers and not _broken:
+        servers = _servers.get(preload)
+        if servers and any(s.proc.poll() is not None for s in servers):
+            _broken[preload] = "a zygote exited"
+        if not servers and preload not in _broken:
             try:
-                _servers.extend(_Server(env) for _ in range(2))
+                # Two plain zygotes, so that a sandbox's consecutive children (a cold run and the
+                # warm run after it) hash differently; a compiling child is the only one of its
+                # kind in a sandbox as a rule, and its zygote's seed is another one anyway.
+                servers = _servers[preload] = [_Server(base, preload)
+                                               for _ in range(1 if preload else 2)]
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
-                _broken.append(repr(e))
-            atexit.register(lambda: [s.close() for s in _servers])
-        return [] if _broken else _servers
+                _broken[preload] = repr(e)
+                return []
+            atexit.register(lambda: [s.close() for s in servers or ()])
+        return [] if preload in _broken else servers or []
 
 
 def usable(code: str) -> bool:
-    """Whether ``code`` may run in a zygote: it imports torch first, and zygotes are on."""
+    """Whether ``code`` may run in a zygote: zygotes are on, and the script imports torch
+    before it does anything else (its statements up to that import are imports of the
+    standard library and torch only: ``import os, sys, torch`` qualifies, ``import os;
+    os.environ[...] = ...`` before torch does not)."""
     if os.environ.get("CC_TESTS_ZYGOTE", "1") == "0":
         return False
-    for line in code.splitlines():
-        s = line.strip()
-        if s and not s.startswith("#"):
-            return bool(_FIRST_IMPORTS_TORCH.match(s))
+    try:
+        statements = ast.parse(code).body
+    except SyntaxError:
+        return False   # python -c reports it
+    for st in statements:
+        if isinstance(st, ast.Import):
+            names = [a.name for a in st.names]
+        elif isinstance(st, ast.ImportFrom) and st.level == 0 and st.module:
+            names = [st.module]
+        else:
+            return False
+        tops = {n.split(".")[0] for n in names}
+        if not tops <= _STDLIB | {"torch"}:
+            return False
+        if "torch" in tops:
+            return True
     return False
 
 
-def run(code: str, env: Mapping[str, str], cwd: str, timeout: float,
-        turn: int) -> subprocess.CompletedProcess[str] | None:
-    """Run ``code`` in zygote ``turn % 2``; None where the environment does not fit one."""
-    servers = _zygotes(env)
+def run(code: str, env: Mapping[str, str], cwd: str, timeout: float, turn: int,
+        preload: tuple[str, ...] = (), base: Mapping[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str] | None:
+    """Run ``code`` in a zygote that imported ``preload`` after torch (zygote ``turn % 2``
+    of the two plain ones), started from ``base`` (default ``env``); None where ``env``
+    does not fit it."""
+    servers = _zygotes(env if base is None else base, preload)
     if not servers:
         return None  # none could start: plain interpreters, as before
-    server = servers[turn % 2]
+    server = servers[turn % len(servers)]
     if not server.fits(env):
         return None
     return server.run(code, env, cwd, timeout)
