@@ -543,36 +543,24 @@ class Index:
                     held = json.loads(row[7])
             yield _info(row, labels), (held if isinstance(held, dict) else None)
 
-    def by_unit_use(self) -> Generator[tuple[str, EntryInfo], None, None]:
+    def by_unit_use(self) -> Generator[
+            tuple[str, EntryInfo, dict[str, int] | None], None, None]:
         """Each record with its unit of eviction (:func:`policy.group_of`: its ``group``
-        label, else ``key:<digest>``), least recently used unit first: units by their
-        members' latest use, then latest creation, then name; members by digest
-        (:func:`policy.lru_evictions`' order). One query, sorted by SQLite and streamed:
-        gc reads only as far as it evicts."""
-        sql = (f"SELECT {_COLS}, unit FROM (SELECT *, MAX(last_used) OVER w AS unit_used, "
-               f"MAX(created) OVER w AS unit_created FROM (SELECT *, {_UNIT} AS unit "
-               "FROM entries) WINDOW w AS (PARTITION BY unit)) "
+        label, else ``key:<digest>``) and blob map (None: a record without one), least
+        recently used unit first: units by their members' latest use, then latest
+        creation, then name; members by digest (:func:`policy.lru_evictions`' order).
+        One query, sorted by SQLite and streamed: gc reads only as far as it evicts."""
+        sql = (f"SELECT {_COLS}, blobs, unit FROM (SELECT *, MAX(last_used) OVER w AS "
+               f"unit_used, MAX(created) OVER w AS unit_created FROM (SELECT *, {_UNIT} "
+               "AS unit FROM entries) WINDOW w AS (PARTITION BY unit)) "
                "ORDER BY unit_used, unit_created, unit, digest")
         labels = _Labels()
         for row in self._rows(sql):
-            yield row[7], _info(row, labels)
-
-    def blob_maps(self, digests: Sequence[str]) -> dict[str, dict[str, int] | None]:
-        """The blob maps of ``digests`` (None: a record without one; absent: no record)."""
-        out: dict[str, dict[str, int] | None] = {}
-        con = self._db()
-        for at in range(0, len(digests), 500):   # SQLite's bound on ? per statement
-            part = digests[at:at + 500]
-            with self._lock:
-                rows = con.execute("SELECT digest, blobs FROM entries WHERE digest IN "
-                                   f"({','.join('?' * len(part))})", part).fetchall()
-            for d, text in rows:
-                held = None
-                if text is not None:
-                    with contextlib.suppress(ValueError):
-                        held = json.loads(text)
-                out[d] = held if isinstance(held, dict) else None
-        return out
+            held = None
+            if row[7] is not None:
+                with contextlib.suppress(ValueError):
+                    held = json.loads(row[7])
+            yield row[8], _info(row, labels), (held if isinstance(held, dict) else None)
 
     def each_digest(self) -> Iterator[str]:
         """The digest of every record, streamed (:meth:`digests` holds them as a set)."""

@@ -323,9 +323,11 @@ def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
     units = _units_in_order(index, first)
     try:
         unit: list[EntryInfo] = []
-        for name, info in units:
+        known: dict[str, Mapping[str, int] | None] = {}
+        for name, info, held_map in units:
             unit.append(info)
-            if name is not None and unit and _same_unit(units, name):
+            known[info.key] = held_map
+            if name is not None and _same_unit(units, name):
                 continue
             members, unit = unit, []
             if bound <= cap:
@@ -335,7 +337,8 @@ def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
                     break
             if any(e.key in live for e in members):
                 continue
-            held = _held(layout, index, members)
+            held = _held(layout, members, known)
+            known.clear()
             for e in members:
                 maps[e.key] = held[e.key]
                 for content, size in held[e.key].items():
@@ -356,16 +359,17 @@ class _Units:
     its own), then the index's records, with a look at the next row's unit."""
 
     def __init__(self, index: Index, first: list[str]) -> None:
-        self._first = [(None, EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0,
-                                        hits=0, state="bad-manifest")) for d in first]
+        self._first: list[tuple[str | None, EntryInfo, dict[str, int] | None]] = [
+            (None, EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0, hits=0,
+                             state="bad-manifest"), None) for d in first]
         self._rows = index.by_unit_use()
-        self._next: tuple[str, EntryInfo] | None = None
+        self._next: tuple[str, EntryInfo, dict[str, int] | None] | None = None
         self._done = False
 
     def __iter__(self) -> _Units:
         return self
 
-    def __next__(self) -> tuple[str | None, EntryInfo]:
+    def __next__(self) -> tuple[str | None, EntryInfo, dict[str, int] | None]:
         if self._first:
             return self._first.pop(0)
         got = self.peek()
@@ -377,7 +381,7 @@ class _Units:
     def close(self) -> None:
         self._rows.close()
 
-    def peek(self) -> tuple[str, EntryInfo] | None:
+    def peek(self) -> tuple[str, EntryInfo, dict[str, int] | None] | None:
         if self._next is None and not self._done:
             self._next = next(self._rows, None)
             self._done = self._next is None
@@ -394,10 +398,11 @@ def _same_unit(units: _Units, name: str) -> bool:
     return nxt is not None and nxt[0] == name
 
 
-def _held(layout: Layout, index: Index, members: list[EntryInfo]) -> dict[str, Mapping[str, int]]:
-    """What each of ``members`` holds in blobs/: the index's blob map, else its manifest's,
-    else (unreadable) its logical size as one content of its own (policy._contents)."""
-    known = index.blob_maps([e.key for e in members])
+def _held(layout: Layout, members: list[EntryInfo],
+          known: Mapping[str, Mapping[str, int] | None]) -> dict[str, Mapping[str, int]]:
+    """What each of ``members`` holds in blobs/: the index's blob map (``known``), else its
+    manifest's, else (unreadable) its logical size as one content of its own
+    (policy._contents)."""
     out: dict[str, Mapping[str, int]] = {}
     for e in members:
         held = known.get(e.key)
