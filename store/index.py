@@ -60,7 +60,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -160,6 +160,8 @@ class _Labels:
 
 
 _COLS = "digest, size_bytes, created, last_used, hits, labels, state"
+# policy.group_of in SQL: the ``group`` label (an empty one is none), else the entry itself.
+_UNIT = "COALESCE(NULLIF(json_extract(labels, '$.group'), ''), 'key:' || digest)"
 
 
 def _info(row: Sequence[Any], labels: _Labels) -> EntryInfo:
@@ -540,6 +542,30 @@ class Index:
                 with contextlib.suppress(ValueError):
                     held = json.loads(row[7])
             yield _info(row, labels), (held if isinstance(held, dict) else None)
+
+    def by_unit_use(self) -> Generator[
+            tuple[str, EntryInfo, dict[str, int] | None], None, None]:
+        """Each record with its unit of eviction (:func:`policy.group_of`: its ``group``
+        label, else ``key:<digest>``) and blob map (None: a record without one), least
+        recently used unit first: units by their members' latest use, then latest
+        creation, then name; members by digest (:func:`policy.lru_evictions`' order).
+        One query, sorted by SQLite and streamed: gc reads only as far as it evicts."""
+        sql = (f"SELECT {_COLS}, blobs, unit FROM (SELECT *, MAX(last_used) OVER w AS "
+               f"unit_used, MAX(created) OVER w AS unit_created FROM (SELECT *, {_UNIT} "
+               "AS unit FROM entries) WINDOW w AS (PARTITION BY unit)) "
+               "ORDER BY unit_used, unit_created, unit, digest")
+        labels = _Labels()
+        for row in self._rows(sql):
+            held = None
+            if row[7] is not None:
+                with contextlib.suppress(ValueError):
+                    held = json.loads(row[7])
+            yield row[8], _info(row, labels), (held if isinstance(held, dict) else None)
+
+    def each_digest(self) -> Iterator[str]:
+        """The digest of every record, streamed (:meth:`digests` holds them as a set)."""
+        for (d,) in self._rows("SELECT digest FROM entries"):
+            yield d
 
     def totals(self) -> dict[str, int]:
         """``entries``, ``graphs`` (shared-graph entries among them) and ``logical_bytes``

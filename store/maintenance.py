@@ -7,6 +7,7 @@ functions of :mod:`cachecompile.store.policy`, and applied here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -139,7 +140,14 @@ def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
 
 def sweep_blobs(layout: Layout) -> int:
     """Remove blobs no entry links to any more (link count 1)."""
+    return _sweep_blobs(layout)[0]
+
+
+def _sweep_blobs(layout: Layout) -> tuple[int, int]:
+    """:func:`sweep_blobs`: (blobs removed, bytes of the blobs kept). The bytes kept are the
+    store's physical size: each content is one inode under blobs/, whichever entries link it."""
     unused: list[str] = []
+    kept = 0
     for shard in layout.scan("blobs"):
         if not shard.is_dir(follow_symlinks=False):
             if shard.is_symlink():
@@ -148,39 +156,55 @@ def sweep_blobs(layout: Layout) -> int:
         with os.scandir(shard.path) as it:
             for b in it:
                 try:
-                    if b.stat(follow_symlinks=False).st_nlink <= 1:
-                        unused.append(b.path)
+                    st = b.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    pass
+                    continue
+                if st.st_nlink <= 1:
+                    unused.append(b.path)
+                else:
+                    kept += st.st_size
     if len(unused) <= 1:
-        return sum(map(_unlink_unused, unused))
-    # Each unlink that frees a blob's blocks waits on the disk: many at once (see RM_THREADS).
-    with ThreadPoolExecutor(min(len(unused), RM_THREADS)) as pool:
-        return sum(pool.map(_unlink_unused, unused))
+        freed = [_unlink_unused(p) for p in unused]
+    else:
+        # Each unlink that frees a blob's blocks waits on the disk: many at once (see
+        # RM_THREADS).
+        with ThreadPoolExecutor(min(len(unused), RM_THREADS)) as pool:
+            freed = list(pool.map(_unlink_unused, unused))
+    # A blob linked again since the scan (a publish took its content) is kept, and counted.
+    for path, n in zip(unused, freed, strict=True):
+        if n is None:
+            with contextlib.suppress(OSError):
+                kept += os.lstat(path).st_size
+    return sum(n is not None for n in freed), kept
 
 
-def _unlink_unused(path: str) -> bool:
-    """Unlink the blob ``path`` if still no entry links it (one may have since the scan)."""
+def _unlink_unused(path: str) -> int | None:
+    """Unlink the blob ``path`` if still no entry links it (one may have since the scan):
+    its size, or None where it stays."""
     try:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
-            return False
+            return None
         os.unlink(path)
     except OSError:
-        return False
-    return True
+        return None
+    return st.st_size
 
 
-def _drop_blobs(layout: Layout, held: Mapping[str, int]) -> int:
+def _drop_blobs(layout: Layout, held: Mapping[str, int]) -> tuple[int, int]:
     """Unlink the blobs of the contents ``held`` (an evicted entry's) that no entry links
-    any more: :func:`sweep_blobs` for one entry, run as soon as its tree is deleted."""
-    n = 0
+    any more: :func:`sweep_blobs` for one entry, run as soon as its tree is deleted.
+    Returns (blobs removed, bytes freed)."""
+    n = freed = 0
     for cs in held:
         if len(cs) != 32 or layout.unreal("blobs", cs[:2]) is not None:
             continue   # not a checksum, or a shard that is a link: sweep_blobs warns
         for executable in (False, True):
-            n += _unlink_unused(os.path.join(layout.blobs, cs[:2], blob_name(cs, executable)))
-    return n
+            size = _unlink_unused(os.path.join(layout.blobs, cs[:2], blob_name(cs, executable)))
+            if size is not None:
+                n += 1
+                freed += size
+    return n, freed
 
 
 # -- the cap and purge --------------------------------------------------------------------
@@ -190,34 +214,28 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
     Sizes are physical: content shared by several entries counts once, and evicting
     an entry frees only what no remaining entry holds.
 
+    The total is the blobs' own (:func:`sweep_blobs` sums what it keeps: one inode per
+    content, the true physical size, unindexed entries' content included); the victims
+    come from the index in eviction order (:meth:`Index.by_unit_use`: SQL sorts, gc
+    reads only as far as it evicts) once gc has put the index in step with entries/
+    (:func:`_in_step`); what each eviction frees is what it unlinks from blobs/. No
+    record but the victims' is decoded, no blob map but theirs read. An index that
+    cannot be read falls back to a full listing (:func:`_gc_listed`).
+
     Entries go in batches, each taken out of entries/ and the index at once; their trees
     and freed blobs are deleted by threads while the next batch is taken away.
     """
     report = GcReport(max_size=cap)
     with lock(layout, "gc", timeout=lock_timeout):
         report.temp_swept = sweep_temp(layout)
-        infos, blobs = listing(layout, index, with_blobs=True)
-        report.bytes_before = physical_size(infos, blobs)
+        swept, total = _sweep_blobs(layout)
+        report.blobs_removed = swept
+        report.bytes_before = total
         live = pinned(layout)
-        report.pinned_skipped = sorted(live & {i.key for i in infos})
-        victims = lru_evictions(infos, cap, live, blobs)
-        dropped = [0]
-        counting = threading.Lock()
-
-        def drop_blobs(d: str) -> None:   # in a deleting thread
-            n = _drop_blobs(layout, blobs.get(d) or {})
-            with counting:
-                dropped[0] += n
-
-        with ThreadPoolExecutor(RM_THREADS) as pool:
-            for at in range(0, len(victims), GC_BATCH):
-                batch = {v.key: v for v in victims[at:at + GC_BATCH]}
-                for d in remove_many(layout, index, list(batch), respect_pins=True,
-                                     kind="evict", pool=pool, then=drop_blobs):
-                    report.evicted.append(batch[d])
-        gone = {i.key for i in report.evicted}
-        report.blobs_removed = dropped[0] + sweep_blobs(layout)
-        report.bytes_after = physical_size([i for i in infos if i.key not in gone], blobs)
+        first = index.safely("gc", lambda: _in_step(layout, index, live, report))
+        if first is None:
+            return _gc_listed(layout, index, cap, report, live)
+        report.bytes_after = _evict(layout, index, cap, total, live, first, report, swept)
         report.freed_bytes = report.bytes_before - report.bytes_after
 
         def fix_counters() -> None:
@@ -225,6 +243,203 @@ def gc(layout: Layout, index: Index, cap: int, *, lock_timeout: float = 60.0) ->
             index.incr("evictions", len(report.evicted))
 
         index.safely("gc", fix_counters)
+    return report
+
+
+def _in_step(layout: Layout, index: Index, live: set[str], report: GcReport) -> list[str]:
+    """Put the index in step with entries/ for gc: entries on disk without a record get
+    one from their manifest (an unindexed entry is evicted by its creation time, as its
+    record would be), records of entries no longer on disk go. Sets the report's
+    ``pinned_skipped``; returns the entries whose manifest cannot be read (no record can
+    be made for them: gc evicts them first, as if last used at time 0)."""
+    unseen = set(layout.digests())
+    report.pinned_skipped = sorted(live & unseen)
+    stale = []
+    for d in index.each_digest():
+        if d in unseen:
+            unseen.discard(d)
+        else:
+            stale.append(d)
+    # Looked at again: an entry published since the scan of entries/ is no stale row.
+    stale = [d for d in stale if not os.path.lexists(layout.entry_dir(d))]
+    if stale:
+        index.remove_many(stale)
+    unreadable = []
+    for d in sorted(unseen):
+        try:
+            m = read_manifest(layout, d)
+        except (errors.StoreError, OSError):
+            if os.path.lexists(layout.entry_dir(d)):
+                unreadable.append(d)
+            continue
+        i = info_from_manifest(d, m)
+        index.add(d, i.size_bytes, i.created, i.labels, blobs=blob_map(m))
+    return unreadable
+
+
+def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
+           first: list[str], report: GcReport, swept: int) -> int:
+    """Evict in eviction order until the physical ``total`` fits in ``cap``; the total after.
+
+    A unit's eviction frees at most its contents' sizes, counted once across the victims
+    chosen so far (an upper bound: a content another entry holds is not freed). Victims
+    are chosen until that bound says the rest fits; then their deletions are waited for
+    and what they really freed counted, and if the total is still over the cap, the next
+    units are chosen the same way. So gc stops at the same unit as the exact policy
+    (:func:`policy.lru_evictions` over every record), never after it.
+    """
+    freed = [0, 0]   # blobs, bytes
+    counting = threading.Lock()
+    maps: dict[str, Mapping[str, int]] = {}
+
+    def drop_blobs(d: str) -> None:   # in a deleting thread
+        n, size = _drop_blobs(layout, maps.pop(d, {}))
+        with counting:
+            freed[0] += n
+            freed[1] += size
+
+    pool = ThreadPoolExecutor(RM_THREADS)
+    batch: dict[str, EntryInfo] = {}
+
+    def flush() -> None:
+        if batch:
+            for d in remove_many(layout, index, list(batch), respect_pins=True,
+                                 kind="evict", pool=pool, then=drop_blobs):
+                report.evicted.append(batch[d])
+            batch.clear()
+
+    def settle() -> int:   # every chosen victim deleted: the true total now
+        nonlocal pool
+        flush()
+        pool.shutdown(wait=True)
+        pool = ThreadPoolExecutor(RM_THREADS)
+        report.blobs_removed = swept + freed[0]
+        return total - freed[1]
+
+    if total <= cap:
+        return total
+    bound = total   # the total less what the victims chosen since the last settle may free
+    counted: set[str] = set()
+    units = _units_in_order(index, first)
+    try:
+        unit: list[EntryInfo] = []
+        known: dict[str, Mapping[str, int] | None] = {}
+        for name, info, held_map in units:
+            unit.append(info)
+            known[info.key] = held_map
+            if name is not None and _same_unit(units, name):
+                continue
+            members, unit = unit, []
+            if bound <= cap:
+                bound = settle()
+                counted.clear()
+                if bound <= cap:
+                    break
+            if any(e.key in live for e in members):
+                continue
+            held = _held(layout, members, known)
+            known.clear()
+            for e in members:
+                maps[e.key] = held[e.key]
+                for content, size in held[e.key].items():
+                    if content not in counted:
+                        counted.add(content)
+                        bound -= size
+                batch[e.key] = e
+            if len(batch) >= GC_BATCH:
+                flush()
+        return settle()
+    finally:
+        units.close()   # the rest of the stream unread: its read transaction ends here
+        pool.shutdown(wait=True)
+
+
+class _Units:
+    """(unit, record) in eviction order: the unreadable entries first (unit None: each
+    its own), then the index's records, with a look at the next row's unit."""
+
+    def __init__(self, index: Index, first: list[str]) -> None:
+        self._first: list[tuple[str | None, EntryInfo, dict[str, int] | None]] = [
+            (None, EntryInfo(key=d, size_bytes=0, created=0.0, last_used=0.0, hits=0,
+                             state="bad-manifest"), None) for d in first]
+        self._rows = index.by_unit_use()
+        self._next: tuple[str, EntryInfo, dict[str, int] | None] | None = None
+        self._done = False
+
+    def __iter__(self) -> _Units:
+        return self
+
+    def __next__(self) -> tuple[str | None, EntryInfo, dict[str, int] | None]:
+        if self._first:
+            return self._first.pop(0)
+        got = self.peek()
+        if got is None:
+            raise StopIteration
+        self._next = None
+        return got
+
+    def close(self) -> None:
+        self._rows.close()
+
+    def peek(self) -> tuple[str, EntryInfo, dict[str, int] | None] | None:
+        if self._next is None and not self._done:
+            self._next = next(self._rows, None)
+            self._done = self._next is None
+        return self._next
+
+
+def _units_in_order(index: Index, first: list[str]) -> _Units:
+    return _Units(index, first)
+
+
+def _same_unit(units: _Units, name: str) -> bool:
+    """Whether the next row belongs to the unit ``name`` too (rows of a unit are adjacent)."""
+    nxt = units.peek()
+    return nxt is not None and nxt[0] == name
+
+
+def _held(layout: Layout, members: list[EntryInfo],
+          known: Mapping[str, Mapping[str, int] | None]) -> dict[str, Mapping[str, int]]:
+    """What each of ``members`` holds in blobs/: the index's blob map (``known``), else its
+    manifest's, else (unreadable) its logical size as one content of its own
+    (policy._contents)."""
+    out: dict[str, Mapping[str, int]] = {}
+    for e in members:
+        held = known.get(e.key)
+        if held is None:
+            try:
+                held = blob_map(read_manifest(layout, e.key))
+            except (errors.StoreError, OSError):
+                held = {f"entry:{e.key}": e.size_bytes}
+        out[e.key] = held
+    return out
+
+
+def _gc_listed(layout: Layout, index: Index, cap: int, report: GcReport,
+               live: set[str]) -> GcReport:
+    """gc from a full listing and :func:`policy.lru_evictions` (every record held): where
+    the index cannot be read, so that the cap holds without it."""
+    infos, blobs = listing(layout, index, with_blobs=True)
+    report.pinned_skipped = sorted(live & {i.key for i in infos})
+    victims = lru_evictions(infos, cap, live, blobs)
+    dropped = [0, 0]   # blobs, bytes
+    counting = threading.Lock()
+
+    def drop_blobs(d: str) -> None:   # in a deleting thread
+        n, size = _drop_blobs(layout, blobs.get(d) or {})
+        with counting:
+            dropped[0] += n
+            dropped[1] += size
+
+    with ThreadPoolExecutor(RM_THREADS) as pool:
+        for at in range(0, len(victims), GC_BATCH):
+            batch = {v.key: v for v in victims[at:at + GC_BATCH]}
+            for d in remove_many(layout, index, list(batch), respect_pins=True,
+                                 kind="evict", pool=pool, then=drop_blobs):
+                report.evicted.append(batch[d])
+    report.blobs_removed += dropped[0]
+    report.bytes_after = report.bytes_before - dropped[1]
+    report.freed_bytes = dropped[1]
     return report
 
 

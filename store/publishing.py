@@ -22,7 +22,7 @@ from typing import Any
 
 from . import errors
 from .blobs import blob_map, exclusive_bytes, exclusive_bytes_of, link_in
-from .fsutil import fsync_dir, rmtree_quiet, temp_name, write_new_file
+from .fsutil import fsync_dir, remove_entry_tree, rmtree_quiet, temp_name, write_new_file
 from .index import Index
 from .keys import Key
 from .layout import DATA, MANIFEST, Layout
@@ -223,7 +223,7 @@ def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pin
 
     def delete(d: str, gone: Path) -> None:
         try:
-            rmtree_quiet(gone)
+            remove_entry_tree(gone)
             if then is not None:
                 then(d)
         except Exception as e:   # in a pool's thread, where nobody would see it raised
