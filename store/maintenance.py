@@ -291,40 +291,21 @@ def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
     units are chosen the same way. So gc stops at the same unit as the exact policy
     (:func:`policy.lru_evictions` over every record), never after it.
     """
-    freed = [0, 0]   # blobs, bytes
-    counting = threading.Lock()
-    maps: dict[str, Mapping[str, int]] = {}
-
-    def drop_blobs(d: str) -> None:   # in a deleting thread
-        n, size = _drop_blobs(layout, maps.pop(d, {}))
-        with counting:
-            freed[0] += n
-            freed[1] += size
-
-    pool = ThreadPoolExecutor(RM_THREADS)
-    batch: dict[str, EntryInfo] = {}
-
-    def flush() -> None:
-        chosen = list(batch)
-        for at in range(0, len(chosen), GC_BATCH):
-            for d in remove_many(layout, index, chosen[at:at + GC_BATCH], respect_pins=True,
-                                 kind="evict", pool=pool, then=drop_blobs):
-                report.evicted.append(batch[d])
-        batch.clear()
-
-    def settle() -> int:   # every chosen victim deleted: the true total now
-        nonlocal pool
-        flush()
-        pool.shutdown(wait=True)
-        pool = ThreadPoolExecutor(RM_THREADS)
-        report.blobs_removed = swept + freed[0]
-        return total - freed[1]
-
     if total <= cap:
         return total
+    deletion = _Deletion(layout, index, report)
+    batch: dict[str, EntryInfo] = {}
+
+    def settle() -> int:   # every chosen victim deleted: the true total now
+        deletion.take(batch)
+        batch.clear()
+        deletion.wait()
+        report.blobs_removed = swept + deletion.blobs
+        return total - deletion.bytes
+
     bound = total   # the total less what the victims chosen since the last settle may free
     counted: set[str] = set()
-    units = _units_in_order(index, first)
+    units = _Units(index, first)
     try:
         unit: list[EntryInfo] = []
         known: dict[str, Mapping[str, int] | None] = {}
@@ -344,7 +325,7 @@ def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
             held = _held(layout, members, known)
             known.clear()
             for e in members:
-                maps[e.key] = held[e.key]
+                deletion.maps[e.key] = held[e.key]
                 for content, size in held[e.key].items():
                     if content not in counted:
                         counted.add(content)
@@ -354,11 +335,48 @@ def _evict(layout: Layout, index: Index, cap: int, total: int, live: set[str],
             # while the deleting threads run waits for the GIL at every step (2-3 s
             # for 5,000 rows at 100,000 entries, against ~20 ms with none running).
             if len(batch) >= GC_READ_AHEAD:
-                flush()
+                deletion.take(batch)
+                batch.clear()
         return settle()
     finally:
         units.close()   # the rest of the stream unread: its read transaction ends here
-        pool.shutdown(wait=True)
+        deletion.close()
+
+
+class _Deletion:
+    """gc's victims taken away in batches (:func:`remove_many`: a rename each, one pin
+    scan and index transaction a batch), their trees and freed blobs deleted by a pool's
+    threads; counts the blobs, and their bytes, that those unlinks freed."""
+
+    def __init__(self, layout: Layout, index: Index, report: GcReport) -> None:
+        self.layout, self.index, self.report = layout, index, report
+        self.maps: dict[str, Mapping[str, int]] = {}   # what each victim holds in blobs/
+        self.blobs = self.bytes = 0
+        self._counting = threading.Lock()
+        self._pool = ThreadPoolExecutor(RM_THREADS)
+
+    def _drop(self, d: str) -> None:   # in a deleting thread, once d's tree is gone
+        n, size = _drop_blobs(self.layout, self.maps.pop(d, {}))
+        with self._counting:
+            self.blobs += n
+            self.bytes += size
+
+    def take(self, victims: Mapping[str, EntryInfo]) -> None:
+        """Take ``victims`` away (the evicted go into the report); their deletion runs on."""
+        chosen = list(victims)
+        for at in range(0, len(chosen), GC_BATCH):
+            for d in remove_many(self.layout, self.index, chosen[at:at + GC_BATCH],
+                                 respect_pins=True, kind="evict", pool=self._pool,
+                                 then=self._drop):
+                self.report.evicted.append(victims[d])
+
+    def wait(self) -> None:
+        """Every deletion so far done (the counts final for them)."""
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(RM_THREADS)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class _Units:
@@ -395,10 +413,6 @@ class _Units:
         return self._next
 
 
-def _units_in_order(index: Index, first: list[str]) -> _Units:
-    return _Units(index, first)
-
-
 def _same_unit(units: _Units, name: str) -> bool:
     """Whether the next row belongs to the unit ``name`` too (rows of a unit are adjacent)."""
     nxt = units.peek()
@@ -429,24 +443,15 @@ def _gc_listed(layout: Layout, index: Index, cap: int, report: GcReport,
     infos, blobs = listing(layout, index, with_blobs=True)
     report.pinned_skipped = sorted(live & {i.key for i in infos})
     victims = lru_evictions(infos, cap, live, blobs)
-    dropped = [0, 0]   # blobs, bytes
-    counting = threading.Lock()
-
-    def drop_blobs(d: str) -> None:   # in a deleting thread
-        n, size = _drop_blobs(layout, blobs.get(d) or {})
-        with counting:
-            dropped[0] += n
-            dropped[1] += size
-
-    with ThreadPoolExecutor(RM_THREADS) as pool:
-        for at in range(0, len(victims), GC_BATCH):
-            batch = {v.key: v for v in victims[at:at + GC_BATCH]}
-            for d in remove_many(layout, index, list(batch), respect_pins=True,
-                                 kind="evict", pool=pool, then=drop_blobs):
-                report.evicted.append(batch[d])
-    report.blobs_removed += dropped[0]
-    report.bytes_after = report.bytes_before - dropped[1]
-    report.freed_bytes = dropped[1]
+    deletion = _Deletion(layout, index, report)
+    deletion.maps.update(blobs)
+    try:
+        deletion.take({v.key: v for v in victims})
+    finally:
+        deletion.close()
+    report.blobs_removed += deletion.blobs
+    report.bytes_after = report.bytes_before - deletion.bytes
+    report.freed_bytes = deletion.bytes
     return report
 
 

@@ -5,9 +5,9 @@ import costs each of them about 1.7 s of a core (issue 36: hundreds of children)
 is a server process that has imported torch and nothing else (no torch._dynamo, no
 Inductor, nothing of cachecompile, no test code; but see the compiling child below); for
 each script it forks a child, which sets the script's environment, working directory and
-``sys.path``, then runs the script as ``python -c`` runs it: as ``__main__``, with its output on the caller's pipes, ending
-through the interpreter's normal exit (atexit handlers, flushes) with the status the
-caller sees as a return code.
+``sys.path``, then runs the script as ``python -c`` runs it: as ``__main__``, with its
+output on the caller's pipes, ending through the interpreter's normal exit (atexit
+handlers, flushes) with the status the caller sees as a return code.
 
 A forked child is what a fresh interpreter is at the end of its first line, with three
 exceptions, each handled:
