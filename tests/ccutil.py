@@ -182,10 +182,13 @@ class Sandbox:
 
 
 def _has_entries(store: Path) -> bool:
-    """Whether the store at ``store`` holds any entry (store/layout.py's layout)."""
+    """Whether the store at ``store`` holds any entry on disk (the store's own walk of its
+    ``entries/``; torch-free)."""
+    from cachecompile.store.layout import Layout
+
     try:
-        return any(any(v.iterdir()) for v in store.glob("v*/entries"))
-    except OSError:
+        return next(Layout(store).digests(warn=False), None) is not None
+    except OSError:   # a store a test made unreadable or not a folder: treated as empty
         return False
 
 

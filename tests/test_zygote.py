@@ -85,6 +85,9 @@ def test_a_compiling_child_forks_with_the_compiler_imported_only_on_shared_dirs(
     assert cold["env"] == "cold" and cold["argv"] == ["-c"] and cold["cwd"] == str(tmp_path)
     fresh = _probe(box.run(PROBE, fresh_inductor=True))
     assert not fresh["dynamo"] and not fresh["inductor"]
-    (box.store / "v1" / "entries" / "ab").mkdir(parents=True)   # an entry's shard: warm
+    # An entry's folder (the store's layout): warm. An empty shard is no entry.
+    from cachecompile.store.keys import DIGEST_LEN
+
+    (box.store / "v1" / "entries" / "ab" / ("ab" + "0" * (DIGEST_LEN - 2))).mkdir(parents=True)
     warm = _probe(box.run(PROBE))
     assert not warm["dynamo"] and not warm["inductor"]
