@@ -33,16 +33,15 @@ s = Serve()
 # torch.compile's results: computed here (and saved, REF_SAVE), or those an earlier process
 # with the same weights computed (REF_LOAD): the warm process then compiles nothing but
 # its cache's program, and its parity is with the same torch.compile's outputs.
-if os.environ.get("REF_LOAD"):
-    refs = torch.load(os.environ["REF_LOAD"])
-else:
-    ref = torch.compile(s._encode, options={"freezing": True}, dynamic=True)
+load = os.environ.get("REF_LOAD")
+refs = torch.load(load) if load else None
+ref = None if load else torch.compile(s._encode, options={"freezing": True}, dynamic=True)
 same, close, outs = [], [], []
 with torch.no_grad():
     for i, seq in enumerate((11, 17, 5)):
         ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(seq))
         out = s.cached(ids)
-        want = refs[i] if os.environ.get("REF_LOAD") else ref(ids)
+        want = refs[i] if refs is not None else ref(ids)
         outs.append(want)
         same.append(bool(torch.equal(out, want)))
         close.append(bool(torch.allclose(out, s._encode(ids), atol=1e-4)))
