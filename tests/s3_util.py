@@ -2,8 +2,9 @@
 
 ``moto_server`` speaks the S3 API over HTTP, refuses a conditional put that does not hold
 with 412, and (with ``auth=True``) enforces IAM policies, so a user whose policy allows
-only reads gets a real 403 on every write. The test extras install it
-(``moto[server]``); without it the S3 tests skip, saying so.
+only reads gets a real 403 on every write. The test extras install it (``moto[s3]``,
+``flask`` and ``flask-cors``: what its server mode needs for S3 and IAM); without it the
+S3 tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 from redis_util import ServerProcess
 
-SKIP_REASON = ("moto[server] or obstore is not installed: pip install -e '.[test]' to run "
+SKIP_REASON = ("moto's server (moto[s3], flask, flask-cors) or obstore is not installed: pip install -e '.[test]' to run "
                "the S3-tier tests")
 # Any keys do before auth is on; these are the admin's for the setup calls.
 ADMIN = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
