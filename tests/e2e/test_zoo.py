@@ -11,8 +11,8 @@ model, two fresh processes over one store, Inductor on CPU:
   step: a new program after hits) and Llama's own forward (dynamic: the same program).
   The LLMs' static decodes skip it (Llama's cost 37 g++ calls, ~100 s; Mistral's
   StaticCache tensors are sized by the batch, so even its dynamic decode compiles again),
-  as do Qwen2 and the UNet (a second static diffusers step, the suite's costliest
-  compile), keeping the suite's time (issue 36).
+  as do Qwen2 and the UNet (a second static diffusers step), keeping the suite's time
+  (issue 36).
 
 LLMs (Llama, Qwen2, Mistral): ``prefill`` returns the default ``ModelOutput`` with a
 ``DynamicCache`` and also decodes through it (size-1 tokens are their own variant),
@@ -100,8 +100,9 @@ NEW_BATCH_AFTER_HITS = {"llama-forward", "dit"}
 # Qwen2 and Mistral are here for what their families add to Llama's (attention biases, a
 # sliding window), which one decoder layer holds as well as two: at one layer their cold
 # compiles cost about 30% less (issue 36). Llama keeps two, so a cache's second layer
-# (layer_idx 1, DynamicCache and StaticCache) is served from an entry in the zoo, and in
-# the state-change and form tests that use it.
+# (layer_idx 1, DynamicCache and StaticCache) is served from an entry here, and the form
+# test's decoder-layer class serves two layers from one entry. (The state-change test's
+# Llama has one layer: its changes act on the first layer or the whole model.)
 CONFIG: dict[str, dict[str, int]] = {"qwen2": {"num_hidden_layers": 1},
                                      "mistral": {"num_hidden_layers": 1}}
 
