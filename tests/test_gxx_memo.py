@@ -69,3 +69,24 @@ def test_links_use_gold_and_compiles_are_left_alone(monkeypatch: pytest.MonkeyPa
         assert gxx_memo.compiler(args) == ["g++", *args]
     monkeypatch.setenv("CC_TESTS_GXX_LINKER", "")
     assert gxx_memo.compiler(link) == ["g++", *link]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+def test_a_link_the_other_linker_fails_is_made_as_asked(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A linker on PATH that g++ refuses (-fuse-ld=broken): the call as made still builds.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ld.broken").write_text("#!/bin/sh\nexit 1\n")
+    (bindir / "ld.broken").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CC_TESTS_GXX_LINKER", "broken")
+    (tmp_path / "k.cpp").write_text('extern "C" int f() { return 1; }\n')
+    args = [str(tmp_path / "k.cpp"), "-shared", "-fPIC", "-o", str(tmp_path / "k.so")]
+    assert gxx_memo.compiler(args)[1] == "-fuse-ld=broken"
+    assert gxx_memo.main(str(tmp_path / "memo"), args) == 0
+    assert (tmp_path / "k.so").stat().st_size > 0
+    # Built once: the same call is now the memo's.
+    (tmp_path / "k.so").unlink()
+    assert gxx_memo.main(str(tmp_path / "memo"), args) == 0
+    assert (tmp_path / "memo" / "log").read_text().split()[::3] == ["miss", "hit"]
