@@ -532,16 +532,13 @@ class Index:
         for info, _ in self.items(blobs=False):
             yield info
 
-    def items(self, *, blobs: bool = True, order: str = "digest",
-              limit: int | None = None) -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
+    def items(self, *, blobs: bool = True,
+              order: str = "digest") -> Iterator[tuple[EntryInfo, dict[str, int] | None]]:
         """Each record with its blob map (None for records written without one, and
         without ``blobs``), in ``order`` (``digest``, or ``last_used``: least recently
-        used first, gc's order), at most ``limit``. Streamed from one query: nothing is
-        held but the current row."""
+        used first). Streamed from one query: nothing is held but the current row."""
         by = {"digest": "digest", "last_used": "last_used, digest"}[order]
         sql = f"SELECT {_COLS}{', blobs' if blobs else ''} FROM entries ORDER BY {by}"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
         labels = _Labels()
         for row in self._rows(sql):
             held = None
