@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from redis_util import ServerProcess
 
-SKIP_REASON = ("moto's server (moto[s3], flask, flask-cors) or obstore is not installed: pip install -e '.[test]' to run "
-               "the S3-tier tests")
+SKIP_REASON = ("moto's server (moto[s3], flask, flask-cors) or obstore is not installed: "
+               "pip install -e '.[test]' to run the S3-tier tests")
 # Any keys do before auth is on; these are the admin's for the setup calls.
 ADMIN = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
