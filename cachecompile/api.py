@@ -22,7 +22,7 @@ from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import cpu
 from cachecompile.key import passes as passes_mod
-from cachecompile.key.factors import device_factors, function_factors
+from cachecompile.key.factors import callable_digest, device_factors, function_factors
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
@@ -291,12 +291,16 @@ def _form(func: Any, s: _Settings) -> Any:
                             "an nn.Module subclass; as a class decorator it caches a module's "
                             "forward")
     if isinstance(func, torch.nn.Module):
-        forward = func.forward
-        if isinstance(forward, CachedFunction):
+        if isinstance(func.forward, CachedFunction) or isinstance(
+                getattr(type(func), "forward", None), forms.CachedMethod):
             raise ContractError(f"cache_compile({type(func).__qualname__}): its forward is "
                                 "cached already (@cache_compile on the class or method); "
                                 "call the module as it is")
-        return forms.CachedModule(func, _cache_method(_check_method(forward), s))
+
+        def make(method: types.MethodType, forward: Any = None) -> CachedFunction:
+            return _cache_method(_check_method(method), s, forward=forward)
+
+        return forms.CachedModule(func, make)
     if isinstance(func, types.MethodType):
         return _cache_method(_check_method(func), s)
     if isinstance(func, types.FunctionType) and forms.in_class_body(func):
@@ -353,9 +357,10 @@ def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
 
 def _cache_method(method: types.MethodType, s: _Settings,
                   function: types.FunctionType | None = None,
-                  shared: SharedEntries | None = None) -> CachedFunction:
+                  shared: SharedEntries | None = None, forward: Any = None) -> CachedFunction:
     """The cached method. ``function``: the plain function ``method`` holds
-    (forms.function_method), keyed as the method's own code is."""
+    (forms.function_method), keyed as the method's own code is. ``forward``: the instance
+    forward ``method`` calls (forms.forward_method), keyed by what it is."""
     adapter, options, mode, cache_dir = _checked(s)
     ranks = detect(_int_or_none("global_rank", s.global_rank), _int_or_none("tp_rank", s.tp_rank),
                    _int_or_none("pp_rank", s.pp_rank))
@@ -376,6 +381,10 @@ def _cache_method(method: types.MethodType, s: _Settings,
         extra = {"function": function_factors(function)}
         if torch.cuda.is_available():
             extra["device"] = device_factors(["cuda"])
+    if forward is not None:
+        # One holder method calls every such forward: the callable itself is keyed (its
+        # function's code, its bound arguments as values), as a method's code is.
+        extra = {"forward": callable_digest(forward)}
     enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import types
 import weakref
@@ -30,7 +31,9 @@ import torch
 
 from cachecompile.errors import ContractError
 
-MakeCached = Callable[[types.MethodType], Any]
+# A bound method -> its cached form; the module form also passes the instance forward a
+# method calls (forward_method), which is keyed by what it is.
+MakeCached = Callable[..., Any]
 
 
 def is_optimized_module(obj: Any) -> bool:
@@ -48,14 +51,29 @@ class CachedModule(torch.nn.Module):
     Like torch's ``OptimizedModule``: the original is the submodule ``_orig_mod``; other
     attributes are read from it; ``state_dict`` and ``load_state_dict`` are the original's
     (without the ``_orig_mod.`` prefix torch adds). Calling it runs the wrapper's own
-    hooks, then the cached ``forward``.
+    hooks, then the original's ``forward`` *as it is at that call*, cached: torch.compile(module)
+    compiles ``module.__call__``, which reads ``forward`` on every call, so a ``forward``
+    replaced on the instance after wrapping (accelerate's ``add_hook_to_module``, a hand
+    patch) is what runs, and removing it brings the class's back. Each forward followed
+    is cached under its own code (:meth:`_cached_for`).
     """
 
-    def __init__(self, module: torch.nn.Module, cached: Any) -> None:
+    # How many replaced forwards are kept cached at once (a hook added and removed in a
+    # loop makes a new forward object each time).
+    FOLLOWED = 8
+
+    def __init__(self, module: torch.nn.Module, make: MakeCached) -> None:
         super().__init__()
         self._orig_mod = module
-        # Not a module: kept out of nn.Module's registries (and out of state_dict).
-        self.__dict__["cached_forward"] = cached
+        # Not modules: kept out of nn.Module's registries (and out of state_dict).
+        self.__dict__["_make"] = make
+        cls_forward: Any = getattr(type(module), "forward", None)
+        self.__dict__["_class_forward"] = cls_forward
+        # The class's forward, cached now (a wrong argument is refused at wrapping).
+        self.__dict__["_class_cached"] = make(types.MethodType(cls_forward, module))
+        # Forwards followed since, latest last: (the forward object, its cached form).
+        self.__dict__["_followed"] = []
+        self.__dict__["_lock"] = threading.Lock()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         orig = self._modules["_orig_mod"]
@@ -64,7 +82,45 @@ class CachedModule(torch.nn.Module):
                 f"cache_compile({type(orig).__qualname__}) caches its forward, and the "
                 "original module has forward hooks, which the cached forward would skip. "
                 "Register them on the module cache_compile returned instead")
-        return self.__dict__["cached_forward"](*args, **kwargs)
+        d = self.__dict__
+        if "forward" not in orig.__dict__ and type(orig).forward is d["_class_forward"]:  # type: ignore[union-attr]
+            return d["_class_cached"](*args, **kwargs)
+        return self._cached_for(orig)(*args, **kwargs)
+
+    def _cached_for(self, orig: Any) -> Any:
+        """The cached form of ``orig``'s forward now: an instance forward that is a method
+        of a module is cached as that method (its code, its key); any other callable
+        (accelerate's ``functools.partial(new_forward, module)``, a closure) as a method
+        that calls ``self.forward``, keyed by what the callable is (Dynamo guards what it
+        reads through it). A class forward patched after wrapping is a method too."""
+        d = self.__dict__
+        fwd = orig.forward
+        if (type(fwd) is types.MethodType and fwd.__self__ is orig
+                and fwd.__func__ is d["_class_forward"]):
+            return d["_class_cached"]
+        with d["_lock"]:
+            followed: list[tuple[Any, Any]] = d["_followed"]
+            for i, (known, cached) in enumerate(followed):
+                if known is fwd or (type(fwd) is types.MethodType and fwd == known):
+                    followed.append(followed.pop(i))
+                    return cached
+            if (type(fwd) is types.MethodType and isinstance(fwd.__self__, torch.nn.Module)
+                    and isinstance(fwd.__func__, types.FunctionType)):
+                cached = d["_make"](fwd)
+            else:
+                cached = d["_make"](forward_method(orig, fwd), fwd)
+            followed.append((fwd, cached))
+            del followed[:-self.FOLLOWED]
+            return cached
+
+    @property
+    def cached_forward(self) -> Any:
+        """The cached form of the forward a call would run now."""
+        orig: Any = self._modules["_orig_mod"]
+        d = self.__dict__
+        if "forward" not in orig.__dict__ and type(orig).forward is d["_class_forward"]:
+            return d["_class_cached"]
+        return self._cached_for(orig)
 
     def __getattr__(self, name: str) -> Any:
         modules = self.__dict__.get("_modules")
@@ -82,12 +138,31 @@ class CachedModule(torch.nn.Module):
 
     @property
     def events(self) -> list[tuple[str, str]]:
-        """The cached forward's outcomes (``CachedFunction.events``)."""
-        events: list[tuple[str, str]] = self.__dict__["cached_forward"].events
+        """The outcomes of the cached forward a call would run now (``CachedFunction.events``)."""
+        events: list[tuple[str, str]] = self.cached_forward.events
         return events
 
     def __repr__(self) -> str:
         return f"CachedModule({self._modules['_orig_mod']!r})"
+
+
+def _call_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return self.forward(*args, **kwargs)
+
+
+def forward_method(module: torch.nn.Module, forward: Any) -> types.MethodType:
+    """A method of ``module`` that calls its instance ``forward`` (a callable that is no
+    method of a module), named as the module's forward and run in its class's module, so
+    that it is cached like the class's forward would be; the callable is read from the
+    instance on every call, as ``module.__call__`` reads it."""
+    cls = type(module)
+    home = sys.modules.get(cls.__module__)
+    globals_ = vars(home) if home is not None else _call_forward.__globals__
+    fn = types.FunctionType(_call_forward.__code__, globals_, "forward")
+    fn.__qualname__ = f"{cls.__qualname__}.forward"
+    fn.__module__ = cls.__module__
+    fn.__doc__ = getattr(forward, "__doc__", None)
+    return types.MethodType(fn, module)
 
 
 class CachedMethod:

@@ -7,12 +7,17 @@ without pulling Dynamo in. Only a compiling process calls these functions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import threading
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile starts.
@@ -25,6 +30,14 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
+    # Where Dynamo resolves a name while it traces (recording_lookups).
+    ("torch._dynamo.variables.builtin", "GetAttrBuiltinVariable._call_getattr"),
+    ("torch._dynamo.variables.builtin", "HasAttrBuiltinVariable.call_function"),
+    ("torch._dynamo.symbolic_convert", "InstructionTranslatorBase.load_builtin_from_argval"),
+    ("torch._dynamo.variables.user_defined", "UserDefinedObjectVariable"),
+    ("torch._dynamo.variables.user_defined", "UserDefinedClassVariable"),
+    ("torch._dynamo.variables.misc", "PythonModuleVariable"),
+    ("torch._dynamo.variables.nn_module", "NNModuleVariable"),
 )
 
 
@@ -183,3 +196,136 @@ def known_int(d: Any) -> int | None:
 def size_hint(d: Any) -> Any:
     """The example value a symbolic size was traced with (None if it has none)."""
     return getattr(getattr(d, "node", None), "hint", None)
+
+
+# -- the name lookups Dynamo resolves while it traces ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """One name Dynamo looked up while it traced a frame, and the object it looked in.
+
+    ``how``: ``"attr"`` (``obj.name``, ``getattr(obj, "name")``), ``"default"``
+    (``getattr(obj, "name", default)``), ``"hasattr"``, or ``"global"`` (a name the code
+    reads as a global that its function's globals lacked: a builtin). ``source``: Dynamo's
+    source expression of ``obj`` (``L['self']``, ``type(L['self'])``, ``G['helpers']``),
+    None where the object has none (made during the trace). For ``"global"``, ``obj`` is
+    the function's globals dict, ``source`` None, and ``root`` whether those are the
+    traced frame's own globals (else a function the frame inlines from another module)."""
+
+    how: str
+    name: str
+    obj: Any = dataclasses.field(repr=False, compare=False)
+    source: str | None
+    root: bool = False
+
+
+_recording = threading.local()
+_hooks_lock = threading.Lock()
+_hooked = False
+_NO_VALUE = object()
+
+
+@contextlib.contextmanager
+def recording_lookups() -> Iterator[None]:
+    """While inside, each name lookup Dynamo resolves in this thread is kept for
+    :func:`recorded_lookups` (other threads' compiles are not seen)."""
+    _install_lookup_hooks()
+    previous = getattr(_recording, "sink", None)
+    _recording.sink = []
+    try:
+        yield
+    finally:
+        _recording.sink = previous
+
+
+def recorded_lookups() -> list[Resolved]:
+    """The lookups recorded since the last call (one frame's, when its guards are being
+    built); [] outside :func:`recording_lookups`."""
+    sink: list[Resolved] | None = getattr(_recording, "sink", None)
+    if sink is None:
+        return []
+    out = list(sink)
+    sink.clear()
+    return out
+
+
+def _install_lookup_hooks() -> None:
+    """Wrap the three places Dynamo resolves a name by Python's rules: ``getattr`` (every
+    ``LOAD_ATTR`` goes through it), ``hasattr``, and a global its function's globals lack
+    (then a builtin). Installed once per process; they record only inside
+    :func:`recording_lookups`, and never change what Dynamo does."""
+    global _hooked
+    with _hooks_lock:
+        if _hooked:
+            return
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+        from torch._dynamo.variables.builtin import (
+            GetAttrBuiltinVariable,
+            HasAttrBuiltinVariable,
+        )
+
+        call_getattr = GetAttrBuiltinVariable._call_getattr
+        call_hasattr = HasAttrBuiltinVariable.call_function
+        load_builtin = InstructionTranslatorBase.__dict__["load_builtin_from_argval"]
+
+        def _call_getattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+            if getattr(_recording, "sink", None) is not None and len(args) >= 2:
+                _note_attr(tx, args[0], args[1], "default" if len(args) > 2 else "attr")
+            return call_getattr(self, tx, args, kwargs)
+
+        def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+            if getattr(_recording, "sink", None) is not None and len(args) == 2 and not kwargs:
+                _note_attr(tx, args[0], args[1], "hasattr")
+            return call_hasattr(self, tx, args, kwargs)
+
+        def _load_builtin(self: Any, argval: Any) -> Any:
+            sink = getattr(_recording, "sink", None)
+            if sink is not None and isinstance(argval, str):
+                sink.append(Resolved("global", argval, self.f_globals, None,
+                                     root=self.f_globals is self.output.global_scope))
+            return load_builtin(self, argval)
+
+        GetAttrBuiltinVariable._call_getattr = _call_getattr  # type: ignore[method-assign]
+        HasAttrBuiltinVariable.call_function = _call_hasattr  # type: ignore[method-assign]
+        InstructionTranslatorBase.load_builtin_from_argval = _load_builtin  # type: ignore[method-assign]
+        _hooked = True
+
+
+def _note_attr(tx: Any, obj: Any, name: Any, how: str) -> None:
+    try:
+        realize = getattr(obj, "realize", None)
+        if callable(realize):
+            obj = realize()
+        if not name.is_python_constant():
+            return
+        attr = name.as_python_constant()
+        if not isinstance(attr, str):
+            return
+        # An attribute the trace itself set earlier is read from there, not looked up.
+        if tx.output.side_effects.has_pending_mutation_of_attr(obj, attr):
+            return
+        value = _looked_in(tx, obj)
+        if value is _NO_VALUE:
+            return
+        src = getattr(obj, "source", None)
+        _recording.sink.append(Resolved(how, attr, value, source_name(src) if src else None))
+    except Exception:  # recording must never change the trace
+        logger.debug("recording a lookup failed", exc_info=True)
+
+
+def _looked_in(tx: Any, vt: Any) -> Any:
+    """The live object a variable stands for, where a name lookup in it follows Python's
+    rules on a user object, class or module (else _NO_VALUE: tensors, constants,
+    containers, functions, which Dynamo models itself)."""
+    from torch._dynamo.variables.misc import PythonModuleVariable
+    from torch._dynamo.variables.nn_module import NNModuleVariable
+    from torch._dynamo.variables.user_defined import (
+        UserDefinedClassVariable,
+        UserDefinedObjectVariable,
+    )
+
+    if isinstance(vt, NNModuleVariable):
+        return tx.output.get_submodule(vt.module_key)
+    if isinstance(vt, (UserDefinedObjectVariable, UserDefinedClassVariable,
+                       PythonModuleVariable)):
+        return getattr(vt, "value", _NO_VALUE)
+    return _NO_VALUE

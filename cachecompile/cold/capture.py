@@ -210,7 +210,7 @@ class TraceSession:
         portable, classes = guard_capture.translate(
             entries, arg_names=arg_names, tensor_dims=self._tensor_dims,
             module_name=getattr(func, "__module__", "") or "", state=self._state,
-            strings=self._strings, module_globals=func.__globals__)
+            strings=self._strings, resolved=dynamo.recorded_lookups())
         # The guards are checked here, before the graph runs, against the very call being
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
@@ -361,7 +361,9 @@ class TraceSession:
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
         try:
-            return self._live(*args, **kwargs)
+            # The first call's trace: the names Dynamo looks up are recorded (absent state).
+            with dynamo.recording_lookups() if first and self._capture else contextlib.nullcontext():
+                return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
         except dynamo.recompile_limit_errors():

@@ -16,7 +16,6 @@ Imported only in a compiling process (it reads Dynamo's objects, never imports D
 
 from __future__ import annotations
 
-import ast
 import inspect
 import logging
 import os
@@ -28,7 +27,8 @@ import torch
 
 from cachecompile._torch import dynamo, runtime
 from cachecompile._torch.dynamo import GuardEntry
-from cachecompile.entry import guard_kinds, values
+from cachecompile.cold import lookups
+from cachecompile.entry import guard_kinds
 from cachecompile.entry import guards as g
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import identity as idn
@@ -54,27 +54,6 @@ def _dims(values: Sequence[int | None]) -> str:
 
 def reads_args(expr: str, arg_names: set[str]) -> bool:
     return any(m.group(1) in arg_names for m in g.LOCAL_RE.finditer(expr))
-
-
-# A class attribute read from the i-th class of an MRO, as Dynamo's sources write it:
-# dict(<cls>.__mro__[i].__dict__)['name'] (the part after <cls>).
-_MRO_READ = re.compile(r"\.__mro__\[(?P<i>\d+)\]\.__dict__\)\[(?P<name>'[^'\\]*')\]")
-# A builtin read through the builtins dict Dynamo installs in the frame's globals.
-_BUILTIN_READ = re.compile(r"G\['__builtins_dict___\d+'\]\[(?P<name>'[A-Za-z_]\w*')\]")
-
-
-def _mro_owner(expr: str, start: int) -> str | None:
-    """The class expression of the ``dict(<cls>.__mro__[i].__dict__)`` whose ``.__mro__``
-    starts at ``start`` (``type(L['self'])``); None if it is not inside such a call."""
-    depth = 0
-    for k in range(start - 1, -1, -1):
-        if expr[k] == ")":
-            depth += 1
-        elif expr[k] == "(":
-            if depth == 0:
-                return expr[k + 1:start] if expr[:k].endswith("dict") else None
-            depth -= 1
-    return None
 
 
 # torch.nn.modules.module's registries of global hooks, as Dynamo's guards name them.
@@ -118,40 +97,16 @@ class _Builder:
             self.add("expr", f"not ___environ_has({name!r})", None,
                      f"environment variable {name} is unset")
 
-    def absent_state(self, module_globals: Mapping[str, Any]) -> None:
-        """State that was absent when the frame was traced, which a fresh process could add.
-
-        - A class attribute Dynamo found on the i-th class of an MRO
-          (``dict(type(L['self']).__mro__[1].__dict__)['K']``): Dynamo guards the dict it
-          found it in, nothing says the classes before it still lack it, so ``Child.K = 5``
-          set in another process would hit an entry traced with ``Base.K``. Each class
-          before it gets a guard that the name is not in its own dict.
-        - A builtin the method calls (``G['__builtins_dict___0']['abs']``): Dynamo guards
-          the builtins dict, nothing says the method's module still lacks a global of that
-          name (a helper or a star import defining ``abs``). The module gets a guard that
-          the name is not among its globals. Only for names the module lacks now: a builtin
-          read by a function inlined from another module names that module's builtins.
-        """
-        for gd in list(self.out):
-            expr = str(gd.get("expr") or "")
-            for m in _MRO_READ.finditer(expr):
-                owner = _mro_owner(expr, m.start())
-                if owner is None:
-                    continue
-                name = ast.literal_eval(m.group("name"))
-                found = int(m.group("i"))
-                for j in range(found):
-                    self.add("contains", f"{owner}.__mro__[{j}].__dict__",
-                             {"key": values.encode_value(name), "present": False},
-                             f"{g.user_text(owner, self.module_name)}.__mro__[{j}] has no class "
-                             f"attribute {name!r} (it is read from __mro__[{found}])")
-            for m in _BUILTIN_READ.finditer(expr):
-                name = ast.literal_eval(m.group("name"))
-                if name in module_globals:
-                    continue
-                self.add("expr", f"not ___module_has(G['__name__'], {name!r})", None,
-                         f"{self.module_name}.{name} is not defined (the method calls the "
-                         f"builtin {name})")
+    def absent_state(self, resolved: Sequence[dynamo.Resolved]) -> None:
+        """State that was absent when the frame was traced, which a fresh process could add:
+        every namespace a name lookup Dynamo resolved consulted and found without the name
+        (the subclass before the base a class attribute came from, the instance dict
+        before a module's ``__getattr__``, the module before the builtins...), each guarded
+        to still lack it. Derived from the lookups themselves by Python's rules
+        (:mod:`cachecompile.cold.lookups`), never from Dynamo's guard text."""
+        for a in lookups.absent(resolved):
+            kind, expr, value = a.guard()
+            self.add(kind, expr, value, a.text)
 
     def ident(self, expr: str, value: Any, guard_type: str) -> None:
         ident = idn.identity(value)
@@ -299,14 +254,14 @@ def concrete(dims: Sequence[Any]) -> list[int | None]:
 def translate(entries: Sequence[Any], *, arg_names: set[str],
               tensor_dims: Mapping[str, tuple[list[Any], list[Any]]], module_name: str,
               state: Mapping[str, JSON], strings: Iterable[str] = (),
-              module_globals: Mapping[str, Any] | None = None
+              resolved: Sequence[dynamo.Resolved] = ()
               ) -> tuple[list[g.GuardDict], set[type]]:
     b = _Builder(arg_names, tensor_dims, module_name, state)
     for e in dynamo.guard_entries(entries):
         b.entry(e)
     b.aliasing()
     b.unset_environment(strings)
-    b.absent_state(module_globals or {})
+    b.absent_state(resolved)
     return b.out, b.classes
 
 

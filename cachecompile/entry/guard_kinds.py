@@ -478,12 +478,16 @@ def _expr_leaf(tree: Tree, expr: str, value: JSON, text: str) -> bool:
     module's dict; other expressions stay Python."""
     g = NO_GLOBAL.fullmatch(expr)
     if g is not None:
-        node = tree.node("G['__name__']")
-        module = sys.modules.get(node.obj) if node is not None and type(node.obj) is str else None
+        if g.group(1).startswith("G"):
+            node = tree.node(g.group(1))
+            name = node.obj if node is not None else None
+        else:
+            name = ast.literal_eval(g.group(1))
+        module = sys.modules.get(name) if type(name) is str else None
         d = getattr(module, "__dict__", None)
         if type(d) is not dict:
             return False
-        return native.dict_contains(tree.const(d).mgr, d, False, ast.literal_eval(g.group(1)),
+        return native.dict_contains(tree.const(d).mgr, d, False, ast.literal_eval(g.group(2)),
                                     text)
     m = UNSET_ENV.fullmatch(expr)
     data = getattr(os.environ, "_data", None)

@@ -38,9 +38,11 @@ ROOT_KINDS = ("global_state", "alias", "modes", "default_device")
 # An expression the tree checks natively though it is no path: a variable read while
 # unset, as a membership leaf on os.environ's own dict.
 UNSET_ENV = re.compile(r"not ___environ_has\(('[A-Za-z_][A-Za-z0-9_]*')\)")
-# A global the method's module must not define (it would shadow a builtin the method calls),
-# as a membership leaf on the module's own dict.
-NO_GLOBAL = re.compile(r"not ___module_has\(G\['__name__'\], ('[A-Za-z_][A-Za-z0-9_]*')\)")
+# A global a module must not define (it would shadow a builtin its code calls), as a
+# membership leaf on the module's own dict: the method's module (G['__name__']) or one a
+# function it inlines comes from (by name).
+NO_GLOBAL = re.compile(r"not ___module_has\((G\['__name__'\]|'[A-Za-z_][\w.]*'), "
+                       r"('[A-Za-z_][A-Za-z0-9_]*')\)")
 
 
 @functools.lru_cache(maxsize=16384)

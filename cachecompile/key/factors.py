@@ -170,8 +170,11 @@ def compiler_config() -> dict[str, JSON]:
     """The settings of Inductor's, Dynamo's and AOTAutograd's config modules this process
     changed (``torch._inductor.config.fallback_random = True``, diffusers' speed guide's
     ``coordinate_descent_tuning``, ``max_autotune``, ``freezing``...), as torch's own FX
-    graph cache keys its whole config. Read once per cached method, on its first call:
-    torch.compile too keeps what it compiled when a setting changes later."""
+    graph cache keys its whole config. Read whenever a signature is looked up or compiled
+    (:func:`live_factors`): a signature compiled after a setting changed is compiled, and
+    published, under it, as torch.compile recompiles a new signature under the settings
+    of the moment; a signature already loaded keeps running what it loaded, as
+    torch.compile keeps what it compiled (Dynamo guards no compiler setting)."""
     return {mod.removeprefix("torch._").removesuffix(".config"): _config_value(changed)
             for mod, changed in sorted(runtime.compiler_config_changes().items())}
 
@@ -213,14 +216,11 @@ class Keyed(Protocol):
     def backend_factors(self) -> dict[str, Any]: ...
 
 
-def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
-    module = method.__self__
-    assert isinstance(module, torch.nn.Module)
-    mf = module_factors(module)
+def fixed_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
+    """The factors a process cannot change once the method is cached: its settings
+    (backend, options, dynamic, decompositions, ranks) and the versions."""
     decomps = {str(k): callable_digest(v) for k, v in (spec.decompositions or {}).items()}
     f: dict[str, JSON] = {
-        "function": function_factors(method.__func__),  # type: ignore[arg-type]
-        "module": mf,
         # The adapter's name and its own factors (Adapter.factors): the key names the
         # backend as data, never importing the adapters.
         "backend": spec.backend_factors(),
@@ -229,16 +229,40 @@ def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
         "decompositions": dict(sorted(decomps.items())),
         "ranks": spec.ranks.factors(),
         "versions": versions(),
+    }
+    if spec.extra_factors:
+        f["extra"] = canonical(dict(spec.extra_factors))
+    return f
+
+
+def live_factors(method: types.MethodType, spec: Keyed,
+                 frozen: Callable[[torch.nn.Module], str] | None = None) -> dict[str, JSON]:
+    """The factors a process may change between two signatures of a method: the module's
+    layout, classes, devices and training flag (``model.half()``, ``model.train()``), the
+    global torch flags, the compiler settings it changed
+    (``torch._inductor.config.fallback_random = True``), the weights of a frozen program
+    (``frozen``: :func:`state_digest` or a memo of it). Read whenever a signature is looked
+    up or compiled, so an entry is published under the settings it was compiled with."""
+    module = method.__self__
+    assert isinstance(module, torch.nn.Module)
+    mf = module_factors(module)
+    f: dict[str, JSON] = {
+        "function": function_factors(method.__func__),  # type: ignore[arg-type]
+        "module": mf,
         "device": device_factors(mf["devices"]),
         "torch_flags": torch_flags(),
         "compiler_config": compiler_config(),
     }
-    if spec.extra_factors:
-        f["extra"] = canonical(dict(spec.extra_factors))
     if spec.freezes:
         # The program holds the weights as constants: other weights, another program.
-        f["frozen_state"] = state_digest(module)
+        f["frozen_state"] = (frozen or state_digest)(module)
     return f
+
+
+def base_factors(method: types.MethodType, spec: Keyed) -> dict[str, JSON]:
+    """Every factor but the signature, read now (:func:`fixed_factors` and
+    :func:`live_factors`)."""
+    return {**fixed_factors(method, spec), **live_factors(method, spec)}
 
 
 def state_digest(module: torch.nn.Module) -> str:

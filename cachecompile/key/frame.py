@@ -1,10 +1,12 @@
 """A cached method's keys: its frame key per call signature, the shared-graph factors and
-the rank group, from base factors computed once."""
+the rank group; the settings a process can change are read per signature lookup."""
 
 from __future__ import annotations
 
 import types
 from typing import Any
+
+import torch
 
 from cachecompile.key import factors as factors_mod
 from cachecompile.key.factors import Keyed
@@ -13,18 +15,36 @@ from cachecompile.store import Key, make_key
 
 
 class FrameKeys:
-    """The keys of one cached method. The base factors (code, module, backend, config,
-    versions, device, ranks) are computed on the first call, when the module is built."""
+    """The keys of one cached method.
+
+    What the process cannot change (the method's settings, the versions) is read on the
+    first call; what it can (the module's layout and classes, the torch flags, the compiler
+    settings it changed, frozen weights) whenever a signature is looked up or compiled
+    (:func:`cachecompile.key.factors.live_factors`): a signature compiled after
+    ``torch._inductor.config.fallback_random = True`` is published under that setting, not
+    under the one the method's first call saw. Only the miss path of a signature reads
+    them: a call of a signature already loaded never computes a key."""
 
     def __init__(self, method: types.MethodType, spec: Keyed) -> None:
         self._method = method
         self._spec = spec
-        self._base: dict[str, Any] | None = None
+        self._fixed: dict[str, Any] | None = None
+        # Frozen weights are hashed again only when a parameter or buffer was replaced or
+        # written in place (its identity, storage or version counter changed).
+        self._frozen: tuple[tuple[Any, ...], str] | None = None
 
     def factors(self, sig: Signature) -> dict[str, Any]:
-        if self._base is None:
-            self._base = factors_mod.base_factors(self._method, self._spec)
-        return {**self._base, "signature": to_json(sig)}
+        if self._fixed is None:
+            self._fixed = factors_mod.fixed_factors(self._method, self._spec)
+        live = factors_mod.live_factors(self._method, self._spec, self._frozen_digest)
+        return {**self._fixed, **live, "signature": to_json(sig)}
+
+    def _frozen_digest(self, module: torch.nn.Module) -> str:
+        stamp = tuple((id(t), t.data_ptr(), t._version)
+                      for t in (*module.parameters(), *module.buffers()))
+        if self._frozen is None or self._frozen[0] != stamp:
+            self._frozen = (stamp, factors_mod.state_digest(module))
+        return self._frozen[1]
 
     def frame(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))

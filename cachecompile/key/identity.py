@@ -80,6 +80,12 @@ _VERSIONED_PACKAGES = frozenset({"torch", "builtins", "collections", "functools"
 _class_digests: dict[int, tuple[type, str | None]] = {}
 
 
+def pinned_by_version(module: str | None) -> bool:
+    """Whether code of the module named ``module`` is pinned by the torch and Python
+    version factors (torch's, a few standard library packages'), not the user's."""
+    return _top(module) in _VERSIONED_PACKAGES
+
+
 def class_digest(cls: type) -> str | None:
     """The code of a user class's methods (its own and inherited from user classes).
 
