@@ -200,6 +200,74 @@ def test_a_global_inductor_option_is_in_the_key(tmp_path: Path) -> None:
     assert box.run(SAMPLES)["event"] == "hit"           # the default entry, side by side
 
 
+PER_SIGNATURE = """
+import os, torch
+import torch._inductor.config as inductor_config
+from torch import nn
+from cachecompile import cache_compile
+backend = os.environ["PS_BACKEND"]
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+    def run(self, x):
+        return self.lin(x) + torch.rand_like(x)
+m = Noisy().eval()
+cached = cache_compile(m.run, backend=backend, dynamic=False)
+# The spec: one torch.compile of the method beside it, called on the same steps.
+plain = torch.compile(m.run, backend=backend, dynamic=False, fullgraph=True)
+def call(fn, n):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+    torch.manual_seed(7)
+    return fn(x)
+steps = []
+with torch.no_grad():
+    for step in os.environ["PS_STEPS"].split(","):
+        if step in ("set", "unset"):
+            inductor_config.fallback_random = step == "set"
+            continue
+        n = int(step)
+        got, want, eager = call(cached, n), call(plain, n), call(m.run, n)
+        steps.append({"rows": n, "event": cached.events[-1][0], "n_events": len(cached.events),
+                      "as_torch_compile": bool(torch.allclose(got, want, atol=1e-6)),
+                      "eager": bool(torch.allclose(got, eager, atol=1e-6))})
+report(steps)
+"""
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiler_settings_are_read_for_each_signature(tmp_path: Path, backend: str) -> None:
+    """A setting changed between two signatures in one process, both ways: each signature is
+    compiled and published under the settings of its own first call, and every process
+    gets what a torch.compile of the method beside it gets."""
+    box = Sandbox(tmp_path)
+
+    def run(steps: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = box.run(PER_SIGNATURE, PS_BACKEND=backend,
+                                             PS_STEPS=steps).value
+        assert all(s["as_torch_compile"] for s in out), (steps, out)
+        return out
+
+    random_kernels = backend == "inductor"   # Inductor's own random numbers unless fallback
+    first = run("3,5")                       # two signatures, default settings: published
+    assert [s["event"] for s in first] == ["miss", "miss"], first
+    # Set after the first call, then a new signature: not the entry compiled without it.
+    # The loaded signature keeps what it loaded, as torch.compile keeps what it compiled
+    # (Dynamo guards no compiler setting): still the default program's numbers.
+    mirror = run("3,set,5,3,6")
+    assert [s["event"] for s in mirror[:2]] == ["hit", "miss"], mirror
+    assert mirror[1]["eager"], "compiled under fallback_random: eager's random numbers"
+    assert mirror[2]["n_events"] == 2 and mirror[2]["eager"] is not random_kernels, mirror
+    # Set after the first call, a signature no process compiled (6): published under the
+    # setting, so a fresh process with the defaults is not served it ...
+    assert mirror[3]["event"] == "miss" and mirror[3]["eager"], mirror
+    fresh = run("6")
+    assert fresh[0]["event"] == "miss" and fresh[0]["eager"] is not random_kernels, fresh
+    # ... and one with the setting is.
+    assert run("set,6")[0]["event"] == "hit"
+
+
 def test_compiler_config_factor_reads_changed_settings_only() -> None:
     import torch._inductor.config as inductor_config
 
