@@ -221,6 +221,87 @@ def test_code_we_did_not_write_cold_then_warm(foreign_runs: Any) -> None:
     assert warm["llama_events"] == ["hit"], warm.value
 
 
+# -- the module form follows its forward, as torch.compile(module) does ----------------------
+FOLLOW = '''
+import functools, os, types, torch
+from torch import nn
+from cachecompile import cache_compile
+
+backend = os.environ["FF_BACKEND"]
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def patched(self, x):
+    return torch.tanh(self.lin(x)) * 3
+
+
+def add_hook(module):
+    """accelerate's add_hook_to_module, in short: a partial over a closure, on the instance."""
+    old = module.forward
+
+    def new_forward(module, *args, **kwargs):
+        return module._old_forward(*args, **kwargs) - 7
+
+    module._old_forward = old
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), old)
+
+
+x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+out = {}
+
+
+def check(name, c, plain, m):
+    got, want = c(x), plain(x)
+    out[name] = {"as_torch_compile": bool(torch.allclose(got, want, atol=1e-5)),
+                 "eager": bool(torch.allclose(got, m(x), atol=1e-5)),
+                 "event": c.events[-1][0]}
+
+
+with torch.no_grad():
+    m = Mlp().eval()
+    c = cache_compile(m, backend=backend)
+    plain = torch.compile(m, backend=backend, fullgraph=True)   # the spec, beside it
+    check("class", c, plain, m)
+    m.forward = types.MethodType(patched, m)                    # a hand patch
+    check("patched", c, plain, m)
+    del m.forward                                               # removed: the class's again
+    check("removed", c, plain, m)
+    add_hook(m)
+    check("hooked", c, plain, m)
+    del m.forward
+    check("unhooked", c, plain, m)
+    # Wrapped when the forward was replaced already.
+    m2 = Mlp().eval()
+    add_hook(m2)
+    check("hooked_before", cache_compile(m2, backend=backend), torch.compile(m2, backend=backend), m2)
+report(out)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_module_form_follows_a_replaced_forward(tmp_path: Path, backend: str) -> None:
+    box = Sandbox(tmp_path)
+    cold = box.run(FOLLOW, FF_BACKEND=backend).value
+    warm = box.run(FOLLOW, FF_BACKEND=backend).value
+    for run in (cold, warm):   # within one process, and in a fresh one
+        bad = {k: r for k, r in run.items() if not (r["as_torch_compile"] and r["eager"])}
+        assert not bad, bad
+    assert cold["class"]["event"] != "hit" and cold["patched"]["event"] != "hit", cold
+    assert cold["hooked"]["event"] != "hit", cold
+    # Each forward is cached under its own code: a fresh process loads every one.
+    assert {r["event"] for r in warm.values()} == {"hit"}, warm
+
+
 # -- in process: what each form is, and what stays out -----------------------------------
 class Tiny(nn.Module):
     def __init__(self) -> None:
