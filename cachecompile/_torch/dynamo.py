@@ -37,6 +37,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.variables.user_defined", "UserDefinedObjectVariable"),
     ("torch._dynamo.variables.user_defined", "UserDefinedClassVariable"),
     ("torch._dynamo.variables.misc", "PythonModuleVariable"),
+    ("torch._dynamo.variables.misc", "GetAttrVariable"),
     ("torch._dynamo.variables.nn_module", "NNModuleVariable"),
 )
 
@@ -216,6 +217,9 @@ class Resolved:
     obj: Any = dataclasses.field(repr=False, compare=False)
     source: str | None
     root: bool = False
+    # Dynamo took what it found as an attribute it does not model (a GetAttrVariable: an
+    # attribute of a metaclass, say), whose value it reads later without a guard.
+    unguarded: bool = False
 
 
 _recording = threading.local()
@@ -268,13 +272,23 @@ def _install_lookup_hooks() -> None:
         load_builtin = InstructionTranslatorBase.__dict__["load_builtin_from_argval"]
 
         def _call_getattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-            if getattr(_recording, "sink", None) is not None and len(args) >= 2:
-                _note_attr(tx, args[0], args[1], "default" if len(args) > 2 else "attr")
-            return call_getattr(self, tx, args, kwargs)
+            sink = getattr(_recording, "sink", None)
+            note = _lookup(tx, args[0], args[1], "default" if len(args) > 2 else "attr") \
+                if sink is not None and len(args) >= 2 else None
+            result: Any = None
+            try:
+                result = call_getattr(self, tx, args, kwargs)
+                return result
+            finally:    # a lookup that raised (AttributeError in the trace) was made too
+                if note is not None:
+                    sink.append(dataclasses.replace(note, unguarded=_unmodelled(result)))
 
         def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-            if getattr(_recording, "sink", None) is not None and len(args) == 2 and not kwargs:
-                _note_attr(tx, args[0], args[1], "hasattr")
+            sink = getattr(_recording, "sink", None)
+            if sink is not None and len(args) == 2 and not kwargs:
+                note = _lookup(tx, args[0], args[1], "hasattr")
+                if note is not None:
+                    sink.append(note)
             return call_hasattr(self, tx, args, kwargs)
 
         def _load_builtin(self: Any, argval: Any) -> Any:
@@ -290,26 +304,35 @@ def _install_lookup_hooks() -> None:
         _hooked = True
 
 
-def _note_attr(tx: Any, obj: Any, name: Any, how: str) -> None:
+def _lookup(tx: Any, obj: Any, name: Any, how: str) -> Resolved | None:
+    """The lookup of ``name`` in the object ``obj`` stands for, or None where it is no
+    lookup by Python's rules in a live object."""
     try:
         realize = getattr(obj, "realize", None)
         if callable(realize):
             obj = realize()
         if not name.is_python_constant():
-            return
+            return None
         attr = name.as_python_constant()
         if not isinstance(attr, str):
-            return
+            return None
         # An attribute the trace itself set earlier is read from there, not looked up.
         if tx.output.side_effects.has_pending_mutation_of_attr(obj, attr):
-            return
+            return None
         value = _looked_in(tx, obj)
         if value is _NO_VALUE:
-            return
+            return None
         src = getattr(obj, "source", None)
-        _recording.sink.append(Resolved(how, attr, value, source_name(src) if src else None))
+        return Resolved(how, attr, value, source_name(src) if src else None)
     except Exception:  # recording must never change the trace
         logger.debug("recording a lookup failed", exc_info=True)
+        return None
+
+
+def _unmodelled(result: Any) -> bool:
+    from torch._dynamo.variables.misc import GetAttrVariable
+
+    return isinstance(result, GetAttrVariable)
 
 
 def _looked_in(tx: Any, vt: Any) -> Any:

@@ -104,9 +104,8 @@ class _Builder:
         before a module's ``__getattr__``, the module before the builtins...), each guarded
         to still lack it. Derived from the lookups themselves by Python's rules
         (:mod:`cachecompile.cold.lookups`), never from Dynamo's guard text."""
-        for a in lookups.absent(resolved):
-            kind, expr, value = a.guard()
-            self.add(kind, expr, value, a.text)
+        for kind, expr, value, text in lookups.guards(resolved):
+            self.add(kind, expr, value, text)
 
     def ident(self, expr: str, value: Any, guard_type: str) -> None:
         ident = idn.identity(value)

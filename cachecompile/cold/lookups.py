@@ -29,6 +29,7 @@ traces), and objects made during the trace (they have no path from the frame).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -269,6 +270,51 @@ ROWS: tuple[Row, ...] = (
         lambda lk: not isinstance(lk.obj, (type, types.ModuleType))
         and _plain_getattribute(type(lk.obj), object.__getattribute__), _instance_attr),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A plain value a lookup found that Dynamo took as an attribute it does not model and
+    reads without a guard (an attribute of a metaclass): the entry guards the lookup's
+    result (``type(L['self']).K == 2.0``), which also fails where a nearer namespace gains
+    the name."""
+
+    expr: str
+    value: JSON
+    text: str
+
+    def guard(self) -> tuple[str, str, JSON]:
+        return "eq", self.expr, self.value
+
+
+def unguarded(lookups: Iterable[Resolved]) -> list[Found]:
+    """The plain values Dynamo read without a guard (:attr:`Resolved.unguarded`), found
+    where Python's static lookup finds them (no descriptor runs here)."""
+    out: list[Found] = []
+    seen: set[str] = set()
+    for lk in lookups:
+        if not lk.unguarded or lk.source is None or lk.how == "global":
+            continue
+        value = inspect.getattr_static(lk.obj, lk.name, _NOTHING)
+        if not isinstance(value, _PLAIN):
+            continue    # a descriptor, a function: Dynamo traces what it does with it
+        expr = f"{lk.source}.{lk.name}"
+        if expr in seen:
+            continue
+        seen.add(expr)
+        out.append(Found(expr, values.encode_value(value), f"{user_text(expr)} == {value!r} "
+                         "(Dynamo reads it without a guard)"))
+    return out
+
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def guards(lookups: Sequence[Resolved]) -> list[tuple[str, str, JSON, str]]:
+    """Every guard the lookups call for: (kind, expression, value, text), the absent
+    namespaces first."""
+    return ([(*a.guard(), a.text) for a in absent(lookups)]
+            + [(*f.guard(), f.text) for f in unguarded(lookups)])
 
 
 def absent(lookups: Iterable[Resolved]) -> list[Absent]:
