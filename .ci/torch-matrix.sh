@@ -20,12 +20,15 @@ export PIP_CONSTRAINT=/dev/null
 
 # One test per promise, not the whole suite: the full suite runs on 2.13 (the README's
 # command). Per release: the warm path (no torch._dynamo/_inductor import, zero compiler
-# calls), Dynamo's guards and the C++ guard tree built from them, the private-torch layer
-# and its probe, the API contract, ranks
-# sharing one compile, bundles, the remote tier end to end, a real HF model with its
-# decorated forward, and a bare backend callable's Dynamo half rebuilt from data. (The diffusers UNet and DiT, and the other LLM families, run on 2.13.)
+# calls), Dynamo's guards (the guard matrix, and the generated guard cases' fixed seed:
+# the lookups Dynamo resolves are read through its private names) and the C++ guard tree,
+# the private-torch layer and its probe, the API contract, ranks sharing one compile,
+# bundles, the remote tier end to end, a real HF model with its decorated forward, and a
+# bare backend callable's Dynamo half rebuilt from data. (The diffusers UNet and DiT, and
+# the other LLM families, run on 2.13.)
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/e2e/test_guard_matrix.py
+        tests/e2e/test_guard_sweep.py
         tests/entry/test_guard_tree.py
         tests/_torch/test_torch_layer.py
         tests/e2e/test_cache_compile_api.py

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The guard sweep (issue 47): tests/e2e/test_guard_sweep.py with CACHECOMPILE_GUARD_SWEEP
+# generated cases (default 384, in batches of 64, each batch three fresh processes over one
+# store; most on aot_eager, every eighth on Inductor), zero wrong hits. The README command
+# runs the fixed seed's 16; this tier runs many more, on the README's venv (.venv, made by
+# the README command: no install of its own), on every logical core. About 5 minutes on 2
+# idle cores. CACHECOMPILE_GUARD_SWEEP_SEED picks another seed (a failure names its seed
+# and case; tests/guard_gen.py rebuilds it).
+# A tier of .ci/tiers.sh: `items`, `prepare N` (nothing to install), `test N`; on its own,
+# `bash .ci/guard-sweep.sh` runs `test` for the default item.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+items() { echo "${CACHECOMPILE_GUARD_SWEEP:-384}"; }
+
+run_test() {
+  if [ ! -x .venv/bin/python ]; then
+    echo "guard sweep: no .venv (the README command makes it)" >&2
+    return 1
+  fi
+  . .venv/bin/activate
+  CACHECOMPILE_GUARD_SWEEP=$1 python -m pytest -n logical --maxschedchunk=1 \
+    tests/e2e/test_guard_sweep.py
+  local rc=$?
+  deactivate
+  [ "$rc" -eq 5 ] && { echo "guard sweep: pytest collected no tests" >&2; return 1; }
+  return "$rc"
+}
+
+case "${1:-}" in
+  items) items ;;
+  prepare) echo "== guard sweep $2: nothing to install (the README's .venv)" ;;
+  test) start=$SECONDS; run_test "$2" || exit $?
+        echo "== guard sweep $2: tests took $((SECONDS - start)) s" ;;
+  "") run_test "$(items)" ;;
+  *) echo "usage: $0 [items | prepare N | test N]" >&2; exit 2 ;;
+esac
