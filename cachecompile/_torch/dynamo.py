@@ -38,6 +38,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.variables.user_defined", "UserDefinedClassVariable"),
     ("torch._dynamo.variables.misc", "PythonModuleVariable"),
     ("torch._dynamo.variables.misc", "GetAttrVariable"),
+    ("torch._dynamo.variables.misc", "SuperVariable"),
     ("torch._dynamo.variables.nn_module", "NNModuleVariable"),
 )
 
@@ -220,6 +221,8 @@ class Resolved:
     # Dynamo took what it found as an attribute it does not model (a GetAttrVariable: an
     # attribute of a metaclass, say), whose value it reads later without a guard.
     unguarded: bool = False
+    # ``super(after, obj).name``: the lookup starts after this class in the MRO.
+    after: type | None = dataclasses.field(default=None, repr=False)
 
 
 _recording = threading.local()
@@ -319,14 +322,27 @@ def _lookup(tx: Any, obj: Any, name: Any, how: str) -> Resolved | None:
         # An attribute the trace itself set earlier is read from there, not looked up.
         if tx.output.side_effects.has_pending_mutation_of_attr(obj, attr):
             return None
+        after = None
+        if _is_super(obj):
+            # super(T, self).name: looked up in self's MRO after T.
+            after = getattr(obj.typevar, "value", None)
+            obj = obj.objvar
+            if not isinstance(after, type) or obj is None:
+                return None
         value = _looked_in(tx, obj)
         if value is _NO_VALUE:
             return None
         src = getattr(obj, "source", None)
-        return Resolved(how, attr, value, source_name(src) if src else None)
+        return Resolved(how, attr, value, source_name(src) if src else None, after=after)
     except Exception:  # recording must never change the trace
         logger.debug("recording a lookup failed", exc_info=True)
         return None
+
+
+def _is_super(vt: Any) -> bool:
+    from torch._dynamo.variables.misc import SuperVariable
+
+    return isinstance(vt, SuperVariable)
 
 
 def _unmodelled(result: Any) -> bool:

@@ -116,11 +116,12 @@ def _pinned_module(name: Any) -> bool:
 
 
 def _classes(owner: str, mro: Sequence[type], upto: int | None, name: str,
-             why: str) -> list[Absent]:
-    """The classes of ``mro`` before ``upto`` (all of them if None), each lacking ``name``."""
+             why: str, start: int = 0) -> list[Absent]:
+    """The classes of ``mro`` from ``start`` and before ``upto`` (to the end if None), each
+    lacking ``name``."""
     out: list[Absent] = []
-    for j, klass in enumerate(mro if upto is None else mro[:upto]):
-        if _pinned_class(klass):
+    for j, klass in enumerate(mro):
+        if j < start or upto is not None and j >= upto or _pinned_class(klass):
             continue
         expr = f"{owner}.__mro__[{j}]"
         out.append(Absent("class", expr, name, f"{user_text(expr)} ({klass.__qualname__}) has "
@@ -250,6 +251,23 @@ def _global(lk: Resolved, base: str) -> list[Absent]:
                    f"calls the builtin {name})", g)]
 
 
+def _super_attr(lk: Resolved, base: str) -> list[Absent]:
+    """``super(T, obj).name``: the MRO of ``obj`` (of ``obj`` itself where it is a class)
+    from the class after ``T``; the classes between ``T`` and the one it is found on."""
+    obj, name, after = lk.obj, lk.name, lk.after
+    is_class = isinstance(obj, type)
+    mro = obj.__mro__ if is_class else type(obj).__mro__
+    owner = base if is_class else f"type({base})"
+    if after not in mro:
+        return []
+    start = mro.index(after) + 1
+    i = _index(mro[start:], name)
+    what = f"super().{name} in {user_text(base)}'s method"
+    found = f"found on {mro[start + i].__qualname__}" if i is not None else "not found"
+    return _classes(owner, mro, None if i is None else start + i, name, f"{what} is {found}",
+                    start)
+
+
 def _plain_getattribute(cls: type, expected: Any) -> bool:
     return getattr(cls, "__getattribute__", None) is expected
 
@@ -257,6 +275,8 @@ def _plain_getattribute(cls: type, expected: Any) -> bool:
 ROWS: tuple[Row, ...] = (
     Row("global", "a global name: the function's module globals, then the builtins",
         lambda lk: lk.how == "global", _global),
+    Row("super() attribute", "the MRO of the object (or class) after the class super() "
+        "names", lambda lk: lk.after is not None, _super_attr),
     Row("module attribute", "a module's class (data descriptors), its __dict__, its "
         "class, its __getattr__ (PEP 562)",
         lambda lk: isinstance(lk.obj, types.ModuleType)

@@ -202,3 +202,22 @@ def test_the_guards_hold_then_fail_when_the_name_is_added() -> None:
     assert check(m, x)
     m.leaf.K = 5.0
     assert not check(m, x)
+
+
+def test_a_super_attribute_looks_after_the_class_named() -> None:
+    class A:
+        S = 2.0
+
+    class B(A):
+        pass
+
+    class C(B):
+        pass
+
+    class D(C):
+        pass
+
+    obj = D()
+    # super() in C's method: B is consulted (and lacks S) before A; D and C are not.
+    got = guards(Resolved("attr", "S", obj, "L['self']", after=C))
+    assert got == [no_class_attr("type(L['self']).__mro__[2]", "S")]
