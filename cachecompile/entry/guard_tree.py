@@ -199,6 +199,10 @@ class _Builder:
         """Down ``steps`` from ``node``, sharing managers by path; ``needs``: what each
         step asks of the object it starts from on every call ("type", "dict")."""
         for i, step in enumerate(steps):
+            if step == ("attr", "__dict__") and _plain_class(node.obj):
+                # A class's own dict through the C++ class-dict accessor: ``cls.__dict__``
+                # is a new mapping proxy on each read, which no native leaf tests.
+                step = ("type_dict", None)
             found = self.nodes.get((node, step))
             if found is None:
                 obj = node.obj
@@ -208,8 +212,9 @@ class _Builder:
                     raise _NotAPath(step) from e
                 text = node.text + guard_paths.label(step)
                 if step[0] == "dict":
-                    # dict(proxy)[k] is proxy[k]: the same node, for a class's __dict__ only.
-                    if not isinstance(obj, types.MappingProxyType):
+                    # dict(proxy)[k] is proxy[k]: the same node, for a class's __dict__ only
+                    # (a proxy, or the dict behind it).
+                    if not isinstance(obj, types.MappingProxyType) and type(obj) is not dict:
                         raise _NotAPath(step)
                     mgr = node.mgr
                 else:
@@ -390,6 +395,12 @@ def _step(obj: Any, step: Step) -> Any:
     if how in ("key", "value"):
         return native.by_position(how, name)(obj)
     return obj[name]
+
+
+def _plain_class(obj: Any) -> bool:
+    """A class whose ``__dict__`` is type's own: the read-only view of its class dict."""
+    return isinstance(obj, type) and all("__dict__" not in vars(k)
+                                         for k in type(obj).__mro__ if k is not type)
 
 
 def _is_anchor(obj: Any) -> bool:

@@ -417,6 +417,62 @@ def test_process_state_guards_are_native() -> None:
     assert tree.check(m, x, y)
 
 
+class _Meta(type):
+    K = 2.0
+
+
+class _MetaBase(nn.Module, metaclass=_Meta):
+    pass
+
+
+class _MetaLeaf(_MetaBase):
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("change", ["class", "base", "instance", "module", "builtin"])
+def test_absence_guards_are_native_and_fail_when_the_name_is_added(
+        change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guards cold/lookups.py derives (a class's own dict, an instance dict, a
+    module's dict, a module's globals before a builtin) are native leaves, the class dicts
+    read through the C++ class-dict accessor; adding the name fails the tree."""
+    x, y = torch.randn(3, 4), torch.randn(2, 3)
+    m = _MetaLeaf()
+    mod = types.ModuleType("cc_tree_test_absent")
+    sys.modules[mod.__name__] = mod
+    no = {"key": values.encode_value("K"), "present": False}
+    guards = [_guard("contains", "type(L['self']).__mro__[0].__dict__", no),
+              _guard("contains", "type(L['self']).__mro__[1].__dict__", no),
+              _guard("not_in_dict", "L['self']", "K"),
+              _guard("not_in_dict", "G['mod']", "NAME"),
+              _guard("expr", f"not ___module_has({mod.__name__!r}, 'abs')", None)]
+    try:
+        c = g.build_checker(_MetaLeaf.run, guards, Globals(mod=mod),  # type: ignore[arg-type]
+                            every_call=True)
+        lambdas: list[str] = []
+        predicate = native.predicate
+        monkeypatch.setattr(native, "predicate", lambda mgr, fn, text: (
+            lambdas.append(text), predicate(mgr, fn, text)))
+        tree = _tree(c, m, x, y)  # type: ignore[arg-type]
+        assert tree.n_python == 0 and tree.n_native == len(guards), (tree.n_python,
+                                                                      tree.n_native)
+        # None of them is a Python lambda on its node.
+        texts = {gd["text"] for gd in guards}
+        assert [t for t in lambdas if t in texts] == [], lambdas
+        assert tree.check(m, x, y)
+        {"class": lambda: setattr(_MetaLeaf, "K", 5.0),
+         "base": lambda: setattr(_MetaBase, "K", 5.0),
+         "instance": lambda: setattr(m, "K", 5.0),
+         "module": lambda: setattr(mod, "NAME", 5.0),
+         "builtin": lambda: setattr(mod, "abs", len)}[change]()
+        assert not c.full(m, x, y) and not tree.check(m, x, y)
+    finally:
+        for cls in (_MetaLeaf, _MetaBase):
+            if "K" in vars(cls):
+                delattr(cls, "K")
+        del sys.modules[mod.__name__]
+
+
 def test_a_dict_read_by_position() -> None:
     """Dynamo names what it read from a dict it iterated by position
     (``list(dict.keys(d))[i]``, ``dict.__getitem__(d, ...)``): native leaves, skipped with
