@@ -10,7 +10,8 @@ banned-api rule, TID251, keeps it so; see pyproject.toml), one module per concer
 * :mod:`.dynamo_shim`      the stand-in for ``torch._dynamo.utils`` in replayed bytecode
 * :mod:`.guard_tree`       warm path: Dynamo's C++ guard tree, built without Dynamo
 * :mod:`.inductor_runtime` the stand-ins for the Inductor names that output code imports
-* :mod:`.dynamo`           cold path: tracing, guards, transformed bytecode, AOTAutograd
+* :mod:`.dynamo`           cold path: tracing, guards, the names Dynamo resolves,
+                           transformed bytecode, AOTAutograd
 * :mod:`.inductor`         cold path: compile_fx, output code, kernels, import rewriting
 * :mod:`.passes`           custom Inductor passes as data (pattern rules), Inductor not imported
 

@@ -283,7 +283,7 @@ def _install_lookup_hooks() -> None:
                 result = call_getattr(self, tx, args, kwargs)
                 return result
             finally:    # a lookup that raised (AttributeError in the trace) was made too
-                if note is not None:
+                if note is not None and sink is not None:
                     sink.append(dataclasses.replace(note, unguarded=_unmodelled(result)))
 
         def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:

@@ -399,8 +399,10 @@ def _step(obj: Any, step: Step) -> Any:
 
 def _plain_class(obj: Any) -> bool:
     """A class whose ``__dict__`` is type's own: the read-only view of its class dict."""
-    return isinstance(obj, type) and all("__dict__" not in vars(k)
-                                         for k in type(obj).__mro__ if k is not type)
+    if not isinstance(obj, type):
+        return False
+    meta: Any = type(obj)
+    return all("__dict__" not in vars(k) for k in meta.__mro__ if k is not type)
 
 
 def _is_anchor(obj: Any) -> bool:
