@@ -239,6 +239,12 @@ class _Builder:
         if what == "type":
             self.keep(type(node.obj))
             native.type_match(live.mgr, type(node.obj), f"type({node.text})")
+        elif what == "mro":
+            mro = node.obj.__mro__
+            self.keep(mro)
+            native.id_match(native.child(live.mgr, node.obj, ("attr", "__mro__"), mro,
+                                         f"{node.text}.__mro__", self.enum),
+                            mro, f"{node.text}.__mro__ (the same MRO)")
         else:
             d = object.__getattribute__(node.obj, "__dict__")
             self.keep(d)
@@ -419,6 +425,10 @@ def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
     if how == "attr":
         if name == "__dict__" and isinstance(obj, type):
             return [("type_dict", None)], [""]
+        if name == "__mro__" and _plain_class(obj):
+            # A class's MRO is a tuple that changes only with its bases: the same tuple
+            # (checked on every call), then its items and their dicts stay pinned.
+            return [step], ["mro"]
         if name in ("__func__", "__self__") and type(obj) is types.MethodType:
             return [step], [""]            # read-only
         if name in ("__closure__", "__globals__") and type(obj) is types.FunctionType:

@@ -430,7 +430,11 @@ class _MetaLeaf(_MetaBase):
         return x
 
 
-@pytest.mark.parametrize("change", ["class", "base", "instance", "module", "builtin"])
+class _MetaBase2(nn.Module, metaclass=_Meta):
+    K = 5.0
+
+
+@pytest.mark.parametrize("change", ["class", "base", "instance", "module", "builtin", "bases"])
 def test_absence_guards_are_native_and_fail_when_the_name_is_added(
         change: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guards cold/lookups.py derives (a class's own dict, an instance dict, a
@@ -459,14 +463,19 @@ def test_absence_guards_are_native_and_fail_when_the_name_is_added(
         # None of them is a Python lambda on its node.
         texts = {gd["text"] for gd in guards}
         assert [t for t in lambdas if t in texts] == [], lambdas
-        assert tree.check(m, x, y)
+        # The class dicts and the instance dict hang off the module: skipped while its
+        # dicts (the classes' own included) are unchanged; each change is seen under that.
+        assert tree.skipped >= 4, tree.skipped
+        assert tree.check(m, x, y) and tree.check(m, x, y)
         {"class": lambda: setattr(_MetaLeaf, "K", 5.0),
          "base": lambda: setattr(_MetaBase, "K", 5.0),
          "instance": lambda: setattr(m, "K", 5.0),
          "module": lambda: setattr(mod, "NAME", 5.0),
-         "builtin": lambda: setattr(mod, "abs", len)}[change]()
+         "builtin": lambda: setattr(mod, "abs", len),
+         "bases": lambda: setattr(_MetaLeaf, "__bases__", (_MetaBase2,))}[change]()
         assert not c.full(m, x, y) and not tree.check(m, x, y)
     finally:
+        _MetaLeaf.__bases__ = (_MetaBase,)
         for cls in (_MetaLeaf, _MetaBase):
             if "K" in vars(cls):
                 delattr(cls, "K")
