@@ -1,6 +1,8 @@
 """Every form of cache_compile, one semantics (issue 34): a module, a decorator with and
 without arguments on a class-body method, a decorated nn.Module class, a plain function;
-torch.compile's mode= / options= / fullgraph=; what stays out is refused by name.
+torch.compile's mode= / options= / fullgraph=; what stays out is refused by name. The
+module form runs the forward the module has at each call, as torch.compile(module) does
+(issue 47).
 
 The fresh-process claims share one cold and one warm run per backend (module-scoped
 fixtures): the inductor run has the compiler as its subject (empty Inductor dirs, a

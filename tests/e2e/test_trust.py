@@ -4,7 +4,9 @@
   (a release, a local edit) is a named miss, and ``cachectl gc --other-versions`` retires it;
   the same code installed elsewhere (a wheel's layout) shares entries.
 - **Global compiler settings are in the key:** ``torch._inductor.config.fallback_random``
-  set in a fresh process is a miss there, and then gives eager's random numbers.
+  set in a fresh process is a miss there, and then gives eager's random numbers; set
+  between two signatures in one process (either way), each signature is published under
+  the settings it was compiled with (issue 47).
 - **Absent state is guarded:** a subclass that gains a class attribute its base held, a
   config object's class likewise, a module global shadowing a builtin the method calls:
   changed *after* the first call in a process that loaded the entry, every call gives
