@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import inspect
 import logging
 import threading
 import types
@@ -16,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from . import versions
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +34,15 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
-    # Where Dynamo resolves a name while it traces (recording_lookups).
-    ("torch._dynamo.variables.builtin", "GetAttrBuiltinVariable._call_getattr"),
-    ("torch._dynamo.variables.builtin", "HasAttrBuiltinVariable.call_function"),
+    # Where Dynamo resolves a name while it traces (recording_lookups): getattr and
+    # hasattr have classes of their own from 2.13 on, before that they are methods of
+    # BuiltinVariable, reached through its cache of handlers.
+    *((("torch._dynamo.variables.builtin", "GetAttrBuiltinVariable._call_getattr"),
+       ("torch._dynamo.variables.builtin", "HasAttrBuiltinVariable.call_function"))
+      if versions.at_least(2, 13) else
+      (("torch._dynamo.variables.builtin", "BuiltinVariable.call_getattr"),
+       ("torch._dynamo.variables.builtin", "BuiltinVariable.call_hasattr"),
+       ("torch._dynamo.variables.builtin", "BuiltinVariable.call_function_handler_cache"))),
     ("torch._dynamo.symbolic_convert", "InstructionTranslatorBase.load_builtin_from_argval"),
     ("torch._dynamo.variables.user_defined", "UserDefinedObjectVariable"),
     ("torch._dynamo.variables.user_defined", "UserDefinedClassVariable"),
@@ -143,9 +153,15 @@ class GuardEntry:
     derived_types: frozenset[str]    # guard types this one implies (TYPE_MATCH)
     code_parts: tuple[str, ...]      # SHAPE_ENV: the shape relations as Python expressions
     _guard: Any = dataclasses.field(repr=False, compare=False)
+    # Arguments read from the guard's source where a release does not pass them to its
+    # builder (2.11's HASATTR: the attribute is the source's last step).
+    _keywords: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                     compare=False)
 
     def keyword(self, name: str) -> Any:
         """An argument the guard was built with: ``attr`` of HASATTR, ``key`` of DICT_CONTAINS."""
+        if name in self._keywords:
+            return self._keywords[name]
         fn = getattr(self._guard, "create_fn", None)
         kw = getattr(fn, "keywords", None) or {}
         if name in kw:
@@ -155,15 +171,93 @@ class GuardEntry:
 
 
 def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
+    """Dynamo's guard entries for one frame, read into one form across releases, plus the
+    guards a release failed to build for reads made while tracing that frame
+    (:func:`unguarded_reads_recorded`)."""
     out: list[GuardEntry] = []
     for e in entries:
         guard = e.orig_guard
-        out.append(GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
-                              has_value=bool(e.has_value),
-                              derived_types=frozenset(e.derived_guard_types or ()),
-                              code_parts=tuple(getattr(guard, "code_list", None) or ()),
-                              _guard=guard))
+        entry = GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
+                           has_value=bool(e.has_value),
+                           derived_types=frozenset(e.derived_guard_types or ()),
+                           code_parts=tuple(getattr(guard, "code_list", None) or ()),
+                           _guard=guard)
+        out.append(entry if versions.at_least(2, 12) else _as_in_2_12(entry, e))
+    if _unguarded is not None:
+        out.extend(_unguarded)
+        _unguarded.clear()                # each frame's guards are built once, after it
     return out
+
+
+# -- torch 2.11: class attributes read without a guard -----------------------------------
+# torch 2.11's Dynamo reads a literal or enum class attribute (``type(self).FLAG``,
+# ``Cls.MODE``) as a constant with no source, so it builds no guard on it: a process whose
+# class says otherwise would be served the value traced (torch.compile 2.11 is wrong there
+# within one process too; a fresh process of it compiles again). 2.12 guards the read
+# (CONSTANT_MATCH on ``<class source>.<name>``). On 2.11, while a frame is traced, each such
+# read is recorded as the entry 2.12 would have built, and guard_entries adds it.
+_unguarded: list[GuardEntry] | None = None
+
+
+@contextlib.contextmanager
+def unguarded_reads_recorded() -> Iterator[None]:
+    """While tracing (TraceSession's first call), record the reads 2.11 leaves unguarded.
+    Nothing is patched on 2.12 and later, which guard them."""
+    global _unguarded
+    if versions.at_least(2, 12) or _unguarded is not None:
+        yield
+        return
+    from torch._dynamo.variables import user_defined
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    cls_var = user_defined.UserDefinedClassVariable
+    orig = cls_var.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        out = orig(self, tx, name)
+        base = source_name(getattr(self, "source", None))
+        if base is not None and getattr(out, "source", None) is None and _unguarded is not None:
+            try:
+                value = inspect.getattr_static(self.value, name)
+            except AttributeError:
+                return out
+            if ConstantVariable.is_literal(value) or isinstance(value, enum.Enum):
+                _unguarded.append(GuardEntry(
+                    guard_type="CONSTANT_MATCH", expr=f"{base}.{name}", value=value,
+                    has_value=True, derived_types=frozenset(), code_parts=(), _guard=None))
+        return out
+
+    _unguarded = []
+    cls_var.var_getattr = var_getattr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls_var.var_getattr = orig  # type: ignore[method-assign]
+        _unguarded = None
+
+
+def _as_in_2_12(entry: GuardEntry, e: Any) -> GuardEntry:
+    """A torch 2.11 guard entry in the form 2.12 and later give it, so that capture reads
+    one form.
+
+    - 2.11 builds HASATTR on the attribute's own source (``base.attr``, an ``AttrSource``,
+      perhaps inside an ``NNModuleSource``) and reads the name from it; 2.12 builds it on
+      the base with ``attr=`` and names the base. 2.11's entry has no value for the base:
+      whether the attribute was there is whether the entry could read it (``present``).
+    - 2.11 has one DICT_CONTAINS / SET_CONTAINS with ``invert=``; 2.12 splits off
+      DICT_NOT_CONTAINS / SET_NOT_CONTAINS."""
+    if entry.guard_type == "HASATTR":
+        src = getattr(entry._guard, "originating_source", None)
+        src = getattr(src, "base", src) if type(src).__name__ == "NNModuleSource" else src
+        base, member = getattr(src, "base", None), getattr(src, "member", None)
+        name = source_name(base) if base is not None else None
+        if name is None or not isinstance(member, str):
+            return entry                  # capture names the guard it cannot read
+        return dataclasses.replace(entry, expr=name, has_value=False, value=None,
+                                   _keywords={"attr": member, "present": entry.has_value})
+    if entry.guard_type in ("DICT_CONTAINS", "SET_CONTAINS") and entry.keyword("invert"):
+        return dataclasses.replace(entry, guard_type=entry.guard_type.replace("_", "_NOT_", 1))
+    return entry
 
 
 # -- the graph Dynamo hands a backend ------------------------------------------------------
@@ -265,34 +359,12 @@ def _install_lookup_hooks() -> None:
         if _hooked:
             return
         from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-        from torch._dynamo.variables.builtin import (
-            GetAttrBuiltinVariable,
-            HasAttrBuiltinVariable,
-        )
 
-        call_getattr = GetAttrBuiltinVariable._call_getattr
-        call_hasattr = HasAttrBuiltinVariable.call_function
+        if versions.at_least(2, 13):
+            _hook_getattr_classes()
+        else:
+            _hook_builtin_handlers()
         load_builtin = InstructionTranslatorBase.__dict__["load_builtin_from_argval"]
-
-        def _call_getattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-            sink = getattr(_recording, "sink", None)
-            note = _lookup(tx, args[0], args[1], "default" if len(args) > 2 else "attr") \
-                if sink is not None and len(args) >= 2 else None
-            result: Any = None
-            try:
-                result = call_getattr(self, tx, args, kwargs)
-                return result
-            finally:    # a lookup that raised (AttributeError in the trace) was made too
-                if note is not None and sink is not None:
-                    sink.append(dataclasses.replace(note, unguarded=_unmodelled(result)))
-
-        def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-            sink = getattr(_recording, "sink", None)
-            if sink is not None and len(args) == 2 and not kwargs:
-                note = _lookup(tx, args[0], args[1], "hasattr")
-                if note is not None:
-                    sink.append(note)
-            return call_hasattr(self, tx, args, kwargs)
 
         def _load_builtin(self: Any, argval: Any) -> Any:
             sink = getattr(_recording, "sink", None)
@@ -301,10 +373,76 @@ def _install_lookup_hooks() -> None:
                                      root=self.f_globals is self.output.global_scope))
             return load_builtin(self, argval)
 
-        GetAttrBuiltinVariable._call_getattr = _call_getattr  # type: ignore[method-assign]
-        HasAttrBuiltinVariable.call_function = _call_hasattr  # type: ignore[method-assign]
         InstructionTranslatorBase.load_builtin_from_argval = _load_builtin  # type: ignore[method-assign]
         _hooked = True
+
+
+def _recorded_getattr(tx: Any, obj: Any, name: Any, how: str,
+                      call: Callable[[], Any]) -> Any:
+    """``call()`` (Dynamo's getattr), the lookup it makes recorded with what it gave."""
+    sink = getattr(_recording, "sink", None)
+    note = _lookup(tx, obj, name, how) if sink is not None else None
+    result: Any = None
+    try:
+        result = call()
+        return result
+    finally:    # a lookup that raised (AttributeError in the trace) was made too
+        if note is not None and sink is not None:
+            sink.append(dataclasses.replace(note, unguarded=_unmodelled(result)))
+
+
+def _recorded_hasattr(tx: Any, obj: Any, name: Any) -> None:
+    sink = getattr(_recording, "sink", None)
+    if sink is not None:
+        note = _lookup(tx, obj, name, "hasattr")
+        if note is not None:
+            sink.append(note)
+
+
+def _hook_getattr_classes() -> None:
+    """2.13 and later: ``getattr`` and ``hasattr`` are variables of their own."""
+    from torch._dynamo.variables.builtin import GetAttrBuiltinVariable, HasAttrBuiltinVariable
+
+    call_getattr = GetAttrBuiltinVariable._call_getattr
+    call_hasattr = HasAttrBuiltinVariable.call_function
+
+    def _call_getattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if len(args) < 2:
+            return call_getattr(self, tx, args, kwargs)
+        return _recorded_getattr(tx, args[0], args[1], "default" if len(args) > 2 else "attr",
+                                 lambda: call_getattr(self, tx, args, kwargs))
+
+    def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if len(args) == 2 and not kwargs:
+            _recorded_hasattr(tx, args[0], args[1])
+        return call_hasattr(self, tx, args, kwargs)
+
+    GetAttrBuiltinVariable._call_getattr = _call_getattr  # type: ignore[method-assign]
+    HasAttrBuiltinVariable.call_function = _call_hasattr  # type: ignore[method-assign]
+
+
+def _hook_builtin_handlers() -> None:
+    """2.11 and 2.12: ``BuiltinVariable.call_getattr`` / ``call_hasattr``, which its
+    handlers bind when they are made: the handlers made before are dropped."""
+    from torch._dynamo.variables import builtin
+
+    BuiltinVariable: Any = builtin.BuiltinVariable     # 2.13 and later lack these names
+    call_getattr = BuiltinVariable.call_getattr
+    call_hasattr = BuiltinVariable.call_hasattr
+
+    def _call_getattr(self: Any, tx: Any, obj: Any, name_var: Any, default: Any = None) -> Any:
+        return _recorded_getattr(tx, obj, name_var, "attr" if default is None else "default",
+                                 lambda: call_getattr(self, tx, obj, name_var, default))
+
+    def _call_hasattr(self: Any, tx: Any, obj: Any, attr: Any) -> Any:
+        _recorded_hasattr(tx, obj, attr)
+        return call_hasattr(self, tx, obj, attr)
+
+    BuiltinVariable.call_getattr = _call_getattr
+    BuiltinVariable.call_hasattr = _call_hasattr
+    cache = BuiltinVariable.call_function_handler_cache
+    for key in [k for k in cache if k and k[0] in (getattr, hasattr)]:
+        del cache[key]
 
 
 def _lookup(tx: Any, obj: Any, name: Any, how: str) -> Resolved | None:
