@@ -361,10 +361,11 @@ class TraceSession:
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
         try:
-            if first and self._capture:
-                with dynamo.unguarded_reads_recorded():
-                    return self._live(*args, **kwargs)
-            return self._live(*args, **kwargs)
+            with dynamo.outputs_left_unmarked():
+                if first and self._capture:
+                    with dynamo.unguarded_reads_recorded():
+                        return self._live(*args, **kwargs)
+                return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
         except dynamo.recompile_limit_errors():
