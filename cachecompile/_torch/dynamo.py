@@ -179,6 +179,7 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
 # one, and the warm process compiled it again. 2.13 stamps a separate, unguarded attribute
 # instead (``_dynamo_propagated_dynamic_indices``); on 2.11 and 2.12 the live compiled
 # graphs of a cached method mark nothing, as 2.13's and the warm path's do.
+_MARK_HELPER = "maybe_mark_dynamic_helper"
 _unmarked_depth = 0
 _unmarked_lock = threading.Lock()
 _real_mark: Any = None
@@ -196,8 +197,9 @@ def outputs_left_unmarked() -> Iterator[None]:
 
     with _unmarked_lock:
         if _unmarked_depth == 0:
-            _real_mark = runtime_wrappers.maybe_mark_dynamic_helper
-            runtime_wrappers.maybe_mark_dynamic_helper = lambda t, dims: None
+            # (a 2.11/2.12 name: read and set by name, so it type-checks against 2.13+)
+            _real_mark = getattr(runtime_wrappers, _MARK_HELPER)
+            setattr(runtime_wrappers, _MARK_HELPER, lambda t, dims: None)
         _unmarked_depth += 1
     try:
         yield
@@ -205,7 +207,7 @@ def outputs_left_unmarked() -> Iterator[None]:
         with _unmarked_lock:
             _unmarked_depth -= 1
             if _unmarked_depth == 0:
-                runtime_wrappers.maybe_mark_dynamic_helper = _real_mark
+                setattr(runtime_wrappers, _MARK_HELPER, _real_mark)
 
 
 # -- torch 2.11: class attributes read without a guard -----------------------------------
