@@ -361,12 +361,13 @@ class TraceSession:
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
         try:
-            if first and self._capture:
-                # The first call's trace: the names Dynamo looks up are recorded (absent
-                # state), and the reads 2.11 leaves unguarded.
-                with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
-                    return self._live(*args, **kwargs)
-            return self._live(*args, **kwargs)
+            with dynamo.outputs_left_unmarked():
+                if first and self._capture:
+                    # The first call's trace: the names Dynamo looks up are recorded
+                    # (absent state), and the reads 2.11 leaves unguarded.
+                    with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
+                        return self._live(*args, **kwargs)
+                return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() as e:
             raise graph_break_error(e, self._orig) from None
         except dynamo.recompile_limit_errors():
