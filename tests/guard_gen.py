@@ -359,5 +359,10 @@ DRIVER = textwrap.dedent('''
                     r["looked_up"] = len(cached.events) > n
         except Exception as e:
             r["error"] = f"{type(e).__name__}: {e}"[:300]
+            try:    # this torch's Dynamo cannot compile it at all: not a case here
+                with torch.no_grad():
+                    torch.compile(mod.Net().eval().run, backend=backend, fullgraph=True)(x)
+            except Exception:
+                r["unsupported"] = True
     report(out)
 ''')

@@ -41,6 +41,8 @@ BATCH = 64
 
 def _problems(c: guard_gen.Case, cold: dict[str, Any], changed: dict[str, Any],
               loaded: dict[str, Any]) -> list[str]:
+    if cold.get("unsupported"):
+        return []       # plain torch.compile(fullgraph=True) fails on it too (this release)
     bad = [f"{phase}: {r['error']}" for phase, r in (("cold", cold), ("changed", changed),
                                                       ("loaded", loaded)) if "error" in r]
     if bad:
@@ -81,6 +83,10 @@ def test_generated_cases_have_no_wrong_hit(tmp_path: Path, k: int) -> None:
     kinds = {k for c in batch for k in c.kinds}
     assert not problems, (f"seed {SEED}, {len(problems)} of {len(batch)} cases:\n"
                           + "\n".join(f"{name}: {'; '.join(p)}" for name, p in problems.items()))
+    # Cases this release's Dynamo cannot compile at all (2.12: a metaclass attribute) are
+    # left out; most must run.
+    unsupported = [c.name for c in batch if runs["cold"][c.name].get("unsupported")]
+    assert len(unsupported) <= len(batch) // 4, unsupported
     # The fixed seed covers most kinds; a sweep covers them all.
     assert len(kinds) >= min(len(guard_gen.KINDS), len(batch)), sorted(kinds)
 
