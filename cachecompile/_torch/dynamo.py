@@ -182,7 +182,11 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
                            derived_types=frozenset(e.derived_guard_types or ()),
                            code_parts=tuple(getattr(guard, "code_list", None) or ()),
                            _guard=guard)
-        out.append(entry if versions.at_least(2, 12) else _as_in_2_12(entry, e))
+        if versions.at_least(2, 12):
+            out.append(entry)
+        else:
+            out.append(_as_in_2_12(entry, e))
+            out.extend(_defaults_as_in_2_12(entry))
     if _unguarded is not None:
         out.extend(_unguarded)
         _unguarded.clear()                # each frame's guards are built once, after it
@@ -274,6 +278,34 @@ def unguarded_reads_recorded() -> Iterator[None]:
     finally:
         cls_var.var_getattr = orig  # type: ignore[method-assign]
         _unguarded = None
+
+
+def _defaults_as_in_2_12(entry: GuardEntry) -> list[GuardEntry]:
+    """torch 2.11 reads an inlined function's literal defaults as constants with no guard
+    (found by the guard sweep: ``fn.__defaults__ = (5.0,)`` in a fresh process was served
+    the value traced); 2.12 guards each (CONSTANT_MATCH on ``fn.__defaults__[i]``). On 2.11
+    a function matched by its code (CLOSURE_MATCH) gets the guards 2.12 builds, on its
+    positional and keyword-only literal defaults."""
+    fn = entry.value
+    if entry.guard_type != "CLOSURE_MATCH" or not isinstance(fn, types.FunctionType):
+        return []
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    def const(expr: str, value: Any) -> GuardEntry:
+        return GuardEntry(guard_type="CONSTANT_MATCH", expr=expr, value=value, has_value=True,
+                          derived_types=frozenset(), code_parts=(), _guard=None)
+
+    out: list[GuardEntry] = []
+    defaults = fn.__defaults__ or ()
+    if defaults:
+        out.append(GuardEntry(guard_type="SEQUENCE_LENGTH", expr=f"{entry.expr}.__defaults__",
+                              value=defaults, has_value=True, derived_types=frozenset(),
+                              code_parts=(), _guard=None))
+    out += [const(f"{entry.expr}.__defaults__[{i}]", v) for i, v in enumerate(defaults)
+            if ConstantVariable.is_literal(v)]
+    out += [const(f"{entry.expr}.__kwdefaults__[{k!r}]", v)
+            for k, v in (fn.__kwdefaults__ or {}).items() if ConstantVariable.is_literal(v)]
+    return out
 
 
 def _as_in_2_12(entry: GuardEntry, e: Any) -> GuardEntry:
