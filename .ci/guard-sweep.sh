@@ -2,10 +2,10 @@
 # The guard sweep (issue 47): tests/e2e/test_guard_sweep.py with CACHECOMPILE_GUARD_SWEEP
 # generated cases (default 384, in batches of 64, each batch three fresh processes over one
 # store; most on aot_eager, every eighth on Inductor), zero wrong hits. The README command
-# runs the fixed seed's 16; this tier runs many more, on the README's venv (.venv, made by
-# the README command: no install of its own), on every logical core. About 5 minutes on 2
-# idle cores. CACHECOMPILE_GUARD_SWEEP_SEED picks another seed (a failure names its seed
-# and case; tests/guard_gen.py rebuilds it).
+# runs the fixed seed's 21 (one per kind); this tier runs many more, on the README's venv
+# (.venv, made by the README command: no install of its own), on every logical core. About
+# 5 minutes on 2 idle cores. CACHECOMPILE_GUARD_SWEEP_SEED picks another seed (a failure
+# names its seed and case; tests/guard_gen.py rebuilds it).
 # A tier of .ci/tiers.sh: `items`, `prepare N` (nothing to install), `test N`; on its own,
 # `bash .ci/guard-sweep.sh` runs `test` for the default item.
 set -uo pipefail
