@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import logging
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,10 +35,15 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
-    # Where Dynamo resolves a name while it traces (recording_lookups): getattr and
-    # hasattr have classes of their own from 2.13 on, before that they are methods of
-    # BuiltinVariable, reached through its cache of handlers.
-    *((("torch._dynamo.variables.builtin", "GetAttrBuiltinVariable._call_getattr"),
+    # Where Dynamo resolves a name while it traces (recording_lookups): from 2.14 on,
+    # LOAD_ATTR and getattr() both call object_protocol.generic_getattr; in 2.13 getattr
+    # and hasattr have classes of their own; before, they are methods of BuiltinVariable,
+    # reached through its cache of handlers.
+    *((("torch._dynamo.variables.object_protocol", "generic_getattr"),
+       ("torch._dynamo.variables.object_protocol", "_NO_DEFAULT"),
+       ("torch._dynamo.variables.builtin", "HasAttrBuiltinVariable.call_function"))
+      if versions.at_least(2, 14) else
+      (("torch._dynamo.variables.builtin", "GetAttrBuiltinVariable._call_getattr"),
        ("torch._dynamo.variables.builtin", "HasAttrBuiltinVariable.call_function"))
       if versions.at_least(2, 13) else
       (("torch._dynamo.variables.builtin", "BuiltinVariable.call_getattr"),
@@ -432,7 +438,9 @@ def _install_lookup_hooks() -> None:
             return
         from torch._dynamo.symbolic_convert import InstructionTranslatorBase
 
-        if versions.at_least(2, 13):
+        if versions.at_least(2, 14):
+            _hook_generic_getattr()
+        elif versions.at_least(2, 13):
             _hook_getattr_classes()
         else:
             _hook_builtin_handlers()
@@ -471,12 +479,61 @@ def _recorded_hasattr(tx: Any, obj: Any, name: Any) -> None:
             sink.append(note)
 
 
+def _hook_hasattr_class() -> None:
+    """2.13 and later: ``hasattr`` is a variable of its own."""
+    from torch._dynamo.variables.builtin import HasAttrBuiltinVariable
+
+    call_hasattr = HasAttrBuiltinVariable.call_function
+
+    def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if len(args) == 2 and not kwargs:
+            _recorded_hasattr(tx, args[0], args[1])
+        return call_hasattr(self, tx, args, kwargs)
+
+    HasAttrBuiltinVariable.call_function = _call_hasattr  # type: ignore[method-assign]
+
+
+def _hook_generic_getattr() -> None:
+    """2.14 and later: ``LOAD_ATTR`` and ``getattr()`` call ``generic_getattr`` (Dynamo's
+    ``PyObject_GetAttr``), which the modules that use it imported by name: each binding of
+    the function in Dynamo's loaded modules is replaced (modules imported later import the
+    wrapper from its module)."""
+    from torch._dynamo.variables import object_protocol as op
+
+    protocol: Any = op                    # 2.14+ names: checked against 2.13 by mypy
+    original = protocol.generic_getattr
+    no_default = protocol._NO_DEFAULT
+
+    def generic_getattr(tx: Any, obj: Any, name: Any, default: Any = no_default) -> Any:
+        how = "attr" if default is no_default else "default"
+        return _recorded_getattr(tx, obj, _Const(name), how,
+                                 lambda: original(tx, obj, name, default))
+
+    for mod in list(sys.modules.values()):
+        if (getattr(mod, "__name__", "").startswith("torch._dynamo")
+                and getattr(mod, "generic_getattr", None) is original):
+            setattr(mod, "generic_getattr", generic_getattr)  # noqa: B010
+    _hook_hasattr_class()
+
+
+class _Const:
+    """A name given as a string, seen as Dynamo's constant variable for it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def is_python_constant(self) -> bool:
+        return True
+
+    def as_python_constant(self) -> Any:
+        return self.value
+
+
 def _hook_getattr_classes() -> None:
-    """2.13 and later: ``getattr`` and ``hasattr`` are variables of their own."""
-    from torch._dynamo.variables.builtin import GetAttrBuiltinVariable, HasAttrBuiltinVariable
+    """2.13: ``getattr`` and ``hasattr`` are variables of their own."""
+    from torch._dynamo.variables.builtin import GetAttrBuiltinVariable
 
     call_getattr = GetAttrBuiltinVariable._call_getattr
-    call_hasattr = HasAttrBuiltinVariable.call_function
 
     def _call_getattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
         if len(args) < 2:
@@ -484,13 +541,8 @@ def _hook_getattr_classes() -> None:
         return _recorded_getattr(tx, args[0], args[1], "default" if len(args) > 2 else "attr",
                                  lambda: call_getattr(self, tx, args, kwargs))
 
-    def _call_hasattr(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-        if len(args) == 2 and not kwargs:
-            _recorded_hasattr(tx, args[0], args[1])
-        return call_hasattr(self, tx, args, kwargs)
-
     GetAttrBuiltinVariable._call_getattr = _call_getattr  # type: ignore[method-assign]
-    HasAttrBuiltinVariable.call_function = _call_hasattr  # type: ignore[method-assign]
+    _hook_hasattr_class()
 
 
 def _hook_builtin_handlers() -> None:
