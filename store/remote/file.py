@@ -252,7 +252,12 @@ class FileRemote(BlobRemote):
     def _open(self, path: Path) -> int:
         """A descriptor of the regular file ``path``, checked (no link followed, owner)."""
         self._check_dir(path.parent)
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise errors.InsecureStoreError(path, "a symlink", "remove it") from None
+            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -246,17 +246,36 @@ class HttpRemote(BlobRemote):
              headers: Mapping[str, str] | None = None) -> int:
         """PUT: its status if 2xx, 412 or 413 (the caller decides); else a failure."""
 
-        def go() -> int:
+        def put() -> int:
             r = self._send("PUT", self._url(kind, name), body,
                            {"Content-Length": str(size),
                             "Content-Type": "application/octet-stream", **(headers or {})})
             with _closing(r):
                 r.read()
-                if 200 <= r.status < 300 or r.status in (412, 413):
-                    return int(r.status)
-                raise _Status("PUT", what, r.status, r.reason)
+                return int(r.status)
+
+        def go() -> int:
+            status = put()
+            if status == 409:
+                # WebDAV: the collection is not there yet (nginx makes it itself with
+                # create_full_put_path; WsgiDAV, Apache want a MKCOL first).
+                self._make_collections(kind)
+                status = put()
+            if 200 <= status < 300 or status in (412, 413):
+                return status
+            raise _Status("PUT", what, status, http.client.responses.get(status, ""))
 
         return int(self._call(what, go))
+
+    def _make_collections(self, kind: str) -> None:
+        """MKCOL the prefix's folders and ``kind/``, top down (405: there already)."""
+        parts = [p for p in self._base.split("/") if p] + [kind]
+        for i in range(1, len(parts) + 1):
+            r = self._send("MKCOL", "/" + "/".join(parts[:i]) + "/")
+            with _closing(r):
+                r.read()
+                if not (200 <= r.status < 300 or r.status in (405, 409)):
+                    raise _Status("MKCOL", f"make the collection {kind}/", r.status, r.reason)
 
     # -- reads ---------------------------------------------------------------------------
     def ping(self) -> bool:
