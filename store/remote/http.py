@@ -228,11 +228,13 @@ class HttpRemote(BlobRemote):
         def go() -> bytes | None:
             r = self._send(method, self._url(kind, name))
             with _closing(r):
-                if r.status == 404:
-                    return None
                 if r.status != 200:
+                    if r.status == 404:
+                        r.read()  # drained: the connection serves the next request
+                        return None
                     raise _Status(method, what, r.status, r.reason)
                 if method == "HEAD":
+                    r.read()
                     return str(r.getheader("Content-Length") or "").encode()
                 data = r.read(_MAX_RECORD + 1)
                 if len(data) > _MAX_RECORD:
@@ -400,9 +402,14 @@ class HttpRemote(BlobRemote):
         status = self._put("ac", ac_name(digest), data, len(data), "put record",
                            {"If-None-Match": "*"})
         if status == 413:
-            raise errors.RemoteError(f"remote cache {self.config.display}: the record of "
-                                     f"{digest} is too large for the server (413)")
-        return status != 412
+            raise errors.StoreError(f"remote cache {self.config.display}: the record of "
+                                    f"{digest} is too large for the server (413)")
+        if status == 412:
+            # Another node's record, or ours: a PUT whose answer was lost on a closed
+            # keep-alive connection is sent again, and then finds itself there.
+            got = self.read_record(digest)
+            return got is not None and got[0] == data
+        return True
 
     def put_blobs(self, entry: Entry, sha: dict[str, str],
                   progress: Callable[[int], None] | None) -> dict[str, int]:
@@ -424,9 +431,10 @@ class HttpRemote(BlobRemote):
         with open(path, "rb") as f:
             status = self._put("cas", sha, f, size, "put blob")
         if status == 413:
-            # Gradle's rule: too large for this server is not a failure of the remote.
-            raise errors.RemoteError(f"remote cache {self.config.display}: a file of {size} "
-                                     "bytes is too large for the server (413): entry not shared")
+            # Gradle's rule: too large for this server is no failure of the remote (the
+            # breaker stays closed): this entry is not shared, the next may be.
+            raise errors.StoreError(f"remote cache {self.config.display}: a file of {size} "
+                                    "bytes is too large for the server (413): entry not shared")
         if progress is not None:
             progress(size)
         self.bad_blobs.discard(sha)
