@@ -109,9 +109,11 @@ http {{
   }}
 }}
 """)
+        log = open(self.log_file, "ab")  # the server keeps it
         self.proc = subprocess.Popen(
             [self.exe, "-p", str(d), "-c", str(conf), "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL, stderr=open(self.log_file, "ab"))  # noqa: SIM115
+            stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
         self.wait_up(_Answers(f"http://127.0.0.1:{self.port}/"), timeout=15)
         return self
 
@@ -161,7 +163,7 @@ logging:
 property_manager: true
 lock_storage: true
 """)
-        log = open(self.log_file, "ab")  # noqa: SIM115 - the server keeps it
+        log = open(self.log_file, "ab")  # the server keeps it
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from wsgidav.server.server_cli import run; run()",
              "--config", str(conf)],

@@ -47,7 +47,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def share(tmp_path: Path) -> Iterator[SharedDir]:
     with shared_dir(tmp_path / "share") as s:
-        print(f"the share: {s.how}")
+        logging.getLogger(__name__).warning("the share: %s", s.how)  # which stand-in ran
         yield s
 
 
