@@ -295,14 +295,17 @@ def test_a_forked_child_uses_the_tier(tmp_path: Path, share: SharedDir,
     k1 = publish(share, tmp_path / "a", {"fork": 1})
     k2 = publish(share, tmp_path / "a", {"fork": 2})
     b = tiered(tmp_path / "b", share.url("b"))
-    assert isinstance(b.get(k1), Hit)  # the parent's first call
+    assert isinstance(b.get(k1), Hit)  # the parent's first calls: a lookup, an upload
+    b.put(make_key({"from": "parent", "n": 0}), {"p": b"before the fork"})
+    assert b.flush(20) and b.uploader is not None and b.uploader.uploaded == 1
     pid = os.fork()
     if pid == 0:  # the child: its first remote call must hit, and its upload must go up
         code = 1
         try:
             ok = isinstance(b.get(k2), Hit)
             b.put(make_key({"from": "child"}), {"c": b"child"})
-            code = 0 if ok and b.flush(20) and b.uploader and b.uploader.uploaded == 1 else 1
+            # The parent's uploader thread does not run here: the child starts its own.
+            code = 0 if ok and b.flush(10) and b.uploader and b.uploader.uploaded == 2 else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
