@@ -655,6 +655,13 @@ class BlobRemote:
                                                        f"({n} of {size} bytes)")
         return rec
 
+    def referenced_blobs(self) -> set[str]:
+        """The SHA-256 of every blob a parsable record references (what a sweep keeps)."""
+        return {s for rec in self.records() for s in rec.sha256.values()}
+
+    def records(self) -> Iterator[Record]:
+        raise NotImplementedError
+
     def _kept(self, digest: str, found: RecordState) -> None:
         if found == "foreign":
             logger.info("not replacing remote entry %s: it is signed, and not with %s",
@@ -663,7 +670,7 @@ class BlobRemote:
             logger.debug("remote has %s already (%s)", digest, found)
 
 
-def call_with_deadline(fn: Callable[[], T], seconds: float, what: str) -> T:
+def call_with_deadline(fn: Callable[[], T], seconds: float, what: str, why: str = "") -> T:
     """``fn()``, given up on after ``seconds``: a RemoteError then, while ``fn`` runs on
     (or stays stuck: a hung mount, a server that accepts and never answers) in a daemon
     thread. A thread per call, not an executor: uploads run at interpreter exit (the
@@ -681,7 +688,8 @@ def call_with_deadline(fn: Callable[[], T], seconds: float, what: str) -> T:
 
     threading.Thread(target=call, name="cc-remote-call", daemon=True).start()
     if not done.wait(seconds):
-        raise errors.RemoteError(f"remote cache {what}: no answer in {seconds:.0f} s")
+        raise errors.RemoteError(f"remote cache {what}: no answer in {seconds:.0f} s"
+                                 + (f" ({why})" if why else ""))
     ok, value = box[0]
     if ok:
         return cast(T, value)

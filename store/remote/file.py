@@ -580,9 +580,7 @@ class FileRemote(BlobRemote):
             return now0 + (time.monotonic() - t0) - mtime < self.config.lease
 
         stored = self._names("blob")
-        used: set[str] = set()
-        for rec in self.records():
-            used.update(rec.sha256.values())
+        used = self.referenced_blobs()
         todo = sorted(s for s in stored if s not in used)
         deleted = kept = 0
         for i, s in enumerate(todo):

@@ -471,9 +471,7 @@ class HttpRemote(BlobRemote):
         pins on HTTP; an upload's recheck stores again any blob it lost)."""
         refuse_readonly(self.config)
         blobs = self._listing("cas")
-        used: set[str] = set()
-        for rec in self.records():
-            used.update(rec.sha256.values())
+        used = self.referenced_blobs()
         now = time.time()
         deleted = 0
         for name, stamp, _ in blobs:

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 from ccutil import cachectl
 from fs_util import SharedDir, shared_dir
+from tier_util import clean_remote_env, store_warnings, tiered
 
 from cachecompile import store
 from cachecompile.store import Hit, Miss, make_key
 from cachecompile.store.errors import CorruptEntryError
 from cachecompile.store.remote import FileRemote
 from cachecompile.store.signing import Trust, make_record
-from cachecompile.store.tiered import TieredStore
 
 KEY = "fleet-secret-key-for-files"
 FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 40, "code/out.py": b"x = 1\n",
@@ -39,9 +39,7 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to a
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_SIGNING_KEY", "CACHECOMPILE_TRUST_REMOTE",
-                "CACHECOMPILE_DIR", "CACHECOMPILE_READONLY", "CACHECOMPILE_VERIFY_KEYS"):
-        monkeypatch.delenv(var, raising=False)
+    clean_remote_env(monkeypatch)
 
 
 @pytest.fixture
@@ -51,15 +49,6 @@ def share(tmp_path: Path) -> Iterator[SharedDir]:
         yield s
 
 
-def tiered(root: Path, url: str) -> TieredStore:
-    st = store.open_store(root, remote=url)
-    assert isinstance(st, TieredStore)
-    return st
-
-
-def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("cachecompile.store.") and r.levelno >= logging.WARNING]
 
 
 def publish(share: SharedDir, root: Path, factors: dict[str, object],
@@ -103,7 +92,7 @@ def test_unsigned_and_wrongly_signed_records_are_refused(
         assert isinstance(tiered(tmp_path / "b", share.url("b")).get(key), Miss)
         monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY)
         assert isinstance(tiered(tmp_path / "c", share.url("b")).get(key), Miss)
-    warned = warnings_of(caplog)
+    warned = store_warnings(caplog)
     assert len(warned) == 2 and "TRUST_REMOTE" in warned[0] and "not signed" in warned[1]
     monkeypatch.delenv("CACHECOMPILE_SIGNING_KEY")
     monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
@@ -124,7 +113,7 @@ def test_files_other_users_could_have_written_are_refused(
     os.chown(rec, 12345, 12345)  # another user's file, however well signed
     with caplog.at_level(logging.WARNING):
         assert isinstance(tiered(tmp_path / "b", share.url("b")).get(key), Miss)
-    assert any("owned by uid 12345" in w for w in warnings_of(caplog)), warnings_of(caplog)
+    assert any("owned by uid 12345" in w for w in store_warnings(caplog)), store_warnings(caplog)
     os.chown(rec, 0, 0)
     # A directory others may write: nothing under it is believed.
     blob_dir = share.a / "cc" / "v1" / "blob"
@@ -132,7 +121,7 @@ def test_files_other_users_could_have_written_are_refused(
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert isinstance(tiered(tmp_path / "c", share.url("b")).get(key), Miss)
-    assert any("world-writable" in w for w in warnings_of(caplog)), warnings_of(caplog)
+    assert any("world-writable" in w for w in store_warnings(caplog)), store_warnings(caplog)
     blob_dir.chmod(0o700)
     assert isinstance(tiered(tmp_path / "d", share.url("b")).get(key), Hit)
 
@@ -150,7 +139,7 @@ def test_no_symlink_is_followed_below_the_root(tmp_path: Path, share: SharedDir,
     victim.symlink_to(outside)
     with caplog.at_level(logging.WARNING):
         assert isinstance(tiered(tmp_path / "b", share.url("b")).get(key), Miss)
-    warned = warnings_of(caplog)
+    warned = store_warnings(caplog)
     assert len(warned) == 1 and "a symlink" in warned[0], warned
     victim.unlink()
     # A symlinked directory: the whole tier is refused (one warning), nothing followed.
@@ -161,7 +150,7 @@ def test_no_symlink_is_followed_below_the_root(tmp_path: Path, share: SharedDir,
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert isinstance(tiered(tmp_path / "c", share.url("b")).get(key), Miss)
-    warned = warnings_of(caplog)
+    warned = store_warnings(caplog)
     assert len(warned) == 1 and "a symlink" in warned[0], warned
 
 
@@ -214,7 +203,7 @@ def test_a_missing_root_is_one_warning_and_never_made(tmp_path: Path,
             st.put(k, {"f": b"x"})
             assert isinstance(st.get(k), Hit)
         assert st.flush(5)
-    warned = warnings_of(caplog)
+    warned = store_warnings(caplog)
     assert len(warned) == 1 and "does not exist" in warned[0], warned
     assert not gone.parent.exists()
 

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from ccutil import cachectl
 from http_util import NginxServer, WsgiDavServer
+from tier_util import clean_remote_env, store_warnings, tiered
 
 from cachecompile import store
 from cachecompile.store import Hit, Miss, make_key
 from cachecompile.store.remote import HttpRemote
 from cachecompile.store.remote.http import ac_name
 from cachecompile.store.signing import Trust
-from cachecompile.store.tiered import TieredStore
 
 KEY = "fleet-secret-key-for-http"
 SECRET = "S3cret/Pa#ss?w@rd"
@@ -33,10 +33,7 @@ FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 40, "code/out.py": b"x = 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_SIGNING_KEY", "CACHECOMPILE_TRUST_REMOTE",
-                "CACHECOMPILE_DIR", "CACHECOMPILE_READONLY", "CACHECOMPILE_VERIFY_KEYS",
-                "CACHECOMPILE_REMOTE_PASSWORD", "CACHECOMPILE_REMOTE_PASSWORD_FILE"):
-        monkeypatch.delenv(var, raising=False)
+    clean_remote_env(monkeypatch)
 
 
 @pytest.fixture(params=["nginx", "wsgidav"])
@@ -46,15 +43,6 @@ def srv(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     s.stop()
 
 
-def tiered(root: Path, url: str) -> TieredStore:
-    st = store.open_store(root, remote=url)
-    assert isinstance(st, TieredStore)
-    return st
-
-
-def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("cachecompile.store.") and r.levelno >= logging.WARNING]
 
 
 def test_two_nodes_share_entries_byte_exact(tmp_path: Path, srv: Any,
@@ -92,7 +80,7 @@ def test_unsigned_records_need_an_opt_in_and_are_never_replaced(
     k = tiered(tmp_path / "k", url)
     with caplog.at_level(logging.WARNING):
         assert isinstance(k.get(key), Miss)
-    assert [w for w in warnings_of(caplog) if "not signed" in w]
+    assert [w for w in store_warnings(caplog) if "not signed" in w]
     # HTTP has no compare-and-set: the keyed node's upload keeps the record (and says why).
     k.put(key, FILES)
     assert k.flush(20) and k.uploader is not None and k.uploader.uploaded == 0
@@ -130,7 +118,7 @@ def test_413_skips_one_entry_and_any_other_answer_turns_the_tier_off(
             st.put(make_key({"small": 1}), {"w.bin": b"fits"})
             assert st.flush(20)
         assert st.uploader is not None and (st.uploader.failed, st.uploader.uploaded) == (1, 1)
-        assert warnings_of(caplog) == [] and not st.remote.breaker.down
+        assert store_warnings(caplog) == [] and not st.remote.breaker.down
     finally:
         small.stop()
     guarded = NginxServer(tmp_path / "guarded", password=SECRET).start()
@@ -140,7 +128,7 @@ def test_413_skips_one_entry_and_any_other_answer_turns_the_tier_off(
         with caplog.at_level(logging.DEBUG):
             for i in range(5):
                 assert isinstance(anonymous.get(make_key({"i": i})), Miss)
-        warned = warnings_of(caplog)
+        warned = store_warnings(caplog)
         assert len(warned) == 1 and "401" in warned[0], warned
         assert anonymous.remote.breaker.down and anonymous.remote.breaker.failures == 1
         # With the password (Basic, from the variable), the same server serves.

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from ccutil import cachectl
 from redis_util import RedisServer, free_port
+from tier_util import clean_remote_env, store_warnings, tiered
 
 from cachecompile import store
 from cachecompile.store import Hit, Miss, make_key
 from cachecompile.store.remote import FileRemote, RedisRemote
 from cachecompile.store.signing import Trust
-from cachecompile.store.tiered import TieredStore
 
 FILES = {"kernel.so": os.urandom(5000), "code/out.py": b"x = 1\n"}
 TRUST = Trust(accept_unsigned=True)
@@ -29,9 +29,7 @@ TRUST = Trust(accept_unsigned=True)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_SIGNING_KEY", "CACHECOMPILE_DIR",
-                "CACHECOMPILE_READONLY", "CACHECOMPILE_VERIFY_KEYS"):
-        monkeypatch.delenv(var, raising=False)
+    clean_remote_env(monkeypatch)
     monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
 
 
@@ -48,15 +46,6 @@ def share(tmp_path: Path, name: str) -> str:
     return f"file://{root}"
 
 
-def tiered(root: Path, url: str) -> TieredStore:
-    st = store.open_store(root, remote=url)
-    assert isinstance(st, TieredStore)
-    return st
-
-
-def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("cachecompile.store.") and r.levelno >= logging.WARNING]
 
 
 def test_a_lower_hit_is_backfilled_into_the_nearer_levels(tmp_path: Path,
@@ -108,7 +97,7 @@ def test_read_only_levels_and_the_write_error_policy(tmp_path: Path, srv: RedisS
         for i in range(3):
             c.put(make_key({"policy": i}), FILES)
         assert c.flush(20)
-    warned = warnings_of(caplog)
+    warned = store_warnings(caplog)
     assert len(warned) == 2, warned  # one per failing level, however many calls
     assert any("does not exist" in w for w in warned) and any("refused" in w for w in warned)
     assert [v.uploader.uploaded for v in c.levels if v.uploader] == [0, 3, 0]
