@@ -395,6 +395,10 @@ class FileRemote(BlobRemote):
             objects = stored = 0
             for kind in ("entry", "blob"):
                 top = self._dir_of(kind)
+                try:
+                    self._check_dir(top)
+                except FileNotFoundError:
+                    continue
                 for dirpath, _dirs, files in os.walk(top):  # walk never follows links
                     for n in files:
                         with contextlib.suppress(FileNotFoundError):
