@@ -53,7 +53,7 @@ class NginxServer(ServerProcess):
     """
 
     def __init__(self, workdir: Path, *, max_body: str = "1g", password: str | None = None,
-                 extra: str = "") -> None:
+                 extra: str = "", tls: bool = False) -> None:
         exe = nginx_exe()
         if exe is None or not DAV_EXT.is_file():
             if os.environ.get("CACHECOMPILE_REQUIRE_NGINX"):
@@ -64,14 +64,27 @@ class NginxServer(ServerProcess):
         self.max_body = max_body
         self.password = password
         self.extra = extra
+        self.tls = tls
         self.data = self.dir / "data"
+        # A self-signed certificate for 127.0.0.1 (tls=True): clients trust it through
+        # SSL_CERT_FILE, as a fleet points them at its own CA.
+        self.cert = self.dir / "cert.pem"
 
     def url(self, prefix: str = "cc", **params: str) -> str:
         query = "&".join(f"{k}={v}" for k, v in params.items())
-        return f"http://127.0.0.1:{self.port}/{prefix}" + (f"?{query}" if query else "")
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/{prefix}" + (f"?{query}" if query else "")
 
     def start(self) -> NginxServer:
         self.data.mkdir(parents=True, exist_ok=True)
+        listen = f"127.0.0.1:{self.port}"
+        if self.tls:
+            key = self.dir / "key.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", str(key), "-out", str(self.cert), "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True)
+            listen += f" ssl; ssl_certificate {self.cert}; ssl_certificate_key {key}"
         auth = ""
         if self.password is not None:
             users = self.dir / "users"
@@ -96,7 +109,7 @@ http {{
   scgi_temp_path {d}/scgi;
   client_max_body_size {self.max_body};
   server {{
-    listen 127.0.0.1:{self.port};
+    listen {listen};
     root {self.data};
     location / {{
       {auth}
@@ -114,8 +127,16 @@ http {{
             [self.exe, "-p", str(d), "-c", str(conf), "-g", "daemon off;"],
             stdout=subprocess.DEVNULL, stderr=log)
         log.close()
-        self.wait_up(_Answers(f"http://127.0.0.1:{self.port}/"), timeout=15)
+        self.wait_up(self._up, timeout=15)
         return self
+
+    def _up(self) -> bool:
+        if not self.tls:
+            return _Answers(f"http://127.0.0.1:{self.port}/")()
+        import socket
+
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+            return True
 
 
 def wsgidav_available() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from cachecompile.store import Hit, Miss, make_key
 from cachecompile.store.remote import HttpRemote
 from cachecompile.store.remote.http import ac_name
 from cachecompile.store.signing import Trust
+from cachecompile.store.tiered import TieredStore
 
 KEY = "fleet-secret-key-for-http"
 SECRET = "S3cret/Pa#ss?w@rd"
@@ -177,3 +179,55 @@ def test_a_forked_child_makes_its_own_connection(tmp_path: Path, srv: Any,
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and ok
     assert isinstance(b.get(keys[2]), Hit)
+
+
+def test_https_with_the_fleets_own_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    srv = NginxServer(tmp_path / "tls", tls=True).start()
+    try:
+        url = srv.url("cc")
+        assert url.startswith("https://")
+        # Not trusted yet: the certificate is refused (one warning), nothing sent.
+        with caplog.at_level(logging.WARNING):
+            assert isinstance(tiered(tmp_path / "x", url).get(make_key({"tls": 0})), Miss)
+        warned = store_warnings(caplog)
+        assert len(warned) == 1 and "CERTIFICATE_VERIFY_FAILED" in warned[0], warned
+        monkeypatch.setenv("SSL_CERT_FILE", str(srv.cert))
+        a = tiered(tmp_path / "a", url)
+        key = make_key({"tls": 1})
+        a.put(key, FILES)
+        assert a.flush(20) and a.uploader is not None and a.uploader.uploaded == 1
+        hit = tiered(tmp_path / "b", url).get(key)
+        assert isinstance(hit, Hit)
+        assert {n: p.read_bytes() for n, p in hit.entry.files.items()} == FILES
+    finally:
+        srv.stop()
+
+
+_POOL_TIER: TieredStore | None = None
+
+
+def _pool_lookup(digest: str) -> bool:
+    assert _POOL_TIER is not None
+    return isinstance(_POOL_TIER.get(digest), Hit)
+
+
+def test_a_forked_pool_after_a_first_call(tmp_path: Path, srv: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    global _POOL_TIER
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    url = srv.url()
+    a = tiered(tmp_path / "a", url)
+    keys = [make_key({"pool": i}) for i in range(6)]
+    for k in keys:
+        a.put(k, {"f": os.urandom(2000)})
+    assert a.flush(20)
+    _POOL_TIER = tiered(tmp_path / "b", url)
+    try:
+        assert _pool_lookup(keys[0].digest)  # the parent's first call opens its connection
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            assert pool.map(_pool_lookup, [k.digest for k in keys[1:]]) == [True] * 5
+        assert _pool_lookup(keys[1].digest) and not _POOL_TIER.remote.breaker.down
+    finally:
+        _POOL_TIER = None
