@@ -1,6 +1,6 @@
 """``cachectl`` verbs of the remote tier and of bundles (registered in cachecompile.cli.main).
 
-    cachectl remote ls | stats | purge        the remote tier itself (Redis or S3)
+    cachectl remote ls | stats | purge        the remote tier itself (Redis, S3, file://, HTTP)
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
     cachectl export OUT.tar.zst [KEY...]      entries, manifests, signatures in one file
     cachectl import IN.tar.zst                verify everything, then publish everything
@@ -30,7 +30,7 @@ from cachecompile.store import Maintenance, errors, open_store
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.remote import Remote, open_remote
+from cachecompile.store.remote import Remote, open_levels, split_levels
 from cachecompile.store.remote.push import push_entries
 from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
@@ -52,20 +52,35 @@ F = TypeVar("F", bound=Callable[..., Any])
 def remote_option(f: F) -> F:
     return click.option(
         "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
-        help="redis://host:port/db or s3://bucket/prefix, [?mode=ro] "
-             "(default: $CACHECOMPILE_REMOTE). A Redis password is best given in "
+        help="redis://host:port/db, s3://bucket/prefix, file:///shared/dir or "
+             "http(s)://host/prefix, [?mode=ro], or a chain of them separated by commas, "
+             "nearest first (default: $CACHECOMPILE_REMOTE). A password is best given in "
              "$CACHECOMPILE_REMOTE_PASSWORD or $CACHECOMPILE_REMOTE_PASSWORD_FILE; it is "
              "never printed.")(f)
 
 
-def _remote(url: str | None) -> Remote:
+def _levels(url: str | None) -> list[Remote]:
+    """Every level the URL names (one, or a chain), each checked now: a failure is one
+    clear line, rather than one per entry."""
     if not url:
-        raise click.UsageError("no remote: pass --remote redis://host:port/db or "
-                               "s3://bucket/prefix, or set CACHECOMPILE_REMOTE")
-    r = open_remote(url)
-    r.breaker.quiet = True  # a failure is this command's error line, not a warning too
-    r.ping()  # fail now, with one clear line, rather than per entry
-    return r
+        raise click.UsageError("no remote: pass --remote redis://host:port/db, "
+                               "s3://bucket/prefix, file:///dir or http://host/prefix, or "
+                               "set CACHECOMPILE_REMOTE")
+    levels = open_levels(url)
+    for r in levels:
+        r.breaker.quiet = True  # a failure is this command's error line, not a warning too
+        r.ping()
+    return levels
+
+
+def _remote(url: str | None) -> Remote:
+    """The one remote of a verb that works on one level (a chain is refused, naming its
+    levels: pick one with --remote)."""
+    if url and len(split_levels(url)) > 1:
+        shown = ", ".join(r.config.display for r in open_levels(url))
+        raise click.UsageError(f"--remote names a chain of levels ({shown}): this verb works "
+                               "on one level; pass that level's URL with --remote")
+    return _levels(url)[0]
 
 
 def _local(cache_dir: str | None, *, create: bool) -> Maintenance:
@@ -116,7 +131,8 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
 
 @click.group("remote")
 def remote_group() -> None:
-    """The remote tier (Redis or S3): list, statistics, purge."""
+    """The remote tier (Redis, S3, a shared directory, an HTTP cache): list, statistics,
+    purge."""
 
 
 @remote_group.command("ls")
@@ -145,14 +161,27 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
 def remote_stats(remote_url: str | None, as_json: bool) -> None:
     """Entries, bytes (logical), signed entries and the server's space: Redis's memory
     use, or the bucket prefix's objects and bytes."""
-    r = _remote(remote_url)
-    recs = list(r.records())
-    s: dict[str, Any] = {"remote": r.config.display, "readonly": r.readonly,
-                         "entries": len(recs), "bytes": sum(x.size_bytes for x in recs),
-                         "signed": sum(1 for x in recs if x.sig), **r.info()}
+    levels = _levels(remote_url)
+    all_stats = [_level_stats(r) for r in levels]
     if as_json:
-        click.echo(json.dumps(s, indent=1, sort_keys=True))
+        # One level: its numbers; a chain: a list of them, nearest first.
+        out: Any = all_stats[0] if len(all_stats) == 1 else all_stats
+        click.echo(json.dumps(out, indent=1, sort_keys=True))
         return
+    for i, s in enumerate(all_stats):
+        if len(all_stats) > 1:
+            click.echo(("" if i == 0 else "\n") + f"level {i + 1} of {len(all_stats)}")
+        _print_level_stats(s)
+
+
+def _level_stats(r: Remote) -> dict[str, Any]:
+    recs = list(r.records())
+    return {"remote": r.config.display, "readonly": r.readonly, "entries": len(recs),
+            "bytes": sum(x.size_bytes for x in recs), "signed": sum(1 for x in recs if x.sig),
+            **r.info()}
+
+
+def _print_level_stats(s: dict[str, Any]) -> None:
     for k in ("remote", "entries", "signed"):
         click.echo(f"{k:<16} {s[k]}")
     click.echo(f"{'size':<16} {human_size(s['bytes'])}")
@@ -161,7 +190,7 @@ def remote_stats(remote_url: str | None, as_json: bool) -> None:
         click.echo(f"{'server memory':<16} {human_size(s['used_memory'])} of {cap} "
                    f"({s['maxmemory_policy'] or '-'})")
     if "stored_bytes" in s:
-        click.echo(f"{'bucket objects':<16} {s['objects']} "
+        click.echo(f"{'stored objects':<16} {s['objects']} "
                    f"({human_size(s['stored_bytes'])} stored, blobs shared)")
     if s["readonly"]:
         click.echo(f"{'read-only':<16} yes")
@@ -221,12 +250,21 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     (unsigned, malformed, or signed with another key) is replaced: run push with the
     fleet's key to repair such records. Without a key, signed records stay as they are.
     """
-    r = _remote(remote_url)
-    if resign and r.trust.key is None:
+    levels = _levels(remote_url)
+    if resign and levels[0].trust.key is None:
         raise click.UsageError("--resign signs with CACHECOMPILE_SIGNING_KEY, which is not set")
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
+    # A chain: every level that takes writes (a mode=ro level is skipped, unless it is
+    # the only one named: then pushing is the error it is).
+    writable = [r for r in levels if not r.readonly] or levels[:1]
+    for r in writable:
+        _push_to(r, st, infos, force, resign)
+
+
+def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
+             resign: bool) -> None:
     with _progress("push", sum(i.size_bytes for i in infos)) as advance:
         # repair (push_entries' default): the operator who pushes with a key vouches
         # that it is the fleet's.
@@ -251,11 +289,11 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
 def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
              label: tuple[str, ...], model: str | None, function: str | None) -> None:
     """Download remote entries (verified, then published): all, or those selected."""
-    r = _remote(remote_url)
+    levels = _levels(remote_url)
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
     local.require_writable("pull entries")
-    st = TieredStore(local, r)
-    infos = [_info(rec) for rec in r.records()]
+    st = TieredStore(local, levels)  # a chain: nearest level first, nearer ones backfilled
+    infos = list({i.key: i for r in reversed(levels) for i in map(_info, r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
                      lambda k: _resolve(k, [i.key for i in infos]))
     got = have = failed = 0
@@ -268,7 +306,9 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
             got += 1
         else:
             failed += 1  # cachecompile.store.tiered logged why
-    click.echo(f"pulled {got} entries from {r.config.display}; {have} were here already"
+    st.flush()  # what a chain's lower levels gave goes up to the nearer ones now
+    shown = ", ".join(r.config.display for r in levels)
+    click.echo(f"pulled {got} entries from {shown}; {have} were here already"
                + (f"; {failed} refused or failed" if failed else ""))
     if failed:
         raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)

@@ -430,6 +430,13 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
     t.add_row("  local", str(s["hits_local"]))
     t.add_row("  remote", str(s["hits_remote"]))
+    # A chain of remote levels (or one level): what each served, nearest first; levels
+    # no longer configured that served hits before are listed after them.
+    shown = [lv["remote"] for lv in s.get("levels") or []]
+    by_level = s.get("hits_remote_levels") or {}
+    for name in shown + sorted(set(by_level) - set(shown)):
+        if len(shown) > 1 or by_level.get(name):
+            t.add_row(escape(f"    {name}"), str(by_level.get(name, 0)))
     t.add_row("misses", str(total_misses))
     about = s.get("misses_about") or {}
     for kind, n in sorted(s["misses"].items()):

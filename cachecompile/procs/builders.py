@@ -43,7 +43,7 @@ from cachecompile.procs.slots import default_slots
 from cachecompile.store import open_store
 from cachecompile.store.config import env_float
 from cachecompile.store.errors import StoreNotFound
-from cachecompile.store.remote import open_remote
+from cachecompile.store.remote import open_levels
 from cachecompile.store.remote.push import Pushed, push_entries
 
 logger = logging.getLogger(__name__)
@@ -332,10 +332,16 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
     url = os.environ.get("CACHECOMPILE_REMOTE", "")
     has: Callable[[str], bool]
     if url:
-        remote = open_remote(url)
-        remote.breaker.quiet = True  # a failure is the check's error, not a warning too
-        remote.ping()
-        tier, has = remote.config.display, remote.contains
+        # A chain of levels: a signature is there if any level has it (a serving node
+        # looks in each in turn).
+        levels = open_levels(url)
+        for remote in levels:
+            remote.breaker.quiet = True  # a failure is the check's error, not a warning too
+            remote.ping()
+        tier = ", ".join(r.config.display for r in levels)
+
+        def has(digest: str) -> bool:
+            return any(r.contains(digest) for r in levels)
     else:
         try:
             local = open_store(cache_dir, remote="", create=False).maintenance()
@@ -365,13 +371,18 @@ def push_results(results: Sequence[BuildResult], *,
     digests = list(dict.fromkeys(d for r in results if r.ok for d in r.entries))
     if not url:
         return None
-    remote = open_remote(url)
-    if remote.readonly:
+    # A chain: every writable level gets them; what is reported is the farthest level's
+    # (the fleet-wide one, as a rule), the nearer ones are filled first.
+    writable = [r for r in open_levels(url) if not r.readonly]
+    if not writable:
         return None
-    remote.breaker.quiet = True
+    for remote in writable:
+        remote.breaker.quiet = True
     if not digests:
-        return Pushed(remote.config.display)
+        return Pushed(writable[-1].config.display)
     local = open_store(cache_dir, remote="", create=False).maintenance()
     # repair (the default), as `cachectl push` does: a builder with the fleet's key
     # replaces a record that does not verify under it (nodes would refuse that one).
-    return push_entries(remote, local, digests, keep_going=True)
+    for remote in writable[:-1]:
+        push_entries(remote, local, digests, keep_going=True)
+    return push_entries(writable[-1], local, digests, keep_going=True)

@@ -51,6 +51,10 @@ def urls(port: int, sock: Path, tls_port: int | None = None) -> list[str]:
             f"redis://127.0.0.1:{port}/0?password={pw}",
             f"s3://:{pw}@bucket-name/prefix",
             f"s3://AKIAEXAMPLE:{pw}@bucket-name/prefix",
+            # an HTTP cache: Basic with a user, a bearer token without (the server here
+            # is Redis, or nothing: the verbs fail, and must say nothing of the password)
+            f"http://fleet:{pw}@127.0.0.1:{port}/cc",
+            f"https://:{pw}@127.0.0.1:{tls_port or port}/cc?mode=ro",
             # malformed besides: a port that is no number, a bad mode, another scheme
             f"redis://:{pw}@127.0.0.1:notaport/0",
             f"redis://:{pw}@127.0.0.1:{port}/0?mode=sometimes",

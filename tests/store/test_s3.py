@@ -248,7 +248,7 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
     p = cachectl("remote", "ls", "--json", "--remote", url, env=env)
     assert p.returncode == 0 and p.stdout.count('"key"') == 3, p.stdout + p.stderr
     p = cachectl("remote", "stats", "--remote", url, env=env)
-    assert p.returncode == 0 and "bucket objects" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "stored objects" in p.stdout, p.stdout + p.stderr
     p = cachectl("pull", "--cache-dir", str(tmp_path / "c"), "--remote", url,
                  "--model", "m", env=env)
     assert p.returncode == 0 and "pulled 2 entries" in p.stdout, p.stdout + p.stderr
