@@ -96,7 +96,7 @@ def _torchair_default_dir() -> str | None:
 
 
 # torch.compile(mode=...) as Inductor options: torch._inductor.list_mode_options of
-# torch 2.13-2.15, less CUDA graphs (their capture is not cached yet: see _mode_options).
+# torch 2.11-2.15, less CUDA graphs (their capture is not cached yet: see _mode_options).
 _MODES: dict[str, dict[str, Any]] = {
     "default": {},
     "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
