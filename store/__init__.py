@@ -191,7 +191,10 @@ def _open_local(
                 os.chmod(path, 0o2770)  # whatever the umask
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
+            # /proc/cc, a path through a file, a name too long: nothing to fall back on.
+            raise errors.StoreError(f"cannot create the cache directory {path}: "
+                                    f"{e.strerror or e}; set cache_dir= or CACHECOMPILE_DIR "
+                                    "to a directory this user can create") from e
         logger.warning("cannot create cache %s (%s): using it read-only", path, e)
         return ReadOnlyStore(st, f"cannot create it: {e.strerror}")
     st.check_root()

@@ -129,6 +129,13 @@ class Churn:
         return False
 
 
+def model_label(module: Any) -> str:
+    """What ``cachectl ls`` shows as an entry's model: the module's class, or what the
+    class says it is (a plain function's holder: the function's Python module)."""
+    own = getattr(type(module), "cachecompile_label", None)
+    return own(module) if callable(own) else type(module).__qualname__
+
+
 class MissPath:
     """The cold side of one cached method."""
 
@@ -159,7 +166,7 @@ class MissPath:
             share = None
             if not st.readonly and self._spec.adapter.shares_graphs:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
-                                        who, model=type(self._method.__self__).__qualname__)
+                                        who, model=model_label(self._method.__self__))
                 held.callback(share.finish)
             session = TraceSession(self._method, self._spec, share=share, phases=phases)
             session.on_recompile_limit = self._on_recompile_limit
@@ -230,7 +237,7 @@ class MissPath:
         spec = self._spec
         ranks = spec.ranks
         labels = {
-            "model": type(self._method.__self__).__qualname__,
+            "model": model_label(self._method.__self__),
             "dynamic": str(spec.dynamic).lower(),
             "signature": describe(sig),
             "ranks": ranks.label(),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -209,6 +209,21 @@ def _describe_one(v: Any) -> str:
             return "float"
         return repr(val)
     return repr(v)
+
+
+def describe_types(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   names: Sequence[str] = ()) -> str:
+    """A call's arguments by type, named where ``names`` (the parameters) say: ``x:
+    float32[4,15]@cpu, n: int``, ``x: str`` (for an error message about the call)."""
+
+    def one(v: Any) -> str:
+        if isinstance(v, _Tensor):
+            return _describe_one(_tensor_sig(v, False))
+        return type(v).__qualname__
+
+    parts = [f"{names[i]}: {one(a)}" if i < len(names) else one(a) for i, a in enumerate(args)]
+    parts += [f"{k}: {one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
 
 
 def varying(old: list[Signature], new: Signature, names: tuple[str, ...] = ()) -> str:

@@ -157,7 +157,7 @@ class Lookup:
                 out.free = i if out.free is None else out.free
                 return out
             except _Vacated as v:
-                # Quarantined by the store just now (it warned once): refill this index.
+                # Quarantined by the store just now (warned above): refill this index.
                 out.free = i if out.free is None else out.free
                 out.first(str(v))
                 continue
@@ -206,6 +206,9 @@ class Lookup:
         if outcome.kind == "absent":
             raise _Absent()
         if outcome.kind in ("corrupt", "insecure"):
+            # Quarantined by the store just now: the user hears of it once, as promised.
+            fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}; it is quarantined "
+                  "and compiled again")
             raise _Vacated(outcome.kind)
         fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
