@@ -29,6 +29,7 @@ from cachecompile.key.factors import device_factors, function_factors
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
+from cachecompile.store import settings
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -103,7 +104,7 @@ def _ignore_unknown(kwargs: Mapping[str, Any]) -> None:
 
 def _torchair_default_dir() -> str | None:
     """TorchAir's default cache dir, unless cachecompile's own variable names one."""
-    if os.environ.get("CACHECOMPILE_DIR"):
+    if settings.DIR.get():
         return None
     return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
 
@@ -459,7 +460,7 @@ def _cache_method(method: types.MethodType, s: _Settings,
         extra = {"function": function_factors(function)}
         if torch.cuda.is_available():
             extra["device"] = device_factors(["cuda"])
-    enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
+    enabled = not settings.DISABLE.get()
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).

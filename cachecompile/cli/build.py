@@ -34,6 +34,7 @@ from cachecompile.procs.builders import (
     prebuild_factory,
     push_results,
 )
+from cachecompile.store import settings
 
 from .common import EXIT_PROBLEMS, EXIT_USAGE, CliError, _console, cache_dir_option
 
@@ -78,7 +79,7 @@ def _env_target() -> tuple[str | None, ...]:
     on a miss (its best candidate this CPU has), checked like an option's value. The
     workers inherit the variable; a check or a build for a level this CPU lacks would
     key native compiles instead (a --check that passed on entries nobody asked for)."""
-    value = os.environ.get(cpu.ENV, "").strip()
+    value = settings.CPU_TARGET.get()
     if not value:
         return (None,)
     best = cpu.plan(cpu.parse(value))
@@ -93,7 +94,7 @@ def _env_target() -> tuple[str | None, ...]:
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Worker processes (default: $CACHECOMPILE_COMPILE_SLOTS, else cores/2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.option("--shard", type=ShardParam(), default=None, envvar="CACHECOMPILE_BUILD_SHARD",
+@click.option("--shard", type=ShardParam(), default=None, envvar=settings.BUILD_SHARD.name,
               help="Build shard I of N (0 <= I < N) of the signatures, split by a stable "
                    "hash; 'auto' or 'auto/N' takes it from a Kubernetes Indexed Job, a "
                    "Slurm job array or torchrun (default: $CACHECOMPILE_BUILD_SHARD). "

@@ -26,7 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import Maintenance, errors, open_store
+from cachecompile.store import Maintenance, errors, open_store, settings
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
@@ -51,7 +51,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def remote_option(f: F) -> F:
     return click.option(
-        "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
+        "--remote", "remote_url", envvar=settings.REMOTE.name, default=None, metavar="URL",
         help="redis://host:port/db or s3://bucket/prefix, [?mode=ro] "
              "(default: $CACHECOMPILE_REMOTE). A Redis password is best given in "
              "$CACHECOMPILE_REMOTE_PASSWORD or $CACHECOMPILE_REMOTE_PASSWORD_FILE; it is "

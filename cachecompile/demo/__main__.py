@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-FIRST = "CACHECOMPILE_DEMO_FIRST_OUTPUT"
-DONE = "CACHECOMPILE_DEMO_RESULT "
+from cachecompile.store import settings
+
+FIRST = "cachecompile-demo: first output"
+DONE = "cachecompile-demo: result "
 
 
 def _child(mode: str, calls: int) -> None:
@@ -124,8 +126,8 @@ def _fresh_env(base: Path, name: str, store: Path) -> dict[str, str]:
         d = base / name / sub
         d.mkdir(parents=True, exist_ok=True)
         env[var] = str(d)
-    env["CACHECOMPILE_DIR"] = str(store)
-    env.pop("CACHECOMPILE_DISABLE", None)
+    env[settings.DIR.name] = str(store)
+    env.pop(settings.DISABLE.name, None)
     return env
 
 

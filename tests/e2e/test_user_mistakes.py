@@ -32,6 +32,8 @@ from cachecompile import (
     cache_compile,
 )
 from cachecompile import store as store_mod
+from cachecompile.store import settings
+from cachecompile.store.errors import SettingWarning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,6 +180,35 @@ def test_generators_and_async_functions_are_refused_up_front(form: str) -> None:
     else:
         assert "generator function (it yields)" in message
         assert "returns the results" in message
+
+
+# -- 4. a typo in a setting names the setting and turns nothing off ----------------------
+@pytest.mark.parametrize("value", ["True", "TRUE", "on", "yes"])
+def test_disable_is_on_in_any_spelling(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                       value: str) -> None:
+    monkeypatch.setenv("CACHECOMPILE_DISABLE", value)
+    m = Mlp().eval()
+    cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
+    with torch.no_grad():
+        cached(torch.randn(2, 16))
+    assert cached.events == [("live", "float32[n,n]@cpu")] and _entries(cache_dir) == 0
+
+
+def test_an_unknown_cpu_target_warns_by_name_and_caches_for_this_cpu(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_CPU_TARGET", "x86-64-v9")
+    monkeypatch.setattr(settings, "_warned", set())
+    m = Mlp().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cached = cache_compile(m.f, cache_dir=cache_dir)  # inductor: CPU targets are its
+        with torch.no_grad():
+            cached(torch.randn(2, 16))
+    said = [str(w.message) for w in caught if w.category is SettingWarning]
+    assert len(said) == 1 and said[0].startswith("CACHECOMPILE_CPU_TARGET='x86-64-v9': "
+                                                 "unknown CPU target 'x86-64-v9'"), said
+    assert "using the default (`native`)" in said[0]
+    assert cached.events == [("miss", "float32[n,n]@cpu")] and _entries(cache_dir) >= 1
 
 
 # -- 8. refusals that are ours, and torch.compile's own arguments -------------------------
