@@ -38,6 +38,7 @@ from cachecompile.errors import (
 )
 from cachecompile.key import deps as deps_mod
 from cachecompile.key.frame import FrameKeys
+from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
@@ -127,13 +128,6 @@ class Churn:
         logger.info("cachecompile %s [%s]: not publishing another variant for %s",
                     self._qualname, describe(sig), probe.guard)
         return False
-
-
-def model_label(module: Any) -> str:
-    """What ``cachectl ls`` shows as an entry's model: the module's class, or what the
-    class says it is (a plain function's holder: the function's Python module)."""
-    own = getattr(type(module), "cachecompile_label", None)
-    return own(module) if callable(own) else type(module).__qualname__
 
 
 class MissPath:

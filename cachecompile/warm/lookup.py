@@ -27,6 +27,7 @@ from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError, fault
 from cachecompile.key import deps as deps_mod
 from cachecompile.key import passes as passes_mod
+from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
@@ -296,7 +297,7 @@ class Lookup:
         Where the signature differs, both are shown: a stride, a size, an int's value."""
         try:
             near = nearest_entry(st, key.factors,
-                                 {"model": type(self._module).__qualname__,
+                                 {"model": model_label(self._module),
                                   "function": self._method.__name__},
                                  limit=NEAREST_CANDIDATES)
             theirs = (str(st.manifest(near.key)["labels"].get("signature", "?"))
