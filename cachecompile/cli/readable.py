@@ -134,10 +134,11 @@ def _and_graphs(graphs: int) -> str:
 
 def factor_text(name: str, value: Any) -> str:
     """A factor's value as ``show`` and ``explain`` print it: JSON, but a signature as
-    every other place prints one."""
+    every other place prints one (naming an inference-mode tensor, which the short form
+    leaves out, so that two signatures that differ there print apart)."""
     if name == "signature" and isinstance(value, list):
         try:
-            return describe(value)
+            return describe(value, detail=True)
         except (TypeError, ValueError, IndexError, AttributeError):
             pass   # a signature of a format this code does not know: as stored
     return json.dumps(value)

@@ -183,3 +183,12 @@ def test_check_names_the_nearest_entrys_factors() -> None:
     assert ('nearest entry bbbbbbbbbbbb differs in backend.compiler.cxx ("clang++" here, '
             '"g++" there), signature (float32[2,16]@cpu here, float32[4,16]@cpu there)') in line
     assert _missing_line({**t, "nearest": None}, "x86-64-v3").endswith("(x86-64-v3)")
+
+
+def test_two_signatures_that_differ_print_apart() -> None:
+    # The demo's two prefill entries: the same shapes, one called with inference tensors.
+    plain = [["T", "torch.int64", "cpu", [-1, -1], True, False, None]]
+    inference = [["T", "torch.int64", "cpu", [-1, -1], True, True, None]]
+    assert readable.factor_text("signature", plain) == "int64[n,n]@cpu"
+    assert readable.factor_text("signature", inference) == "int64[n,n]@cpu inference"
+    assert readable.factor_text("dynamic", True) == "true"
