@@ -352,6 +352,11 @@ def _form(func: Any, s: _Settings) -> Any:
     if isinstance(func, (CachedFunction, forms.CachedModule, forms.CachedMethod)):
         raise ContractError(f"cache_compile() got a {type(func).__name__}, which is already "
                             "cached: cache the original once.\n" + _PATTERN)
+    if forms.is_optimized_module(func):
+        raise ContractError(
+            "cache_compile() got what torch.compile returned (an OptimizedModule); pass the "
+            "original module instead: cache_compile(model), not "
+            "cache_compile(torch.compile(model)) (the original is its ._orig_mod)")
     original = runtime.compiled_by_dynamo(func)
     if original is not None:
         name = getattr(original, "__qualname__", "")
@@ -360,11 +365,6 @@ def _form(func: Any, s: _Settings) -> Any:
             f"{f' for {name}' if name and '<' not in name else ''}: cache_compile compiles "
             "it itself. Pass what you gave torch.compile instead: cache_compile(model.forward) "
             "or cache_compile(model), not cache_compile(torch.compile(model).forward)")
-    if forms.is_optimized_module(func):
-        raise ContractError(
-            "cache_compile() got what torch.compile returned (an OptimizedModule); pass the "
-            "original module instead: cache_compile(model), not "
-            "cache_compile(torch.compile(model)) (the original is its ._orig_mod)")
     if isinstance(func, type):
         if issubclass(func, torch.nn.Module):
             _checked(s)

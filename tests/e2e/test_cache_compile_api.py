@@ -62,11 +62,6 @@ class Decorated(nn.Module):
         return x
 
 
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
-    return tmp_path / "cc"
-
 
 # A plain function, a module and a lambda are forms of their own now (issue 34,
 # tests/e2e/test_forms.py).
