@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import inspect
 import logging
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from . import versions
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile starts.
@@ -213,9 +217,15 @@ class GuardEntry:
     derived_types: frozenset[str]    # guard types this one implies (TYPE_MATCH)
     code_parts: tuple[str, ...]      # SHAPE_ENV: the shape relations as Python expressions
     _guard: Any = dataclasses.field(repr=False, compare=False)
+    # Arguments read from the guard's source where a release does not pass them to its
+    # builder (2.11's HASATTR: the attribute is the source's last step).
+    _keywords: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                     compare=False)
 
     def keyword(self, name: str) -> Any:
         """An argument the guard was built with: ``attr`` of HASATTR, ``key`` of DICT_CONTAINS."""
+        if name in self._keywords:
+            return self._keywords[name]
         fn = getattr(self._guard, "create_fn", None)
         kw = getattr(fn, "keywords", None) or {}
         if name in kw:
@@ -225,15 +235,93 @@ class GuardEntry:
 
 
 def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
+    """Dynamo's guard entries for one frame, read into one form across releases, plus the
+    guards a release failed to build for reads made while tracing that frame
+    (:func:`unguarded_reads_recorded`)."""
     out: list[GuardEntry] = []
     for e in entries:
         guard = e.orig_guard
-        out.append(GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
-                              has_value=bool(e.has_value),
-                              derived_types=frozenset(e.derived_guard_types or ()),
-                              code_parts=tuple(getattr(guard, "code_list", None) or ()),
-                              _guard=guard))
+        entry = GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
+                           has_value=bool(e.has_value),
+                           derived_types=frozenset(e.derived_guard_types or ()),
+                           code_parts=tuple(getattr(guard, "code_list", None) or ()),
+                           _guard=guard)
+        out.append(entry if versions.at_least(2, 12) else _as_in_2_12(entry, e))
+    if _unguarded is not None:
+        out.extend(_unguarded)
+        _unguarded.clear()                # each frame's guards are built once, after it
     return out
+
+
+# -- torch 2.11: class attributes read without a guard -----------------------------------
+# torch 2.11's Dynamo reads a literal or enum class attribute (``type(self).FLAG``,
+# ``Cls.MODE``) as a constant with no source, so it builds no guard on it: a process whose
+# class says otherwise would be served the value traced (torch.compile 2.11 is wrong there
+# within one process too; a fresh process of it compiles again). 2.12 guards the read
+# (CONSTANT_MATCH on ``<class source>.<name>``). On 2.11, while a frame is traced, each such
+# read is recorded as the entry 2.12 would have built, and guard_entries adds it.
+_unguarded: list[GuardEntry] | None = None
+
+
+@contextlib.contextmanager
+def unguarded_reads_recorded() -> Iterator[None]:
+    """While tracing (TraceSession's first call), record the reads 2.11 leaves unguarded.
+    Nothing is patched on 2.12 and later, which guard them."""
+    global _unguarded
+    if versions.at_least(2, 12) or _unguarded is not None:
+        yield
+        return
+    from torch._dynamo.variables import user_defined
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    cls_var = user_defined.UserDefinedClassVariable
+    orig = cls_var.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        out = orig(self, tx, name)
+        base = source_name(getattr(self, "source", None))
+        if base is not None and getattr(out, "source", None) is None and _unguarded is not None:
+            try:
+                value = inspect.getattr_static(self.value, name)
+            except AttributeError:
+                return out
+            if ConstantVariable.is_literal(value) or isinstance(value, enum.Enum):
+                _unguarded.append(GuardEntry(
+                    guard_type="CONSTANT_MATCH", expr=f"{base}.{name}", value=value,
+                    has_value=True, derived_types=frozenset(), code_parts=(), _guard=None))
+        return out
+
+    _unguarded = []
+    cls_var.var_getattr = var_getattr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls_var.var_getattr = orig  # type: ignore[method-assign]
+        _unguarded = None
+
+
+def _as_in_2_12(entry: GuardEntry, e: Any) -> GuardEntry:
+    """A torch 2.11 guard entry in the form 2.12 and later give it, so that capture reads
+    one form.
+
+    - 2.11 builds HASATTR on the attribute's own source (``base.attr``, an ``AttrSource``,
+      perhaps inside an ``NNModuleSource``) and reads the name from it; 2.12 builds it on
+      the base with ``attr=`` and names the base. 2.11's entry has no value for the base:
+      whether the attribute was there is whether the entry could read it (``present``).
+    - 2.11 has one DICT_CONTAINS / SET_CONTAINS with ``invert=``; 2.12 splits off
+      DICT_NOT_CONTAINS / SET_NOT_CONTAINS."""
+    if entry.guard_type == "HASATTR":
+        src = getattr(entry._guard, "originating_source", None)
+        src = getattr(src, "base", src) if type(src).__name__ == "NNModuleSource" else src
+        base, member = getattr(src, "base", None), getattr(src, "member", None)
+        name = source_name(base) if base is not None else None
+        if name is None or not isinstance(member, str):
+            return entry                  # capture names the guard it cannot read
+        return dataclasses.replace(entry, expr=name, has_value=False, value=None,
+                                   _keywords={"attr": member, "present": entry.has_value})
+    if entry.guard_type in ("DICT_CONTAINS", "SET_CONTAINS") and entry.keyword("invert"):
+        return dataclasses.replace(entry, guard_type=entry.guard_type.replace("_", "_NOT_", 1))
+    return entry
 
 
 # -- the graph Dynamo hands a backend ------------------------------------------------------

@@ -389,6 +389,9 @@ class TraceSession:
             self._state = guard_capture.state_snapshot()
         try:
             with dynamo.quiet_meta_errors():
+                if first and self._capture:
+                    with dynamo.unguarded_reads_recorded():
+                        return self._live(*args, **kwargs)
                 return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() + dynamo.input_errors() as e:
             note = ""

@@ -663,7 +663,8 @@ def _capture_keys(c: Capture, e: GuardEntry) -> None:
 
 def _capture_hasattr(c: Capture, e: GuardEntry) -> None:
     attr = c.attr_of(e)
-    present = hasattr(c.value(e), attr)
+    known = e.keyword("present")          # a release whose entry names the attribute
+    present = bool(known) if isinstance(known, bool) else hasattr(c.value(e), attr)
     c.add("hasattr", e.expr, {"attr": attr, "present": present},
           f"{c.text(e.expr)} {'has' if present else 'has no'} attribute {attr!r}")
 

@@ -118,6 +118,7 @@ _EXPR_HELPERS: dict[str, Any] = {
     "___namedtuple_fields": lambda x: x._fields,
     "___dataclass_fields": dataclasses.fields,
     "__math_isnan": math.isnan,
+    "___as_tensor": runtime.as_tensor_fullprec,
     # Whether an environment variable is set (guard_capture: variables read while unset).
     "___environ_has": lambda name: name in os.environ,
     "___environ_get": lambda name: os.environ.get(name),
