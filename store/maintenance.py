@@ -678,6 +678,7 @@ def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> d
         "misses_about": about,   # {"guard": {"input_ids": 3}}: what the misses were about
         "shared_graphs": {"entries": graphs,
                           "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
+                          "publishes": int(counters.get(GRAPH_SCOPE + "publishes", 0)),
                           "misses": graph_misses},
         "publishes": int(counters.get("publishes", 0)),
         "pulls": int(counters.get(PULLS, 0)),

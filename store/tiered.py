@@ -51,8 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from . import errors
-from .config import env_float, env_int
+from . import errors, settings
 from .disk import Store
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet, temp_name
 from .index import PULLS, REMOTE_HITS, counter_scope, level_counter
@@ -66,8 +65,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Level", "TieredStore", "Uploader", "scratch_store", "wrap"]
 
-DEFAULT_FLUSH_TIMEOUT = 5.0
-DEFAULT_QUEUE = 64
+DEFAULT_FLUSH_TIMEOUT = settings.REMOTE_FLUSH_TIMEOUT.default
+DEFAULT_QUEUE = settings.REMOTE_QUEUE.default
 
 S = TypeVar("S", bound=Maintenance)
 
@@ -99,7 +98,7 @@ class Uploader:
 
     def __init__(self, remote: Remote, maxsize: int | None = None) -> None:
         self.remote = remote
-        size = maxsize or env_int("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE, lenient=True) or 1
+        size = maxsize or settings.REMOTE_QUEUE.get()
         self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -168,7 +167,7 @@ class Uploader:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained; False if ``timeout`` ran out first."""
         if timeout is None:
-            timeout = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
+            timeout = settings.REMOTE_FLUSH_TIMEOUT.get()
         deadline = time.monotonic() + timeout
         with self._q.all_tasks_done:
             while self._q.unfinished_tasks:

@@ -26,7 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import Maintenance, errors, open_store
+from cachecompile.store import Maintenance, errors, open_store, settings
 from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
@@ -45,13 +45,14 @@ from .common import (
     human_size,
     label_options,
 )
+from .readable import entries, split_graphs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def remote_option(f: F) -> F:
     return click.option(
-        "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
+        "--remote", "remote_url", envvar=settings.REMOTE.name, default=None, metavar="URL",
         help="redis://host:port/db, s3://bucket/prefix, file:///shared/dir or "
              "http(s)://host/prefix, [?mode=ro], or a chain of them separated by commas, "
              "nearest first (default: $CACHECOMPILE_REMOTE). A password is best given in "
@@ -129,13 +130,13 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
     return [i for i in infos if has_labels(i.labels, want)]
 
 
-@click.group("remote")
+@click.group("remote", short_help="The remote tiers: ls, stats, purge")
 def remote_group() -> None:
     """The remote tier (Redis, S3, a shared directory, an HTTP cache): list, statistics,
     purge."""
 
 
-@remote_group.command("ls")
+@remote_group.command("ls", short_help="List the remote's entries (signed or unsigned)")
 @remote_option
 @label_options
 @click.option("--json", "as_json", is_flag=True)
@@ -155,7 +156,7 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
         _console().print(_entries_table(infos))
 
 
-@remote_group.command("stats")
+@remote_group.command("stats", short_help="Entries, bytes and the server's space used")
 @remote_option
 @click.option("--json", "as_json", is_flag=True)
 def remote_stats(remote_url: str | None, as_json: bool) -> None:
@@ -196,7 +197,7 @@ def _print_level_stats(s: dict[str, Any]) -> None:
         click.echo(f"{'read-only':<16} yes")
 
 
-@remote_group.command("purge")
+@remote_group.command("purge", short_help="Remove remote entries; sweep unreferenced blobs")
 @remote_option
 @click.argument("keys", nargs=-1)
 @label_options
@@ -214,8 +215,9 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
     infos = [_info(rec) for rec in r.records()]
     goes = _selected(infos, keys, want, lambda k: _resolve(k, [i.key for i in infos]))
     if goes:
-        _console().print(_entries_table(goes, title=f"{len(goes)} remote entries, "
-                         f"{human_size(sum(i.size_bytes for i in goes))}"))
+        _console().print(_entries_table(
+            goes, title=f"remote: {entries(*split_graphs(i.labels for i in goes))}, "
+                        f"{human_size(sum(i.size_bytes for i in goes))}"))
     if dry_run:
         click.echo("dry run: nothing removed")
         return
@@ -226,10 +228,11 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
     for i in goes:
         r.delete(i.key)
     swept = r.sweep()
-    click.echo(f"removed {len(goes)} entries; swept {swept} unreferenced blob keys")
+    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept {swept} "
+               "unreferenced blob keys")
 
 
-@click.command("push")
+@click.command("push", short_help="Upload local entries to the remote tier")
 @cache_dir_option
 @remote_option
 @click.argument("keys", nargs=-1)
@@ -271,8 +274,8 @@ def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
         done = push_entries(r, st, [i.key for i in infos], overwrite=force, resign=resign,
                             progress=advance,
                             on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
-    click.echo(f"pushed {done.sent} entries to {r.config.display}; {done.there} were there "
-               "already"
+    click.echo(f"{entries(*split_graphs(i.labels for i in infos))}: pushed {done.sent} to "
+               f"{r.config.display}; {done.there} were there already"
                + (f"; {done.repaired} replaced records that did not verify"
                   if done.repaired else "")
                + (f"; {done.resigned} re-signed with the current key" if done.resigned else "")
@@ -281,7 +284,7 @@ def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
                   "safely)" if done.refused else ""))
 
 
-@click.command("pull")
+@click.command("pull", short_help="Download remote entries into the local store")
 @cache_dir_option
 @remote_option
 @click.argument("keys", nargs=-1)
@@ -296,25 +299,27 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     infos = list({i.key: i for r in reversed(levels) for i in map(_info, r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
                      lambda k: _resolve(k, [i.key for i in infos]))
-    got = have = failed = 0
+    got: list[EntryInfo] = []
+    have = failed = 0
     for i in todo:
         if isinstance(st.peek(i.key), Hit):
             have += 1
             continue
         # pull, not get: a prefetch is not a hit (cachectl stats counts it as a pull).
         if isinstance(st.pull(i.key), Hit):
-            got += 1
+            got.append(i)
         else:
             failed += 1  # cachecompile.store.tiered logged why
     st.flush()  # what a chain's lower levels gave goes up to the nearer ones now
     shown = ", ".join(r.config.display for r in levels)
-    click.echo(f"pulled {got} entries from {shown}; {have} were here already"
+    click.echo(f"pulled {entries(*split_graphs(i.labels for i in got))} from "
+               f"{shown}; {have} were here already"
                + (f"; {failed} refused or failed" if failed else ""))
     if failed:
         raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)
 
 
-@click.command("export")
+@click.command("export", short_help="Write entries to a bundle (.tar.zst, .tar.gz, .tar)")
 @cache_dir_option
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.argument("keys", nargs=-1)
@@ -329,11 +334,13 @@ def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
         raise click.UsageError("no entries match: nothing to export")
     with _progress("export", sum(i.size_bytes for i in infos)) as advance:
         rep = export_bundle(st, out, [i.key for i in infos], progress=advance)
-    click.echo(f"exported {len(rep.entries)} entries ({human_size(rep.bytes)}) to {out} "
+    labels = {i.key: i.labels for i in infos}
+    click.echo(f"exported {entries(*split_graphs(labels.get(d, {}) for d in rep.entries))} "
+               f"({human_size(rep.bytes)}) to {out} "
                f"({human_size(Path(out).stat().st_size)} on disk) in {rep.seconds:.1f} s")
 
 
-@click.command("import")
+@click.command("import", short_help="Verify a bundle, then publish all of it (or none)")
 @cache_dir_option
 @click.argument("src", type=click.Path(dir_okay=False, exists=True))
 def import_cmd(cache_dir: str | None, src: str) -> None:
@@ -341,5 +348,7 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
     st = _local(cache_dir, create=True)  # importing into a new cache makes it
     with _progress("import", Path(src).stat().st_size) as advance:
         rep = import_bundle(st, src, progress=advance)
-    click.echo(f"imported {len(rep.entries)} entries ({human_size(rep.bytes)}) into "
-               f"{st.root}; {len(rep.skipped)} were there already")
+    found = [st.stat(d) for d in rep.entries]
+    click.echo(f"imported {entries(*split_graphs(i.labels for i in found if i is not None))} "
+               f"({human_size(rep.bytes)}) into {st.root}; {len(rep.skipped)} were there "
+               "already")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
-from .. import errors
+from .. import errors, settings
 from ..config import parse_size
 from ..outcomes import Entry
 from ..signing import Record, Trust, make_record, parse_record, sha256_file
@@ -88,7 +88,7 @@ _QUERY_SECRET = re.compile(r"[?&]password=", re.IGNORECASE)
 # A user name shown as it is: plain ones only (a "user" that is really a password, or
 # that holds part of one, is masked with the password).
 _PLAIN_USER = re.compile(r"[A-Za-z0-9._-]{1,64}")
-PASSWORD_VARS = ("CACHECOMPILE_REMOTE_PASSWORD", "CACHECOMPILE_REMOTE_PASSWORD_FILE")
+PASSWORD_VARS = (settings.REMOTE_PASSWORD.name, settings.REMOTE_PASSWORD_FILE.name)
 
 
 def redact(url: str) -> str:
@@ -153,8 +153,8 @@ def _scrub(text: str, url: str) -> str:
 def _password_from_env(env: Mapping[str, str]) -> str | None:
     """``CACHECOMPILE_REMOTE_PASSWORD``, or the first line of the file
     ``CACHECOMPILE_REMOTE_PASSWORD_FILE`` names (a mounted secret); not both."""
-    value = env.get(PASSWORD_VARS[0]) or None
-    path = env.get(PASSWORD_VARS[1]) or None
+    value = settings.REMOTE_PASSWORD.get(env) or None
+    path = settings.REMOTE_PASSWORD_FILE.get(env) or None
     if value is not None and path is not None:
         raise errors.RemoteConfigError(f"both {PASSWORD_VARS[0]} and {PASSWORD_VARS[1]} are "
                                        "set: keep one")
