@@ -97,13 +97,13 @@ def test_cachectl_remote_verbs(tmp_path: Path, srv: Any) -> None:
     for i in range(3):
         local.put(make_key({"verb": i}), {"f": os.urandom(100)}, labels={"model": f"m{i}"})
     r = cachectl("push", "--cache-dir", str(tmp_path / "local"), env=env)
-    assert r.returncode == 0 and "pushed 3 entries" in r.stdout, r
+    assert r.returncode == 0 and "pushed 3 to" in r.stdout, r
     r = cachectl("remote", "ls", "--json", env=env)  # WebDAV PROPFIND
     assert r.returncode == 0 and len(json.loads(r.stdout)) == 3, r
     r = cachectl("remote", "stats", "--json", env=env)
     assert r.returncode == 0 and json.loads(r.stdout)["entries"] == 3, r
     r = cachectl("remote", "purge", "--model", "m0", "--yes", env=env)  # WebDAV DELETE
-    assert r.returncode == 0 and "removed 1 entries" in r.stdout, r
+    assert r.returncode == 0 and "removed 1 entry" in r.stdout, r
     r = cachectl("pull", "--cache-dir", str(tmp_path / "node"), env=env)
     assert r.returncode == 0 and "pulled 2 entries" in r.stdout, r
 

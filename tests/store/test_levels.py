@@ -111,7 +111,7 @@ def test_cachectl_with_a_chain(tmp_path: Path, srv: RedisServer) -> None:
     for i in range(2):
         local.put(make_key({"cli": i}), FILES)
     r = cachectl("push", "--cache-dir", str(tmp_path / "local"), env=env)
-    assert r.returncode == 0 and r.stdout.count("pushed 2 entries") == 2, r
+    assert r.returncode == 0 and r.stdout.count("pushed 2 to") == 2, r
     r = cachectl("remote", "stats", "--json", env=env)
     assert r.returncode == 0 and [s["entries"] for s in json.loads(r.stdout)] == [2, 2], r
     r = cachectl("remote", "ls", env=env)

@@ -194,7 +194,7 @@ def test_the_password_from_a_variable_or_a_file(guarded: RedisServer, tmp_path: 
     env = {"CACHECOMPILE_TRUST_REMOTE": "1", "CACHECOMPILE_REMOTE": url}
     code, text = _cachectl("push", "--cache-dir", cache,
                            env={**env, "CACHECOMPILE_REMOTE_PASSWORD": MARKER})
-    assert code == 0 and "pushed 1 entries" in text, text
+    assert code == 0 and "pushed 1 to" in text, text
     code, text = _cachectl("remote", "ls", "--json",
                            env={**env, "CACHECOMPILE_REMOTE_PASSWORD_FILE": str(secret_file)})
     assert code == 0 and make_key({"k": 2}).digest in text, text
