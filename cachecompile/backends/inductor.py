@@ -180,7 +180,7 @@ class InductorAdapter(Adapter):
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
         # torch.compile's Inductor takes no decompositions: custom ones are not applied.
-        return "inductor", dict(options) or None
+        return "inductor", inductor.config_patches(options) or None
 
 
 def _compile_program(src: str, filename: str) -> types.CodeType:
