@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-JSON = Any
+from cachecompile._types import JSON
+
 GraphCallable = Callable[..., Any]
 
 
