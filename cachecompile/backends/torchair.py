@@ -558,6 +558,19 @@ class TorchairAdapter(Adapter):
         kernel: Callable[..., Any] = mod.kernel
         return _with_gear_check(kernel, meta.get("gears") or {})
 
+    def with_passes(self, options: Mapping[str, Any], passes: Any) -> Mapping[str, Any]:
+        if passes is None:
+            return options
+        raise ValueError("passes= are Inductor's custom pass hooks; the 'torchair' backend "
+                         "does not run them (give them in its CompilerConfig)")
+
+    def default_cache_dir(self) -> str | None:
+        # TorchAir's own default (its cache_compile's), unless cachecompile's variable
+        # names one: a drop-in keeps its users' caches where they were.
+        if os.environ.get("CACHECOMPILE_DIR"):
+            return None
+        return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
+
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
         _, torchair = _import()
