@@ -49,7 +49,7 @@ zygote "does not fit"), or is left as it is, with the reason; each names the tes
   ``sys.orig_argv`` the ``python -c CODE`` a plain child has, ``sys.path`` ``""``, then
   ``PYTHONPATH``, then the interpreter's own entries; ``__main__`` holds what ``python -c``
   gives it; stdin is ``/dev/null`` (a plain child's too: ccutil); the working directory,
-  the environment, the open file descriptors (0, 1, 2 only), the signal handlers, the
+  the environment, the open file descriptors, the signal handlers and mask, the
   loaded modules, ``atexit`` handlers, warning filters and logging set-up are a plain
   child's. ``test_a_zygote_child_is_a_fresh_python_c`` (compares them with a plain child's).
 - *The hash seed* (left, halved): children of one zygote share its ``str`` hash seed, which
