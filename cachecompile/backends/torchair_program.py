@@ -77,18 +77,17 @@ def exec_program(src: str, filename: str) -> types.ModuleType:
 
 
 def point_dirs(mod: types.ModuleType, ge_dir: Path | None, static_dir: Path | None) -> None:
-    if ge_dir is not None:
-        update = getattr(mod, "_update_ge_cache_dir", None)
+    """Point a program's GE cache and static-kernel builds at ``ge_dir`` / ``static_dir``
+    (each None where that feature is off), through the hooks TorchAir's code defines."""
+    for where, hook, feature in ((ge_dir, "_update_ge_cache_dir", "ge_cache is on"),
+                                 (static_dir, "_update_static_kernel_cache_dir",
+                                  "static kernels are on")):
+        if where is None:
+            continue
+        update = getattr(mod, hook, None)
         if update is None:
-            raise UnsupportedProgramError("torchair's code has no _update_ge_cache_dir although "
-                                          "ge_cache is on")
-        update(str(ge_dir))
-    if static_dir is not None:
-        update = getattr(mod, "_update_static_kernel_cache_dir", None)
-        if update is None:
-            raise UnsupportedProgramError("torchair's code has no _update_static_kernel_cache_dir "
-                                          "although static kernels are on")
-        update(str(static_dir))
+            raise UnsupportedProgramError(f"torchair's code has no {hook} although {feature}")
+        update(str(where))
 
 
 def gears_of(args: Sequence[Any]) -> dict[str, JSON]:
