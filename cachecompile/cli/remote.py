@@ -26,8 +26,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import Maintenance, errors, open_store, settings
+from cachecompile.store import Maintenance, open_store, settings
 from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.keys import match_prefix
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
 from cachecompile.store.remote import Remote, open_levels, split_levels
@@ -110,16 +111,6 @@ def _info(rec: Record) -> EntryInfo:
                      last_used=float(m["created"]), hits=0,
                      labels={str(k): str(v) for k, v in m["labels"].items()},
                      state="signed" if rec.sig else "unsigned")
-
-
-def _resolve(prefix: str, keys: list[str]) -> str:
-    p = prefix.strip().lower()
-    matches = sorted(k for k in keys if k.startswith(p))
-    if not p or not matches:
-        raise errors.KeyNotFound(f"no remote entry matches {prefix!r}")
-    if len(matches) > 1:
-        raise errors.AmbiguousKey(prefix, matches)
-    return matches[0]
 
 
 def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str],
@@ -213,7 +204,8 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
         raise click.UsageError("say what to purge: KEY..., --label or --all")
     r = _remote(remote_url)
     infos = [_info(rec) for rec in r.records()]
-    goes = _selected(infos, keys, want, lambda k: _resolve(k, [i.key for i in infos]))
+    goes = _selected(infos, keys, want,
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
     if goes:
         _console().print(_entries_table(
             goes, title=f"remote: {entries(*split_graphs(i.labels for i in goes))}, "
@@ -298,7 +290,7 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     st = TieredStore(local, levels)  # a chain: nearest level first, nearer ones backfilled
     infos = list({i.key: i for r in reversed(levels) for i in map(_info, r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
-                     lambda k: _resolve(k, [i.key for i in infos]))
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
     got: list[EntryInfo] = []
     have = failed = 0
     for i in todo:
