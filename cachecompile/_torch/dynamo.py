@@ -32,6 +32,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.exc", "Unsupported"),
     ("torch._dynamo.exc", "UserError"),
     ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
+    ("torch._dynamo.exc", "TorchRuntimeError"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
@@ -109,6 +110,88 @@ def recompile_limit_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (FailOnRecompileLimitHit,)
+
+
+def input_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when an operator fails on the call's fake tensors, besides
+    :func:`graph_break_errors` (a shape that does not fit: ``TorchRuntimeError``)."""
+    try:
+        from torch._dynamo.exc import TorchRuntimeError
+    except ImportError:
+        return ()
+    return (TorchRuntimeError,)
+
+
+# Dynamo's graph breaks that mean "an operator failed on these inputs", by their type, and
+# the hint Dynamo gives every break it blames on the user's code (graph_break_hints).
+_INPUT_BREAKS = ("TypeError when making fake tensor call",
+                 "RuntimeError when making fake tensor call",
+                 "Failed to convert args/kwargs to proxy")
+_USER_ERROR_HINT = "may result in an error when running in eager"
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """Whether Dynamo's failure is an operator failing on the call's inputs (a ``str``
+    where a tensor goes, shapes that do not multiply), which eager would raise too,
+    rather than code Dynamo cannot trace."""
+    if isinstance(exc, input_errors()):
+        return True
+    gb_type = getattr(exc, "gb_type", None) or ""
+    return gb_type in _INPUT_BREAKS or _USER_ERROR_HINT in str(exc)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What escapes a fullgraph trace raw when a shape or a branch depends on a tensor's
+    values (``lengths.tolist()`` deciding a split): the symbolic-shapes guard error and
+    fake tensors' data-dependent output errors."""
+    out: list[type[BaseException]] = []
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        out.append(GuardOnDataDependentSymNode)
+    except ImportError:
+        pass
+    try:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
+        out += [DataDependentOutputException, DynamicOutputShapeException]
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def data_dependent_cause(exc: BaseException) -> str:
+    """The user's line a data-dependent error names (its "Caused by:" line), if any."""
+    for line in str(exc).splitlines():
+        if line.startswith("Caused by:"):
+            return line[len("Caused by:"):].strip()
+    return ""
+
+
+class _MetaErrorFilter(logging.Filter):
+    """Drops fake tensors' "failed while attempting to run meta" log record: the error
+    it logs (with a 30-line traceback) reaches the caller as an exception anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+_META_LOGGER = "torch._subclasses.fake_tensor"
+_meta_filter = _MetaErrorFilter()
+
+
+@contextlib.contextmanager
+def quiet_meta_errors() -> Iterator[None]:
+    """While tracing: no log spew for an operator that fails on fake tensors."""
+    log = logging.getLogger(_META_LOGGER)
+    log.addFilter(_meta_filter)
+    try:
+        yield
+    finally:
+        log.removeFilter(_meta_filter)
 
 
 def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:

@@ -258,3 +258,16 @@ def dynamo_imported() -> bool:
     """Whether Dynamo was imported (a warm process never imports it)."""
     return "torch._dynamo" in sys.modules
 
+
+
+def compiled_by_dynamo(obj: Any) -> Any | None:
+    """What ``torch.compile`` was given, if ``obj`` is what it returned for a function or
+    method (Dynamo's wrapper keeps the original as ``_torchdynamo_orig_callable``), or a
+    method bound to what it returned for a module; else None. Read as attributes, without
+    importing Dynamo. ``torch.compiler.disable``'s wrapper keeps the original the same
+    way; it is not one."""
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    if not callable(obj) or getattr(obj, "_torchdynamo_disable", False):
+        return None
+    return getattr(obj, "_torchdynamo_orig_callable", None)

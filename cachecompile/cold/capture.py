@@ -42,6 +42,7 @@ from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
+from cachecompile.key.signature import describe_types
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
 from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global
@@ -124,18 +125,44 @@ def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     return deps_by_module(files)
 
 
-def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
+_BREAK_HINT = ("Hint: move the unsupported code (print, .item(), data-dependent Python "
+               "control flow, unsupported libraries) out of the cached method, or run "
+               "torch._dynamo.explain() on it for every break.")
+_DATA_HINT = ("Hint: a size or a Python branch here depends on the values in a tensor "
+              "(.tolist(), .item(), a boolean mask, nonzero()), which one graph for every "
+              "call cannot have. Compute it outside the cached method and pass it in as a "
+              "Python int or list, or cache a smaller part that does not need it (a vision "
+              "tower's blocks rather than the tower); torch.compile without fullgraph=True "
+              "splits the method there instead.")
+
+
+def graph_break_error(exc: BaseException, func: Callable[..., Any],
+                      note: str = "") -> GraphBreakError:
     """Turn Dynamo's fullgraph failure into an error naming file, line and reason."""
     filename, lineno, reason = dynamo.graph_break_site(exc)
+    hint = _BREAK_HINT
+    if isinstance(exc, dynamo.data_dependent_errors()):
+        cause = dynamo.data_dependent_cause(exc)
+        reason = f"data-dependent: {reason}" + (f" (at {cause})" if cause else "")
+        hint = _DATA_HINT
     where = f"{filename}:{lineno}" if filename else getattr(func, "__qualname__", repr(func))
     message = (
         f"cache_compile needs {getattr(func, '__qualname__', func)} to compile as ONE graph "
         f"(fullgraph), but Dynamo broke the graph at {where}: {reason}\n"
-        "Hint: move the unsupported code (print, .item(), data-dependent Python control "
-        "flow, unsupported libraries) out of the cached method, or run "
-        "torch._dynamo.explain() on it for every break."
+        f"{note}{hint}"
     )
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
+
+
+def _with_note(exc: BaseException, note: str) -> BaseException:
+    """``exc`` with ``note`` shown under its message (PEP 678; kept as ``__notes__`` on
+    Python 3.10, whose tracebacks do not print it)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    return exc
 
 
 class TraceSession:
@@ -361,14 +388,21 @@ class TraceSession:
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
         try:
-            with dynamo.outputs_left_unmarked():
+            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
                 if first and self._capture:
                     # The first call's trace: the names Dynamo looks up are recorded
                     # (absent state), and the reads 2.11 leaves unguarded.
                     with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
                         return self._live(*args, **kwargs)
                 return self._live(*args, **kwargs)
-        except dynamo.graph_break_errors() as e:
+        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
+            note = ""
+            if dynamo.is_input_error(e):
+                self._raise_eager_error(args, kwargs)
+                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
+                        "cannot trace, not an error in them; it ran once to check.)\n")
+            raise graph_break_error(e, self._orig, note) from None
+        except dynamo.data_dependent_errors() as e:
             raise graph_break_error(e, self._orig) from None
         except dynamo.recompile_limit_errors():
             # A value Dynamo guards changed on every call, each a new compile, up to its
@@ -388,6 +422,25 @@ class TraceSession:
                     with self.phases.timed("deps"):
                         self._deps = _user_file_hashes(
                             self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+
+    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An operator failed on the call's fake tensors: run the method uncompiled on the
+        same inputs (under no_grad, as the cached call) and raise what it raises, the
+        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
+        the call's argument types noted. Dynamo failed while tracing, before anything
+        ran, so this run is the one the call makes: its effects are what an uncompiled
+        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
+        try:
+            with torch.no_grad():
+                self._orig(*args, **kwargs)
+        except Exception as eager:
+            qualname = getattr(self._orig, "__qualname__", "the method")
+            names = [p.name for p in inspect.signature(self._orig).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            call = describe_types(args, kwargs, names)
+            raise _with_note(eager, (
+                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
+                "do not fit the method. Nothing was compiled or cached.")) from None
 
     def last_guard_failure(self) -> str | None:
         """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
