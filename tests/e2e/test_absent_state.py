@@ -19,6 +19,7 @@ that loaded process, and every call must still give eager's result).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ccutil import Sandbox
@@ -142,7 +143,16 @@ for cls in ab_cases.ALL:
     cached = cache_compile(m.run, backend=backend)
     r = {}
     with torch.no_grad():
-        got, eager = cached(x), m.run(x)
+        try:
+            got = cached(x)
+        except Exception as e:
+            try:    # this release's Dynamo cannot compile it at all (2.12: MetaAttr)
+                torch.compile(ab_cases.build(cls).run, backend=backend, fullgraph=True)(x)
+            except Exception:
+                out[cls.__name__] = {"unsupported": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            raise
+        eager = m.run(x)
         r["ok"] = bool(torch.allclose(got, eager, atol=1e-5))
         r["event"] = cached.events[-1][0]
         if os.environ.get("AB_CHANGE") == "1":
@@ -168,23 +178,41 @@ report(out)
 '''
 
 
+def _supported(run: dict[str, Any]) -> dict[str, Any]:
+    """The cases this release's Dynamo can compile: one that plain torch.compile(fullgraph=True)
+    cannot compile either (torch 2.12 fails on the metaclass attribute) is no case here, as
+    in the guard sweep; at most that one."""
+    left_out = {case: r["unsupported"] for case, r in run.items() if "unsupported" in r}
+    assert set(left_out) <= {"MetaAttr"}, left_out
+    return {case: r for case, r in run.items() if case not in left_out}
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_absence_added_in_a_fresh_process_is_never_served(tmp_path: Path, backend: str) -> None:
     (tmp_path / "ab_helper.py").write_text(HELPER)
     (tmp_path / "ab_cases.py").write_text(CASES)
     box = Sandbox(tmp_path)
-    cold = box.run(DRIVER, AB_BACKEND=backend).value
+    cold_all = box.run(DRIVER, AB_BACKEND=backend).value
+    cold = _supported(cold_all)
+    cold_left_out = set(cold_all) - set(cold)
     # "shared": compiled here, its graph's program shared with an identical one's.
     assert all(r["ok"] and r["event"] in ("miss", "shared") for r in cold.values()), cold
-    changed = box.run(DRIVER, AB_BACKEND=backend, AB_CHANGE="1").value
+    changed = _supported(box.run(DRIVER, AB_BACKEND=backend, AB_CHANGE="1").value)
     for case, r in changed.items():
         assert r["event"] in ("miss", "shared"), (case, "served the entry traced without "
                                                   "the name", r)
         assert r["plain_is_eager"], (case, r)
         assert r["ok"] and r["as_torch_compile"], (case, r)
-    warm = box.run(DRIVER, AB_BACKEND=backend, AB_THEN_CHANGE="1").value
+    warm = _supported(box.run(DRIVER, AB_BACKEND=backend, AB_THEN_CHANGE="1").value)
     for case, r in warm.items():
         assert r["ok"] and r["event"] == "hit", (case, r)
         assert r["change_matters"], (case, "the change must make a difference")
         assert r["after_change"] and r["after_undo"], (case, r)
+        if case in cold_left_out:
+            # The entry served here is the one the changed process compiled (K on the
+            # class; this release could not compile the unchanged MetaAttr), which reads the
+            # float K as a symbolic input under dynamic=True (torch.compile does too): its
+            # program computes with the value set now, right (after_change above) with no
+            # guard failing.
+            continue
         assert len(r["events"]) > 1, (case, "the loaded entry's guards saw the change", r)
