@@ -157,6 +157,18 @@ def test_a_seeded_stream_is_kept_at_every_call(tmp_path: Path, backend: str) -> 
 
 
 # -- global compiler settings ------------------------------------------------------------
+# A module whose method draws random numbers (fallback_random changes which).
+NOISY = """
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+    def run(self, x):
+        return self.lin(x) + torch.rand_like(x)
+m = Noisy().eval()
+"""
+
 SAMPLES = """
 import logging, os, torch
 from torch import nn
@@ -170,15 +182,7 @@ logging.getLogger("cachecompile").setLevel(logging.INFO)
 if os.environ.get("FALLBACK") == "1":
     import torch._inductor.config as inductor_config
     inductor_config.fallback_random = True
-class Noisy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 4)
-    def run(self, x):
-        return self.lin(x) + torch.rand_like(x)
-m = Noisy().eval()
-x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+""" + NOISY + """x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
 cached = cache_compile(m.run)
 with torch.no_grad():
     torch.manual_seed(7)
@@ -208,15 +212,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from cachecompile import cache_compile
 backend = os.environ["PS_BACKEND"]
-class Noisy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 4)
-    def run(self, x):
-        return self.lin(x) + torch.rand_like(x)
-m = Noisy().eval()
-cached = cache_compile(m.run, backend=backend, dynamic=False)
+""" + NOISY + """cached = cache_compile(m.run, backend=backend, dynamic=False)
 # The spec: one torch.compile of the method beside it, called on the same steps.
 plain = torch.compile(m.run, backend=backend, dynamic=False, fullgraph=True)
 def call(fn, n):
