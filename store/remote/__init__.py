@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .base import (
     Breaker,
+    Listed,
     RecordState,
     Remote,
     RemoteConfig,
@@ -28,5 +29,5 @@ from .base import (
 from .redis import RedisRemote
 from .s3 import S3Remote
 
-__all__ = ["Breaker", "RecordState", "RedisRemote", "Remote", "RemoteConfig", "S3Remote",
-           "Uploaded", "open_remote", "redact"]
+__all__ = ["Breaker", "Listed", "RecordState", "RedisRemote", "Remote", "RemoteConfig",
+           "S3Remote", "Uploaded", "open_remote", "redact"]
