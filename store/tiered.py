@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -127,7 +128,19 @@ class Uploader:
                 self._thread.start()
                 # weakref: the atexit hook must not keep a closed store's uploader alive.
                 ref = weakref.ref(self)
-                atexit.register(lambda: (u := ref()) is not None and u.flush())
+
+                def flush() -> None:
+                    u = ref()
+                    if u is not None:
+                        u.flush()
+
+                atexit.register(flush)
+                mp_util = sys.modules.get("multiprocessing.util")
+                if mp_util is not None:
+                    # A multiprocessing child (a forked Pool worker...) leaves through
+                    # os._exit: no atexit hook runs there, only multiprocessing's own
+                    # finalizers, and its uploads were dropped.
+                    mp_util.Finalize(None, flush, exitpriority=0)
 
     def _run(self) -> None:
         while True:

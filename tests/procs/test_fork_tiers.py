@@ -193,3 +193,52 @@ def test_forked_children_hit_and_the_parent_lives(tmp_path: Path, built: Path,
 def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if not k.startswith(("CACHECOMPILE_", "AWS_"))}
+
+
+UPLOAD = """
+import multiprocessing as mp, os, sys, time
+from cachecompile.store import make_key, open_store
+
+st = open_store(os.environ["TEST_STORE"])
+FILES = {"kernel.so": b"\\x7fELF" + bytes(range(256)) * 4}
+
+
+def publish(tag):
+    # A child publishes what it compiled, and leaves as each kind of child does: a
+    # multiprocessing child through os._exit (no atexit hook), a pre-forked worker
+    # through sys.exit; neither flushes by hand.
+    st.put(make_key({"fork-upload": tag}), {**FILES, "tag": tag.encode()})
+
+
+publish("parent")
+assert st.flush(60)  # the parent's client is started, and its uploader thread
+fork = mp.get_context("fork")
+p = fork.Process(target=publish, args=("process",))
+p.start()
+p.join(60)
+with fork.Pool(2, maxtasksperchild=1) as pool:
+    pool.map(publish, ["pool0", "pool1"], chunksize=1)
+    pool.close()
+    pool.join()  # the workers leave by themselves (terminate() would SIGTERM them)
+pid = os.fork()
+if pid == 0:
+    publish("prefork")
+    sys.exit(0)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+tags = ["parent", "process", "pool0", "pool1", "prefork"]
+report({"process": p.exitcode, "prefork": code,
+        "remote": {t: st.remote.contains(make_key({"fork-upload": t}).digest) for t in tags}})
+"""
+
+
+@pytest.mark.parametrize("kind", ["redis", "moto", "s3rver"])
+def test_forked_children_upload_what_they_publish(tmp_path: Path, kind: str) -> None:
+    """A forked child's publishes reach the remote: its uploader is its own (the parent's
+    thread is not in it), and a multiprocessing child, which leaves through os._exit
+    without atexit hooks, flushes through multiprocessing's finalizers."""
+    with tier(tmp_path, kind) as env:
+        box = Sandbox(tmp_path / "box")
+        res = box.run(UPLOAD, timeout=300, TEST_STORE=str(tmp_path / "node"),
+                      CACHECOMPILE_REMOTE_FLUSH_TIMEOUT="60", **env)
+        assert (res["process"], res["prefork"]) == (0, 0), res.value
+        assert res["remote"] == dict.fromkeys(res["remote"], True), (res.value, res.stderr)
