@@ -29,11 +29,10 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from ccutil import Sandbox, cachectl
-from redis_util import RedisServer
+from s3_util import remote_tier
 
 pytestmark = pytest.mark.slow
 
@@ -139,24 +138,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def tier(tmp_path: Path, kind: str) -> Iterator[dict[str, str]]:
     """A real server of the tier on loopback; the environment a node uses to reach it."""
-    srv: Any
-    if kind == "redis":
-        srv = RedisServer(tmp_path / "redis").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url()}
-    elif kind == "moto":
-        from s3_util import MotoServer
-
-        srv = MotoServer(tmp_path / "moto").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
-    else:
-        from s3_util import S3rver
-
-        srv = S3rver(tmp_path / "s3rver").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket}/fleet"}
-    try:
+    with remote_tier(tmp_path, kind) as (_, env):
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("kind", ["redis", "moto", "s3rver"])

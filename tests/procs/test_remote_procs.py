@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from ccutil import Sandbox
 from redis_util import RedisServer, free_port
+from s3_util import remote_tier
 
 from cachecompile.store import open_store
 from cachecompile.store.remote import RedisRemote
@@ -67,18 +67,8 @@ def remote_lines(stderr: str) -> list[str]:
 @contextlib.contextmanager
 def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
     """A real server of the tier on loopback; the environment a node uses to reach it."""
-    if tier == "redis":
-        srv: Any = RedisServer(tmp_path / "redis").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url()}
-    else:
-        from s3_util import MotoServer
-
-        srv = MotoServer(tmp_path / "moto").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
-    try:
+    with remote_tier(tmp_path, tier) as (_, env):
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("tier", ["redis", "s3"])

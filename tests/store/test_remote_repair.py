@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from ccutil import cachectl
-from redis_util import RedisServer
+from s3_util import remote_tier
 
 from cachecompile import store
 from cachecompile.store import Hit, make_key
@@ -32,27 +32,12 @@ GARBAGE = "0f" * 16  # a record under a digest no entry has: b"\x00garbage"
 class Server:
     """One real server of a tier, its URL, and a way to write a record's raw bytes."""
 
-    def __init__(self, kind: str, tmp: Path) -> None:
+    def __init__(self, kind: str, srv: Any, env: dict[str, str]) -> None:
         self.kind = kind
-        self.srv: Any
-        if kind == "redis":
-            self.srv = RedisServer(tmp / "redis").start()
-            self.url = self.srv.url()
-            self.env: dict[str, str] = {}
-        elif kind == "moto":
-            from s3_util import MotoServer
-
-            self.srv = MotoServer(tmp / "moto").start()
-            self.bucket = self.srv.bucket()
-            self.env = self.srv.env()
-            self.url = f"s3://{self.bucket}/fleet"
-        else:
-            from s3_util import S3rver
-
-            self.srv = S3rver(tmp / "s3rver").start()
-            self.bucket = self.srv.bucket
-            self.env = self.srv.env()
-            self.url = f"s3://{self.bucket}/fleet"
+        self.srv = srv
+        self.url = env.pop("CACHECOMPILE_REMOTE")
+        self.env = env
+        self.bucket = self.url[len("s3://"):].split("/")[0] if kind != "redis" else ""
 
     def write_raw(self, digest: str, data: bytes) -> None:
         """Put ``data`` where the record of ``digest`` lives, with no check at all."""
@@ -73,9 +58,6 @@ class Server:
         got = open_remote(self.url, Trust(accept_unsigned=True)).read_record(digest)  # type: ignore[attr-defined]
         return None if got is None else bytes(got[0])
 
-    def stop(self) -> None:
-        self.srv.stop()
-
 
 @pytest.fixture(params=["redis", "moto", "s3rver"])
 def server(request: pytest.FixtureRequest, tmp_path: Path,
@@ -84,13 +66,12 @@ def server(request: pytest.FixtureRequest, tmp_path: Path,
                 "CACHECOMPILE_VERIFY_KEYS", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
                 "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(var, raising=False)
-    srv = Server(str(request.param), tmp_path)
-    for k, v in srv.env.items():
-        monkeypatch.setenv(k, v)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    kind = str(request.param)
+    with remote_tier(tmp_path, kind) as (srv, env):
+        server = Server(kind, srv, env)
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        yield server
 
 
 def ctl(srv: Server, *args: str, key: bool = True) -> tuple[int, str, str]:
