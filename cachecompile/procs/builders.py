@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -333,6 +334,9 @@ class Checked:
     causes: list[str] = dataclasses.field(default_factory=list)
 
 
+# The entries ``--check`` reads to explain what is missing: one manifest each (a GET on S3,
+# eight in flight); a bigger tier is explained from these.
+EXPLAIN_LIMIT = 10_000
 # Factors (dotted paths, a prefix ending in ".") that name a cause a user can act on, as
 # builds run somewhere else than the serving processes (torchrun, another image) miss it.
 _CAUSES = (
@@ -409,27 +413,29 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
     tasks = [t for t in listed if shard is None or shard.holds(t["name"], t["signature"])]
     url = os.environ.get("CACHECOMPILE_REMOTE", "")
     has: Callable[[str], bool]
-    entries: Callable[[], list[tuple[str, dict[str, Any]]]]
+    entries: Callable[[], Iterator[tuple[str, dict[str, Any]]]]
     if url:
         remote = open_remote(url)
         remote.breaker.quiet = True  # a failure is the check's error, not a warning too
         remote.ping()
         tier, has = remote.config.display, remote.contains
 
-        def entries() -> list[tuple[str, dict[str, Any]]]:
-            return [(r.key, dict(r.manifest.get("factors") or {})) for r in remote.records()]
+        def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+            return ((r.key, dict(r.manifest.get("factors") or {})) for r in remote.records())
     else:
         try:
             local = open_store(cache_dir, remote="", create=False).maintenance()
         except StoreNotFound:
             tier, has = f"{cache_dir or '$CACHECOMPILE_DIR'} (no store there)", lambda d: False
-            entries = list
+
+            def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+                return iter(())
         else:
             tier, has = f"the local store at {local.root}", local.contains
 
-            def entries() -> list[tuple[str, dict[str, Any]]]:
-                return [(i.key, dict(local.manifest(i.key).get("factors") or {}))
-                        for i in local.entries()]
+            def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+                return ((i.key, dict(local.manifest(i.key).get("factors") or {}))
+                        for i in local.entries())
     out = Checked(tier, [], [], declared=len(listed))
     for t in tasks:
         (out.present if t["key"] and has(t["key"]) else out.missing).append(t)
@@ -439,12 +445,13 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
 
 
 def _explain_missing(out: Checked,
-                     entries: Callable[[], list[tuple[str, dict[str, Any]]]]) -> None:
+                     entries: Callable[[], Iterator[tuple[str, dict[str, Any]]]]) -> None:
     """Give each missing signature its nearest entry in the tier (of the same method:
-    its function's qualified name and module), and ``out`` the likely causes. A failure
-    to read the tier's entries only leaves the check without them."""
+    its function's qualified name and module), among the first :data:`EXPLAIN_LIMIT`
+    entries read, and ``out`` the likely causes. A failure to read the tier's entries
+    only leaves the check without them."""
     try:
-        every = entries()
+        every = list(itertools.islice(entries(), EXPLAIN_LIMIT))
     except Exception as e:  # the answer (what is missing) stands without the explanation
         logger.warning("could not read the tier's entries to explain the missing "
                        "signatures: %s", e)

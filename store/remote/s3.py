@@ -464,11 +464,15 @@ class S3Remote(BlobRemote):
     def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         metas = self._list("entry")
         names = [str(m["path"]).rsplit("/", 1)[-1] for m in metas]
-        # A few GETs in flight: one round trip per record otherwise.
+        # A few GETs in flight: one round trip per record otherwise. A window at a time,
+        # so that a reader that stops early (build --check's explanation) stops the GETs.
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="cc-s3") as pool:
-            got = pool.map(lambda d: self._get("get record", self._key("entry", d)), names)
-            for digest, one in zip(names, got, strict=True):
-                yield digest, None if one is None else one[0]
+            for i in range(0, len(names), 256):
+                part = names[i:i + 256]
+                got = pool.map(lambda d: self._get("get record", self._key("entry", d)),
+                               part)
+                for digest, one in zip(part, got, strict=True):
+                    yield digest, None if one is None else one[0]
 
     def info(self) -> dict[str, Any]:
         objs = self._list()
