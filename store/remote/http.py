@@ -59,8 +59,8 @@ from typing import Any
 from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
-from ..signing import Record, Trust
-from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
+from ..signing import Trust
+from .base import BlobRemote, RemoteConfig, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
 
@@ -140,17 +140,17 @@ class HttpRemote(BlobRemote):
                             if self.config.prefix else "")
         self._auth = _authorization(self.config.username, self.config.password)
         self._local = threading.local()
-        # Fork: the connections of the process that made them are not the child's (a
-        # socket shared by two processes interleaves their requests). A child sees
-        # another pid and starts with none.
-        self._pid = os.getpid()
         self._ssl: ssl.SSLContext | None = None
 
     # -- plumbing ----------------------------------------------------------------------
+    def reset_client(self) -> None:
+        # The connections of the process that made them are not the child's (a socket
+        # shared by two processes interleaves their requests): the child starts with
+        # none. Dropped, not closed: the forking thread's connection is still the
+        # parent's, and dropping it only closes this process's copy of the descriptor.
+        self._local = threading.local()
+
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
-        if self._pid != os.getpid():
-            self._local = threading.local()
-            self._pid = os.getpid()
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None and fresh:
             conn.close()
@@ -169,7 +169,7 @@ class HttpRemote(BlobRemote):
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
-        if conn is not None and self._pid == os.getpid():
+        if conn is not None:
             conn.close()
         self._local.conn = None
 
@@ -207,7 +207,7 @@ class HttpRemote(BlobRemote):
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` with the breaker: a transport error or an answer outside the rules
         (:class:`_Status`) trips it, with one warning, and is a RemoteError."""
-        self.breaker.guard(what)
+        self.guard(what)
         try:
             out = fn()
         except (errors.CorruptEntryError, errors.UntrustedEntryError):
@@ -369,21 +369,16 @@ class HttpRemote(BlobRemote):
 
         return list(self._call(f"list {kind}", go))
 
-    def records(self) -> Iterator[Record]:
-        names = [n for n, _, _ in self._listing("ac")]
-
-        def raws() -> Iterator[tuple[str, bytes | None]]:
-            for name in names:
-                raw = self._small("GET", "ac", name, "get record")
-                if raw is None:
-                    continue
-                digest = _digest_in(raw)
-                if digest is None or ac_name(digest) != name:
-                    logger.warning("remote record %s names no entry of its own: skipped", name)
-                    continue
-                yield digest, raw
-
-        return parse_records(raws())
+    def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
+        for name in [n for n, _, _ in self._listing("ac")]:
+            raw = self._small("GET", "ac", name, "get record")
+            if raw is None:
+                continue
+            digest = _digest_in(raw)
+            if digest is None or ac_name(digest) != name:
+                logger.warning("remote record %s names no entry of its own: skipped", name)
+                continue
+            yield digest, raw
 
     def info(self) -> dict[str, Any]:
         blobs = self._listing("cas")
@@ -394,7 +389,8 @@ class HttpRemote(BlobRemote):
         return ("an HTTP cache cannot compare and set, so a record on it is never replaced "
                 "(cachectl remote purge deletes it)")
 
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+    def write_record(self, digest: str, data: bytes, tag: object | None, *,
+                     blind: bool = False) -> bool:
         if tag is not None:
             return False  # never replaced (replace_refused): judge again, and keep it
         if self.contains(digest):

@@ -20,6 +20,7 @@ from ccutil import Sandbox
 from fs_util import shared_dir
 from http_util import NginxServer
 from redis_util import RedisServer, free_port
+from s3_util import remote_tier
 
 from cachecompile.store import Hit, make_key, open_store
 from cachecompile.store.remote import RedisRemote
@@ -74,27 +75,22 @@ def remote_lines(stderr: str) -> list[str]:
 @contextlib.contextmanager
 def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
     """A real server of the tier on loopback; the environment a node uses to reach it."""
-    if tier == "redis":
-        srv: Any = RedisServer(tmp_path / "redis").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url()}
-    elif tier == "file":
+    if tier == "file":
         with shared_dir(tmp_path / "share") as share:
             # Node A writes through one mount point; the others read through the other.
             yield {"CACHECOMPILE_REMOTE": share.url("a"), "NODE_B_REMOTE": share.url("b"),
                    "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
         return
-    elif tier == "http":
+    if tier == "http":
         srv = NginxServer(tmp_path / "nginx").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
-    else:
-        from s3_util import MotoServer
-
-        srv = MotoServer(tmp_path / "moto").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
-    try:
+        try:
+            yield {"CACHECOMPILE_REMOTE": srv.url("fleet/cc"),
+                   "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
+        finally:
+            srv.stop()
+        return
+    with remote_tier(tmp_path, tier) as (_, env):
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-    finally:
-        srv.stop()
 
 
 def node_env(env: dict[str, str]) -> dict[str, str]:
