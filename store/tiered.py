@@ -111,7 +111,10 @@ class Uploader:
 
     def _own_process(self) -> None:
         """A queue, a lock and (later) a thread of this process's own: in a forked child
-        the parent's may be held by its upload thread, which the child does not have."""
+        the parent's may be held by its upload thread, which the child does not have
+        (what the parent had queued is the parent's to upload). The one pid check of the
+        uploader, run first by everything that touches the queue; the remote's client is
+        the remote's own to re-create (``BlobRemote.reset_client``)."""
         if self._pid == os.getpid():
             return
         self._pid = os.getpid()
@@ -133,13 +136,6 @@ class Uploader:
         return True
 
     def _ensure_thread(self) -> None:
-        if self._pid != os.getpid():
-            # A forked child has the parent's queue and thread object, not its thread:
-            # start over (what the parent had queued is the parent's to upload).
-            self._q = queue.Queue(maxsize=self._q.maxsize)
-            self._thread = None
-            self._start_lock = threading.Lock()
-            self._pid = os.getpid()
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cachecompile-upload",

@@ -190,28 +190,3 @@ def running(workdir: Path, **kw: Any) -> Iterator[MotoServer]:
         yield srv
     finally:
         srv.stop()
-
-
-@contextlib.contextmanager
-def remote_tier(workdir: Path, kind: str) -> Iterator[tuple[Any, dict[str, str]]]:
-    """A real server of a remote tier on loopback, ``redis``, ``moto`` (also ``s3``) or
-    ``s3rver``, and the environment a node uses to reach it (``CACHECOMPILE_REMOTE``, and
-    the ``AWS_*`` variables for S3; the S3 tiers' prefix is ``fleet``)."""
-    from redis_util import RedisServer
-
-    srv: Any
-    if kind == "redis":
-        srv = RedisServer(workdir / "redis").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url()}
-    elif kind in ("moto", "s3"):
-        srv = MotoServer(workdir / "moto").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
-    elif kind == "s3rver":
-        srv = S3rver(workdir / "s3rver").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket}/fleet"}
-    else:
-        raise ValueError(f"no remote tier {kind!r}")
-    try:
-        yield srv, env
-    finally:
-        srv.stop()

@@ -1,6 +1,7 @@
 """What every remote tier is and shares: the :class:`Remote` protocol the tiered store and
-``cachectl`` type against, the URL's settings, the circuit breaker, and :class:`BlobRemote`: the one upload and
-download flow, which every remote runs over its own keys or objects (Redis, S3).
+``cachectl`` type against, the URL's settings, the circuit breaker, and
+:class:`BlobRemote`: the one upload and download flow, which every remote runs over its
+own keys, objects or files (Redis, S3, a shared directory, an HTTP cache).
 
 The rules, the same on every remote:
 
@@ -527,12 +528,13 @@ def refuse_readonly(config: RemoteConfig) -> None:
 
 class BlobRemote:
     """What every remote shares: its settings, trust, breaker, and the one upload and
-    download flow. A server's module (redis.py, s3.py) implements the half that differs,
-    the methods below that raise NotImplementedError, and the rest of :class:`Remote`
-    (ping, contains, records, delete, sweep, info, close).
+    download flow. A server's module (redis.py, s3.py, file.py, http.py) implements the
+    half that differs, the methods below that raise NotImplementedError, the rest of
+    :class:`Remote` (ping, contains, delete, sweep, info, close) and, if it holds a
+    client a forked child must not share, :meth:`reset_client`.
 
     ``tag`` is whatever the server compares a conditional write with: the record's bytes
-    on Redis, its ETag on S3.
+    on Redis, file:// and HTTP (which cannot compare: it reads again), its ETag on S3.
     """
 
     kind = ""  # the RemoteConfig.kind it serves
@@ -588,8 +590,7 @@ class BlobRemote:
     @property
     def available(self) -> bool:
         """False while the breaker is open and its backoff has not elapsed (no network)."""
-        if self._pid != os.getpid():
-            self.forked()
+        self.forked()
         return self.breaker.allow()
 
     # -- forks ---------------------------------------------------------------------------
@@ -616,8 +617,7 @@ class BlobRemote:
     def guard(self, what: str) -> None:
         """What every remote call does first: make the remote this process's if it was
         forked (:meth:`forked`), then raise the quick RemoteError of an open breaker."""
-        if self._pid != os.getpid():
-            self.forked()
+        self.forked()
         self.breaker.guard(what)
 
     # -- the half that differs by server -------------------------------------------------

@@ -1,5 +1,7 @@
 """Every remote tier survives a fork (issue 50): a process that used the tier, then
-forks, keeps working, and so does each child.
+forks, keeps working, and so does each child. On each tier (redis-server, moto, s3rver, a
+shared directory, nginx's WebDAV) and on a chain of two levels (nginx in front of moto:
+every level's client and upload queue must be the child's own).
 
 A serving process P (its own empty store, read-only, so that every process's remote hits
 land in a scratch store of its own and each child's lookup goes to the remote) loads an
@@ -32,13 +34,18 @@ from pathlib import Path
 
 import pytest
 from ccutil import Sandbox, cachectl
-from s3_util import remote_tier
+from tier_util import TIERS, remote_tier
+
+from cachecompile.store.remote import split_levels
 
 pytestmark = pytest.mark.slow
 
 FLEET_KEY = "fleet-secret-for-forks"
 ROUNDS = 3
 WORKERS = 2  # per pool and per pre-forking server, each round
+# A chain: the nearest level (nginx) never has the entry, so every child's lookup uses
+# both levels' clients, a miss in the first and a hit in the second (moto).
+CHAIN = "http,moto"
 
 BUILD = """
 import torch
@@ -114,9 +121,9 @@ for r in range(ROUNDS):
     for pid, tag in pids.items():  # hung: say so, and leave nothing behind
         os.kill(pid, 9)
         codes[tag] = "hung"
-    # The parent's own client between rounds, while nothing of it was used in a child.
-    assert st.remote.ping()
-records = sum(1 for _ in st.remote.records())
+    # The parent's own clients between rounds, while nothing of them was used in a child.
+    assert all(level.remote.ping() for level in st.levels)
+records = sum(1 for level in st.levels for _ in level.remote.records())
 again = first(x)
 mine = [d for d in scratch_parent().iterdir() if f".{os.getpid()}." in d.name]
 report({"codes": codes, "records": records, "event": first.events[-1][0],
@@ -142,11 +149,14 @@ def tier(tmp_path: Path, kind: str) -> Iterator[dict[str, str]]:
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
 
 
-@pytest.mark.parametrize("kind", ["redis", "moto", "s3rver"])
+@pytest.mark.parametrize("kind", [*TIERS, CHAIN])
 def test_forked_children_hit_and_the_parent_lives(tmp_path: Path, built: Path,
                                                   kind: str) -> None:
     with tier(tmp_path, kind) as env:
-        pushed = cachectl("push", "--cache-dir", str(built), env={**_plain_env(), **env})
+        # Into the farthest level only (of a chain: the nearer one misses in every child).
+        farthest = split_levels(env["CACHECOMPILE_REMOTE"])[-1]
+        pushed = cachectl("push", "--cache-dir", str(built), "--remote", farthest,
+                          env={**_plain_env(), **env})
         assert pushed.returncode == 0, pushed.stdout + pushed.stderr
         out = tmp_path / "out"
         out.mkdir()
@@ -210,15 +220,17 @@ if pid == 0:
 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 tags = ["parent", "process", "pool0", "pool1", "prefork"]
 report({"process": p.exitcode, "prefork": code,
-        "remote": {t: st.remote.contains(make_key({"fork-upload": t}).digest) for t in tags}})
+        "remote": {t: all(level.remote.contains(make_key({"fork-upload": t}).digest)
+                          for level in st.levels) for t in tags}})
 """
 
 
-@pytest.mark.parametrize("kind", ["redis", "moto", "s3rver"])
+@pytest.mark.parametrize("kind", [*TIERS, CHAIN])
 def test_forked_children_upload_what_they_publish(tmp_path: Path, kind: str) -> None:
-    """A forked child's publishes reach the remote: its uploader is its own (the parent's
-    thread is not in it), and a multiprocessing child, which leaves through os._exit
-    without atexit hooks, flushes through multiprocessing's finalizers."""
+    """A forked child's publishes reach the remote, every level of a chain: its uploaders
+    are its own (the parent's threads are not in it), and a multiprocessing child, which
+    leaves through os._exit without atexit hooks, flushes through multiprocessing's
+    finalizers."""
     with tier(tmp_path, kind) as env:
         box = Sandbox(tmp_path / "box")
         res = box.run(UPLOAD, timeout=300, TEST_STORE=str(tmp_path / "node"),

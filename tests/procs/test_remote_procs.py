@@ -17,10 +17,8 @@ from typing import Any
 
 import pytest
 from ccutil import Sandbox
-from fs_util import shared_dir
-from http_util import NginxServer
 from redis_util import RedisServer, free_port
-from s3_util import remote_tier
+from tier_util import remote_tier
 
 from cachecompile.store import Hit, make_key, open_store
 from cachecompile.store.remote import RedisRemote
@@ -75,21 +73,10 @@ def remote_lines(stderr: str) -> list[str]:
 @contextlib.contextmanager
 def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
     """A real server of the tier on loopback; the environment a node uses to reach it."""
-    if tier == "file":
-        with shared_dir(tmp_path / "share") as share:
+    with remote_tier(tmp_path, tier) as (srv, env):
+        if tier == "file":
             # Node A writes through one mount point; the others read through the other.
-            yield {"CACHECOMPILE_REMOTE": share.url("a"), "NODE_B_REMOTE": share.url("b"),
-                   "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-        return
-    if tier == "http":
-        srv = NginxServer(tmp_path / "nginx").start()
-        try:
-            yield {"CACHECOMPILE_REMOTE": srv.url("fleet/cc"),
-                   "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-        finally:
-            srv.stop()
-        return
-    with remote_tier(tmp_path, tier) as (_, env):
+            env["NODE_B_REMOTE"] = srv.url("b")
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from ccutil import cachectl
-from s3_util import remote_tier
+from tier_util import remote_tier
 
 from cachecompile import store
 from cachecompile.store import Hit, make_key
