@@ -44,7 +44,7 @@ from .common import (
     human_size,
     label_options,
 )
-from .readable import entries, split_graphs
+from .readable import entries, plural, split_graphs, were
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -192,9 +192,9 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
     for i in bad:
         click.echo(f"malformed {i.key}: {problems[i.key]}", err=True)
     if bad:
-        click.echo(f"{len(bad)} malformed records: no node can load them. `cachectl remote "
-                   "purge --malformed` removes them; a `cachectl push` of the entry with "
-                   "the fleet's key replaces one", err=True)
+        click.echo(f"{plural(len(bad), 'malformed record')}, which no node can load. "
+                   "`cachectl remote purge --malformed` removes them; a `cachectl push` of "
+                   "the entry with the fleet's key replaces one", err=True)
 
 
 @remote_group.command("stats", short_help="Entries, bytes and the server's space used")
@@ -270,15 +270,15 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
     if dry_run:
         click.echo("dry run: nothing removed")
         return
-    if goes and not yes and not click.confirm(f"remove these {len(goes)} entries?",
-                                              default=False):
+    if goes and not yes and not click.confirm(
+            f"remove {entries(*split_graphs(i.labels for i in goes))}?", default=False):
         click.echo("aborted")
         return
     for i in goes:
         r.delete(i.key)
     swept = r.sweep()
-    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept {swept} "
-               "unreferenced blob keys")
+    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept "
+               f"{plural(swept, 'unreferenced blob key')}")
 
 
 @click.command("push", short_help="Upload local entries to the remote tier")
@@ -324,13 +324,14 @@ def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
                             progress=advance,
                             on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
     click.echo(f"{entries(*split_graphs(i.labels for i in infos))}: pushed {done.sent} to "
-               f"{r.config.display}; {done.there} were there already"
-               + (f"; {done.repaired} replaced records that did not verify"
+               f"{r.config.display}; {were(done.there)} there already"
+               + (f"; replaced {plural(done.repaired, 'record')} that did not verify"
                   if done.repaired else "")
-               + (f"; {done.resigned} re-signed with the current key" if done.resigned else "")
-               + (f"; {len(done.kept)} signed records kept" if done.kept else "")
-               + (f"; {len(done.refused)} records not replaced (the server cannot do it "
-                  "safely)" if done.refused else ""))
+               + (f"; re-signed {plural(done.resigned, 'record')} with the current key"
+                  if done.resigned else "")
+               + (f"; kept {plural(len(done.kept), 'signed record')}" if done.kept else "")
+               + (f"; {plural(len(done.refused), 'record')} not replaced (the server cannot "
+                  "do it safely)" if done.refused else ""))
 
 
 @click.command("pull", short_help="Download remote entries into the local store")
@@ -363,10 +364,10 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     st.flush()  # what a chain's lower levels gave goes up to the nearer ones now
     shown = ", ".join(r.config.display for r in levels)
     click.echo(f"pulled {entries(*split_graphs(i.labels for i in got))} from "
-               f"{shown}; {have} were here already"
+               f"{shown}; {were(have)} here already"
                + (f"; {failed} refused or failed" if failed else ""))
     if failed:
-        raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)
+        raise CliError(f"{entries(failed)} could not be pulled", EXIT_STORE)
 
 
 @click.command("export", short_help="Write entries to a bundle (.tar.zst, .tar.gz, .tar)")
@@ -400,5 +401,5 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
         rep = import_bundle(st, src, progress=advance)
     found = [st.stat(d) for d in rep.entries]
     click.echo(f"imported {entries(*split_graphs(i.labels for i in found if i is not None))} "
-               f"({human_size(rep.bytes)}) into {st.root}; {len(rep.skipped)} were there "
+               f"({human_size(rep.bytes)}) into {st.root}; {were(len(rep.skipped))} there "
                "already")

@@ -364,7 +364,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if dry_run:
         click.echo("dry run: nothing removed")
         return
-    if not yes and not click.confirm(f"remove these {len(goes)} entries?", default=False):
+    if not yes and not click.confirm(f"remove {entries(*split_graphs(i.labels for i in goes))}?",
+                                     default=False):
         click.echo("aborted")
         return
     gone = st.purge(keys=[i.key for i in goes], include_pinned=include_pinned)
