@@ -426,7 +426,9 @@ class Remote(Protocol):
         ...
 
     def listing(self) -> Iterator[Listed]:
-        """Every record, malformed ones included (``cachectl remote ls`` and ``purge``)."""
+        """Every record, malformed ones included (``cachectl remote ls`` and ``purge``),
+        each under its entry's digest, or, on a server that stores records under another
+        name (HTTP), under that name where the record's bytes cannot prove its digest."""
         ...
 
     def download(self, digest: str, dest: Path,
@@ -446,7 +448,8 @@ class Remote(Protocol):
         ...
 
     def delete(self, digest: str) -> bool:
-        """Remove the record; its blobs go with the next :meth:`sweep`."""
+        """Remove the record of ``digest`` (an entry's digest, or the key :meth:`listing`
+        gave a record that names no entry); its blobs go with the next :meth:`sweep`."""
         ...
 
     def sweep(self) -> int:
@@ -633,7 +636,9 @@ class BlobRemote:
 
     def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         """(digest, raw record) of every record under the prefix; None for one that went
-        between the listing and its read."""
+        between the listing and its read. :meth:`records` and :meth:`listing` are built
+        on it. A server whose record names are not digests (HTTP's ``/ac/`` hashes) gives
+        a record whose bytes do not prove its digest under its own name."""
         raise NotImplementedError
 
     def write_record(self, digest: str, data: bytes, tag: object | None, *,

@@ -3,14 +3,18 @@ ones, are rows of ``cachectl remote ls``, and one ``cachectl`` command removes t
 keyed ``push`` writes over a record it proves malformed, even on a server without
 conditional puts (s3rver), never over one a node could load.
 
-On each of the three servers (redis-server, moto, s3rver), the garbage is written to the
-record's key or object directly, as a torn write, a tool or a bug leaves it.
+On each tier (redis-server, moto, s3rver, a shared directory, nginx's WebDAV), the
+garbage is written to the record's key, object or file directly, as a torn write, a tool
+or a bug leaves it. Where a server cannot compare and set (s3rver, HTTP), only a keyed
+push writes over a malformed record (after reading it again); on the others (Redis's
+script, S3's conditional put, file://'s atomic rename) any upload replaces it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +26,14 @@ from tier_util import remote_tier
 from cachecompile import store
 from cachecompile.store import Hit, make_key
 from cachecompile.store.remote import open_remote
+from cachecompile.store.remote.http import ac_name
 from cachecompile.store.signing import Trust
 
 FLEET_KEY = "fleet-secret-key-for-repairs"
 FILES = {"kernel.so": b"\x7fELF" + bytes(range(256)) * 8, "out.py": b"x = 1\n"}
 GARBAGE = "0f" * 16  # a record under a digest no entry has: b"\x00garbage"
+# Servers that cannot compare and set: only a keyed push writes over a malformed record.
+NO_CAS = ("s3rver", "http")
 
 
 class Server:
@@ -44,6 +51,17 @@ class Server:
         if self.kind == "redis":
             self.srv.client().set(f"cachecompile:v1:entry:{digest}", data)
             return
+        if self.kind == "file":
+            where = self.srv.a / "cc" / "v1" / "entry" / digest[:2]
+            where.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (where / digest).write_bytes(data)
+            (where / digest).chmod(0o600)
+            return
+        if self.kind == "http":
+            req = urllib.request.Request(f"{self.url}/ac/{ac_name(digest)}", data=data,
+                                         method="PUT")
+            urllib.request.urlopen(req, timeout=10).close()
+            return
         import obstore
         from obstore.store import S3Store
 
@@ -58,8 +76,16 @@ class Server:
         got = open_remote(self.url, Trust(accept_unsigned=True)).read_record(digest)  # type: ignore[attr-defined]
         return None if got is None else bytes(got[0])
 
+    def row(self, digest: str, data: bytes) -> str:
+        """The key ``cachectl remote ls`` lists the malformed record ``data`` of
+        ``digest`` under: its digest, but on HTTP (whose record names are hashes of the
+        digest) only where the bytes still hold it, else the record's ``/ac/`` name."""
+        if self.kind == "http" and digest.encode() not in data:
+            return ac_name(digest)
+        return digest
 
-@pytest.fixture(params=["redis", "moto", "s3rver"])
+
+@pytest.fixture(params=["redis", "moto", "s3rver", "file", "http"])
 def server(request: pytest.FixtureRequest, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
     for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_TRUST_REMOTE", "CACHECOMPILE_SIGNING_KEY",
@@ -102,13 +128,15 @@ def test_torn_malformed_and_unsigned_records_are_listed_and_purged(
     assert whole is not None
     server.write_raw(keys[0].digest, whole[: len(whole) // 2])  # torn mid-write
     server.write_raw(GARBAGE, b"\x00garbage")
+    torn, garbage = (server.row(keys[0].digest, whole[: len(whole) // 2]),
+                     server.row(GARBAGE, b"\x00garbage"))
 
     got = rows(server)
     assert {k: r["state"] for k, r in got.items()} == {
-        keys[0].digest: "malformed", GARBAGE: "malformed", keys[1].digest: "signed",
+        torn: "malformed", garbage: "malformed", keys[1].digest: "signed",
         keys[2].digest: "unsigned"}
-    assert got[GARBAGE]["size_bytes"] == len(b"\x00garbage") and got[GARBAGE]["problem"]
-    assert set(rows(server, "--malformed")) == {keys[0].digest, GARBAGE}
+    assert got[garbage]["size_bytes"] == len(b"\x00garbage") and got[garbage]["problem"]
+    assert set(rows(server, "--malformed")) == {torn, garbage}
     assert set(rows(server, "--unsigned")) == {keys[2].digest}
     rc, out, err = ctl(server, "remote", "ls")
     assert rc == 0 and "malformed" in out and "purge --malformed" in err, out + err
@@ -127,8 +155,9 @@ def test_torn_malformed_and_unsigned_records_are_listed_and_purged(
 
     # A malformed record named by its key (a prefix of it), as `remote ls` shows it.
     server.write_raw(keys[1].digest, b"{\"body\": ")
-    assert rows(server)[keys[1].digest]["state"] == "malformed"
-    rc, out, err = ctl(server, "remote", "purge", keys[1].digest[:12], "--yes")
+    shown = server.row(keys[1].digest, b"{\"body\": ")
+    assert rows(server)[shown]["state"] == "malformed"
+    rc, out, err = ctl(server, "remote", "purge", shown[:12], "--yes")
     assert rc == 0 and "removed 1 entry" in out, out + err
     assert rows(server) == {}
     # The blobs no record references went with the sweep: a purge --all now finds nothing.
@@ -138,9 +167,9 @@ def test_torn_malformed_and_unsigned_records_are_listed_and_purged(
 
 def test_a_keyed_push_replaces_a_record_it_proves_malformed(
         tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On every server, s3rver (no conditional puts) included: a keyed ``cachectl push``
-    writes over a torn record; a keyless one, and a serving node's upload, never do; a
-    record a node could load (unsigned) stays on s3rver, as before."""
+    """On every server, s3rver (no conditional puts) and HTTP included: a keyed ``cachectl
+    push`` writes over a torn record; there a keyless one, and a serving node's upload,
+    never do; a record a node could load (unsigned) stays there, as before."""
     local = store.open_store(tmp_path / "a", remote="")
     keys = [make_key({"push-repair": i}) for i in range(2)]
     entries = [local.put(k, {**FILES, "n": bytes([i])}) for i, k in enumerate(keys)]
@@ -154,8 +183,8 @@ def test_a_keyed_push_replaces_a_record_it_proves_malformed(
     # A serving node's background upload (no repair) never writes blind over it.
     node = open_remote(server.url, Trust(key=FLEET_KEY.encode()))
     done = node.upload(entries[0], repair=False)
-    if server.kind == "s3rver":
-        assert not done and "conditional puts" in done.refused
+    if server.kind in NO_CAS:
+        assert not done and done.refused, done  # kept, saying why
         assert server.raw(keys[0].digest) == torn
     else:
         assert done and done.found == "malformed"  # compare-and-set: safe for anyone
@@ -164,7 +193,7 @@ def test_a_keyed_push_replaces_a_record_it_proves_malformed(
     rc, out, err = ctl(server, "push", "--cache-dir", str(tmp_path / "a"), keys[0].digest,
                        key=False)
     assert rc == 0, out + err
-    if server.kind == "s3rver":
+    if server.kind in NO_CAS:
         # Without the key nothing is proven: the record stays (and is said to).
         assert "not replaced" in out and server.raw(keys[0].digest) == torn, out
 
