@@ -30,6 +30,7 @@ from cachecompile.procs.builders import (
     BuildError,
     BuildEvent,
     BuildResult,
+    Cause,
     Checked,
     check_factory,
     prebuild_factory,
@@ -241,21 +242,39 @@ def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:
             "entries": list(r.entries), **({"cpu_target": target} if target else {})}
 
 
+def _differ_text(differ: Mapping[str, Any]) -> list[str]:
+    """``{factor: [here, there]}`` (:class:`~cachecompile.procs.builders.Checked`'s
+    ``nearest["differ"]``, a :class:`~cachecompile.procs.builders.Cause`'s ``differ``) as
+    ``factor (here's value here, there's there)``, values as ``cachectl explain`` prints
+    them; a factor one side lacks is ``unset`` there."""
+    def value(name: str, v: Any) -> str:
+        return "unset" if v is None else factor_text(name, v)
+
+    return [f"{n} ({value(n, v[0])} here, {value(n, v[1])} there)"
+            if isinstance(v, (list, tuple)) and len(v) == 2 else n for n, v in differ.items()]
+
+
 def _missing_line(t: Mapping[str, Any], target: str | None) -> str:
     """One ``missing`` line of ``build --check``; where the check found the entry nearest
     to the signature's key (``t["nearest"] = {"key", "differ": {factor: [here, there]}}``),
-    the factors it differs in, with both values, as ``cachectl explain`` prints them."""
+    the factors it differs in, with both values."""
     line = (f"missing  {t['name']} [{t['signature']}]  {t['key'][:12] or '(no key)'}"
             + (f"  ({target})" if target else ""))
     near = t.get("nearest")
     if not isinstance(near, Mapping) or not near.get("key"):
         return line
-    differ = near.get("differ") or {}
-    named = ([f"{n} ({factor_text(n, v[0])} here, {factor_text(n, v[1])} there)"
-              for n, v in differ.items()] if isinstance(differ, Mapping) else list(differ))
+    named = _differ_text(near.get("differ") or {})
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""
     return (f"{line}\n         nearest entry {str(near['key'])[:12]} differs in "
             f"{', '.join(named[:3]) or 'nothing keyed'}{more}")
+
+
+def _cause_text(c: Cause) -> str:
+    """A likely cause of the misses, as ``likely cause: ...`` and the JSON's
+    ``likely_causes`` say it: the advice, how many missing signatures it sets apart, and
+    its factors' values as the missing lines print them."""
+    return (f"{c.advice}. It sets {c.count} of the {c.of} missing signatures apart: "
+            f"{', '.join(_differ_text(c.differ))}")
 
 
 def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
@@ -272,7 +291,7 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
     except BuildError as e:
         raise CliError(str(e), EXIT_PROBLEMS) from None
     missing = [(target, t) for target, c in found for t in c.missing]
-    causes = list(dict.fromkeys(why for _, c in found for why in c.causes))
+    causes = list(dict.fromkeys(_cause_text(why) for _, c in found for why in c.causes))
     if as_json:
         named = [t for t in targets if t is not None]
         click.echo(json.dumps({
@@ -283,8 +302,7 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
             "present": sum(len(c.present) for _, c in found),
             "missing": [{**{k: t[k] for k in ("name", "signature", "key")},
                          **({"cpu_target": target} if target else {}),
-                         **({"nearest": {k: t["nearest"][k] for k in ("key", "differ")}}
-                            if "nearest" in t else {})}
+                         **({"nearest": t["nearest"]} if "nearest" in t else {})}
                         for target, t in missing],
             "likely_causes": causes}, indent=1))
     else:

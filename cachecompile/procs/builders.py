@@ -318,19 +318,34 @@ def _listed(spec: str, cache_dir: str | None, shard: Shard | None,
         w.stop()
 
 
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """A likely cause of ``--check``'s misses that a user can act on: ``advice`` (what
+    differs and what to do), how many of the missing signatures it sets apart
+    (``count`` of ``of``), and its factors as the first of those signatures' nearest
+    entry has them, ``{factor: [here, there]}`` (``nearest["differ"]``'s shape)."""
+
+    advice: str
+    count: int
+    of: int
+    differ: dict[str, list[Any]]
+
+
 @dataclasses.dataclass
 class Checked:
     """What ``cachectl build --check`` found: each declared signature (of the shard), there
     or not; ``declared``: the factory's signatures, every shard's. A missing signature
-    carries ``nearest`` (the tier's entry most like it: its key and the factors they
-    differ in) where the tier has entries of its method; ``causes`` names the likely
-    cause of the misses where those factors say one (:func:`likely_causes`)."""
+    carries ``nearest`` where the tier has entries of its method: the tier's entry most
+    like it, ``{"key", "differ": {factor: [here, there]}}`` (the factors they differ in,
+    with this check's value and the entry's); ``causes`` names the likely causes of the
+    misses where those factors say one (:func:`likely_causes`). ``cachectl build`` prints
+    both (cachecompile.cli.build)."""
 
     tier: str                                  # the store asked (the remote, or the local)
     present: list[dict[str, Any]]
     missing: list[dict[str, Any]]
     declared: int = 0
-    causes: list[str] = dataclasses.field(default_factory=list)
+    causes: list[Cause] = dataclasses.field(default_factory=list)
 
 
 # The entries ``--check`` reads to explain what is missing: one manifest each (a GET on S3,
@@ -349,23 +364,18 @@ _CAUSES = (
 )
 
 
-def likely_causes(missing: Sequence[dict[str, Any]]) -> list[str]:
-    """What the missing signatures' nearest entries differ in that a user can fix, one
-    line per cause, with how many signatures it explains and both values, e.g. ``the
-    thread count (...): 8 of 8 missing; the tier's entries have backend.num_threads=1,
-    this check has 2``."""
-    out: list[str] = []
-    for words, paths in _CAUSES:
-        hit = [t for t in missing if any(_under(d, paths) for d in t.get("nearest", {})
-                                         .get("differ", []))]
-        if not hit:
-            continue
-        near = hit[0]["nearest"]
-        shown = "; ".join(f"{d}={_shown(near['theirs'].get(d))} in the tier's entry, "
-                          f"{_shown(near['ours'].get(d))} here"
-                          for d in near["differ"] if _under(d, paths))
-        out.append(f"{words}. It sets {len(hit)} of the {len(missing)} missing signatures "
-                   f"apart ({shown})")
+def likely_causes(missing: Sequence[dict[str, Any]]) -> list[Cause]:
+    """What the missing signatures' nearest entries differ in that a user can fix: one
+    :class:`Cause` per cause, with how many signatures it sets apart and its factors'
+    values on both sides."""
+    out: list[Cause] = []
+    for advice, paths in _CAUSES:
+        hit = [t for t in missing if any(_under(d, paths) for d in (t.get("nearest") or {})
+                                         .get("differ", {}))]
+        if hit:
+            differ = hit[0]["nearest"]["differ"]
+            out.append(Cause(advice, len(hit), len(missing),
+                             {d: v for d, v in differ.items() if _under(d, paths)}))
     return out
 
 
@@ -373,29 +383,19 @@ def _under(path: str, paths: Sequence[str]) -> bool:
     return any(path == p or (p.endswith(".") and path.startswith(p)) for p in paths)
 
 
-def _shown(value: Any) -> str:
-    return "unset" if value is None else json.dumps(value)
-
-
 def _nearest(factors: dict[str, Any], candidates: Sequence[tuple[str, dict[str, Any]]]
              ) -> dict[str, Any] | None:
     """The candidate (key, factors) with the fewest differing factors, those of the same
-    signature first: {key, differ, ours, theirs} (the two sides' values of each)."""
-    from cachecompile.store.explain import NOT_COMPARED, differing, flatten
+    signature first (the rule of ``cachectl explain``, :func:`~cachecompile.store.explain.
+    closest`): ``{"key", "differ": {factor: [here, there]}}``."""
+    from cachecompile.store.explain import closest, flatten
 
-    if not candidates:
-        return None
     same = [c for c in candidates if c[1].get("signature") == factors.get("signature")]
-    best: tuple[str, list[str], dict[str, Any]] | None = None
-    for key, theirs in same or candidates:
-        diff = differing(factors, theirs, ignore=NOT_COMPARED)
-        if best is None or len(diff) < len(best[1]):
-            best = (key, diff, theirs)
-    assert best is not None
-    key, diff, theirs = best
-    fo, ft = flatten(factors), flatten(theirs)
-    return {"key": key, "differ": diff, "ours": {d: fo.get(d) for d in diff},
-            "theirs": {d: ft.get(d) for d in diff}}
+    near = closest(factors, same or candidates)
+    if near is None:
+        return None
+    fo, ft = flatten(factors), flatten(dict(candidates)[near.key])
+    return {"key": near.key, "differ": {d: [fo.get(d), ft.get(d)] for d in near.differ}}
 
 
 def check_factory(spec: str, *, cache_dir: str | None = None,

@@ -451,12 +451,16 @@ def test_check_names_the_thread_count_or_compiler_that_sets_a_build_apart(
     assert rc == 1 and len(found["missing"]) == 2, found
     assert [c for c in found["likely_causes"] if c.startswith("the thread count")], found
     assert "2 of the 2 missing" in found["likely_causes"][0], found
-    assert all("backend.num_threads" in m["nearest"]["differ"] for m in found["missing"])
+    # The nearest entry's factors, this check's value and the tier's: {factor: [here, there]}.
+    assert all(m["nearest"]["differ"]["backend.num_threads"] == [2, 1]
+               for m in found["missing"]), found
     plain = subprocess.run(_cmd("build", "grid:factory", "--check"), cwd=box.root,
                            env=box.env(CACHECOMPILE_DIR=str(store), OMP_NUM_THREADS="2"),
                            capture_output=True, text=True, timeout=600)
     assert plain.returncode == 1 and "likely cause: the thread count" in plain.stdout, \
         plain.stdout + plain.stderr
+    # One formatter for both: each missing line and the cause give the values alike.
+    assert plain.stdout.count("backend.num_threads (2 here, 1 there)") >= 2, plain.stdout
     # Another compiler than the build's (the plain g++, not the session's wrapper).
     rc, found, _ = check(OMP_NUM_THREADS="1", CXX="g++")
     assert rc == 1 and len(found["missing"]) == 2, found
