@@ -24,7 +24,6 @@ from cachecompile.cached import CachedFunction, SharedEntries, cache_off
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import cpu
-from cachecompile.key import passes as passes_mod
 from cachecompile.key.factors import device_factors, function_factors
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
@@ -100,13 +99,6 @@ def _ignore_unknown(kwargs: Mapping[str, Any]) -> None:
         named.append(f"{name} (did you mean {near[0]}?)" if near else name)
     warnings.warn(f"cache_compile() ignores unknown keyword arguments: {', '.join(named)}",
                   IgnoredArgumentWarning, stacklevel=user_stacklevel())
-
-
-def _torchair_default_dir() -> str | None:
-    """TorchAir's default cache dir, unless cachecompile's own variable names one."""
-    if settings.DIR.get():
-        return None
-    return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
 
 
 # torch.compile(mode=...) as Inductor options: torch._inductor.list_mode_options of
@@ -410,18 +402,17 @@ def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
         adapter, options = backends.resolve(s.backend, s.config, ge_cache=s.ge_cache)
     except (TypeError, ValueError, KeyError) as e:
         raise ContractError(f"cache_compile(): {e}") from None
-    if s.passes is not None and adapter.name != "inductor":
-        raise ContractError(f"cache_compile(): passes= are Inductor's custom pass hooks; the "
-                            f"{adapter.name!r} backend does not run them (with torchair, give "
-                            "them in its CompilerConfig)")
-    if adapter.name == "inductor":
-        options = passes_mod.merge(options, s.passes)
-        passes_mod.check(options)
+    try:
+        options = dict(capability(adapter, "with_passes")(options, s.passes))
+    except ContractError:
+        raise   # worded for the user already (key.passes)
+    except (TypeError, ValueError) as e:
+        raise ContractError(f"cache_compile(): {e}") from None
     cache_dir = s.cache_dir
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
-    if cache_dir is None and adapter.name == "torchair":
-        cache_dir = _torchair_default_dir()
+    if cache_dir is None:
+        cache_dir = capability(adapter, "default_cache_dir")()
     try:
         mode = GuardMode(s.guards) if s.guards is not None else GuardMode.from_env()
     except ValueError:

@@ -196,8 +196,7 @@ def _open_local(
             raise errors.StoreError(f"cannot create the cache directory {path}: "
                                     f"{e.strerror or e}; set cache_dir= or CACHECOMPILE_DIR "
                                     "to a directory this user can create") from e
-        logger.warning("cannot create cache %s (%s): using it read-only", path, e)
-        return ReadOnlyStore(st, f"cannot create it: {e.strerror}")
+        return _read_only_after(st, e, "cannot create it")
     st.check_root()
     if not _writable(path) or (st.base.exists() and not _writable(st.base)):
         logger.warning("cache %s is not writable: using it read-only", path)
@@ -205,9 +204,16 @@ def _open_local(
     try:
         st.create_layout()
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        logger.warning("cache %s is not writable (%s): using it read-only", path, e)
-        return ReadOnlyStore(st, f"not writable: {e.strerror}")
+        return _read_only_after(st, e, "not writable")
     st.sweep_temp()
     return st
+
+
+def _read_only_after(st: Store, e: OSError, why: str) -> ReadOnlyStore:
+    """``st`` read-only, after a write to it was refused (EACCES, EPERM, EROFS: a
+    shared or mounted cache this user may only read), with one warning; any other error
+    is raised."""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise e
+    logger.warning("cache %s: %s (%s): using it read-only", st.root, why, e)
+    return ReadOnlyStore(st, f"{why}: {e.strerror}")

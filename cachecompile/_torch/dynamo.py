@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import logging
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -251,6 +252,46 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
         out.extend(_unguarded)
         _unguarded.clear()                # each frame's guards are built once, after it
     return out
+
+
+# -- torch 2.11 and 2.12: outputs marked maybe-dynamic by the compiled graph -------------
+# AOTAutograd's runtime wrapper in 2.11 and 2.12 marks each output dim it traced as
+# symbolic with ``_dynamo_weak_dynamic_indices``, the attribute ``maybe_mark_dynamic``
+# sets, which Dynamo (and cachecompile's signature) read as the user's mark. A replayed
+# program marks nothing, as eager does, so the next cached method called on that output
+# (a model's next block) saw another signature in the compiling process than in a warm
+# one, and the warm process compiled it again. 2.13 stamps a separate, unguarded attribute
+# instead (``_dynamo_propagated_dynamic_indices``); on 2.11 and 2.12 the live compiled
+# graphs of a cached method mark nothing, as 2.13's and the warm path's do.
+_MARK_HELPER = "maybe_mark_dynamic_helper"
+_unmarked_depth = 0
+_unmarked_lock = threading.Lock()
+_real_mark: Any = None
+
+
+@contextlib.contextmanager
+def outputs_left_unmarked() -> Iterator[None]:
+    """While a cached method's live compile runs (its cold call, and later live calls),
+    its compiled graphs do not mark their outputs maybe-dynamic. Nothing on 2.13+."""
+    global _unmarked_depth, _real_mark
+    if versions.at_least(2, 13):
+        yield
+        return
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    with _unmarked_lock:
+        if _unmarked_depth == 0:
+            # (a 2.11/2.12 name: read and set by name, so it type-checks against 2.13+)
+            _real_mark = getattr(runtime_wrappers, _MARK_HELPER)
+            setattr(runtime_wrappers, _MARK_HELPER, lambda t, dims: None)
+        _unmarked_depth += 1
+    try:
+        yield
+    finally:
+        with _unmarked_lock:
+            _unmarked_depth -= 1
+            if _unmarked_depth == 0:
+                setattr(runtime_wrappers, _MARK_HELPER, _real_mark)
 
 
 # -- torch 2.11: class attributes read without a guard -----------------------------------

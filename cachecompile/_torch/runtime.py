@@ -117,9 +117,9 @@ def _is_pass(name: str) -> bool:
 def _user_override(entry: Any, unset: object) -> Any:
     """What the process set a config entry to, or ``unset``.
 
-    torch 2.13 keeps each override in a ``ContextVar`` (per thread and context); 2.11 and
-    2.12 keep the value itself on the entry."""
-    if versions.at_least(2, 13):
+    torch 2.12 and later keep each override in a ``ContextVar`` (per thread and context);
+    2.11 keeps the value itself on the entry."""
+    if versions.at_least(2, 12):
         override = getattr(entry, "user_override", None)
         return override.get() if override is not None else unset
     return getattr(entry, "user_override", unset)

@@ -26,8 +26,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import Maintenance, errors, open_store, settings
+from cachecompile.store import Maintenance, open_store, settings
 from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.keys import match_prefix
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
 from cachecompile.store.remote import Listed, Remote, open_levels, split_levels
@@ -137,16 +138,6 @@ def state_options(f: F) -> F:
                         help="Records that cannot be read (a torn or garbage write, or a "
                              "format this version does not know): no node can load "
                              "them.")(f)
-
-
-def _resolve(prefix: str, keys: list[str]) -> str:
-    p = prefix.strip().lower()
-    matches = sorted(k for k in keys if k.startswith(p))
-    if not p or not matches:
-        raise errors.KeyNotFound(f"no remote entry matches {prefix!r}")
-    if len(matches) > 1:
-        raise errors.AmbiguousKey(prefix, matches)
-    return matches[0]
 
 
 def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str],
@@ -261,7 +252,8 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
                                "or --all")
     r = _remote(remote_url)
     infos, _ = _rows(r)
-    goes = _selected(infos, keys, want, lambda k: _resolve(k, [i.key for i in infos]),
+    goes = _selected(infos, keys, want,
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"),
                      states)
     if goes:
         _console().print(_entries_table(
@@ -349,7 +341,7 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     infos = list({i.key: i for r in reversed(levels)
                   for i in (_info(Listed(rec.key, 0, rec)) for rec in r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
-                     lambda k: _resolve(k, [i.key for i in infos]))
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
     got: list[EntryInfo] = []
     have = failed = 0
     for i in todo:

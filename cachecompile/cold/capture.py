@@ -388,7 +388,7 @@ class TraceSession:
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
         try:
-            with dynamo.quiet_meta_errors():
+            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
                 if first and self._capture:
                     with dynamo.unguarded_reads_recorded():
                         return self._live(*args, **kwargs)

@@ -30,12 +30,11 @@ import torch
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
 from cachecompile._torch.dynamo import GuardEntry
+from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.guard_paths import LEAVES, NO_GLOBAL, UNSET_ENV
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import class_digest, identity, qualified_name
-
-JSON = Any
 
 
 class Source(Protocol):

@@ -47,6 +47,7 @@ import torch
 import xxhash
 
 from cachecompile._torch import runtime
+from cachecompile._types import JSON
 from cachecompile.entry import codeobj, values
 from cachecompile.entry.guard_kinds import KINDS, TABLE, TypeRef
 from cachecompile.errors import UnsupportedProgramError
@@ -55,7 +56,6 @@ from cachecompile.store import settings
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 GuardDict = dict[str, JSON]
 
 class GuardMode(enum.Enum):

@@ -20,8 +20,7 @@ import torch
 import xxhash
 
 from cachecompile._torch import runtime
-
-JSON = Any
+from cachecompile._types import JSON
 
 _code_digests: dict[int, tuple[types.CodeType, str]] = {}
 
