@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
 import click

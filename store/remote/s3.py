@@ -247,7 +247,7 @@ class S3Remote(BlobRemote):
             return bytes(r.bytes()), str(r.meta.get("e_tag") or "")
 
         try:
-            return tuple(self._call(what, get))  # type: ignore[return-value]
+            return tuple(self._call(what, get))
         except _Gone:
             return None
 

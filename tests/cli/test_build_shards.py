@@ -144,7 +144,7 @@ class Fleet:
     def env(self, i: int | None) -> dict[str, str]:
         store = self.store(i) if i is not None else self.box.root / "gate"
         return self.box.env(CACHECOMPILE_DIR=str(store), CACHECOMPILE_COMPILE_SLOTS="1",
-                            **self.remote)
+                            environ=self.remote)
 
     def start(self, i: int, *extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(_cmd("build", "grid:factory", "--shard", f"{i}/{N}",
@@ -207,7 +207,7 @@ def test_three_shards_fill_the_remote_once_and_a_killed_one_is_rerun(tmp_path: P
         # Killed mid-compile, it left no torn entry (publishing is an atomic rename).
         from cachecompile.store import open_store
 
-        assert open_store(fleet.store(killed), remote="", create=False).verify().problems == []
+        assert open_store(fleet.store(killed), remote="", create=False).maintenance().verify().problems == []
 
         gate = fleet.run("build", "grid:factory", "--check")  # the gate: not yet
         assert gate.returncode == 1, gate.stdout + gate.stderr
