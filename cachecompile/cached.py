@@ -273,7 +273,7 @@ class CachedFunction(Generic[_P, _R]):
         return sum(len(v) for v in self._runners.values())
 
     # -- first call of a signature (or of a variant whose guards failed) --------------
-    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],  # noqa: C901 (today's exception: the first call's outcomes (hit, miss, refusal, fault))
                     off_gear: bool = False) -> Any:
         if self._shapes is not None:
             sig = self._automatic(sig, args, kwargs)

@@ -235,7 +235,7 @@ def run_model(args: argparse.Namespace) -> None:
     emit("RESULT", result)
 
 
-def run_micro(args: argparse.Namespace) -> None:
+def run_micro(args: argparse.Namespace) -> None:  # noqa: C901 (today's exception: one branch per mechanism measured)
     """Per-call overhead of ``x + 1`` on 4 floats through a module method."""
     work = Path(args.work)
     module = AddOne()
