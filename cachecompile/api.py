@@ -517,7 +517,7 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
         if isinstance(sub.forward, CachedFunction):
             raise ContractError(f"compile_repeated_blocks(): {name}.forward is cached "
                                 "already; cache each block once")
-        sub.forward = _cache_method(_check_method(sub.forward), settings,  # type: ignore[method-assign]
+        sub.forward = _cache_method(_check_method(sub.forward), settings,
                                     shared=group)
         found.add(name)
     # Classes named explicitly must be there; of the model's own _repeated_blocks (a

@@ -221,7 +221,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     obj = identity.import_attr(module_name, attr)
     if not callable(obj):
         raise ContractError(f"{spec} is {type(obj).__qualname__}, not a callable")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def plan_factory(spec: str) -> list[Task]:

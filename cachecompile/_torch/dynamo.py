@@ -183,7 +183,7 @@ def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
 
 def transformed_code(code: types.CodeType) -> list[types.CodeType]:
     """The transformed code object of each entry in Dynamo's cache for ``code``."""
-    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)  # type: ignore[attr-defined]
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
     return [entry.code for entry in entries]
 
 
@@ -201,7 +201,7 @@ def aot_inference(on_forward: Callable[[torch.fx.GraphModule], None],
         on_forward(fx_gm)
         return make_boxed_func(fx_gm.forward)
 
-    return aot_autograd(fw_compiler=fw_compiler,  # type: ignore[no-any-return]
+    return aot_autograd(fw_compiler=fw_compiler,
                         decompositions=dict(decompositions) if decompositions else {},
                         keep_inference_input_mutations=True)
 

@@ -26,15 +26,15 @@ DYNAMO_UTILS = "torch._dynamo.utils"
 
 
 def call_size(x: Any, i: int) -> int:
-    return x.size(i)  # type: ignore[no-any-return]
+    return x.size(i)
 
 
 def call_stride(x: Any, i: int) -> int:
-    return x.stride(i)  # type: ignore[no-any-return]
+    return x.stride(i)
 
 
 def call_storage_offset(x: Any) -> int:
-    return x.storage_offset()  # type: ignore[no-any-return]
+    return x.storage_offset()
 
 
 # Stateless, so one serves every call: replayed bytecode enters it on each call while no

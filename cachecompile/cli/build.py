@@ -111,7 +111,7 @@ def _env_target() -> tuple[str | None, ...]:
                    "level this CPU has); repeat it or give a comma list to build several. "
                    "Default: the target $CACHECOMPILE_CPU_TARGET serves with on this CPU "
                    "(its best candidate this CPU has), else native.")
-def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,
+def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,  # noqa: C901 (today's exception: CLI: option checks and each report form)
               shard: shards.Shard | None, check: bool, cpu_targets: tuple[str, ...]) -> None:
     """Compile and publish every signature FACTORY lists, before serving.
 

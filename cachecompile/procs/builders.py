@@ -193,7 +193,7 @@ def _worker_env(n: int, cache_dir: str | None, shard: Shard | None,
     return env
 
 
-def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
+def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,  # noqa: C901 (today's exception: the factory's forms and the pool's outcomes)
                      on_event: OnEvent | None = None,
                      shard: Shard | None = None,
                      cpu_target: str | None = None) -> list[BuildResult]:

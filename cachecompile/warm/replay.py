@@ -89,13 +89,13 @@ def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
         raise UnsupportedProgramError(f"stored bytecode does not load: {e}") from e
     if not isinstance(code, types.CodeType):
         raise UnsupportedProgramError("stored bytecode is not a code object")
-    if code.co_freevars != func.__code__.co_freevars:  # type: ignore[attr-defined]
+    if code.co_freevars != func.__code__.co_freevars:
         raise UnsupportedProgramError("stored bytecode does not fit the method's closure")
     if not compiled_fn_name.startswith("__compiled_fn"):
         raise UnsupportedProgramError(f"unexpected compiled function name {compiled_fn_name!r}")
     g[compiled_fn_name] = compiled_fn
-    fn = types.FunctionType(code, g, func.__name__, func.__defaults__,  # type: ignore[attr-defined]
-                            func.__closure__)  # type: ignore[attr-defined]
-    fn.__kwdefaults__ = func.__kwdefaults__  # type: ignore[attr-defined]
+    fn = types.FunctionType(code, g, func.__name__, func.__defaults__,
+                            func.__closure__)
+    fn.__kwdefaults__ = func.__kwdefaults__
     fn.__qualname__ = func.__qualname__
     return types.MethodType(fn, method.__self__)

@@ -143,7 +143,7 @@ def _native() -> Any:
         if _inherited:
             mod = _private_copy()
         else:
-            import obstore._obstore as mod  # type: ignore[import-not-found,no-redef]
+            import obstore._obstore as mod
         _native_mod, _native_pid = mod, pid
         return mod
 
@@ -349,7 +349,7 @@ class S3Remote(BlobRemote):
             return bytes(r.bytes()), str(r.meta.get("e_tag") or "")
 
         try:
-            return tuple(self._call(what, get))  # type: ignore[return-value]
+            return tuple(self._call(what, get))
         except _Gone:
             return None
 

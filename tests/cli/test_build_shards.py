@@ -174,7 +174,7 @@ class Fleet:
     def env(self, i: int | None) -> dict[str, str]:
         store = self.store(i) if i is not None else self.box.root / "gate"
         return self.box.env(CACHECOMPILE_DIR=str(store), CACHECOMPILE_COMPILE_SLOTS="1",
-                            **self.remote)
+                            environ=self.remote)
 
     def start(self, i: int, *extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(_cmd("build", "grid:factory", "--shard", f"{i}/{N}",
@@ -237,7 +237,7 @@ def test_three_shards_fill_the_remote_once_and_a_killed_one_is_rerun(tmp_path: P
         # Killed mid-compile, it left no torn entry (publishing is an atomic rename).
         from cachecompile.store import open_store
 
-        assert open_store(fleet.store(killed), remote="", create=False).verify().problems == []
+        assert open_store(fleet.store(killed), remote="", create=False).maintenance().verify().problems == []
 
         gate = fleet.run("build", "grid:factory", "--check")  # the gate: not yet
         assert gate.returncode == 1, gate.stdout + gate.stderr
@@ -359,7 +359,7 @@ def _torchrun(box: Sandbox, nproc: int, args: list[str], logs: Path,
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={nproc}", "--log-dir", str(logs),
                            "--redirects", "3", "-m", "cachecompile.cli.main", *args],
-                          cwd=box.root, env=box.env(**env), capture_output=True, text=True,
+                          cwd=box.root, env=box.env(environ=env), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     out = []
@@ -440,7 +440,7 @@ def test_check_names_the_thread_count_or_compiler_that_sets_a_build_apart(
 
     def check(**env: str) -> tuple[int, dict[str, Any], str]:
         p = subprocess.run(_cmd("build", "grid:factory", "--check", "--json"), cwd=box.root,
-                           env=box.env(CACHECOMPILE_DIR=str(store), **env),
+                           env=box.env(environ=env, CACHECOMPILE_DIR=str(store)),
                            capture_output=True, text=True, timeout=600)
         assert p.returncode in (0, 1), p.stdout + p.stderr
         return p.returncode, json.loads(p.stdout), p.stderr

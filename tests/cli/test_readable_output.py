@@ -87,7 +87,7 @@ def test_demangled_names_and_folded_hooks() -> None:
     assert readable.ranges([3, 4, 5, 7, 9, 10]) == "3-5,7,9-10"
 
 
-class TwoLayers(__import__("torch").nn.Module):
+class TwoLayers(__import__("torch").nn.Module):  # type: ignore[misc]
     def __init__(self) -> None:
         import torch
 
@@ -96,7 +96,7 @@ class TwoLayers(__import__("torch").nn.Module):
         self.fc1 = torch.nn.Linear(16, 32)
         self.fc2 = torch.nn.Linear(32, 4)
 
-    def run(self, x):  # type: ignore[no-untyped-def]
+    def run(self, x):
         import torch
 
         return self.fc2(torch.relu(self.fc1(x)))

@@ -392,7 +392,7 @@ def test_repeated_blocks_load_once_and_check_each(cache_dir: Path) -> None:
         assert torch.allclose(warm(x), want, atol=1e-6)
     assert (g1.loads, g1.reuses) == (1, 2)   # cold: block 1 loads what block 0 made
     assert (g2.loads, g2.reuses) == (2, 3)
-    assert [e for b in warm.blocks for e, _ in b.forward.events] == ["hit"] * 5
+    assert [e for b in warm.blocks for e, _ in b.forward.events] == ["hit"] * 5  # type: ignore[attr-defined]
 
 
 def test_repeated_blocks_refusals() -> None:

@@ -266,7 +266,7 @@ def test_a_stored_checker_loads_without_parsing_or_compiling(monkeypatch: pytest
     guards = _guards(m, x)[:-1]
     calls: list[int] = []
     real = g.guard_lines
-    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
     fewer = g.build_checker(M.run, guards, {}, every_call=True, lines=lines)  # type: ignore[arg-type]
     assert calls and fewer.full(m, x)
 
@@ -276,12 +276,12 @@ def test_miss_messages_say_what_was_read_in_the_users_terms() -> None:
     never shows a name Dynamo generated (issue 31)."""
     x = torch.randn(3, 4)
     m = M()
-    m.cfg.width = 2.5
+    m.cfg.width = 2.5  # type: ignore[assignment]
     guards = [_guard("type", "L['self'].cfg.width", {"qual": "builtins.float", "code": None}),
               _guard("expr", "not math.isnan(L['self'].cfg.width)", None)]
     c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
     assert c.full(m, x)
-    m.cfg.width = float("nan")
+    m.cfg.width = float("nan")  # type: ignore[assignment]
     why = c.explain(m, x) or ""
     assert "got nan" in why and "got False" not in why, why
     del m.cfg.width

@@ -163,7 +163,7 @@ def test_forked_children_hit_and_the_parent_lives(tmp_path: Path, built: Path,
         box = Sandbox(tmp_path / "box", fresh_inductor=True)  # any compile calls g++
         res = box.run(SERVE, check=False, timeout=600, CACHECOMPILE_DIR=str(tmp_path / "p"),
                       CACHECOMPILE_READONLY="1", OMP_NUM_THREADS="1", TEST_OUT=str(out),
-                      TEST_ROUNDS=str(ROUNDS), TEST_WORKERS=str(WORKERS), **env)
+                      TEST_ROUNDS=str(ROUNDS), TEST_WORKERS=str(WORKERS), environ=env)
         assert res.rc == 0, f"the parent exited {res.rc}:\n{res.stderr[-4000:]}"
         children = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
         want = {f"{how}{r}" + (f".{i}" if how != "process" else "")
@@ -234,6 +234,6 @@ def test_forked_children_upload_what_they_publish(tmp_path: Path, kind: str) -> 
     with tier(tmp_path, kind) as env:
         box = Sandbox(tmp_path / "box")
         res = box.run(UPLOAD, timeout=300, TEST_STORE=str(tmp_path / "node"),
-                      CACHECOMPILE_REMOTE_FLUSH_TIMEOUT="60", **env)
+                      CACHECOMPILE_REMOTE_FLUSH_TIMEOUT="60", environ=env)
         assert (res["process"], res["prefork"]) == (0, 0), res.value
         assert res["remote"] == dict.fromkeys(res["remote"], True), (res.value, res.stderr)

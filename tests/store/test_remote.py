@@ -728,7 +728,7 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
     assert isinstance(node("step1", old, new).get(key), Hit)
     switched = node("step2", new, old)
     assert isinstance(switched.get(key), Hit)          # OLD's record, verified by OLD
-    raw = switched.remote.read_record(key.digest)
+    raw = switched.remote.read_record(key.digest)  # type: ignore[attr-defined]
     assert raw is not None and record_state(switched.remote.trust, key.digest, raw[0]) \
         == "trusted"
     # Without the old key a node on NEW alone misses: what the rotation must avoid.

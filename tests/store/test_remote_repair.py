@@ -200,7 +200,7 @@ def test_a_keyed_push_replaces_a_record_it_proves_malformed(
     rc, out, err = ctl(server, "push", "--cache-dir", str(tmp_path / "a"), keys[0].digest)
     assert rc == 0 and "pushed 1 to" in out, out + err
     assert "replaced 1 record that did not verify" in out, out
-    rec = keyed.record(keys[0].digest)  # type: ignore[attr-defined]
+    rec = keyed.record(keys[0].digest)
     assert rec is not None and keyed.trust.verifies(rec.body, rec.sig)
     # A keyed node now loads it.
     monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", FLEET_KEY)
