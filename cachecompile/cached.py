@@ -53,7 +53,7 @@ from cachecompile.warm.state import cache_off, store_for
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from cachecompile.cold.capture import LiveSession
+    from cachecompile.cold.capture import TraceSession
     from cachecompile.cold.miss import MissPath
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class CachedFunction(Generic[_P, _R]):
                           for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
-        self._fallback: LiveSession | None = None
+        self._fallback: TraceSession | None = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._training_warned = False   # InferenceOnlyWarning given (or not needed)
         # dynamic=None: each static signature's sizes-blind form -> the signature, until a
@@ -414,17 +414,17 @@ class CachedFunction(Generic[_P, _R]):
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                   why: str) -> Any:
-        from cachecompile.cold.capture import LiveSession
+        from cachecompile.cold.capture import TraceSession
 
         if self._fallback is None:
-            self._fallback = LiveSession(self._method, self.spec)
+            self._fallback = TraceSession(self._method, self.spec, capture=False)
             self._fallback.on_recompile_limit = self._recompile_limit_hit
         self._add(sig, Variant(run=self._fallback, check=None, name="live"), "live")
         logger.info("cachecompile live %s [%s]: %s", self.__qualname__, describe(sig), why)
         return self._fallback(*args, **kwargs)
 
     def _recompile_limit_hit(self, reason: str) -> None:
-        """A live compile of this method passed Dynamo's recompile limit (capture.LiveSession
+        """A live compile of this method passed Dynamo's recompile limit (capture.TraceSession
         then runs the call eagerly): say so once, naming the guard that keeps failing."""
         if self._limit_hit_warned:
             return

@@ -165,225 +165,58 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-class LiveSession:
-    """One signature of one cached method under plain ``torch.compile``: caching is off, or
-    this call is not cached, so nothing is captured (:class:`TraceSession` captures).
+class TraceSession:
+    """One signature of one cached method, compiled live by Dynamo.
 
-    It compiles through the adapter's compile while torch's internals are what
-    :mod:`cachecompile._torch` expects, else through the adapter's public backend, which
-    needs none of them.
+    With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
+    or this call not cached): through the adapter's compile while torch's internals are
+    what :mod:`cachecompile._torch` expects, else through the adapter's public backend,
+    which needs none of them.
     """
 
-    def __init__(self, method: types.MethodType, spec: CompileSpec, *,
-                 phases: Phases | None = None) -> None:
+    def __init__(self, method: types.MethodType, spec: CompileSpec, *, capture: bool = True,
+                 share: GraphShare | None = None, phases: Phases | None = None) -> None:
         self._orig = method
         self.phases = phases if phases is not None else Phases()
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
-        self._adapter = spec.adapter
+        adapter = self._adapter = spec.adapter
         self._options = dict(spec.options)
-        self._decompositions = spec.decompositions
+        decompositions = self._decompositions = spec.decompositions
+        dynamic = spec.dynamic
+        self._capture = capture
+        self.share = share
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
         # Told (with the guard that failed last) when a call passes Dynamo's recompile limit.
         self.on_recompile_limit: Callable[[str], None] | None = None
         self._compiled: Compiled | None = None
-        self._compile_seconds = 0.0
-        self._called = False
-        backend, compile_options = self._compile_args()
-        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=backend, fullgraph=True, dynamic=spec.dynamic,
-                                   options=compile_options)
-
-    def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
-        """torch.compile's backend and options: the adapter's public backend when torch's
-        internals are not what cachecompile._torch expects."""
-        if _torch.probe(self._adapter.torch_parts) is not None:
-            return self._adapter.plain_backend(self._options, self._decompositions)
-        return self._backend, {"guard_filter_fn": self._on_guards}
-
-    def _on_guards(self, entries: Any) -> list[bool]:
-        """guard_filter_fn: keep every guard."""
-        return [True] * len(entries)
-
-    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
-        # In a copy of the context: Dynamo builds the guards after the backend returns, and
-        # a context variable the compiler sets and leaves set (torch 2.15's compiler config
-        # overrides) would be guarded at the compiler's value, which a warm process that
-        # loads the program instead never has.
-        return contextvars.copy_context().run(
-            self._adapter.compile, gm, example_inputs, self._options, self._decompositions)
-
-    def _first_compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                       collective: bool) -> Compiled:
-        """The first trace's compile."""
-        return self._compile_here(gm, example_inputs)
-
-    def _first_runner(self, compiled: Compiled, collective: bool) -> Callable[..., Any]:
-        """What the first trace's graph runs as."""
-        return compiled.live
-
-    # The first call's hooks: a live session has nothing to record.
-    def _first_call_begins(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        pass
-
-    def _first_call_reads(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def _first_call_ends(self) -> None:
-        pass
-
-    # -- Dynamo backend -------------------------------------------------------------
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        # A trace counts once the backend returns: Dynamo may restart analysis by raising
-        # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
-        # recompile.
-        if self._compiled is not None:
-            compiled = self._adapter.compile(gm, example_inputs, self._options,
-                                             self._decompositions)
-            self.traces += 1
-            self._on_second_trace()
-            return compiled.live
-        t0 = time.perf_counter()
-        collective = has_collectives(gm)
-        compiled = self._first_compile(gm, example_inputs, collective)
-        self.traces += 1
-        self._compile_seconds = time.perf_counter() - t0
-        self.phases.add("backend", self._compile_seconds)
-        self._compiled = compiled
-        return self._first_runner(compiled, collective)
-
-    def _on_second_trace(self) -> None:
-        reason = dynamo.last_guard_failure(self._fn.__code__) or "unknown guard failure"
-        self.recompile_reason = reason
-        if self.on_recompile is not None:
-            self.on_recompile(reason)
-
-    # -- calls ------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = not self._called
-        self._called = True
-        # Only the first call is timed: later calls of a live variant are the hot path.
-        t0 = time.perf_counter() if first else 0.0
-        before = sum(self.phases.seconds.values()) if first else 0.0
-        if first:
-            self._first_call_begins(args, kwargs)
-        try:
-            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
-                if first:
-                    with self._first_call_reads():
-                        return self._live(*args, **kwargs)
-                return self._live(*args, **kwargs)
-        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
-            note = ""
-            if dynamo.is_input_error(e):
-                self._raise_eager_error(args, kwargs)
-                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
-                        "cannot trace, not an error in them; it ran once to check.)\n")
-            raise graph_break_error(e, self._orig, note) from None
-        except dynamo.data_dependent_errors() as e:
-            raise graph_break_error(e, self._orig) from None
-        except dynamo.recompile_limit_errors():
-            # A value Dynamo guards changed on every call, each a new compile, up to its
-            # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
-            # it traces anything (the call has had no effect yet): run the method itself,
-            # eager's result. Calls that fit a program Dynamo already has keep running it.
-            if self.on_recompile_limit is not None:
-                self.on_recompile_limit(self.last_guard_failure() or "not recorded by Dynamo")
-            return self._orig(*args, **kwargs)
-        finally:
-            if first:
-                others = sum(self.phases.seconds.values()) - before
-                self.phases.add("dynamo", time.perf_counter() - t0 - others)
-                self._first_call_ends()
-
-    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """An operator failed on the call's fake tensors: run the method uncompiled on the
-        same inputs (under no_grad, as the cached call) and raise what it raises, the
-        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
-        the call's argument types noted. Dynamo failed while tracing, before anything
-        ran, so this run is the one the call makes: its effects are what an uncompiled
-        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
-        try:
-            with torch.no_grad():
-                self._orig(*args, **kwargs)
-        except Exception as eager:
-            qualname = getattr(self._orig, "__qualname__", "the method")
-            names = [p.name for p in inspect.signature(self._orig).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            call = describe_types(args, kwargs, names)
-            raise _with_note(eager, (
-                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
-                "do not fit the method. Nothing was compiled or cached.")) from None
-
-    def last_guard_failure(self) -> str | None:
-        """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
-        return dynamo.last_guard_failure(self._fn.__code__)
-
-
-class TraceSession(LiveSession):
-    """One signature of one cached method, compiled live by Dynamo and captured: its first
-    trace records Dynamo's guards in portable form, the adapter's replayable program (run
-    beside the live graph and compared), and the files it depends on; :meth:`trace` then
-    gives what a warm process needs.
-    """
-
-    def __init__(self, method: types.MethodType, spec: CompileSpec, *,
-                 share: GraphShare | None = None, phases: Phases | None = None) -> None:
-        super().__init__(method, spec, phases=phases)
-        self.share = share
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
         self._strings: set[str] = set()  # string constants of the traced code
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
+        self._compile_seconds = 0.0
+        self._called = False
         self._call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._state: dict[str, Any] = {}
         self._tensor_dims: dict[str, Any] = {}
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
-
-    def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
-        # Capturing needs the adapter's compile and Dynamo's guards, whatever the probe says.
-        return self._backend, {"guard_filter_fn": self._on_guards}
-
-    def _first_compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                       collective: bool) -> Compiled:
-        self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
-        self._traced = dynamo.traced_code_files()
-        self._strings = dynamo.traced_code_strings()
-        if self.share is None:
-            return self._compile_here(gm, example_inputs)
-        return self.share.compile(gm, example_inputs,
-                                  lambda: self._compile_here(gm, example_inputs),
-                                  publish_now=collective, state=self._state)
-
-    def _first_runner(self, compiled: Compiled, collective: bool) -> Callable[..., Any]:
-        if collective:
-            return self._run_once(compiled)
-        return self._verifying(compiled)
-
-    def _first_call_begins(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # Dynamo's guards are built during this call; they are checked against it.
-        self._call_args = (args, dict(kwargs))
-        self._state = guard_capture.state_snapshot()
-
-    def _first_call_reads(self) -> contextlib.AbstractContextManager[Any]:
-        return dynamo.unguarded_reads_recorded()
-
-    def _first_call_ends(self) -> None:
-        self._call_args = None  # do not keep the first call's tensors alive
-        if self._compiled is not None:
-            with self.phases.timed("deps"):
-                self._deps = _user_file_hashes(
-                    self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+        backend: Any = self._backend
+        compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
+        if not capture and _torch.probe(adapter.torch_parts) is not None:
+            backend, compile_options = adapter.plain_backend(self._options, decompositions)
+        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
+                                   backend=backend, fullgraph=True, dynamic=dynamic,
+                                   options=compile_options)
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:
         """guard_filter_fn: keep every guard; record the first trace's in portable form."""
         keep = [True] * len(entries)
-        if self._guards is not None or self._verdict is not None:
+        if not self._capture or self._guards is not None or self._verdict is not None:
             return keep
         try:
             with self.phases.timed("guards"):
@@ -419,6 +252,48 @@ class TraceSession(LiveSession):
         self._guard_classes = classes
         self.checker = guards_mod.build_checker(self._fn, portable, self._fn.__globals__)
 
+    # -- Dynamo backend -------------------------------------------------------------
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        # A trace counts once the backend returns: Dynamo may restart analysis by raising
+        # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
+        # recompile.
+        if self._compiled is not None:
+            compiled = self._adapter.compile(gm, example_inputs, self._options,
+                                             self._decompositions)
+            self.traces += 1
+            self._on_second_trace()
+            return compiled.live
+        t0 = time.perf_counter()
+        self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
+        self._traced = dynamo.traced_code_files() if self._capture else []
+        self._strings = dynamo.traced_code_strings() if self._capture else set()
+
+        def compile_here() -> Compiled:
+            # In a copy of the context: Dynamo builds the guards after the backend
+            # returns, and a context variable the compiler sets and leaves set (torch
+            # 2.15's compiler config overrides) would be guarded at the compiler's value,
+            # which a warm process that loads the program instead never has.
+            return contextvars.copy_context().run(
+                self._adapter.compile, gm, example_inputs, self._options,
+                self._decompositions)
+
+        collective = has_collectives(gm)
+        if self.share is not None:
+            compiled = self.share.compile(gm, example_inputs, compile_here,
+                                          publish_now=collective and self._capture,
+                                          state=self._state)
+        else:
+            compiled = compile_here()
+        self.traces += 1
+        self._compile_seconds = time.perf_counter() - t0
+        self.phases.add("backend", self._compile_seconds)
+        self._compiled = compiled
+        if not self._capture:
+            return compiled.live
+        if collective:
+            return self._run_once(compiled)
+        return self._verifying(compiled)
+
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.
 
@@ -449,6 +324,12 @@ class TraceSession(LiveSession):
             return runner(*args)
 
         return run
+
+    def _on_second_trace(self) -> None:
+        reason = dynamo.last_guard_failure(self._fn.__code__) or "unknown guard failure"
+        self.recompile_reason = reason
+        if self.on_recompile is not None:
+            self.on_recompile(reason)
 
     def _verifying(self, compiled: Compiled) -> Callable[..., Any]:
         """The live callable; its first call also runs the replayable program and compares."""
@@ -494,6 +375,74 @@ class TraceSession(LiveSession):
             return live_out
 
         return run
+
+    # -- calls ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first = not self._called
+        self._called = True
+        # Only the first call is timed: later calls of a live variant are the hot path.
+        t0 = time.perf_counter() if first else 0.0
+        before = sum(self.phases.seconds.values()) if first else 0.0
+        if first and self._capture:
+            # Dynamo's guards are built during this call; they are checked against it.
+            self._call_args = (args, dict(kwargs))
+            self._state = guard_capture.state_snapshot()
+        try:
+            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
+                if first and self._capture:
+                    with dynamo.unguarded_reads_recorded():
+                        return self._live(*args, **kwargs)
+                return self._live(*args, **kwargs)
+        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
+            note = ""
+            if dynamo.is_input_error(e):
+                self._raise_eager_error(args, kwargs)
+                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
+                        "cannot trace, not an error in them; it ran once to check.)\n")
+            raise graph_break_error(e, self._orig, note) from None
+        except dynamo.data_dependent_errors() as e:
+            raise graph_break_error(e, self._orig) from None
+        except dynamo.recompile_limit_errors():
+            # A value Dynamo guards changed on every call, each a new compile, up to its
+            # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
+            # it traces anything (the call has had no effect yet): run the method itself,
+            # eager's result. Calls that fit a program Dynamo already has keep running it.
+            if self.on_recompile_limit is not None:
+                self.on_recompile_limit(self.last_guard_failure() or "not recorded by Dynamo")
+            return self._orig(*args, **kwargs)
+        finally:
+            if first:
+                others = sum(self.phases.seconds.values()) - before
+                self.phases.add("dynamo", time.perf_counter() - t0 - others)
+            if first and self._capture:
+                self._call_args = None  # do not keep the first call's tensors alive
+                if self._compiled is not None:
+                    with self.phases.timed("deps"):
+                        self._deps = _user_file_hashes(
+                            self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+
+    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An operator failed on the call's fake tensors: run the method uncompiled on the
+        same inputs (under no_grad, as the cached call) and raise what it raises, the
+        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
+        the call's argument types noted. Dynamo failed while tracing, before anything
+        ran, so this run is the one the call makes: its effects are what an uncompiled
+        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
+        try:
+            with torch.no_grad():
+                self._orig(*args, **kwargs)
+        except Exception as eager:
+            qualname = getattr(self._orig, "__qualname__", "the method")
+            names = [p.name for p in inspect.signature(self._orig).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            call = describe_types(args, kwargs, names)
+            raise _with_note(eager, (
+                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
+                "do not fit the method. Nothing was compiled or cached.")) from None
+
+    def last_guard_failure(self) -> str | None:
+        """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
+        return dynamo.last_guard_failure(self._fn.__code__)
 
     def trace(self) -> Trace:  # noqa: C901 (today's exception: each unsupported program is a named refusal)
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""
@@ -541,6 +490,7 @@ class TraceSession(LiveSession):
                      compile_seconds=self._compile_seconds, consts=consts,
                      guards=self._guards,
                      checker_lines=self.checker.lines() if self.checker is not None else {})
+
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
 
