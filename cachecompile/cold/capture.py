@@ -18,7 +18,6 @@ capture and the adapters call it): a warm process never imports this module.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import contextvars
 import dataclasses
@@ -36,15 +35,17 @@ import torch
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Compiled, Program
+from cachecompile.cold import frames as frames_mod
 from cachecompile.cold import guard_capture
+from cachecompile.cold.frames import FrameCompile, GraphCapture
 from cachecompile.entry import codeobj, guard_kinds
+from cachecompile.entry import frames as entry_frames
 from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
-from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class Trace:
 
     bytecode: bytes
     imports: dict[str, str]          # global name in the bytecode -> module name
-    compiled_fn_name: str
-    program: Program
+    compiled_fn_name: str            # "" when the method breaks before any graph
+    program: Program | None          # None likewise
     deps: dict[str, str]             # traced user file -> content hash
     compile_seconds: float
     consts: list[Any]                # constants rebuilt on load (codeobj)
@@ -67,6 +68,9 @@ class Trace:
     # The checker's bodies derived from them (guards.Checker.lines): stored so that a warm
     # process compiles its checker without parsing a guard.
     checker_lines: dict[str, str] = dataclasses.field(default_factory=dict)
+    # A graph break (fullgraph=False): every other frame Dynamo compiled for the call
+    # (cold.frames.assemble).
+    frames: frames_mod.Assembled | None = None
 
 
 class Phases:
@@ -177,18 +181,37 @@ class TraceSession:
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
+        # fullgraph=False: the other frames Dynamo compiles during the first call (each
+        # resume function, each callee), their graphs until their guards come, and the
+        # method's own frame's graph (its outcome: program, verdict).
+        self._fullgraph = spec.fullgraph
+        self._in_first_call = False
+        self._compiles: list[FrameCompile] = []
+        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
+        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
+        self._root_graph: GraphCapture | None = None
         backend: Any = self._backend
         compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
         if not capture and _torch.probe(adapter.torch_parts) is not None:
             backend, compile_options = adapter.plain_backend(self._options, decompositions)
         self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=backend, fullgraph=True, dynamic=dynamic,
-                                   options=compile_options)
+                                   backend=backend, fullgraph=self._fullgraph,
+                                   dynamic=dynamic, options=compile_options)
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:
         """guard_filter_fn: keep every guard; record the first trace's in portable form."""
         keep = [True] * len(entries)
+        if not self._fullgraph and self._capture:
+            frame = dynamo.compiling_frame()
+            if frame is None and self._in_first_call:
+                self._verdict = ("this torch's Dynamo does not say which frame it compiles, "
+                                 "so a graph break's frames cannot be told apart")
+                return keep
+            if frame is not None and frame.code is not self._fn.__code__:
+                if self._in_first_call:
+                    self._frame_guards(frame, entries)
+                return keep
         if not self._capture or self._guards is not None or self._verdict is not None:
             return keep
         try:
@@ -230,6 +253,10 @@ class TraceSession:
         # A trace counts once the backend returns: Dynamo may restart analysis by raising
         # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
         # recompile.
+        if not self._fullgraph:
+            frame = dynamo.compiling_frame()
+            if frame is not None and frame.code is not self._fn.__code__:
+                return self._frame_graph(frame.code, gm, example_inputs)
         if self._compiled is not None:
             compiled = self._adapter.compile(gm, example_inputs, self._options,
                                              self._decompositions)
@@ -265,7 +292,74 @@ class TraceSession:
             return compiled.live
         if collective:
             return self._run_once(compiled)
-        return self._verifying(compiled)
+        self._root_graph = GraphCapture(compiled, compiled.live)
+        return self._verifying(compiled, self._root_graph)
+
+    # -- fullgraph=False: the other frames of the call -----------------------------------
+    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
+        # In a copy of the context: Dynamo builds the guards after the backend returns,
+        # and a context variable the compiler sets and leaves set (torch 2.15's compiler
+        # config overrides) would be guarded at the compiler's value, which a warm process
+        # that loads the program instead never has.
+        return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
+                                              self._options, self._decompositions)
+
+    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+                     example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph of a frame other than the method's own (a resume function's, a
+        callee's): compiled, and during the first call kept with its frame's compile."""
+        t0 = time.perf_counter()
+        capturing = self._capture and self._in_first_call
+        if capturing:
+            self._pending_dims.setdefault(code, {}).update(
+                guard_capture.tensor_dims_from_graph(gm))
+            self._traced += dynamo.traced_code_files()
+            self._strings |= dynamo.traced_code_strings()
+        compiled = self._compile_here(gm, example_inputs)
+        self.phases.add("backend", time.perf_counter() - t0)
+        self._compile_seconds += time.perf_counter() - t0
+        if not capturing:
+            return compiled.live
+        graph = GraphCapture(compiled, compiled.live)
+        run = self._verifying(compiled, graph)
+        graph.run = run
+        self._pending.setdefault(code, []).append(graph)
+        return run
+
+    def _frame_guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
+        """A frame other than the method's own finished compiling: its guards, portable,
+        checked against its own arguments now, and its compile kept (cold.frames)."""
+        code, g = frame.code, frame.f_globals
+        compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
+                                graphs=self._pending.pop(code, []))
+        self._compiles.append(compile_)
+        dims = self._pending_dims.pop(code, {})
+        if frame.out_code is None:
+            compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
+            return
+        try:
+            with self.phases.timed("guards"):
+                names = entry_frames.frame_names(code)
+                portable, classes = guard_capture.translate(
+                    entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
+                    module_name=str(g.get("__name__", "")),
+                    state=guard_capture.frame_state(), strings=self._strings,
+                    module_globals=g)
+                fn = entry_frames.frame_function(code, g)
+                local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
+                values = entry_frames.frame_values(code, frame.f_locals)
+                probe = guards_mod.build_checker(fn, local, g)
+                if not probe.full(*values):
+                    raise UnsupportedProgramError("a carried guard does not hold at trace "
+                                                  f"time: {probe.explain(*values)}")
+                compile_.guards = portable
+                compile_.checker_lines = guards_mod.build_checker(fn, portable, g).lines()
+                self._guard_classes |= classes
+        except UnsupportedProgramError as e:
+            compile_.verdict = str(e)
+        except Exception as e:  # a guard we cannot carry means "do not store this frame"
+            logger.debug("guard capture failed", exc_info=True)
+            compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
 
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.
@@ -304,8 +398,9 @@ class TraceSession:
         if self.on_recompile is not None:
             self.on_recompile(reason)
 
-    def _verifying(self, compiled: Compiled) -> Callable[..., Any]:
-        """The live callable; its first call also runs the replayable program and compares."""
+    def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+        """The live callable; its first call also runs the replayable program and compares
+        (the program and the verdict go to ``out``)."""
         first = True
 
         def run(*args: Any) -> Any:
@@ -322,7 +417,7 @@ class TraceSession:
             try:
                 with self.phases.timed("capture"):
                     program = compiled.program()
-                self._program = program
+                out.program = program
                 with self.phases.timed("verify"):
                     for i in program.mutated_inputs:
                         light_args[i] = args[i].clone()
@@ -330,21 +425,21 @@ class TraceSession:
                         raise UnsupportedProgramError("the adapter built no replayable program")
                     light_out = program.light(*light_args)
             except UnsupportedProgramError as e:
-                self._verdict = str(e)
+                out.verdict = str(e)
             except Exception as e:  # any capture failure means "do not cache"
                 logger.debug("program capture failed", exc_info=True)
-                self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
             restore_rng()
             with self.phases.timed("run"):
                 live_out = compiled.live(*args)
-            if self._verdict is None and self._program is not None:
+            if out.verdict is None and out.program is not None:
                 with self.phases.timed("verify"):
                     mismatch = _compare(light_out, live_out)
-                    for i in self._program.mutated_inputs:
+                    for i in out.program.mutated_inputs:
                         mismatch = mismatch or _compare(light_args[i], args[i],
                                                         f"mutated input {i}")
                 if mismatch:
-                    self._verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+                    out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
             return live_out
 
         return run
@@ -360,6 +455,7 @@ class TraceSession:
             # Dynamo's guards are built during this call; they are checked against it.
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
+            self._in_first_call = True
         try:
             return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() as e:
@@ -378,10 +474,15 @@ class TraceSession:
                 self.phases.add("dynamo", time.perf_counter() - t0 - others)
             if first and self._capture:
                 self._call_args = None  # do not keep the first call's tensors alive
-                if self._compiled is not None:
+                self._in_first_call = False
+                if self._compiled is not None or self._compiles:
+                    # The other frames' files too: a callee's transformed code is stale
+                    # once its source changes, though its frame traced nothing else.
+                    frame_files = [c.code.co_filename for c in self._compiles]
                     with self.phases.timed("deps"):
                         self._deps = _user_file_hashes(
-                            self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+                            self._traced + frame_files
+                            + sorted(guard_capture.class_files(self._guard_classes)))
 
     def last_guard_failure(self) -> str | None:
         """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
@@ -389,11 +490,14 @@ class TraceSession:
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""
-        if self._compiled is None:
+        if self._root_graph is not None:
+            self._verdict = self._verdict or self._root_graph.verdict
+            self._program = self._program or self._root_graph.program
+        if self._compiled is None and not self._compiles:
             raise UnsupportedProgramError("Dynamo produced no graph for this call")
         if self._verdict is not None:
             raise UnsupportedProgramError(self._verdict)
-        if self._program is None:
+        if self._compiled is not None and self._program is None:
             raise UnsupportedProgramError("the program was never run")
         if self._guards is None:
             raise UnsupportedProgramError("Dynamo's guards were not recorded")
@@ -403,36 +507,30 @@ class TraceSession:
         code = codes[0]
         if code.co_freevars != self._fn.__code__.co_freevars:
             raise UnsupportedProgramError("transformed bytecode changed the closure variables")
-        imports: dict[str, str] = {}
-        compiled_fn_names: list[str] = []
         g = self._fn.__globals__
-        original_names = set(self._fn.__code__.co_names)
-        guard_globals = {m.group(1) for gd in self._guards
-                         for m in guards_mod.GLOBAL_RE.finditer(_guard_text(gd))}
-        for n in [*_all_names(code), *sorted(guard_globals)]:
-            if n.startswith("__compiled_fn"):
-                compiled_fn_names.append(n)
-            elif is_dynamo_global(n) and n in g and n not in original_names:
-                # Dynamo installs module references under generated names
-                # (__import_torch_dot_nn..., ___module_torch_<id>_c1) and the builtins dict
-                # (__builtins_dict___0): rebind them by name in the warm process.
-                value = g.get(n)
-                if isinstance(value, types.ModuleType):
-                    imports[n] = value.__name__
-                elif value is vars(builtins):
-                    imports[n] = BUILTINS_DICT
-                else:
-                    raise UnsupportedProgramError(
-                        f"transformed bytecode uses Dynamo global {n} ({type(value).__name__})")
-        if len(compiled_fn_names) != 1:
+        names = frames_mod.all_names(code)
+        imports = frames_mod.dynamo_imports(
+            [*names, *frames_mod.guard_global_names(self._guards)], g,
+            set(self._fn.__code__.co_names))
+        compiled_fn_names = list(dict.fromkeys(
+            n for n in names if n.startswith(frames_mod.GRAPH_PREFIX)))
+        if len(compiled_fn_names) != (self._compiled is not None):
             raise UnsupportedProgramError(
-                f"expected one compiled graph in the bytecode, found {len(compiled_fn_names)}")
+                f"expected {int(self._compiled is not None)} compiled graph in the method's "
+                f"bytecode, found {len(compiled_fn_names)}")
+        assembled = None
+        if not self._fullgraph:
+            assembled = frames_mod.assemble(self._fn.__code__, code, g, self._compiles)
+            if not assembled.records and self._compiled is None:
+                raise UnsupportedProgramError("Dynamo produced no graph for this call")
         bytecode, consts = codeobj.dumps(code)
-        return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
+        return Trace(bytecode=bytecode, imports=imports,
+                     compiled_fn_name=compiled_fn_names[0] if compiled_fn_names else "",
                      program=self._program, deps=self._deps,
                      compile_seconds=self._compile_seconds, consts=consts,
                      guards=self._guards,
-                     checker_lines=self.checker.lines() if self.checker is not None else {})
+                     checker_lines=self.checker.lines() if self.checker is not None else {},
+                     frames=assembled if assembled is not None and assembled.records else None)
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
@@ -462,20 +560,6 @@ def _rng_snapshot() -> Callable[[], None]:
             torch.cuda.set_rng_state_all(cuda)
 
     return restore
-
-
-def _guard_text(gd: dict[str, Any]) -> str:
-    if gd["kind"] in ("alias", "overlap"):
-        return " ".join(gd["value"]["exprs"])
-    return str(gd.get("expr", ""))
-
-
-def _all_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_all_names(const))
-    return names
 
 
 def _compare(a: Any, b: Any, where: str = "output") -> str | None:

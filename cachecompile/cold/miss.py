@@ -29,6 +29,7 @@ from typing import Any
 from cachecompile.cold.capture import Phases, Trace, TraceSession
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.entry.frames import graph_prefix
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
@@ -157,7 +158,8 @@ class MissPath:
                     return Served(Outcome.HIT, probe.runner, probe.runner.run(*args, **kwargs))
             phases.add("lock", time.perf_counter() - t_lock)
             share = None
-            if not st.readonly and self._spec.adapter.shares_graphs:
+            # A graph break compiles several graphs per call: each rank compiles its own.
+            if not st.readonly and self._spec.adapter.shares_graphs and self._spec.fullgraph:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
                                         who, model=type(self._method.__self__).__qualname__)
                 held.callback(share.finish)
@@ -187,7 +189,7 @@ class MissPath:
                 _not_published(st, self._qualname, sig)
                 return served
             t_publish = time.perf_counter()
-            if share is not None:
+            if share is not None and trace.program is not None:
                 share.publish(trace.program)
             self._publish(st, frame, sig, trace, elapsed, phases, who)
             phases.add("publish", time.perf_counter() - t_publish)
@@ -214,11 +216,21 @@ class MissPath:
 
     def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Trace,
                  elapsed: float, phases: Phases, who: str) -> None:
-        files: dict[str, Any] = dict(trace.program.files)
+        files: dict[str, Any] = dict(trace.program.files) if trace.program else {}
         files[BYTECODE_FILE] = trace.bytecode
+        frames = trace.frames
+        if frames is not None:
+            # Every other frame of the call (entry.frames): codes, bytecode, graphs.
+            files.update(frames.files)
+            for i, program in enumerate(frames.programs):
+                files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
         meta = EntryMeta(
-            adapter=self._spec.adapter.name, program=trace.program.meta,
+            adapter=self._spec.adapter.name,
+            program=trace.program.meta if trace.program else {},
             imports=trace.imports, consts=trace.consts, compiled_fn=trace.compiled_fn_name,
+            resumes=frames.resumes if frames is not None else {},
+            frames=[f.to_json() for f in frames.records] if frames is not None else [],
+            graphs=[p.meta for p in frames.programs] if frames is not None else [],
             deps=trace.deps, guards=trace.guards,
             # The checker's bodies, derived once here: a warm process loads them without
             # parsing a guard (entry.guards.build_checker's ``lines``).
@@ -267,8 +279,9 @@ class MissPath:
                   "live compile and the next one compiles again")
             return
         logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms "
-                    "(%d guards)", self._qualname, key.digest[:12], describe(sig), elapsed,
-                    (time.perf_counter() - t0) * 1e3, len(trace.guards))
+                    "(%d guards, %d frames)", self._qualname, key.digest[:12], describe(sig),
+                    elapsed, (time.perf_counter() - t0) * 1e3, len(trace.guards),
+                    meta.n_frames)
 
     def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
         """The lowest variant index with no entry (locally or in a remote tier); when

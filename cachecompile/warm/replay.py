@@ -45,7 +45,9 @@ class ReplayGlobals(dict[str, Any]):
         return self.module_globals[key]
 
 
-def _resolve_module(name: str) -> Any:
+def resolve_module(name: str) -> Any:
+    """The object an entry's Dynamo global stands for: a module (Dynamo's helper module
+    by its light stand-in) or the builtins dict."""
     if name == BUILTINS_DICT:
         return vars(builtins)
     standin = dynamo_shim.standin(name)
@@ -74,14 +76,17 @@ def replay_globals(func: types.FunctionType, imports: Mapping[str, str],
     for gname, modname in imports.items():
         if not is_dynamo_global(gname):
             raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
-        names[gname] = _resolve_module(modname)
+        names[gname] = resolve_module(modname)
     names.update(extra or {})
     return ReplayGlobals(func.__globals__, names)
 
 
 def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
             g: ReplayGlobals, compiled_fn_name: str,
-            compiled_fn: Callable[..., Any]) -> types.MethodType:
+            compiled_fn: Callable[..., Any] | None) -> types.MethodType:
+    """The method over its stored bytecode and the private globals ``g``; its graph
+    (``compiled_fn``) under ``compiled_fn_name``, unless the method's graph breaks before
+    any graph (no name, no program: its frames hold them)."""
     func = method.__func__
     try:
         code = codeobj.loads(bytecode, consts)
@@ -91,9 +96,11 @@ def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
         raise UnsupportedProgramError("stored bytecode is not a code object")
     if code.co_freevars != func.__code__.co_freevars:  # type: ignore[attr-defined]
         raise UnsupportedProgramError("stored bytecode does not fit the method's closure")
-    if not compiled_fn_name.startswith("__compiled_fn"):
-        raise UnsupportedProgramError(f"unexpected compiled function name {compiled_fn_name!r}")
-    g[compiled_fn_name] = compiled_fn
+    if compiled_fn_name or compiled_fn is not None:
+        if not compiled_fn_name.startswith("__compiled_fn") or compiled_fn is None:
+            raise UnsupportedProgramError(
+                f"unexpected compiled function name {compiled_fn_name!r}")
+        g[compiled_fn_name] = compiled_fn
     fn = types.FunctionType(code, g, func.__name__, func.__defaults__,  # type: ignore[attr-defined]
                             func.__closure__)  # type: ignore[attr-defined]
     fn.__kwdefaults__ = func.__kwdefaults__  # type: ignore[attr-defined]
