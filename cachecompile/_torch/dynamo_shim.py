@@ -68,7 +68,33 @@ for _name in ("call_size", "call_stride", "call_storage_offset",
               "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
     setattr(utils, _name, globals()[_name])
 
-_STANDINS: dict[str, types.ModuleType] = {DYNAMO_UTILS: utils}
+DYNAMO_FUNCTIONS = "torch._dynamo.variables.functions"
+
+
+def _create_nested_fn(code: types.CodeType, f_globals: dict[str, Any], name: str,
+                      defaults: tuple[Any, ...] | None, closure: tuple[Any, ...] | None,
+                      kwdefaults: dict[str, Any] | None, annotations: Any) -> types.FunctionType:
+    """A nested function rebuilt after a graph break, as Dynamo's helper of this name makes
+    it (annotations may come as a flat tuple of name, value pairs)."""
+    func = types.FunctionType(code, f_globals, name, defaults, closure)
+    func.__kwdefaults__ = kwdefaults
+    if isinstance(annotations, tuple):
+        annotations = dict(zip(annotations[::2], annotations[1::2], strict=True))
+    func.__annotations__ = annotations
+    return func
+
+
+class _FunctionsShim(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(importlib.import_module(DYNAMO_FUNCTIONS), name)
+        setattr(self, name, value)
+        return value
+
+
+functions = _FunctionsShim(DYNAMO_FUNCTIONS)
+functions._create_nested_fn = _create_nested_fn  # type: ignore[attr-defined]
+
+_STANDINS: dict[str, types.ModuleType] = {DYNAMO_UTILS: utils, DYNAMO_FUNCTIONS: functions}
 
 
 def standin(module_name: str) -> types.ModuleType | None:

@@ -499,9 +499,16 @@ class TraceSession:
             raise UnsupportedProgramError(self._verdict)
         if self._compiled is not None and self._program is None:
             raise UnsupportedProgramError("the program was never run")
+        codes = dynamo.transformed_code(self._fn.__code__)
+        if (not codes and not self._fullgraph and self._compiles and self._guards is None
+                and self._compiled is None):
+            # Dynamo skipped the method's own frame (a graph break it cannot resume from,
+            # inside a try block: transformers' decorators), so it runs as written, with no
+            # guards, in torch.compile too; the frames it calls were compiled.
+            codes = [self._fn.__code__]
+            self._guards = []
         if self._guards is None:
             raise UnsupportedProgramError("Dynamo's guards were not recorded")
-        codes = dynamo.transformed_code(self._fn.__code__)
         if len(codes) != 1:
             raise UnsupportedProgramError(f"Dynamo holds {len(codes)} cache entries, expected 1")
         code = codes[0]

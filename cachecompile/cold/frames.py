@@ -32,7 +32,7 @@ from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.frames import FrameRecord, FrameVariant
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import code_digest
-from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global
+from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global, named_builtin
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +113,13 @@ def dynamo_imports(names: Sequence[str], g: Mapping[str, Any],
             continue
         if is_dynamo_global(n) and n in g and n not in original:
             value = g.get(n)
+            named = named_builtin(value)
             if isinstance(value, types.ModuleType):
                 imports[n] = value.__name__
             elif value is vars(builtins):
                 imports[n] = BUILTINS_DICT
+            elif named is not None:
+                imports[n] = named
             else:
                 raise UnsupportedProgramError(
                     f"transformed bytecode uses Dynamo global {n} ({type(value).__name__})")
@@ -183,9 +186,7 @@ class _Assembler:
             self.files[code_file] = data
         else:
             where = frames.callee_where(code, code_digest(code))
-            if code.co_freevars:
-                live = "it is a closure (its free variables are not among its arguments)"
-            elif frames.find_callee(module, where, code_digest) is not code:
+            if frames.find_callee(module, where, code_digest) is not code:
                 live = ("its code cannot be found again by module and qualified name "
                         f"({module}.{where['qualname']})")
         variants: list[FrameVariant] = []

@@ -215,14 +215,40 @@ def _candidates(obj: Any, depth: int = 0) -> list[types.CodeType]:
     return out
 
 
+def _nested(code: types.CodeType, name: Any, line: Any, depth: int = 0
+            ) -> list[types.CodeType]:
+    """Code objects defined inside ``code`` (at any depth) with that name and first line."""
+    out: list[types.CodeType] = []
+    if depth > 8:
+        return out
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            if c.co_name == name and c.co_firstlineno == line:
+                out.append(c)
+            out.extend(_nested(c, name, line, depth + 1))
+    return out
+
+
 def find_callee(module: str, where: Mapping[str, JSON],
                 digest_of: Any) -> types.CodeType | None:
     """The live code object of a callee frame (``where``: :func:`callee_where`) in the
     module ``module``, if it is still that code (``digest_of(code)`` equals the stored
     digest); None when it cannot be found or changed. Reaches module-level functions and
-    methods of module-level classes by their qualified name, through decorators."""
+    methods of module-level classes by their qualified name, through decorators, and a
+    function defined inside one of those (``Outer.method.<locals>.inner``: one code object
+    serves every closure made from it)."""
     qualname = where.get("qualname")
-    if not isinstance(qualname, str) or "<locals>" in qualname or "<lambda>" in qualname:
+    if not isinstance(qualname, str) or "<lambda>" in qualname:
+        return None
+    outer, sep, _ = qualname.partition(".<locals>.")
+    if sep:
+        found = find_callee(module, {"qualname": outer, "name": outer.rsplit(".", 1)[-1],
+                                     "line": None, "digest": None}, None)
+        if found is None:
+            return None
+        for code in _nested(found, where.get("name"), where.get("line")):
+            if code_qualname(code) == qualname and digest_of(code) == where.get("digest"):
+                return code
         return None
     mod = sys.modules.get(module)
     if mod is None:
@@ -241,8 +267,10 @@ def find_callee(module: str, where: Mapping[str, JSON],
     if attr is None and isinstance(obj, type):
         attr = getattr(obj, parts[-1], None)
     for code in _candidates(attr):
+        if digest_of is None and code.co_name == where.get("name"):
+            return code   # an enclosing function, searched for its nested code
         if (code.co_firstlineno == where.get("line") and code.co_name == where.get("name")
-                and digest_of(code) == where.get("digest")):
+                and digest_of is not None and digest_of(code) == where.get("digest")):
             return code
     return None
 

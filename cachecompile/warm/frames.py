@@ -68,11 +68,12 @@ def module_globals(name: str) -> dict[str, Any]:
 class _Loaded:
     """One variant of a frame, loaded: its check over the frame's names and its code."""
 
-    __slots__ = ("check", "code", "fn", "globals", "name")
+    __slots__ = ("check", "checker", "code", "fn", "globals", "name")
 
-    def __init__(self, check: Callable[..., bool], code: types.CodeType,
-                 g: replay.ReplayGlobals, name: str) -> None:
+    def __init__(self, check: Callable[..., bool], checker: guards_mod.Checker,
+                 code: types.CodeType, g: replay.ReplayGlobals, name: str) -> None:
         self.check = check
+        self.checker = checker
         self.code = code
         self.globals = g
         self.name = name
@@ -135,8 +136,13 @@ class Continuation:
         self.unserved += 1
         if not self._told:
             self._told = True
-            why = self.record.live or ("none of its stored variants' guards hold" if
-                                       self.record.variants else "it was never compiled")
+            why = self.record.live or "it was never compiled"
+            loaded = self._variants or []
+            if loaded:
+                values = (*args, *(c.cell_contents for c in closure or ()))
+                failed = loaded[0].checker.failure(*values)
+                why = (f"no stored variant's guards hold; variant 0: "
+                       f"{failed[0] if failed else 'a guard failed'}")
             logger.info("cachecompile %s: frame %s runs as written (%s)",
                         self._frames.qualname, self.record.name, why)
         if closure is not None:
@@ -165,6 +171,7 @@ class Frames:
         self._lock = threading.RLock()
         self.continuations: dict[str, Continuation] = {}
         self.callees: list[str] = []        # the callee frames installed in the hook
+        self.callee_served: dict[str, int] = {}   # calls a stored callee variant ran
         for r in self.records.values():
             if r.kind == ef.RESUME:
                 code = codeobj.loads(files[r.code].read_bytes(), list(r.code_consts))
@@ -203,7 +210,7 @@ class Frames:
 
     # -- a variant, loaded ----------------------------------------------------------------
     def _variant_parts(self, record: FrameRecord, code: types.CodeType, var: FrameVariant
-                       ) -> tuple[types.CodeType, replay.ReplayGlobals, Callable[..., bool]]:
+                       ) -> _Loaded:
         g = replay.ReplayGlobals(self.globals_of(record), {})
         for gname, modname in var.imports.items():
             if not replay.is_dynamo_global(gname):
@@ -222,12 +229,12 @@ class Frames:
         checker = guards_mod.build_checker(fn, [dict(gd) for gd in var.guards], g,
                                            every_call=self._mode is GuardMode.ALWAYS,
                                            lines=var.checker)
-        return out_code, g, variant_check(checker, self._mode, self._cost)
+        return _Loaded(variant_check(checker, self._mode, self._cost), checker, out_code, g,
+                       code.co_name)
 
     def load_variant(self, record: FrameRecord, code: types.CodeType, i: int,
                      var: FrameVariant) -> _Loaded:
-        out_code, g, check = self._variant_parts(record, code, var)
-        return _Loaded(check, out_code, g, f"{code.co_name} (variant {i})")
+        return self._variant_parts(record, code, var)
 
     # -- callees: the run-only hook ---------------------------------------------------------
     def _install(self, record: FrameRecord) -> None:
@@ -243,18 +250,30 @@ class Frames:
                         "or changed)", self.qualname, record.name)
             return
         for i, var in enumerate(record.variants):
-            out_code, g, check = self._variant_parts(record, code, var)
+            loaded = self._variant_parts(record, code, var)
+            check = loaded.check
             # The generated names of its bytecode, bound to their objects: the callee
             # runs in its own module's globals, which are not written to.
-            bound = ef.bind_globals(out_code, {k: v for k, v in g.items()
-                                               if k != "__builtins__"})
+            bound = ef.bind_globals(loaded.code, {k: v for k, v in loaded.globals.items()
+                                                  if k != "__builtins__"})
 
             def frame_check(frame_locals: dict[str, Any], check: Callable[..., bool] = check,
-                            code: types.CodeType = code) -> bool:
-                return check(*ef.frame_values(code, frame_locals))
+                            code: types.CodeType = code, fid: str = record.id) -> bool:
+                if not check(*ef.frame_values(code, frame_locals)):
+                    return False
+                self.callee_served[fid] = self.callee_served.get(fid, 0) + 1
+                return True
 
             hook.install(code, frame_check, bound, f"cachecompile {record.name} variant {i}")
         self.callees.append(record.id)
+
+    def served(self) -> dict[str, tuple[int, int]]:
+        """Per frame (by name): calls a stored variant ran, calls it ran as written (a
+        callee's are not counted: its code runs where no variant holds)."""
+        out = {c.record.name: (c.served, c.unserved) for c in self.continuations.values()}
+        for fid in self.callees:
+            out[self.records[fid].name] = (self.callee_served.get(fid, 0), 0)
+        return out
 
     def wrap(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """``run`` under the frame hook when the entry installed callees (else itself)."""

@@ -47,13 +47,44 @@ class ReplayGlobals(dict[str, Any]):
 
 def resolve_module(name: str) -> Any:
     """The object an entry's Dynamo global stands for: a module (Dynamo's helper module
-    by its light stand-in) or the builtins dict."""
+    by its light stand-in), the builtins dict, or a builtin function or class by its
+    qualified name (``module:qualname``; :func:`named_builtin`)."""
     if name == BUILTINS_DICT:
         return vars(builtins)
+    if ":" in name:
+        module, _, qualname = name.partition(":")
+        if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
+            raise UnsupportedProgramError(f"unexpected global {name!r} in entry")
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
     standin = dynamo_shim.standin(name)
     if standin is not None:
         return standin
     return importlib.import_module(name)
+
+
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def named_builtin(value: Any) -> str | None:
+    """``module:qualname`` for a builtin function or a class that its module names (so a
+    warm process finds the very object by name), else None. Dynamo installs such objects
+    under generated names (``___module_iter_<id>_c29``) when its bytecode rebuilds them."""
+    if not isinstance(value, (types.BuiltinFunctionType, type)):
+        return None
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
+        return None
+    try:
+        found = resolve_module(f"{module}:{qualname}")
+    except Exception:  # not reachable by its name: no portable form
+        return None
+    return f"{module}:{qualname}" if found is value else None
 
 
 # Dynamo's global by object id, with no prefix (install_global_by_id("", module)): a
