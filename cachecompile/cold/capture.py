@@ -128,6 +128,19 @@ def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     return deps_by_module(files)
 
 
+def frame_deps(compiles: list[FrameCompile], traced: list[str] = (),  # type: ignore[assignment]
+               classes: set[type] | None = None) -> dict[str, str]:
+    """The user files an entry depends on: what its graphs traced, the classes its guards
+    name, and each frame's own file (a callee's stored code is stale once its source
+    changes, though its frame traced nothing else)."""
+    files = list(traced)
+    all_classes = set(classes or ())
+    for c in compiles:
+        files += c.traced + [c.code.co_filename]
+        all_classes |= c.classes
+    return _user_file_hashes(files + sorted(guard_capture.class_files(all_classes)))
+
+
 def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
     """Turn Dynamo's fullgraph failure into an error naming file, line and reason."""
     filename, lineno, reason = dynamo.graph_break_site(exc)
@@ -142,7 +155,149 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBrea
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
 
 
-class TraceSession:
+class _FrameCapture:
+    """What every compiling session shares: the adapter's compile of a graph, its
+    verification on the graph's first run, and, for a graph break, the capture of each
+    frame Dynamo compiles other than a session's own root (its graphs, then its guards,
+    made portable and checked against the frame's own arguments: :class:`FrameCompile`)."""
+
+    def __init__(self, spec: CompileSpec, capture: bool, phases: Phases | None) -> None:
+        self.phases = phases if phases is not None else Phases()
+        self._adapter = spec.adapter
+        self._options = dict(spec.options)
+        self._decompositions = spec.decompositions
+        self._capture = capture
+        self._compile_seconds = 0.0
+        # Frames compiled during a session's first call (its entry's) and later (each
+        # published as a frame variant: cold.frames.publish_frames).
+        self._in_first_call = False
+        self._compiles: list[FrameCompile] = []
+        self._late: list[FrameCompile] = []
+        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
+        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
+        self._pending_traced: dict[types.CodeType, list[str]] = {}
+        self._strings: set[str] = set()  # string constants of the traced code
+
+    def take_late(self) -> list[FrameCompile]:
+        """The frames compiled since the last time asked, outside a first call."""
+        out, self._late = self._late, []
+        return out
+
+    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
+        # In a copy of the context: Dynamo builds the guards after the backend returns,
+        # and a context variable the compiler sets and leaves set (torch 2.15's compiler
+        # config overrides) would be guarded at the compiler's value, which a warm process
+        # that loads the program instead never has.
+        return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
+                                              self._options, self._decompositions)
+
+    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+                     example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph of a frame other than the root (a resume function's, a callee's):
+        compiled, verified on its first run, kept with its frame's compile."""
+        t0 = time.perf_counter()
+        if self._capture:
+            self._pending_dims.setdefault(code, {}).update(
+                guard_capture.tensor_dims_from_graph(gm))
+            self._pending_traced.setdefault(code, []).extend(dynamo.traced_code_files())
+            self._strings |= dynamo.traced_code_strings()
+        compiled = self._compile_here(gm, example_inputs)
+        self.phases.add("backend", time.perf_counter() - t0)
+        self._compile_seconds += time.perf_counter() - t0
+        if not self._capture:
+            return compiled.live
+        graph = GraphCapture(compiled, compiled.live)
+        run = self._verifying(compiled, graph)
+        graph.run = run
+        self._pending.setdefault(code, []).append(graph)
+        return run
+
+    def _frame_guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
+        """A frame other than the root finished compiling: its guards, portable, checked
+        against its own arguments now, and its compile kept."""
+        if not self._capture:
+            return
+        code, g = frame.code, frame.f_globals
+        compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
+                                graphs=self._pending.pop(code, []),
+                                traced=self._pending_traced.pop(code, []))
+        (self._compiles if self._in_first_call else self._late).append(compile_)
+        dims = self._pending_dims.pop(code, {})
+        if frame.out_code is None:
+            compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
+            return
+        try:
+            with self.phases.timed("guards"):
+                names = entry_frames.frame_names(code)
+                portable, classes = guard_capture.translate(
+                    entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
+                    module_name=str(g.get("__name__", "")),
+                    state=guard_capture.frame_state(), strings=self._strings,
+                    module_globals=g)
+                fn = entry_frames.frame_function(code, g)
+                local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
+                values = entry_frames.frame_values(code, frame.f_locals)
+                probe = guards_mod.build_checker(fn, local, g)
+                if not probe.full(*values):
+                    raise UnsupportedProgramError("a carried guard does not hold at trace "
+                                                  f"time: {probe.explain(*values)}")
+                compile_.guards = portable
+                compile_.checker_lines = guards_mod.build_checker(fn, portable, g).lines()
+                compile_.classes = classes
+        except UnsupportedProgramError as e:
+            compile_.verdict = str(e)
+        except Exception as e:  # a guard we cannot carry means "do not store this frame"
+            logger.debug("guard capture failed", exc_info=True)
+            compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
+
+    def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+        """The live callable; its first call also runs the replayable program and compares
+        (the program and the verdict go to ``out``)."""
+        first = True
+
+        def run(*args: Any) -> Any:
+            nonlocal first
+            if not first:
+                return compiled.live(*args)
+            first = False
+            light_out: Any = None
+            light_args: list[Any] = list(args)
+            # The program and the live graph each draw from the generators: both must draw
+            # the same numbers (to compare), and the call must draw them once, as
+            # torch.compile's one call does.
+            restore_rng = _rng_snapshot()
+            try:
+                with self.phases.timed("capture"):
+                    program = compiled.program()
+                out.program = program
+                with self.phases.timed("verify"):
+                    for i in program.mutated_inputs:
+                        light_args[i] = args[i].clone()
+                    if program.light is None:
+                        raise UnsupportedProgramError("the adapter built no replayable program")
+                    light_out = program.light(*light_args)
+            except UnsupportedProgramError as e:
+                out.verdict = str(e)
+            except Exception as e:  # any capture failure means "do not cache"
+                logger.debug("program capture failed", exc_info=True)
+                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            restore_rng()
+            with self.phases.timed("run"):
+                live_out = compiled.live(*args)
+            if out.verdict is None and out.program is not None:
+                with self.phases.timed("verify"):
+                    mismatch = _compare(light_out, live_out)
+                    for i in out.program.mutated_inputs:
+                        mismatch = mismatch or _compare(light_args[i], args[i],
+                                                        f"mutated input {i}")
+                if mismatch:
+                    out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+            return live_out
+
+        return run
+
+
+class TraceSession(_FrameCapture):
     """One signature of one cached method, compiled live by Dynamo.
 
     With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
@@ -153,15 +308,16 @@ class TraceSession:
 
     def __init__(self, method: types.MethodType, spec: CompileSpec, *, capture: bool = True,
                  share: GraphShare | None = None, phases: Phases | None = None) -> None:
+        super().__init__(spec, capture, phases)
         self._orig = method
-        self.phases = phases if phases is not None else Phases()
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
-        adapter = self._adapter = spec.adapter
-        self._options = dict(spec.options)
-        decompositions = self._decompositions = spec.decompositions
+        adapter = self._adapter
+        decompositions = self._decompositions
         dynamic = spec.dynamic
-        self._capture = capture
         self.share = share
+        # Told the frames compiled in a later call (a branch first taken, a frame whose
+        # guards failed), once the call is over: the miss path publishes each one.
+        self.on_frames: Callable[[list[FrameCompile]], None] | None = None
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
@@ -170,10 +326,8 @@ class TraceSession:
         self._compiled: Compiled | None = None
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
-        self._strings: set[str] = set()  # string constants of the traced code
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
-        self._compile_seconds = 0.0
         self._called = False
         self._call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._state: dict[str, Any] = {}
@@ -181,14 +335,9 @@ class TraceSession:
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
-        # fullgraph=False: the other frames Dynamo compiles during the first call (each
-        # resume function, each callee), their graphs until their guards come, and the
-        # method's own frame's graph (its outcome: program, verdict).
+        # fullgraph=False: Dynamo compiles other frames too (_FrameCapture); the method's
+        # own frame's graph (its outcome: program, verdict).
         self._fullgraph = spec.fullgraph
-        self._in_first_call = False
-        self._compiles: list[FrameCompile] = []
-        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
-        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
         self._root_graph: GraphCapture | None = None
         backend: Any = self._backend
         compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
@@ -209,8 +358,7 @@ class TraceSession:
                                  "so a graph break's frames cannot be told apart")
                 return keep
             if frame is not None and frame.code is not self._fn.__code__:
-                if self._in_first_call:
-                    self._frame_guards(frame, entries)
+                self._frame_guards(frame, entries)
                 return keep
         if not self._capture or self._guards is not None or self._verdict is not None:
             return keep
@@ -269,13 +417,7 @@ class TraceSession:
         self._strings = dynamo.traced_code_strings() if self._capture else set()
 
         def compile_here() -> Compiled:
-            # In a copy of the context: Dynamo builds the guards after the backend
-            # returns, and a context variable the compiler sets and leaves set (torch
-            # 2.15's compiler config overrides) would be guarded at the compiler's value,
-            # which a warm process that loads the program instead never has.
-            return contextvars.copy_context().run(
-                self._adapter.compile, gm, example_inputs, self._options,
-                self._decompositions)
+            return self._compile_here(gm, example_inputs)
 
         collective = has_collectives(gm)
         if self.share is not None:
@@ -294,72 +436,6 @@ class TraceSession:
             return self._run_once(compiled)
         self._root_graph = GraphCapture(compiled, compiled.live)
         return self._verifying(compiled, self._root_graph)
-
-    # -- fullgraph=False: the other frames of the call -----------------------------------
-    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
-        # In a copy of the context: Dynamo builds the guards after the backend returns,
-        # and a context variable the compiler sets and leaves set (torch 2.15's compiler
-        # config overrides) would be guarded at the compiler's value, which a warm process
-        # that loads the program instead never has.
-        return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
-                                              self._options, self._decompositions)
-
-    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
-                     example_inputs: list[Any]) -> Callable[..., Any]:
-        """A graph of a frame other than the method's own (a resume function's, a
-        callee's): compiled, and during the first call kept with its frame's compile."""
-        t0 = time.perf_counter()
-        capturing = self._capture and self._in_first_call
-        if capturing:
-            self._pending_dims.setdefault(code, {}).update(
-                guard_capture.tensor_dims_from_graph(gm))
-            self._traced += dynamo.traced_code_files()
-            self._strings |= dynamo.traced_code_strings()
-        compiled = self._compile_here(gm, example_inputs)
-        self.phases.add("backend", time.perf_counter() - t0)
-        self._compile_seconds += time.perf_counter() - t0
-        if not capturing:
-            return compiled.live
-        graph = GraphCapture(compiled, compiled.live)
-        run = self._verifying(compiled, graph)
-        graph.run = run
-        self._pending.setdefault(code, []).append(graph)
-        return run
-
-    def _frame_guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
-        """A frame other than the method's own finished compiling: its guards, portable,
-        checked against its own arguments now, and its compile kept (cold.frames)."""
-        code, g = frame.code, frame.f_globals
-        compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
-                                graphs=self._pending.pop(code, []))
-        self._compiles.append(compile_)
-        dims = self._pending_dims.pop(code, {})
-        if frame.out_code is None:
-            compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
-            return
-        try:
-            with self.phases.timed("guards"):
-                names = entry_frames.frame_names(code)
-                portable, classes = guard_capture.translate(
-                    entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
-                    module_name=str(g.get("__name__", "")),
-                    state=guard_capture.frame_state(), strings=self._strings,
-                    module_globals=g)
-                fn = entry_frames.frame_function(code, g)
-                local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
-                values = entry_frames.frame_values(code, frame.f_locals)
-                probe = guards_mod.build_checker(fn, local, g)
-                if not probe.full(*values):
-                    raise UnsupportedProgramError("a carried guard does not hold at trace "
-                                                  f"time: {probe.explain(*values)}")
-                compile_.guards = portable
-                compile_.checker_lines = guards_mod.build_checker(fn, portable, g).lines()
-                self._guard_classes |= classes
-        except UnsupportedProgramError as e:
-            compile_.verdict = str(e)
-        except Exception as e:  # a guard we cannot carry means "do not store this frame"
-            logger.debug("guard capture failed", exc_info=True)
-            compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
 
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.
@@ -398,52 +474,6 @@ class TraceSession:
         if self.on_recompile is not None:
             self.on_recompile(reason)
 
-    def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
-        """The live callable; its first call also runs the replayable program and compares
-        (the program and the verdict go to ``out``)."""
-        first = True
-
-        def run(*args: Any) -> Any:
-            nonlocal first
-            if not first:
-                return compiled.live(*args)
-            first = False
-            light_out: Any = None
-            light_args: list[Any] = list(args)
-            # The program and the live graph each draw from the generators: both must draw
-            # the same numbers (to compare), and the call must draw them once, as
-            # torch.compile's one call does.
-            restore_rng = _rng_snapshot()
-            try:
-                with self.phases.timed("capture"):
-                    program = compiled.program()
-                out.program = program
-                with self.phases.timed("verify"):
-                    for i in program.mutated_inputs:
-                        light_args[i] = args[i].clone()
-                    if program.light is None:
-                        raise UnsupportedProgramError("the adapter built no replayable program")
-                    light_out = program.light(*light_args)
-            except UnsupportedProgramError as e:
-                out.verdict = str(e)
-            except Exception as e:  # any capture failure means "do not cache"
-                logger.debug("program capture failed", exc_info=True)
-                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            restore_rng()
-            with self.phases.timed("run"):
-                live_out = compiled.live(*args)
-            if out.verdict is None and out.program is not None:
-                with self.phases.timed("verify"):
-                    mismatch = _compare(light_out, live_out)
-                    for i in out.program.mutated_inputs:
-                        mismatch = mismatch or _compare(light_args[i], args[i],
-                                                        f"mutated input {i}")
-                if mismatch:
-                    out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
-            return live_out
-
-        return run
-
     # -- calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = not self._called
@@ -476,13 +506,11 @@ class TraceSession:
                 self._call_args = None  # do not keep the first call's tensors alive
                 self._in_first_call = False
                 if self._compiled is not None or self._compiles:
-                    # The other frames' files too: a callee's transformed code is stale
-                    # once its source changes, though its frame traced nothing else.
-                    frame_files = [c.code.co_filename for c in self._compiles]
                     with self.phases.timed("deps"):
-                        self._deps = _user_file_hashes(
-                            self._traced + frame_files
-                            + sorted(guard_capture.class_files(self._guard_classes)))
+                        self._deps = frame_deps(self._compiles, self._traced,
+                                                self._guard_classes)
+            elif self._late and self.on_frames is not None:
+                self.on_frames(self.take_late())
 
     def last_guard_failure(self) -> str | None:
         """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
@@ -590,3 +618,43 @@ def _compare(a: Any, b: Any, where: str = "output") -> str | None:
                 return m
         return None
     return None if a == b else f"{where}: {a!r} vs {b!r}"
+
+
+class FrameSession(_FrameCapture):
+    """A resume function compiled live in a process whose stored variants of it did not
+    serve a call (a branch the compiling process never took, state that changed since):
+    ``torch.compile`` of the continuation, with every frame Dynamo compiles for its calls
+    captured (``capture``) so that each can be published as a frame variant
+    (:meth:`take_late`). With ``capture=False`` it is plain torch.compile: a frame whose
+    guards cannot be stored is compiled live in each process."""
+
+    def __init__(self, fn: types.FunctionType, spec: CompileSpec, *, capture: bool) -> None:
+        super().__init__(spec, capture, None)
+        backend: Any = self._backend
+        options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
+        if not capture:
+            if _torch.probe(self._adapter.torch_parts) is not None:
+                backend, options = self._adapter.plain_backend(self._options,
+                                                               self._decompositions)
+            else:
+                backend, options = self._plain, None
+        self._live = torch.compile(fn, backend=backend, fullgraph=False,
+                                   dynamic=spec.dynamic, options=options)
+
+    def _plain(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return self._compile_here(gm, example_inputs).live
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        frame = dynamo.compiling_frame()
+        if frame is None:
+            return self._plain(gm, example_inputs)   # not attributable: not captured
+        return self._frame_graph(frame.code, gm, example_inputs)
+
+    def _on_guards(self, entries: Any) -> list[bool]:
+        frame = dynamo.compiling_frame()
+        if frame is not None:
+            self._frame_guards(frame, entries)
+        return [True] * len(entries)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._live(*args)

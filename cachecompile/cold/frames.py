@@ -62,6 +62,9 @@ class FrameCompile:
     guards: list[dict[str, Any]] | None = None
     checker_lines: dict[str, Any] = dataclasses.field(default_factory=dict)
     verdict: str | None = None
+    # The user files its graphs traced and the classes its guards name (dependencies).
+    traced: list[str] = dataclasses.field(default_factory=list)
+    classes: set[type] = dataclasses.field(default_factory=set)
 
     def why_not(self) -> str | None:
         if self.verdict is not None:
@@ -138,7 +141,7 @@ def guard_global_names(guards: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 class _Assembler:
-    def __init__(self, compiles: Sequence[FrameCompile], root: types.CodeType) -> None:
+    def __init__(self, compiles: Sequence[FrameCompile], root: types.CodeType | None) -> None:
         self.by_code: dict[types.CodeType, list[FrameCompile]] = {}
         for c in compiles:
             if c.code is not root:
@@ -261,3 +264,18 @@ def assemble(root_code: types.CodeType, root_out: types.CodeType, root_globals: 
     a.callees()
     records = [a.records[c] for c in a.order]
     return Assembled(resumes=resumes, records=records, files=a.files, programs=a.programs)
+
+
+def assemble_variant(c: FrameCompile) -> tuple[Assembled | None, str]:
+    """A frame compiled after its entry was made, as a frame variant's entry: its record
+    with this one variant (first), code-only records of the resume frames its bytecode
+    calls (their own variants have their own entries), its graphs. (None, why) where the
+    frame cannot be stored (its guards, its program, its code not found again)."""
+    a = _Assembler([c], None)
+    kind = frames.RESUME if dynamo.is_resume_code(c.code) else frames.CALLEE
+    a.record(c.code, kind, str(c.f_globals.get("__name__", "")), c.f_globals)
+    records = [a.records[x] for x in a.order]
+    head = records[0]
+    if head.live or not head.variants:
+        return None, head.live or "no variant"
+    return Assembled(resumes={}, records=records, files=a.files, programs=a.programs), ""

@@ -26,10 +26,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cachecompile.cold import capture as capture_mod
+from cachecompile.cold import frames as frames_mod
 from cachecompile.cold.capture import Phases, Trace, TraceSession
+from cachecompile.cold.frames import FrameCompile
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
-from cachecompile.entry.frames import graph_prefix
+from cachecompile.entry.frames import graph_prefix, read_frames
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
@@ -44,7 +47,16 @@ from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm.lookup import MAX_VARIANTS, Lookup, Probe, Variant, variant_key
+from cachecompile.warm import frames as warm_frames
+from cachecompile.warm.frames import MAX_FRAME_VARIANTS, frame_variant_key
+from cachecompile.warm.lookup import (
+    MAX_VARIANTS,
+    Lookup,
+    Probe,
+    Variant,
+    record_miss,
+    variant_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +84,10 @@ def _not_published(st: LocalStorage, qualname: str, sig: Signature) -> None:
     else:
         logger.info("cachecompile %s [%s]: compiled, not published (read-only cache %s)",
                     qualname, describe(sig), st.root)
+
+
+# Labels the writer sets itself (entry.writer), and the signature's variant index.
+_WRITER_LABELS = frozenset({"backend", "function", "code", "variant"})
 
 
 class Outcome(enum.Enum):
@@ -195,6 +211,9 @@ class MissPath:
             phases.add("publish", time.perf_counter() - t_publish)
             logger.info("cachecompile cold phases %s [%s]: %s", self._qualname,
                         describe(sig), phases)
+            labels = self._labels(frame, describe(sig), self._keys.group(sig))
+            session.on_frames = lambda compiles: self.publish_frames(st, frame, labels,
+                                                                     compiles)
             session.on_recompile = lambda reason: logger.info(
                 "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
                 "entry keeps its own guards", self._qualname, describe(sig), reason)
@@ -239,24 +258,7 @@ class MissPath:
             first_call_seconds=round(elapsed, 3),
             # Where the cold first call's time went, up to the publish (capture.Phases).
             cold_phases=phases.rounded())
-        spec = self._spec
-        ranks = spec.ranks
-        labels = {
-            "model": type(self._method.__self__).__qualname__,
-            "dynamic": str(spec.dynamic).lower(),
-            "signature": describe(sig),
-            "ranks": ranks.label(),
-            **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
-            "world_size": str(ranks.world_size),
-            "global_rank": str(ranks.global_rank),
-            "frame": frame.digest[:32],
-            "group": self._keys.group(sig),
-            "group_size": str(ranks.world_size),
-        }
-        if ranks.tp_rank is not None:
-            labels["tp_rank"] = str(ranks.tp_rank)
-        if ranks.pp_rank is not None:
-            labels["pp_rank"] = str(ranks.pp_rank)
+        labels = self._labels(frame, describe(sig), self._keys.group(sig))
         t0 = time.perf_counter()
         try:
             # Under the frame lock: the first free variant index. Another node (through a
@@ -282,6 +284,102 @@ class MissPath:
                     "(%d guards, %d frames)", self._qualname, key.digest[:12], describe(sig),
                     elapsed, (time.perf_counter() - t0) * 1e3, len(trace.guards),
                     meta.n_frames)
+
+    def _labels(self, frame: Key, signature: str, group: str) -> dict[str, str]:
+        """An entry's labels: what ``cachectl ls`` filters by, what gc evicts by."""
+        spec = self._spec
+        ranks = spec.ranks
+        labels = {
+            "model": type(self._method.__self__).__qualname__,
+            "dynamic": str(spec.dynamic).lower(),
+            "signature": signature,
+            "ranks": ranks.label(),
+            **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
+            "world_size": str(ranks.world_size),
+            "global_rank": str(ranks.global_rank),
+            "frame": frame.digest[:32],
+            "group": group,
+            "group_size": str(ranks.world_size),
+        }
+        if ranks.tp_rank is not None:
+            labels["tp_rank"] = str(ranks.tp_rank)
+        if ranks.pp_rank is not None:
+            labels["pp_rank"] = str(ranks.pp_rank)
+        return labels
+
+    # -- a graph break's frames compiled after the signature's entry ----------------------
+    def publish_frames(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
+                       compiles: list[FrameCompile]) -> None:
+        """Each frame Dynamo compiled after the signature's entry was made (a branch first
+        taken, a frame whose stored guards failed), as a frame variant under the
+        signature's key (warm.frames.frame_variant_key), at its chain's first free index;
+        an identical variant already there is left alone. A frame that cannot be stored is
+        compiled live by each process that reaches it."""
+        if st.readonly:
+            return
+        who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
+        signature = str(labels.get("signature", ""))
+        for c in compiles:
+            assembled, why = frames_mod.assemble_variant(c)
+            if assembled is None:
+                logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
+                            self._qualname, signature, c.code.co_name, why)
+                continue
+            head = assembled.records[0]
+            files: dict[str, Any] = dict(assembled.files)
+            for i, program in enumerate(assembled.programs):
+                files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
+            meta = EntryMeta(
+                adapter=self._spec.adapter.name, head=head.id,
+                frames=[r.to_json() for r in assembled.records],
+                graphs=[p.meta for p in assembled.programs],
+                deps=capture_mod.frame_deps([c]), signature=signature)
+            frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
+                            "dynamo_frame": head.name[:200]}
+            try:
+                for i in range(MAX_FRAME_VARIANTS):
+                    key = frame_variant_key(frame, head.id, i)
+                    if st.contains(key) or isinstance(st.get(key), Hit):
+                        try:
+                            other = EntryMeta.from_json(st.manifest(key)["meta"])
+                            if list(read_frames(other.frames)[0].variants[0].guards) == \
+                                    list(head.variants[0].guards):
+                                break   # the same variant, published by another process
+                        except (StoreError, OSError, KeyError, IndexError,
+                                UnsupportedProgramError):
+                            pass
+                        continue
+                    writer.write(st, key, files, meta=meta, who=who,
+                                 function=self._method.__name__, labels=frame_labels)
+                    logger.info("cachecompile publish %s [%s]: frame %s, variant %d",
+                                self._qualname, signature, head.name, i)
+                    break
+            except (StoreError, OSError) as e:
+                fault(f"publishing a variant of frame {head.name} failed ({e})")
+
+    def run_frame(self, frames: warm_frames.Frames, cont: warm_frames.Continuation,
+                  args: tuple[Any, ...]) -> Any:
+        """A continuation no stored variant serves, compiled live (``torch.compile`` of
+        it), its frames captured and published when the call is over; one whose guards
+        cannot be stored compiled live and published nowhere."""
+        session = cont.live
+        if session is None:
+            fn = types.FunctionType(cont.code, frames.globals_of(cont.record),
+                                    cont.code.co_name)
+            capture = not cont.record.live and frames.st is not None and not frames.st.readonly
+            why = (f"its guards cannot be stored: {cont.record.live}" if cont.record.live
+                   else "no stored variant's guards hold")
+            logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
+                        self._qualname, frames.signature, cont.record.name, why)
+            if frames.st is not None:
+                record_miss(frames.st, "frame", f"{cont.record.name}: "
+                            f"{'live in every process' if cont.record.live else 'compiled'}")
+            session = cont.live = capture_mod.FrameSession(fn, self._spec, capture=capture)
+        result = session(*args)
+        late = session.take_late()
+        if late and frames.st is not None and frames.key is not None:
+            self.publish_frames(frames.st, frames.key, frames.labels, late)
+        return result
 
     def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
         """The lowest variant index with no entry (locally or in a remote tier); when

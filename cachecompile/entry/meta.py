@@ -55,6 +55,10 @@ class EntryMeta:
     resumes: Mapping[str, str] = _field(dict, factory=dict)
     frames: Sequence[Mapping[str, JSON]] = _field(list, factory=list)
     graphs: Sequence[Mapping[str, JSON]] = _field(list, factory=list)
+    # A frame variant's entry (a frame compiled after the signature's first call, under
+    # the signature's key plus the frame's id): the id of the frame, ``frames[0]``, whose
+    # one variant it holds; the other records are the resume frames that variant calls.
+    head: str = _field(str, default="")
     # What it cost and served, for people (cachectl show).
     signature: str = _field(str, default="")
     compile_seconds: float | None = _field((int, float, type(None)), default=None)

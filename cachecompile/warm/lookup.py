@@ -144,6 +144,9 @@ class Lookup:
         # When a variant's C++ tree is worth building: its variants differ by sizes only,
         # so one's build prices the next's.
         self._tree_cost = guard_tree.BuildCost()
+        # The cold side a graph break's frames call when no stored variant serves them
+        # (set by the cached method; None: such a frame runs as written).
+        self.live_frames: warm_frames.LiveFrames | None = None
 
     def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
@@ -275,8 +278,10 @@ class Lookup:
         if loaded.frames:
             # A graph break: the resume functions the bytecode calls and the callees it
             # reaches, each with its own guards (warm.frames).
+            signature_key = make_key({k: v for k, v in key.factors.items() if k != "variant"})
             frames = warm_frames.Frames(loaded, entry.files, adapter, self._spec.guards,
-                                        self._tree_cost, qualname)
+                                        self._tree_cost, qualname, st=st, key=signature_key,
+                                        live=self.live_frames, labels=entry.labels)
             g.update(frames.names(loaded.resumes))
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
                                list(loaded.consts), g, loaded.compiled_fn, compiled_fn)
