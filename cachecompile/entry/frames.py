@@ -111,10 +111,10 @@ class FrameVariant:
         if (not isinstance(j.get("bytecode"), str) or not isinstance(guards, list)
                 or not isinstance(consts, list) or not isinstance(checker, Mapping)):
             raise UnsupportedProgramError("a frame variant of the entry lacks its fields")
-        return cls(bytecode=j["bytecode"], consts=consts,
+        return cls(bytecode=j["bytecode"], consts=tuple(consts),
                    imports=_str_map(j.get("imports", {}), "frame imports"),
                    graphs=dict(graphs), resumes=_str_map(j.get("resumes", {}), "resumes"),
-                   guards=guards, checker=checker)
+                   guards=tuple(guards), checker=dict(checker))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ class FrameRecord:
         if kind == RESUME and not code:
             raise UnsupportedProgramError("a resume frame of the entry has no code")
         return cls(id=j["id"], kind=kind, module=j["module"], name=j["name"], code=code,
-                   code_consts=consts, where=dict(where),
+                   code_consts=tuple(consts), where=dict(where),
                    variants=tuple(FrameVariant.from_json(v) for v in variants), live=live)
 
 
