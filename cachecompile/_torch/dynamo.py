@@ -28,6 +28,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
     ("torch._dynamo.convert_frame", "_compile"),
     ("torch._dynamo.convert_frame", "initial_global_state"),
+    ("torch._dynamo.convert_frame", "input_codes"),
 )
 
 
@@ -273,3 +274,12 @@ def resume_code(value: Any) -> types.CodeType | None:
 def is_resume_code(code: types.CodeType) -> bool:
     """Whether Dynamo generated ``code`` as a continuation after a graph break."""
     return code.co_name.startswith("torch_dynamo_resume_in_")
+
+
+def ran_as_written(code: types.CodeType) -> bool:
+    """Whether Dynamo met a frame of ``code`` and left it as written (it skipped it: no
+    graph, a break it cannot resume from), rather than never meeting one: the code is
+    among those Dynamo was asked to convert and it has no compiled entry."""
+    from torch._dynamo.convert_frame import input_codes
+
+    return code in input_codes and not transformed_code(code)

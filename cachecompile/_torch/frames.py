@@ -64,6 +64,18 @@ def run_only() -> Iterator[None]:
         _EF.set_eval_frame(prev)
 
 
+@contextlib.contextmanager
+def not_serving() -> Iterator[None]:
+    """Installed frames stay out of the block (a live ``torch.compile`` inside a
+    cachecompile call: Dynamo compiles what it meets itself, never around our code)."""
+    depth = getattr(_state, "depth", 0)
+    _state.depth = 0
+    try:
+        yield
+    finally:
+        _state.depth = depth
+
+
 class _Manager:
     """What ``_load_precompile_entry`` reads a guard manager through (Dynamo passes its
     ``GuardManagerWrapper``): the root manager as ``root``."""

@@ -143,7 +143,8 @@ def label_options(f: F) -> F:
 RICH_MAX_ROWS = 500
 SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
-            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("frames", "right"),
+            ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
             ("state", "left"), ("code", "left"))
 
 
@@ -172,8 +173,15 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
     if len(sig) > SIGNATURE_WIDTH:
         sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
+            group, i.labels.get("dynamic", ""), sig, _frames(i.labels),
+            human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
             _code(i)]
+
+
+def _frames(labels: Mapping[str, str]) -> str:
+    """How many of Dynamo's frames an entry holds: a method's entry (1 unless its graph
+    breaks), ``+1`` for a frame variant published after it, nothing for a shared graph."""
+    return labels.get("frames") or ("1" if labels.get("signature") else "")
 
 
 def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
@@ -263,6 +271,7 @@ def _columns(infos: list[EntryInfo], groups: dict[str, str] | None) -> list[list
         [group(lab.get("group", "")) for lab in labels],
         [lab.get("dynamic", "") for lab in labels],
         [signature(lab.get("signature", "")) for lab in labels],
+        [_frames(lab) for lab in labels],
         [size(i.size_bytes) for i in infos],
         [_when(i.created) for i in infos],
         [_when(i.last_used) for i in infos],

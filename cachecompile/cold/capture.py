@@ -207,7 +207,7 @@ class _FrameCapture:
         if not self._capture:
             return compiled.live
         graph = GraphCapture(compiled, compiled.live)
-        run = self._verifying(compiled, graph)
+        run = self._verifying_stored(compiled, graph)
         graph.run = run
         self._pending.setdefault(code, []).append(graph)
         return run
@@ -249,6 +249,64 @@ class _FrameCapture:
         except Exception as e:  # a guard we cannot carry means "do not store this frame"
             logger.debug("guard capture failed", exc_info=True)
             compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
+
+    def _verifying_stored(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+        """A graph break's graph: like :meth:`_verifying`, but once verified, the program
+        itself serves, on the real arguments (the live graph verifies it on copies of the
+        inputs it mutates), this call and every later one. The frames after it take its
+        outputs as arguments, and Dynamo guards what it sees of them (a view's base, its
+        strides): the very tensors a warm process will hand them, rather than what
+        AOTAutograd's runtime wrappers make of the live graph's (the stored program does
+        without them)."""
+        first = True
+        runner = compiled.live
+
+        def run(*args: Any) -> Any:
+            nonlocal first, runner
+            if not first:
+                return runner(*args)
+            first = False
+            program: Program | None = None
+            try:
+                with self.phases.timed("capture"):
+                    program = out.program = compiled.program()
+                if program.light is None:
+                    raise UnsupportedProgramError("the adapter built no replayable program")
+            except UnsupportedProgramError as e:
+                out.verdict = str(e)
+            except Exception as e:  # any capture failure means "do not cache"
+                logger.debug("program capture failed", exc_info=True)
+                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            if out.verdict is not None or program is None or program.light is None:
+                with self.phases.timed("run"):
+                    return compiled.live(*args)
+            live_args = list(args)
+            for i in program.mutated_inputs:
+                live_args[i] = args[i].clone()
+            # Both draw the same numbers from the generators; the call draws them once.
+            restore_rng = _rng_snapshot()
+            with self.phases.timed("run"):
+                live_out = compiled.live(*live_args)
+            restore_rng()
+            try:
+                with self.phases.timed("verify"):
+                    light_out = program.light(*args)
+                    mismatch = _compare(light_out, live_out)
+                    for i in program.mutated_inputs:
+                        mismatch = mismatch or _compare(args[i], live_args[i],
+                                                        f"mutated input {i}")
+            except Exception as e:  # the program failed: the live graph's result stands
+                logger.debug("the program failed on the call's arguments", exc_info=True)
+                mismatch = f"it raised {type(e).__name__}: {e}"
+            if mismatch:
+                out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+                for i in program.mutated_inputs:
+                    args[i].copy_(live_args[i])
+                return live_out
+            runner = program.light
+            return light_out
+
+        return run
 
     def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
         """The live callable; its first call also runs the replayable program and compares
@@ -435,7 +493,9 @@ class TraceSession(_FrameCapture):
         if collective:
             return self._run_once(compiled)
         self._root_graph = GraphCapture(compiled, compiled.live)
-        return self._verifying(compiled, self._root_graph)
+        if self._fullgraph:
+            return self._verifying(compiled, self._root_graph)
+        return self._verifying_stored(compiled, self._root_graph)
 
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.

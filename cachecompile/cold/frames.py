@@ -203,9 +203,12 @@ class _Assembler:
             logger.info("cachecompile: frame %s is not stored (%s); a warm process runs it "
                         "%s", self.records[code].name, live,
                         "live" if kind == frames.RESUME else "as written")
+        # A continuation Dynamo met and skipped (no graph in it, a break inside a try
+        # block): torch.compile runs it as written, and so will a warm process.
+        as_written = not live and not variants and dynamo.ran_as_written(code)
         self.records[code] = dataclasses.replace(
             self.records[code], code=code_file, code_consts=tuple(code_consts), where=where,
-            variants=tuple(variants), live=live)
+            variants=tuple(variants), live=live, as_written=as_written)
         return fid
 
     def variant(self, i: int, v: int, c: FrameCompile) -> FrameVariant:
@@ -279,3 +282,12 @@ def assemble_variant(c: FrameCompile) -> tuple[Assembled | None, str]:
     if head.live or not head.variants:
         return None, head.live or "no variant"
     return Assembled(resumes={}, records=records, files=a.files, programs=a.programs), ""
+
+
+def assemble_as_written(code: types.CodeType, module: str) -> Assembled:
+    """A frame variant's entry saying that Dynamo ran a continuation as written (it met
+    its frame and compiled nothing): a warm process does the same, without compiling."""
+    a = _Assembler([], None)
+    a.record(code, frames.RESUME, module, {})
+    records = [dataclasses.replace(a.records[c], as_written=True) for c in a.order]
+    return Assembled(resumes={}, records=records, files=a.files, programs=a.programs)

@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cachecompile._torch import dynamo
+from cachecompile._torch import frames as frame_hook
 from cachecompile.cold import capture as capture_mod
 from cachecompile.cold import frames as frames_mod
 from cachecompile.cold.capture import Phases, Trace, TraceSession
@@ -259,6 +261,8 @@ class MissPath:
             # Where the cold first call's time went, up to the publish (capture.Phases).
             cold_phases=phases.rounded())
         labels = self._labels(frame, describe(sig), self._keys.group(sig))
+        if meta.frames:
+            labels["frames"] = str(meta.n_frames)   # cachectl ls: how many frames
         t0 = time.perf_counter()
         try:
             # Under the frame lock: the first free variant index. Another node (through a
@@ -317,45 +321,56 @@ class MissPath:
         compiled live by each process that reaches it."""
         if st.readonly:
             return
-        who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
-        signature = str(labels.get("signature", ""))
         for c in compiles:
             assembled, why = frames_mod.assemble_variant(c)
             if assembled is None:
                 logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
-                            self._qualname, signature, c.code.co_name, why)
+                            self._qualname, labels.get("signature", ""), c.code.co_name, why)
                 continue
-            head = assembled.records[0]
-            files: dict[str, Any] = dict(assembled.files)
-            for i, program in enumerate(assembled.programs):
-                files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
-            meta = EntryMeta(
-                adapter=self._spec.adapter.name, head=head.id,
-                frames=[r.to_json() for r in assembled.records],
-                graphs=[p.meta for p in assembled.programs],
-                deps=capture_mod.frame_deps([c]), signature=signature)
-            frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
-                            "dynamo_frame": head.name[:200]}
-            try:
-                for i in range(MAX_FRAME_VARIANTS):
-                    key = frame_variant_key(frame, head.id, i)
-                    if st.contains(key) or isinstance(st.get(key), Hit):
-                        try:
-                            other = EntryMeta.from_json(st.manifest(key)["meta"])
-                            if list(read_frames(other.frames)[0].variants[0].guards) == \
-                                    list(head.variants[0].guards):
-                                break   # the same variant, published by another process
-                        except (StoreError, OSError, KeyError, IndexError,
-                                UnsupportedProgramError):
-                            pass
-                        continue
-                    writer.write(st, key, files, meta=meta, who=who,
-                                 function=self._method.__name__, labels=frame_labels)
-                    logger.info("cachecompile publish %s [%s]: frame %s, variant %d",
-                                self._qualname, signature, head.name, i)
-                    break
-            except (StoreError, OSError) as e:
-                fault(f"publishing a variant of frame {head.name} failed ({e})")
+            self._publish_frame(st, frame, labels, assembled, capture_mod.frame_deps([c]))
+
+    def _publish_frame(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
+                       assembled: frames_mod.Assembled, deps: Mapping[str, str]) -> None:
+        """One frame variant at its chain's first free index (or nowhere, where the
+        same one is there already, or the store is read-only)."""
+        if st.readonly:
+            return
+        who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
+        signature = str(labels.get("signature", ""))
+        head = assembled.records[0]
+        files: dict[str, Any] = dict(assembled.files)
+        for i, program in enumerate(assembled.programs):
+            files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
+        meta = EntryMeta(
+            adapter=self._spec.adapter.name, head=head.id,
+            frames=[r.to_json() for r in assembled.records],
+            graphs=[p.meta for p in assembled.programs], deps=dict(deps),
+            signature=signature)
+        frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
+                        "dynamo_frame": head.name[:200], "frames": "+1"}
+        mine = [list(v.guards) for v in head.variants]
+        try:
+            for i in range(MAX_FRAME_VARIANTS):
+                key = frame_variant_key(frame, head.id, i)
+                if st.contains(key) or isinstance(st.get(key), Hit):
+                    try:
+                        theirs = read_frames(EntryMeta.from_json(
+                            st.manifest(key)["meta"]).frames)[0]
+                        if [list(v.guards) for v in theirs.variants] == mine and \
+                                theirs.as_written == head.as_written:
+                            return   # the same variant, published by another process
+                    except (StoreError, OSError, KeyError, IndexError,
+                            UnsupportedProgramError):
+                        pass
+                    continue
+                writer.write(st, key, files, meta=meta, who=who,
+                             function=self._method.__name__, labels=frame_labels)
+                logger.info("cachecompile publish %s [%s]: frame %s, variant %d%s",
+                            self._qualname, signature, head.name, i,
+                            " (runs as written)" if head.as_written else "")
+                return
+        except (StoreError, OSError) as e:
+            fault(f"publishing a variant of frame {head.name} failed ({e})")
 
     def run_frame(self, frames: warm_frames.Frames, cont: warm_frames.Continuation,
                   args: tuple[Any, ...]) -> Any:
@@ -367,18 +382,28 @@ class MissPath:
             fn = types.FunctionType(cont.code, frames.globals_of(cont.record),
                                     cont.code.co_name)
             capture = not cont.record.live and frames.st is not None and not frames.st.readonly
-            why = (f"its guards cannot be stored: {cont.record.live}" if cont.record.live
-                   else "no stored variant's guards hold")
+            why = cont.why_unserved(args)
             logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
                         self._qualname, frames.signature, cont.record.name, why)
             if frames.st is not None:
                 record_miss(frames.st, "frame", f"{cont.record.name}: "
                             f"{'live in every process' if cont.record.live else 'compiled'}")
             session = cont.live = capture_mod.FrameSession(fn, self._spec, capture=capture)
-        result = session(*args)
+        # Dynamo compiles every frame it meets in there itself: the frames this process
+        # installed (callees) stay out, so no stored code runs under Dynamo's tracing.
+        with frame_hook.not_serving():
+            result = session(*args)
         late = session.take_late()
-        if late and frames.st is not None and frames.key is not None:
-            self.publish_frames(frames.st, frames.key, frames.labels, late)
+        if frames.st is not None and frames.key is not None:
+            if late:
+                self.publish_frames(frames.st, frames.key, frames.labels, late)
+            elif dynamo.ran_as_written(cont.code) and not cont.record.live:
+                # Dynamo met the frame and compiled nothing (it skips it): say so to every
+                # other process, which then runs it as written without compiling.
+                cont.as_written = True
+                self._publish_frame(frames.st, frames.key, frames.labels,
+                                    frames_mod.assemble_as_written(cont.code,
+                                                                   cont.record.module), {})
         return result
 
     def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:

@@ -130,6 +130,8 @@ class FrameRecord:
     where: Mapping[str, JSON] = dataclasses.field(default_factory=dict)  # CALLEE: found by
     variants: Sequence[FrameVariant] = ()
     live: str = ""                         # why no variant is stored ("": they are)
+    # Dynamo met this frame and left it as written (it skipped it): so does a warm process.
+    as_written: bool = False
 
     def to_json(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"id": self.id, "kind": self.kind, "module": self.module,
@@ -141,6 +143,8 @@ class FrameRecord:
             out["where"] = dict(self.where)
         if self.live:
             out["live"] = self.live
+        if self.as_written:
+            out["as_written"] = True
         return out
 
     @classmethod
@@ -155,15 +159,17 @@ class FrameRecord:
                 raise UnsupportedProgramError(f"a frame of the entry has no {f!r}")
         code, consts, where = j.get("code", ""), j.get("code_consts", []), j.get("where", {})
         variants, live = j.get("variants", []), j.get("live", "")
+        as_written = j.get("as_written", False)
         if (not isinstance(code, str) or not isinstance(consts, list)
                 or not isinstance(where, Mapping) or not isinstance(variants, list)
-                or not isinstance(live, str)):
+                or not isinstance(live, str) or not isinstance(as_written, bool)):
             raise UnsupportedProgramError("a frame of the entry has a field of the wrong type")
         if kind == RESUME and not code:
             raise UnsupportedProgramError("a resume frame of the entry has no code")
         return cls(id=j["id"], kind=kind, module=j["module"], name=j["name"], code=code,
                    code_consts=tuple(consts), where=dict(where),
-                   variants=tuple(FrameVariant.from_json(v) for v in variants), live=live)
+                   variants=tuple(FrameVariant.from_json(v) for v in variants), live=live,
+                   as_written=as_written)
 
 
 def read_frames(raw: Sequence[Any]) -> tuple[FrameRecord, ...]:

@@ -153,6 +153,8 @@ class Continuation:
         self._told = False
         self.probed = 0             # the frame variant chain is walked from here
         self.live: Any = None       # the live compile, once one was needed (LiveFrames)
+        # Dynamo runs this frame as written (it skips it): so does this process.
+        self.as_written = record.as_written
         # Outcome counts of this process (tests, logs): stored variant, compiled live
         # here, as written.
         self.served = 0
@@ -195,32 +197,41 @@ class Continuation:
             return self._unserved(args, closure)
         return run
 
+    def why_unserved(self, args: tuple[Any, ...],
+                     closure: tuple[Any, ...] | None = None) -> str:
+        """Why no loaded variant serves a call, in words (the first variant's failing
+        guard): for the log line of a frame compiled live or run as written."""
+        if self.record.live:
+            return f"its guards cannot be stored: {self.record.live}"
+        if self.as_written:
+            return "Dynamo runs it as written too (it skips the frame)"
+        loaded = self._variants or []
+        if not loaded:
+            return "no stored variant"
+        values = (*args, *(c.cell_contents for c in closure or ()))
+        failed = loaded[0].checker.failure(*values)
+        return (f"no stored variant's guards hold; the first's: "
+                f"{failed[0] if failed else 'a guard failed'}")
+
     def _unserved(self, args: tuple[Any, ...], closure: tuple[Any, ...] | None) -> Any:
         """No loaded variant holds: one from the frame's chain, a live compile, or the
         continuation as Dynamo generated it, run as written in its module."""
         frames = self._frames
-        if closure is None:
+        if closure is None and not self.as_written:
             if self.live is None and not self.record.live:
                 found = frames.from_chain(self, args)
                 if found is not None:
                     self.served += 1
                     assert found.fn is not None
                     return found.fn(*args)
-            if frames.live is not None:
+            if frames.live is not None and not self.as_written:
                 self.compiled += 1
                 return frames.live.run_frame(frames, self, args)
         self.unserved += 1
         if not self._told:
             self._told = True
-            why = self.record.live or "no stored variant"
-            loaded = self._variants or []
-            if loaded and not self.record.live:
-                values = (*args, *(c.cell_contents for c in closure or ()))
-                failed = loaded[0].checker.failure(*values)
-                why = (f"no stored variant's guards hold; variant 0: "
-                       f"{failed[0] if failed else 'a guard failed'}")
             logger.info("cachecompile %s: frame %s runs as written (%s)",
-                        frames.qualname, self.record.name, why)
+                        frames.qualname, self.record.name, self.why_unserved(args, closure))
         if closure is not None:
             return types.FunctionType(self.code, frames.globals_of(self.record),
                                       self.code.co_name, None, closure)(*args)
@@ -345,8 +356,10 @@ class Frames:
             try:
                 meta = EntryMeta.from_json(raw)
                 records = ef.read_frames(meta.frames)
+                one = len(records[0].variants) == 1 if records else False
                 if (meta.head != fid or meta.adapter != self._adapter.name or not records
-                        or records[0].id != fid or len(records[0].variants) != 1
+                        or records[0].id != fid
+                        or not (one or (records[0].as_written and not records[0].variants))
                         or deps_mod.changed(dict(meta.deps))):
                     yield i, k, None, ()
                     continue
@@ -379,6 +392,10 @@ class Frames:
                 cont.probed = i + 1
                 if meta is None:
                     continue
+                if records[0].as_written:
+                    # Another process found that Dynamo runs this frame as written.
+                    cont.as_written = True
+                    return None
                 var = records[0].variants[0]
                 guards = self._guards(records[0], cont.code, var)
                 if not guards[1].full(*values):
@@ -412,12 +429,14 @@ class Frames:
         variants = [(var, source) for var in record.variants]
         try:
             for _, k, meta, records in self._chain(record.id, 0):
-                if meta is not None:
+                if meta is not None and records[0].variants:
                     chained = self._fetch(k, meta, records)
                     if chained is not None:
                         variants.append((records[0].variants[0], chained))
         except Exception:  # the chain is extra: the entry's own variants still install
             logger.debug("walking a callee's frame variants failed", exc_info=True)
+        if record.as_written:
+            return
         for i, (var, src) in enumerate(variants):
             loaded = self.load_variant(record, code, var, src)
             check = loaded.check

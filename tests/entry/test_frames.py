@@ -97,7 +97,7 @@ def _uses_globals(x: int, n: int) -> tuple[int, int, int]:
     r = GENERATED(x) + GENERATED(x)  # noqa: F821 (bound by the test)
     listed = [GENERATED(i) for i in range(n)]  # noqa: F821
     try:
-        r += MISSING  # noqa: F821 (never bound: the module's own NameError)
+        r += MISSING   # never bound: the module's own NameError
     except NameError:
         r = -r
     return r, len(listed), max(x, 0)
