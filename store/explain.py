@@ -23,6 +23,9 @@ __all__ = ["GuardDiff", "Nearest", "differing", "flatten", "guard_diff", "neares
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.
 NOT_COMPARED = ("variant",)
+# Factors that make a key another kind of entry (a graph break's frame variant, beside the
+# method's entries): an entry of another kind is never the nearest one.
+KIND_FACTORS = ("dynamo_frame",)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ def nearest(st: Catalog, factors: Mapping[str, Any], labels: Mapping[str, str], 
             other = st.manifest(info.key)["factors"]
         except (StoreError, OSError, KeyError):
             continue  # a manifest that went away or fails its digest: not a candidate
+        if any((k in other) != (k in factors) for k in KIND_FACTORS):
+            continue
         diff = differing(factors, other, ignore=NOT_COMPARED)
         if best is None or len(diff) < len(best.differ):
             best = Nearest(info.key, diff)

@@ -20,6 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cachecompile._version import code_label
+from cachecompile.entry import frames as frames_mod
+from cachecompile.entry.frames import FrameRecord
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.store import Maintenance, OpenStore, errors, open_store
@@ -196,6 +198,32 @@ def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
         adapter, fmt = got.get("adapter"), got.get("format")
         return EntryMeta(adapter=adapter if isinstance(adapter, str) else "",
                          format=fmt if isinstance(fmt, int) else -1)
+
+
+def read_frames(meta: EntryMeta) -> list[FrameRecord]:
+    """An entry's frames besides the method's own (a graph break's); none where the record
+    does not read (another format: cachectl still shows the rest)."""
+    try:
+        return list(frames_mod.read_frames(meta.frames))
+    except UnsupportedProgramError:
+        return []
+
+
+def frame_summary(r: FrameRecord) -> str:
+    """One frame in a line: what it is, and what a warm process does with it."""
+    kind = {"resume": "resume function", "callee": "called function"}.get(r.kind, r.kind)
+    if r.live:
+        what = f"compiled live in every process ({r.live})"
+    elif r.as_written:
+        what = "runs as written (Dynamo skips it too)"
+    elif not r.variants:
+        what = "no variant stored here (compiled where first reached, then published)"
+    else:
+        n = len(r.variants)
+        what = (f"{n} variant{'s' if n > 1 else ''}, "
+                f"{', '.join(str(len(v.guards)) for v in r.variants)} guards, "
+                f"{sum(len(v.graphs) for v in r.variants)} graph(s)")
+    return f"{kind}: {r.name}: {what}"
 
 
 def _code(i: EntryInfo) -> str:

@@ -13,6 +13,7 @@ docs/performance.md, "Graph breaks".)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,25 @@ def test_frames_of_called_functions_run_their_stored_code(tmp_path: Path) -> Non
     assert any(k.startswith("helper (") and n[0] == 2 for k, n in served.items()), served
     strict = box.run(RUN_CALLEES.format(strict=True))
     assert strict["refused"] and "broke the graph" in strict["refused"], strict.value
+
+
+@pytest.mark.slow
+def test_cachectl_shows_every_frame(breaks: tuple[Sandbox, Any]) -> None:
+    box, _ = breaks
+    env = box.env()
+    ls = cachectl("ls", "--json", env=env)
+    entries = {e["labels"].get("frames"): e["key"] for e in json.loads(ls.stdout)}
+    assert "3" in entries and "+1" in entries, ls.stdout   # the entry, a frame variant
+    table = cachectl("ls", env=env).stdout
+    assert "frames" in table.splitlines()[0], table
+    show = cachectl("show", entries["3"], env=env).stdout
+    assert "frames   3" in show and "resume function" in show, show
+    assert "model.SCALE == 3" in show, show   # a frame's guard, in the user's terms
+    program = cachectl("program", entries["3"], env=env).stdout
+    for part in ("# ---- frame 1:", "# ---- frame 2 variant 0: guards",
+                 "Dynamo's transformed bytecode", "# ---- graph 1:"):
+        assert part in program, program
+    variant = cachectl("show", entries["+1"], env=env).stdout
+    assert "a variant of one frame" in variant, variant
+    explain = cachectl("explain", entries["3"], env=env).stdout
+    assert "is the only entry" in explain and "resume function" in explain, explain
