@@ -383,8 +383,13 @@ class MissPath:
                                     cont.code.co_name)
             capture = not cont.record.live and frames.st is not None and not frames.st.readonly
             why = cont.why_unserved(args)
-            logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
-                        self._qualname, frames.signature, cont.record.name, why)
+            if cont.record.live:
+                # Named once per process: every process compiles this frame live.
+                fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
+                      f"compiled live in every process ({why})")
+            else:
+                logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
+                            self._qualname, frames.signature, cont.record.name, why)
             if frames.st is not None:
                 record_miss(frames.st, "frame", f"{cont.record.name}: "
                             f"{'live in every process' if cont.record.live else 'compiled'}")

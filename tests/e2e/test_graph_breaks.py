@@ -240,3 +240,50 @@ def test_cachectl_shows_every_frame(breaks: tuple[Sandbox, Any]) -> None:
     assert "a variant of one frame" in variant, variant
     explain = cachectl("explain", entries["3"], env=env).stdout
     assert "is the only entry" in explain and "resume function" in explain, explain
+
+
+RUN_LIVE = '''
+import sys, warnings
+import torch
+import cachecompile.key.identity as identity
+from cachecompile import cache_compile
+import model
+
+if {unportable}:
+    # As if the function the frame after the breaks reads had no process-independent
+    # identity: its guard cannot be stored.
+    real = identity.identity
+    identity.identity = lambda obj, *a, **k: None if obj is model.act else real(obj, *a, **k)
+m = model.Net().eval()
+cached = cache_compile(m.run, fullgraph=False, backend="aot_eager")
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)) + 10
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with torch.no_grad():
+        ok = [bool(torch.equal(cached(x), m.run(x))) for _ in range(2)]
+served = {{}}
+for variants in cached._runners.values():
+    for v in variants:
+        if v.frames is not None:
+            served.update({{k: list(n) for k, n in v.frames.served().items()}})
+report({{"ok": ok, "served": served, "dynamo": "torch._dynamo" in sys.modules,
+        "warnings": [str(w.message) for w in caught if "cachecompile" in str(w.message)]}})
+'''
+
+
+def test_a_frame_whose_guards_cannot_be_stored_is_live_in_every_process(tmp_path: Path) -> None:
+    """No guard is dropped: the frame is stored without a variant and the reason; each
+    process compiles it live (named once, counted in cachectl stats), the others hit."""
+    box = Sandbox(tmp_path)
+    (box.root / "model.py").write_text(MODEL)
+    cold = box.run(RUN_LIVE.format(unportable=True))
+    assert cold["ok"] == [True, True], cold.value
+    for _ in range(2):
+        warm = box.run(RUN_LIVE.format(unportable=False))
+        assert warm["ok"] == [True, True] and warm["dynamo"] is True, warm.value
+        live = [k for k, n in warm["served"].items() if n[1] == 2]
+        assert len(live) == 1, warm["served"]
+        named = [w for w in warm["warnings"] if "compiled live in every process" in w]
+        assert len(named) == 1 and "no process-independent form" in named[0], warm["warnings"]
+    stats = cachectl("stats", env=box.env())
+    assert "live in every process" in " ".join(stats.stdout.split()), stats.stdout
