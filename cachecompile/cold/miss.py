@@ -391,7 +391,9 @@ class MissPath:
                 logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
                             self._qualname, frames.signature, cont.record.name, why)
             if frames.st is not None:
-                record_miss(frames.st, "frame", f"{cont.record.name}: "
+                # Counted by the frame (its qualified name), bounded by the code.
+                short = cont.record.name.split(" (", 1)[0]
+                record_miss(frames.st, "frame", f"{short}: "
                             f"{'live in every process' if cont.record.live else 'compiled'}")
             session = cont.live = capture_mod.FrameSession(fn, self._spec, capture=capture)
         # Dynamo compiles every frame it meets in there itself: the frames this process
