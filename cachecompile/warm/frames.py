@@ -274,7 +274,11 @@ class Frames:
         self._merge(ef.read_frames(meta.frames), source)
         for r in list(self.records.values()):
             if r.kind == ef.CALLEE:
-                self._install(r, source)
+                try:
+                    self._install(r, source)
+                except Exception as e:  # a callee that does not install runs as written
+                    logger.info("cachecompile %s: frame %s runs as written (%s: %s)",
+                                qualname, r.name, type(e).__name__, e)
 
     def _merge(self, records: Sequence[FrameRecord], source: _Source) -> None:
         """Frame records of an entry: a resume frame not known yet becomes a continuation
@@ -437,13 +441,21 @@ class Frames:
             logger.debug("walking a callee's frame variants failed", exc_info=True)
         if record.as_written:
             return
+        installed = 0
         for i, (var, src) in enumerate(variants):
-            loaded = self.load_variant(record, code, var, src)
+            try:
+                loaded = self.load_variant(record, code, var, src)
+                # The generated names of its bytecode, bound to their objects: the callee
+                # runs in its own module's globals, which are not written to.
+                bound = ef.bind_globals(loaded.code, {k: v for k, v in loaded.globals.items()
+                                                      if k != "__builtins__"})
+            except UnsupportedProgramError as e:
+                # This variant does not install (3.10: no room to bind a name): where no
+                # other one holds, the callee runs as written, eager's result.
+                logger.info("cachecompile %s: a variant of frame %s is not installed (%s)",
+                            self.qualname, record.name, e)
+                continue
             check = loaded.check
-            # The generated names of its bytecode, bound to their objects: the callee
-            # runs in its own module's globals, which are not written to.
-            bound = ef.bind_globals(loaded.code, {k: v for k, v in loaded.globals.items()
-                                                  if k != "__builtins__"})
 
             def frame_check(frame_locals: dict[str, Any], check: Callable[..., bool] = check,
                             code: types.CodeType = code, fid: str = record.id) -> bool:
@@ -453,7 +465,8 @@ class Frames:
                 return True
 
             hook.install(code, frame_check, bound, f"cachecompile {record.name} variant {i}")
-        if variants:
+            installed += 1
+        if installed:
             self.callees.append(record.id)
 
     def served(self) -> dict[str, tuple[int, int, int]]:
