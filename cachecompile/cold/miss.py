@@ -322,12 +322,18 @@ class MissPath:
         if st.readonly:
             return
         for c in compiles:
-            assembled, why = frames_mod.assemble_variant(c)
-            if assembled is None:
-                logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
-                            self._qualname, labels.get("signature", ""), c.code.co_name, why)
-                continue
-            self._publish_frame(st, frame, labels, assembled, capture_mod.frame_deps([c]))
+            try:
+                assembled, why = frames_mod.assemble_variant(c)
+                if assembled is None:
+                    logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
+                                self._qualname, labels.get("signature", ""), c.code.co_name,
+                                why)
+                    continue
+                self._publish_frame(st, frame, labels, assembled, capture_mod.frame_deps([c]))
+            except Exception as e:  # publishing is extra: the call's result stands
+                logger.debug("publishing a frame variant failed", exc_info=True)
+                fault(f"{self._qualname}: a variant of frame {c.code.co_name} is not "
+                      f"published ({type(e).__name__}: {e})")
 
     def _publish_frame(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
                        assembled: frames_mod.Assembled, deps: Mapping[str, str]) -> None:
@@ -408,9 +414,14 @@ class MissPath:
                 # Dynamo met the frame and compiled nothing (it skips it): say so to every
                 # other process, which then runs it as written without compiling.
                 cont.as_written = True
-                self._publish_frame(frames.st, frames.key, frames.labels,
-                                    frames_mod.assemble_as_written(cont.code,
-                                                                   cont.record.module), {})
+                try:
+                    self._publish_frame(frames.st, frames.key, frames.labels,
+                                        frames_mod.assemble_as_written(cont.code,
+                                                                       cont.record.module),
+                                        {})
+                except Exception:  # publishing is extra: the call's result stands
+                    logger.debug("publishing a frame that runs as written failed",
+                                 exc_info=True)
         return result
 
     def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
