@@ -26,7 +26,7 @@ import logging
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,7 @@ def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     return deps_by_module(files)
 
 
-def frame_deps(compiles: list[FrameCompile], traced: list[str] = (),  # type: ignore[assignment]
+def frame_deps(compiles: Sequence[FrameCompile], traced: Sequence[str] = (),
                classes: set[type] | None = None) -> dict[str, str]:
     """The user files an entry depends on: what its graphs traced, the classes its guards
     name, and each frame's own file (a callee's stored code is stale once its source
