@@ -213,7 +213,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=list(ORDER))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="Keep the work dir.")
+    ap.add_argument("--summary", type=Path, default=None,
+                    help="Only print the summary of an earlier --json file.")
     args = ap.parse_args()
+    if args.summary is not None:
+        summary(json.loads(args.summary.read_text()))
+        return
     work = Path(tempfile.mkdtemp(prefix="bench-graph-breaks-"))
     (work / "bench_model.py").write_text(MODEL)
     rows: list[dict[str, Any]] = []
@@ -240,15 +245,19 @@ def main() -> None:
 
 
 def summary(rows: list[dict[str, Any]]) -> None:
+    """Medians per mechanism. ``after import``: the first output less the child's own
+    ``import torch``, which every row pays and which a loaded machine stretches most."""
     eager = statistics.median(r["first_output_s"] for r in rows if r["mechanism"] == "eager")
-    print(f"\n{'mechanism':36s} {'first output':>22s} {'over eager':>10s} {'per call':>9s} "
-          f"{'tiny call':>10s} {'frames':>6s} {'dynamo':>6s} ok")
+    print(f"\n{'mechanism':36s} {'first output':>22s} {'over eager':>10s} {'after import':>12s} "
+          f"{'per call':>9s} {'tiny call':>10s} {'frames':>6s} {'dynamo':>6s} ok")
     names = list(dict.fromkeys(r["mechanism"] for r in rows))
     for name in names:
         rs = [r for r in rows if r["mechanism"] == name]
         fo = [r["first_output_s"] for r in rs]
         med = statistics.median(fo)
+        after = statistics.median(r["first_output_s"] - r["import_torch_s"] for r in rs)
         print(f"{name:36s} {med:7.2f} s ({min(fo):.2f}-{max(fo):.2f}) {med - eager:+9.2f}s "
+              f"{after:10.2f} s "
               f"{statistics.median(r['call_ms'] for r in rs):7.2f}ms "
               f"{statistics.median(r['tiny_us'] for r in rs):8.1f}us "
               f"{max(r['frames'] for r in rs):6d} {str(any(r['dynamo'] for r in rs)):>6s} "
