@@ -2,6 +2,9 @@
 # System packages the test suite needs, on Debian/Ubuntu CI (run as root, or with sudo).
 # Idempotent: installs only what is missing.
 #   redis-server  the real server the remote-tier tests start on a loopback port
+#   nginx         with its WebDAV modules (the core dav module and libnginx-mod-http-dav-ext
+#                 for PROPFIND): the HTTP tier's tests start it on a loopback port
+#                 (tests/http_util.py); the package's own service is stopped
 #   s3rver        (npm, into .s3rver/, git-ignored) the second S3 server the S3-tier tests
 #                 start: it honours no conditional put and fails big LISTs, unlike moto
 #                 (tests/s3_util.py finds it there, or at CACHECOMPILE_TEST_S3RVER)
@@ -26,6 +29,17 @@ else
   apt_install redis-server
   # The package may start a system service; the tests start their own server on a free port.
   echo "installed $(redis-server --version | cut -d' ' -f3)"
+fi
+
+if command -v nginx >/dev/null 2>&1 && [ -f /usr/lib/nginx/modules/ngx_http_dav_ext_module.so ]; then
+  echo "nginx already installed: $(nginx -v 2>&1 | cut -d/ -f2)"
+else
+  apt_install nginx libnginx-mod-http-dav-ext
+  # The package may start a system service on port 80; the tests start their own.
+  if [ -f /run/nginx.pid ]; then
+    $SUDO nginx -s stop 2>/dev/null || true
+  fi
+  echo "installed nginx $(nginx -v 2>&1 | cut -d/ -f2) with WebDAV (dav-ext)"
 fi
 
 if [ -f .s3rver/node_modules/s3rver/bin/s3rver.js ] \

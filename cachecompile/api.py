@@ -6,26 +6,32 @@ Argument checking lives here; the behaviour lives in :mod:`cachecompile.cached`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 import torch
 
 from cachecompile import backends, forms
+from cachecompile._torch import runtime
 from cachecompile.backends.base import capability
 from cachecompile.cached import CachedFunction, SharedEntries, cache_off
 from cachecompile.entry.guards import GuardMode
 from cachecompile.errors import ContractError, IgnoredArgumentWarning, user_stacklevel
 from cachecompile.key import cpu
-from cachecompile.key import passes as passes_mod
 from cachecompile.key.factors import device_factors, function_factors
 from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
+from cachecompile.store import settings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,8 @@ def _check_method(func: Any) -> types.MethodType:
                             f"method of {type(func.__self__).__qualname__}: make the class an "
                             "nn.Module, or cache a plain function.\n" + _PATTERN)
     inner = func.__func__
+    if isinstance(inner, types.FunctionType):
+        forms.refuse_generators(inner, func.__qualname__)
     if not isinstance(inner, types.FunctionType):
         # functools.wraps-style decorators give a plain function (traced, wrapper and all);
         # other callables (a class instance, a C function) have no bytecode to replay.
@@ -79,24 +87,22 @@ _warned_kwargs: set[str] = set()
 
 def _ignore_unknown(kwargs: Mapping[str, Any]) -> None:
     """TorchAir's cache_compile accepts and ignores keywords it does not know; so do we,
-    with one warning per name and process (a typo still shows up once)."""
+    with one warning per name and process (a typo still shows up once, with the name it
+    is closest to)."""
     new = sorted(set(kwargs) - _warned_kwargs)
     if not new:
         return
     _warned_kwargs.update(new)
-    warnings.warn(f"cache_compile() ignores unknown keyword arguments: {', '.join(new)}",
+    named = []
+    for name in new:
+        near = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.75)
+        named.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    warnings.warn(f"cache_compile() ignores unknown keyword arguments: {', '.join(named)}",
                   IgnoredArgumentWarning, stacklevel=user_stacklevel())
 
 
-def _torchair_default_dir() -> str | None:
-    """TorchAir's default cache dir, unless cachecompile's own variable names one."""
-    if os.environ.get("CACHECOMPILE_DIR"):
-        return None
-    return os.path.abspath(os.environ.get("TORCHAIR_CACHE_HOME") or ".torchair_cache")
-
-
 # torch.compile(mode=...) as Inductor options: torch._inductor.list_mode_options of
-# torch 2.13-2.15, less CUDA graphs (their capture is not cached yet: see _mode_options).
+# torch 2.11-2.15, less CUDA graphs (their capture is not cached yet: see _mode_options).
 _MODES: dict[str, dict[str, Any]] = {
     "default": {},
     "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
@@ -157,8 +163,59 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(message, IgnoredArgumentWarning, stacklevel=user_stacklevel())
 
 
+class Options(TypedDict, total=False):
+    """``cache_compile``'s keyword arguments, for type checkers (the overloads below)."""
+
+    config: Any
+    backend: Any
+    dynamic: bool | None
+    cache_dir: str | os.PathLike[str] | None
+    global_rank: int | None
+    tp_rank: int | None
+    pp_rank: int | None
+    custom_decompositions: Mapping[Any, Callable[..., Any]] | None
+    ge_cache: bool
+    max_signatures: int
+    guards: str | None
+    passes: Mapping[str, Any] | None
+    gears: Mapping[str, Mapping[int, Sequence[int]]] | None
+    gear_policy: str
+    pad: bool
+    mode: str | None
+    options: Mapping[str, Any] | None
+    fullgraph: bool
+    disable: bool
+
+
+_M = TypeVar("_M", bound=torch.nn.Module)
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class Decorator(Protocol):
+    """What ``cache_compile(**options)`` returns: a decorator that gives back what it
+    decorates, as its type (a method stays that method, a class that class)."""
+
+    def __call__(self, target: _T, /) -> _T: ...
+
+
+# The forms as a type checker sees them: a module class stays the class, a module is a
+# CachedModule, any other callable (a bound method, a plain function) a CachedFunction
+# with the callable's own parameters and return type.
+@overload
+def cache_compile(func: None = None, /, **options: Unpack[Options]) -> Decorator: ...
+@overload
+def cache_compile(func: type[_M], /,  # type: ignore[overload-overlap]
+                  **options: Unpack[Options]) -> type[_M]: ...
+@overload
+def cache_compile(func: torch.nn.Module, /,  # type: ignore[overload-overlap]
+                  **options: Unpack[Options]) -> forms.CachedModule: ...
+@overload
+def cache_compile(func: Callable[_P, _R], /,
+                  **options: Unpack[Options]) -> CachedFunction[_P, _R]: ...
 def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = None,
-                  dynamic: bool = True, cache_dir: str | os.PathLike[str] | None = None,
+                  dynamic: bool | None = True, cache_dir: str | os.PathLike[str] | None = None,
                   global_rank: int | None = None, tp_rank: int | None = None,
                   pp_rank: int | None = None,
                   custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
@@ -167,7 +224,7 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
                   gears: Mapping[str, Mapping[int, Sequence[int]]] | None = None,
                   gear_policy: str = "zip", pad: bool = False,
                   mode: str | None = None, options: Mapping[str, Any] | None = None,
-                  fullgraph: bool = True, **kwargs: Any) -> Any:
+                  fullgraph: bool = True, disable: bool = False, **kwargs: Any) -> Any:
     """Cache ``torch.compile`` across processes, wherever ``torch.compile`` would go.
 
     ``func`` is any of (docs/usage.md, "Forms"):
@@ -191,7 +248,9 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             hooks included).
         backend: adapter name: ``"inductor"`` (default), ``"aot_eager"`` or ``"torchair"``.
         dynamic: compile with dynamic shapes (one entry serves all sizes) or static
-            shapes (one entry per shape, at most ``max_signatures``).
+            shapes (one entry per shape, at most ``max_signatures``); ``None`` is
+            torch.compile's automatic dynamic: static first, then, once a call differs
+            from an earlier one only in sizes (or int values), dynamic from then on.
         cache_dir: store root; default ``$CACHECOMPILE_DIR`` or ``~/.cache/cachecompile``
             (with the torchair backend: ``$CACHECOMPILE_DIR``, else TorchAir's
             ``$TORCHAIR_CACHE_HOME`` or ``./.torchair_cache``).
@@ -225,11 +284,18 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             :class:`GraphBreakError` naming where) or ``False`` (the graph may break: every
             frame Dynamo compiles for a call is stored, each with its guards; the code
             between graphs runs as under torch.compile; docs/usage.md, "Graph breaks").
+        disable: torch.compile's: ``True`` returns ``func`` itself, uncompiled and uncached
+            (``disable=not args.compile``); with no ``func``, a decorator that does so.
 
     Unknown keyword arguments are ignored with one warning, as TorchAir ignores them.
     """
     if kwargs:
         _ignore_unknown(kwargs)
+    if not isinstance(disable, bool):
+        raise ContractError(f"cache_compile(): disable must be True or False, got {disable!r}")
+    if disable:
+        # torch.compile(disable=True) returns what it was given, as it was given.
+        return (lambda target: target) if func is None else func
     settings = _Settings(
         config=_torch_compile_args(config, backend, mode, options),
         backend=backend, dynamic=dynamic, cache_dir=cache_dir, global_rank=global_rank,
@@ -278,6 +344,14 @@ def _form(func: Any, s: _Settings) -> Any:
             "cache_compile() got what torch.compile returned (an OptimizedModule); pass the "
             "original module instead: cache_compile(model), not "
             "cache_compile(torch.compile(model)) (the original is its ._orig_mod)")
+    original = runtime.compiled_by_dynamo(func)
+    if original is not None:
+        name = getattr(original, "__qualname__", "")
+        raise ContractError(
+            f"cache_compile() got what torch.compile returned"
+            f"{f' for {name}' if name and '<' not in name else ''}: cache_compile compiles "
+            "it itself. Pass what you gave torch.compile instead: cache_compile(model.forward) "
+            "or cache_compile(model), not cache_compile(torch.compile(model).forward)")
     if isinstance(func, type):
         if issubclass(func, torch.nn.Module):
             _checked(s)
@@ -300,6 +374,7 @@ def _form(func: Any, s: _Settings) -> Any:
                 f"cache_compile() got {func.__qualname__} through its class: pass it bound to "
                 "an instance (cache_compile(model.forward)), the module itself, or decorate "
                 "the method in the class body.\n" + _PATTERN)
+        forms.refuse_generators(func, func.__qualname__)
         _checked(s)
         return forms.CachedMethod(func, lambda m: _cache_method(_check_method(m), s))
     fn = forms.check_function(func, _PATTERN)
@@ -308,8 +383,9 @@ def _form(func: Any, s: _Settings) -> Any:
 
 def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
     """The checks that need no method: adapter and options, guard mode, cache dir."""
-    if not isinstance(s.dynamic, bool):
-        raise ContractError(f"cache_compile(): dynamic must be True or False, got {s.dynamic!r}")
+    if s.dynamic is not None and not isinstance(s.dynamic, bool):
+        raise ContractError(f"cache_compile(): dynamic must be True, False or None "
+                            f"(automatic, as torch.compile's default), got {s.dynamic!r}")
     if not isinstance(s.fullgraph, bool):
         raise ContractError(f"cache_compile(): fullgraph must be True or False, got "
                             f"{s.fullgraph!r}")
@@ -324,24 +400,23 @@ def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
         adapter, options = backends.resolve(s.backend, s.config, ge_cache=s.ge_cache)
     except (TypeError, ValueError, KeyError) as e:
         raise ContractError(f"cache_compile(): {e}") from None
-    if s.passes is not None and adapter.name != "inductor":
-        raise ContractError(f"cache_compile(): passes= are Inductor's custom pass hooks; the "
-                            f"{adapter.name!r} backend does not run them (with torchair, give "
-                            "them in its CompilerConfig)")
-    if adapter.name == "inductor":
-        options = passes_mod.merge(options, s.passes)
-        passes_mod.check(options)
+    try:
+        options = dict(capability(adapter, "with_passes")(options, s.passes))
+    except ContractError:
+        raise   # worded for the user already (key.passes)
+    except (TypeError, ValueError) as e:
+        raise ContractError(f"cache_compile(): {e}") from None
     cache_dir = s.cache_dir
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ContractError(f"cache_compile(): cache_dir must be a path, got {cache_dir!r}")
-    if cache_dir is None and adapter.name == "torchair":
-        cache_dir = _torchair_default_dir()
+    if cache_dir is None:
+        cache_dir = capability(adapter, "default_cache_dir")()
     try:
         mode = GuardMode(s.guards) if s.guards is not None else GuardMode.from_env()
     except ValueError:
         raise ContractError(f"cache_compile(): guards must be 'first' or 'always', got "
                             f"{s.guards!r}") from None
-    if s.gears is not None and s.dynamic:
+    if s.gears is not None and s.dynamic is not False:
         raise ContractError("cache_compile(): gears declare static shapes; use them with "
                             "dynamic=False")
     if s.gears is None and s.pad:
@@ -374,14 +449,16 @@ def _cache_method(method: types.MethodType, s: _Settings,
         extra = {"function": function_factors(function)}
         if torch.cuda.is_available():
             extra["device"] = device_factors(["cuda"])
-    enabled = os.environ.get("CACHECOMPILE_DISABLE", "") not in ("1", "true", "yes")
+    enabled = not settings.DISABLE.get()
     if enabled:
         # A torch the cache cannot run on: warn here, where the user asked for caching;
         # calls then run as plain torch.compile (CachedFunction checks again).
         cache_off()
     targets = _cpu_targets(adapter, options)
     options = targets.pop("options", options)
-    spec = CompileSpec(adapter=adapter, options=options, dynamic=s.dynamic, guards=mode,
+    # dynamic=None (automatic): static until sizes change (CachedFunction switches).
+    spec = CompileSpec(adapter=adapter, options=options, dynamic=bool(s.dynamic),
+                       automatic=s.dynamic is None, guards=mode,
                        cache_dir=cache_dir, ranks=ranks, decompositions=s.custom_decompositions,
                        max_signatures=max_signatures, enabled=enabled, gears=declared,
                        extra_factors=extra, fullgraph=s.fullgraph, **targets)
@@ -426,8 +503,10 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
             f"compile_repeated_blocks(): {type(model).__qualname__} has no _repeated_blocks; "
             "name the block classes: compile_repeated_blocks(model, blocks=[DecoderBlock])")
     names = {b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in wanted}
-    settings = _Settings(**{**_DEFAULTS, **_settings_of(options)})
     group = SharedEntries()
+    if options.pop("disable", False) is True:
+        return group  # as torch.compile(disable=True): nothing compiled, the blocks as they are
+    settings = _Settings(**{**_DEFAULTS, **_settings_of(options)})
     found: set[str] = set()
     for sub in model.modules():
         name = type(sub).__name__
@@ -447,6 +526,10 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
                             f"submodule of class {', '.join(missing)}")
     return group
 
+
+# cache_compile's keyword arguments, for "did you mean" (cache_compile's own, so the list
+# cannot drift from the signature).
+_KEYWORDS = [n for n in inspect.signature(cache_compile).parameters if n not in ("func", "kwargs")]
 
 # cache_compile's defaults, for helpers that take its options as keywords.
 _DEFAULTS: dict[str, Any] = {

@@ -62,6 +62,7 @@ from cachecompile.procs.builders import (  # noqa: F401
     prebuild_factory,
     push_results,
 )
+from cachecompile.store import settings
 from cachecompile.store.errors import StoreError
 from cachecompile.warm.lookup import MAX_VARIANTS, variant_key
 from cachecompile.warm.state import store_for
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or args[0] not in ("worker", "list"):
         sys.stderr.write("usage: python -m cachecompile.build worker|list module:factory\n")
         return 2
-    logging.basicConfig(level=os.environ.get("CACHECOMPILE_BUILD_LOG", "WARNING"))
+    logging.basicConfig(level=settings.BUILD_LOG.get())
     return _worker_main(args[1], listing=args[0] == "list")
 
 

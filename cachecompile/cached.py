@@ -22,18 +22,20 @@ The cold side is imported on the first miss, not here: a warm process never load
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 import threading
 import time
 import types
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
 import torch
 
 from cachecompile.errors import (
     InferenceOnlyError,
+    InferenceOnlyWarning,
     OutOfGearWarning,
     SignatureLimitWarning,
     fault,
@@ -49,6 +51,8 @@ from cachecompile.warm.lookup import Lookup, Variant, record_miss
 from cachecompile.warm.state import cache_off, store_for
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from cachecompile.cold.capture import TraceSession
     from cachecompile.cold.miss import MissPath
     from cachecompile.warm.frames import Continuation, Frames
@@ -59,6 +63,9 @@ __all__ = ["CachedFunction", "SharedEntries", "cache_off"]
 
 # Read on every call: the function itself, not two attribute lookups through ``torch``.
 _grad_enabled = torch.is_grad_enabled
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # What a miss of a signature outside the declared gears is counted about (cachectl stats).
 OFF_GEAR = "outside the declared gears"
@@ -117,14 +124,15 @@ class _LiveFrames:
         return self._cached._miss_path().run_frame(frames, cont, args)
 
 
-class CachedFunction:
-    """What ``cache_compile`` returns. Call it like the method it wraps."""
+class CachedFunction(Generic[_P, _R]):
+    """What ``cache_compile`` returns. Call it like the method it wraps (a type checker
+    sees the method's parameters and return type)."""
 
     def __init__(self, method: types.MethodType, spec: CompileSpec,
                  shared: SharedEntries | None = None) -> None:
         self._method = method
         self._shared = shared
-        self._module = method.__self__
+        self._module = cast(torch.nn.Module, method.__self__)  # api checked it
         self.spec = spec
         self._gears = spec.gears
         self._dynamic = spec.dynamic
@@ -140,6 +148,11 @@ class CachedFunction:
         self._miss: MissPath | None = None      # the cold side, made on the first miss
         self._fallback: TraceSession | None = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
+        self._training_warned = False   # InferenceOnlyWarning given (or not needed)
+        # dynamic=None: each static signature's sizes-blind form -> the signature, until a
+        # call differs from an earlier one in sizes only (then dynamic, as Dynamo does).
+        self._shapes: dict[Signature, Signature] | None = {} if spec.automatic else None
+        self._retired: list[Lookup] = []  # lookups of the static phase (they hold pins)
         self._limit_warned = False
         self._lock = threading.RLock()
         self._params = tuple(inspect.signature(method).parameters)
@@ -151,7 +164,7 @@ class CachedFunction:
         self.events: list[tuple[str, str]] = []
 
     # -- calls ------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         # The warm call, inline (every decode step runs it): grad off, no gears, a
         # signature seen before whose one variant's check holds. Everything else, and any
         # change of those, takes the general path below.
@@ -171,9 +184,29 @@ class CachedFunction:
                     "grad while grad mode is on. Call it under torch.no_grad() or "
                     "torch.inference_mode(), or detach the inputs; for training use "
                     "torch.compile directly.")
+            if not self._training_warned and self._module.training:
+                self._warn_training()
             with torch.no_grad():
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
+
+    def _warn_training(self) -> None:
+        """A module in training mode whose parameters require grad, called in grad mode:
+        training, or inference that forgot ``model.eval()``. The outputs carry no autograd
+        history either way; said once, before anything is compiled, so that a ``backward()``
+        that fails later ("does not require grad") has its cause on record."""
+        self._training_warned = True
+        if not any(p.requires_grad for p in self._module.parameters()):
+            return
+        warnings.warn(
+            f"{self.__qualname__} is cached for inference only: its module "
+            f"({type(self._module).__qualname__}) is in training mode with parameters that "
+            "require grad, and grad mode is on, but the cached call runs under "
+            "torch.no_grad(): its outputs carry no autograd history, so backward() through "
+            "them fails. For inference, call model.eval() (or call under torch.no_grad() "
+            "or torch.inference_mode()); to train, use torch.compile for this method. "
+            "(This warning is given once per cached method.)",
+            InferenceOnlyWarning, stacklevel=user_stacklevel())
 
     @property
     def gears(self) -> Gears | None:
@@ -258,6 +291,8 @@ class CachedFunction:
     # -- first call of a signature (or of a variant whose guards failed) --------------
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                     off_gear: bool = False) -> Any:
+        if self._shapes is not None:
+            sig = self._automatic(sig, args, kwargs)
         spec = self.spec
         if not spec.enabled:
             return self._run_live(sig, args, kwargs, "disabled")
@@ -295,7 +330,7 @@ class CachedFunction:
         try:
             st = store_for(spec.cache_dir)
         except (StoreError, OSError) as e:
-            fault(f"the cache store is unusable ({e})")
+            fault(f"the cache store is unusable: {e}")
             return self._run_live(sig, args, kwargs, "store unusable")
         if spec.cpu_unserved is not None:
             # Never a lookup of kernels this CPU cannot run, nor a compile for them.
@@ -357,6 +392,34 @@ class CachedFunction:
         self._add(sig, served.variant, served.outcome.value)
         return served.result
 
+    def _automatic(self, sig: Signature, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Signature:
+        """dynamic=None, as torch.compile's automatic dynamic shapes: the first call of a
+        form compiles static; a later call that differs from it in sizes (or int values)
+        only switches the method to dynamic, for every call from then on. Decided per
+        process from its own calls, so a warm process that sees the same calls loads the
+        same entries (the static one, then the dynamic one)."""
+        assert self._shapes is not None
+        blind = signature(args, kwargs, True)
+        seen = self._shapes.get(blind)
+        if seen is None or seen == sig:
+            self._shapes[blind] = sig
+            return sig
+        logger.info("cachecompile %s: [%s] after [%s]: sizes changed, so dynamic from now on "
+                    "(dynamic=None, torch.compile's automatic dynamic shapes)",
+                    self.__qualname__, describe(sig), describe(seen))
+        self._shapes = None
+        self.spec = dataclasses.replace(self.spec, dynamic=True)
+        self._dynamic = True
+        self._keys = FrameKeys(self._method, self.spec)
+        self._alt_keys = [FrameKeys(self._method, self.spec.for_alternate(i))
+                          for i in range(len(self.spec.alternates))]
+        self._retired.append(self._lookup)
+        self._lookup = Lookup(self._method, self.spec)
+        self._miss = None
+        self._fallback = None
+        return signature(args, kwargs, True)
+
     def _miss_path(self) -> MissPath:
         if self._miss is None:
             from cachecompile.cold.miss import MissPath
@@ -399,7 +462,16 @@ class CachedFunction:
         """The frame key of a call signature (its variants are ``warm.lookup.variant_key``)."""
         return self._keys.frame(sig)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction:
+    if TYPE_CHECKING:
+        # As a class attribute (``@cache_compile`` above ``def forward(self, ...)``) it
+        # is bound on access: what a type checker sees of ``model.forward``.
+        @overload
+        def __get__(self, instance: None, owner: type | None = None) -> CachedFunction[_P, _R]: ...
+        @overload
+        def __get__(self, instance: object, owner: type | None = None) -> Callable[..., _R]: ...
+        def __get__(self, instance: Any, owner: Any = None) -> Any: ...
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction[_P, _R]:
         """A deep copy of a module whose ``forward`` is cached (an instance attribute, as the
         class-body and repeated-block forms make it) caches the copy's own method."""
         module = memo.get(id(self._module))

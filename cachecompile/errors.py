@@ -32,6 +32,10 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
     IgnoredArgumentWarning (UserWarning)   keyword arguments cache_compile does not know (TorchAir
                                            accepts and ignores them; so do we, once warned)
     OutOfGearWarning (UserWarning)         a call whose shape is none of the declared gears
+    InferenceOnlyWarning (UserWarning)     grad mode on, the module training with parameters
+                                           that require grad: outputs carry no autograd history
+    UncachedCallWarning (UserWarning)      model.generate() of cache_compile(model): it calls
+                                           the original forward, uncached
 
     CliError (click.ClickException)        cachectl's one line and exit code, made from the
                                            errors above (cachecompile.cli.common)
@@ -153,6 +157,16 @@ class SignatureLimitWarning(UserWarning):
 
 class IgnoredArgumentWarning(UserWarning):
     """cache_compile() got keyword arguments it does not know; they are ignored."""
+
+
+class InferenceOnlyWarning(UserWarning):
+    """A cached method called in grad mode on a module in training mode whose parameters
+    require grad: its outputs carry no autograd history (the cache is inference only)."""
+
+
+class UncachedCallWarning(UserWarning):
+    """A call that a cached module does not cache: ``model.generate()`` of what
+    ``cache_compile(model)`` returned calls the original module's forward."""
 
 
 class OutOfGearWarning(UserWarning):

@@ -22,13 +22,14 @@ import functools
 import inspect
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cachecompile.errors import ContractError
+from cachecompile.errors import ContractError, UncachedCallWarning, user_stacklevel
 
 MakeCached = Callable[[types.MethodType], Any]
 
@@ -72,7 +73,25 @@ class CachedModule(torch.nn.Module):
             raise AttributeError(name)
         if name == "_orig_mod":
             return modules["_orig_mod"]
+        if name == "generate" and not self.__dict__.get("_generate_warned"):
+            self.__dict__["_generate_warned"] = True
+            self._warn_generate(modules["_orig_mod"])
         return getattr(modules["_orig_mod"], name)
+
+    @staticmethod
+    def _warn_generate(orig: torch.nn.Module) -> None:
+        """``model = cache_compile(model)`` then ``model.generate()``: generate is the
+        original's method and calls the original's forward, not this wrapper (as with
+        torch.compile(model)). Said once, when ``generate`` is first read."""
+        if not callable(getattr(type(orig), "generate", None)):
+            return
+        name = type(orig).__qualname__
+        warnings.warn(
+            f"cache_compile({name}) caches calls of the module it returned; "
+            f"{name}.generate() calls the original module's forward, which runs uncompiled "
+            "and uncached (as it does after torch.compile(model)). To cache what generate "
+            "calls, cache the forward in place: model.forward = cache_compile(model.forward), "
+            "then call model.generate(...)", UncachedCallWarning, stacklevel=user_stacklevel())
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._modules["_orig_mod"].state_dict(*args, **kwargs)  # type: ignore[union-attr]
@@ -180,6 +199,11 @@ class FunctionModule(torch.nn.Module):
         self.fn = fn
         self.eval()
 
+    def cachecompile_label(self) -> str:
+        """The entry's model label (``cachectl ls``): the function's Python module (the
+        function column names the function), not this holder's class."""
+        return str(self.fn.__module__)
+
 
 def _call_function(self: FunctionModule, *args: Any, **kwargs: Any) -> Any:
     return self.fn(*args, **kwargs)
@@ -210,6 +234,7 @@ def check_function(fn: Any, pattern: str = "") -> types.FunctionType:
             f"cache_compile() got {type(fn).__qualname__}, which is neither a function, a "
             "bound method of an nn.Module, an nn.Module nor an nn.Module class. Make the "
             "callable an nn.Module and pass it, or pass its Python function.\n" + pattern)
+    refuse_generators(fn, fn.__qualname__)
     with _seen_lock:
         ref = _seen.get(fn.__code__)
         first = ref() if ref is not None else None
@@ -223,6 +248,24 @@ def check_function(fn: Any, pattern: str = "") -> types.FunctionType:
                 "it once (at module level) and cache it once, outside the loop")
         _seen[fn.__code__] = weakref.ref(fn)
     return fn
+
+
+def refuse_generators(fn: types.FunctionType, name: str) -> None:
+    """ContractError for a generator or ``async`` function: calling one runs none of its
+    body, so there is no call to compile (what a compile would trace is the creation of
+    the generator; its body would run later, uncompiled, pulled by the caller)."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        what = "an async generator" if inspect.isasyncgenfunction(fn) else "a generator"
+        raise ContractError(
+            f"cache_compile() got {name}, {what} function (it yields): calling it runs none "
+            "of its body, so there is no call to compile and cache. Cache a function that "
+            "returns the results (a tensor, or a tuple or list of them), and iterate over "
+            "them outside it; or cache the step the loop calls")
+    if inspect.iscoroutinefunction(fn):
+        raise ContractError(
+            f"cache_compile() got {name}, an async function: calling it returns a coroutine "
+            "without running its body, so there is no call to compile. Cache the plain "
+            "(def) function that computes the tensors, and await around it")
 
 
 def function_method(fn: types.FunctionType) -> types.MethodType:

@@ -31,6 +31,9 @@ class CompileSpec:
     cache_dir: str | None
     max_signatures: int
     gears: Gears | None = None
+    # dynamic=None, torch.compile's automatic dynamic: ``dynamic`` is False until a call
+    # differs from an earlier one in sizes only; the cached method then switches to True.
+    automatic: bool = False
     # False under CACHECOMPILE_DISABLE: every call runs as plain torch.compile.
     enabled: bool = True
     extra_factors: Mapping[str, Any] | None = None

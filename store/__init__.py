@@ -17,8 +17,8 @@ import os
 import stat
 from pathlib import Path
 
-from . import errors
-from .config import env_flag, parse_size
+from . import errors, settings
+from .config import parse_size
 from .disk import DEFAULT_MAX_SIZE, FORMAT_DIR, Pin, Store
 from .keys import Key, canonical_json, make_key
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
@@ -66,7 +66,7 @@ __all__ = [
 
 def default_root() -> Path:
     """``$CACHECOMPILE_DIR``, else ``$XDG_CACHE_HOME/cachecompile``, else ``~/.cache/cachecompile``."""
-    env = os.environ.get("CACHECOMPILE_DIR")
+    env = settings.DIR.get()
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -114,7 +114,7 @@ def open_store(
     """
     local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
                         create=create, hits_later=hits_later)
-    url = os.environ.get("CACHECOMPILE_REMOTE", "") if remote is None else remote
+    url = settings.REMOTE.get() if remote is None else remote
     if not url:
         return local
     from .tiered import wrap  # deferred: only remote users pay for it
@@ -170,16 +170,17 @@ def _open_local(
 ) -> Maintenance:
     path = Path(root).expanduser() if root is not None else default_root()
     if max_size is None:
-        max_size = os.environ.get("CACHECOMPILE_MAX_SIZE") or DEFAULT_MAX_SIZE
+        max_size = settings.MAX_SIZE.get()
     if shared_group is None:
-        shared_group = (env_flag("CACHECOMPILE_SHARED_GROUP")
-                        if "CACHECOMPILE_SHARED_GROUP" in os.environ else made_shared(path))
+        shared_group = settings.SHARED_GROUP.get()
+        if shared_group is None:
+            shared_group = made_shared(path)
     st = Store(path, max_size=parse_size(max_size), shared_group=shared_group,
                hits_later=hits_later)
     if not create:
         st.check_root()  # an insecure root says so, even if it holds no store
         _must_exist(path)
-    if readonly or env_flag("CACHECOMPILE_READONLY"):
+    if readonly or settings.READONLY.get():
         st.check_root()
         return ReadOnlyStore(st, "opened with readonly=True" if readonly
                              else "CACHECOMPILE_READONLY is set")
@@ -191,9 +192,11 @@ def _open_local(
                 os.chmod(path, 0o2770)  # whatever the umask
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        logger.warning("cannot create cache %s (%s): using it read-only", path, e)
-        return ReadOnlyStore(st, f"cannot create it: {e.strerror}")
+            # /proc/cc, a path through a file, a name too long: nothing to fall back on.
+            raise errors.StoreError(f"cannot create the cache directory {path}: "
+                                    f"{e.strerror or e}; set cache_dir= or CACHECOMPILE_DIR "
+                                    "to a directory this user can create") from e
+        return _read_only_after(st, e, "cannot create it")
     st.check_root()
     if not _writable(path) or (st.base.exists() and not _writable(st.base)):
         logger.warning("cache %s is not writable: using it read-only", path)
@@ -201,9 +204,16 @@ def _open_local(
     try:
         st.create_layout()
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        logger.warning("cache %s is not writable (%s): using it read-only", path, e)
-        return ReadOnlyStore(st, f"not writable: {e.strerror}")
+        return _read_only_after(st, e, "not writable")
     st.sweep_temp()
     return st
+
+
+def _read_only_after(st: Store, e: OSError, why: str) -> ReadOnlyStore:
+    """``st`` read-only, after a write to it was refused (EACCES, EPERM, EROFS: a
+    shared or mounted cache this user may only read), with one warning; any other error
+    is raised."""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise e
+    logger.warning("cache %s: %s (%s): using it read-only", st.root, why, e)
+    return ReadOnlyStore(st, f"{why}: {e.strerror}")

@@ -17,9 +17,10 @@ from . import errors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["env_flag", "env_float", "env_int", "is_true", "parse_size"]
+__all__ = ["env_flag", "env_float", "env_int", "is_true", "parse_bool", "parse_size"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*")
 
@@ -39,6 +40,17 @@ def parse_size(text: str | int) -> int:
 def is_true(text: str | None) -> bool:
     """Whether a switch's value turns it on: 1, true, yes or on (any case)."""
     return (text or "").strip().lower() in _TRUE
+
+
+def parse_bool(text: str) -> bool:
+    """A switch's value: 1, true, yes, on (any case) are on; 0, false, no, off and the
+    empty string off; anything else is a ValueError (a typo must not read as "off")."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError("not a switch (1, true, yes, on / 0, false, no, off)")
 
 
 def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import errors, maintenance, pins, publishing, verification
+from . import errors, maintenance, pins, publishing, settings, verification
 from .blobs import blob_map
 from .fsutil import FULL_ERRNOS
 from .index import Index, counter_scope, miss_counters
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_SIZE", "FORMAT_DIR", "Pin", "Store", "TEMP_GRACE_S"]
 
-DEFAULT_MAX_SIZE = 10 * 1024**3
+DEFAULT_MAX_SIZE = settings.MAX_SIZE.default
 TEMP_GRACE_S = maintenance.TEMP_GRACE_S
 
 

@@ -29,6 +29,8 @@ into a warning and a recompile, and so that ``cachectl`` can map it to an exit c
 
 Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
 
+    SettingWarning (UserWarning)    a CACHECOMPILE_* variable that does not parse; its
+                                    default is used (settings.py)
     Bad (verification.py)           why an entry being inspected is not a hit; caught by
                                     the lookup that raised it and turned into a miss
     _Gone (remote/s3.py)            an object is not there (HTTP 404), told apart from a
@@ -52,6 +54,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "RemoteConfigError",
     "RemoteError",
+    "SettingWarning",
     "StoreError",
     "StoreFullError",
     "StoreInputError",
@@ -81,6 +84,11 @@ class StoreError(Exception):
 class StoreInputError(StoreError, ValueError):
     """A value a user gave the store is not valid: a size, a number in a variable, a key, a
     bundle's file name. cachectl says it as a usage error (exit 2)."""
+
+
+class SettingWarning(UserWarning):
+    """A ``CACHECOMPILE_*`` variable whose value does not parse: its default is used
+    (``cachecompile.store.settings``; once per variable and value)."""
 
 
 class StoreNotFound(StoreError):

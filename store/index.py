@@ -72,7 +72,7 @@ from .policy import is_shared_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_SCOPE", "Index", "PULLS", "REMOTE_HITS", "counter_scope"]
+__all__ = ["GRAPH_SCOPE", "Index", "PULLS", "REMOTE_HITS", "counter_scope", "level_counter"]
 
 T = TypeVar("T")
 
@@ -102,6 +102,14 @@ GRAPH_SCOPE = "graph:"  # prefix of the counters of shared-graph lookups
 REMOTE_HITS = "hits:remote"
 # Entries `cachectl pull` downloaded ahead of use: not lookups, so never hits.
 PULLS = "pulls"
+# The remote hits one level of a chain served: hits:remote@<the level's URL, shown>.
+LEVEL_HITS = REMOTE_HITS + "@"
+
+
+def level_counter(display: str) -> str:
+    """The counter of the remote hits served by the level shown as ``display`` (its URL,
+    without a password)."""
+    return (LEVEL_HITS + display)[:200]
 
 
 ABOUT = "about:"   # counters of what misses were about: about:<kind>:<subject>

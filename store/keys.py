@@ -11,13 +11,13 @@ a silent ``str()`` would make unrelated values collide.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from .errors import StoreInputError
+from .errors import AmbiguousKey, KeyNotFound, StoreInputError
 
 __all__ = ["Key", "canonical_json", "digest_of", "is_digest", "make_key"]
 
@@ -89,3 +89,16 @@ def digest_of(key: Key | str) -> str:
     if isinstance(key, str) and is_digest(key):
         return key
     raise StoreInputError(f"not a key or a 32-hex-digit digest: {key!r}")
+
+
+def match_prefix(prefix: str, digests: Iterable[str], what: str = "entry") -> str:
+    """The one of ``digests`` that starts with ``prefix`` (spaces and case ignored):
+    KeyNotFound naming ``what`` when none does (or the prefix is empty), AmbiguousKey
+    when several do. The one resolver of a key prefix, local or remote."""
+    p = prefix.strip().lower()
+    matches = sorted(d for d in digests if d.startswith(p)) if p else []
+    if not matches:
+        raise KeyNotFound(f"no {what} matches {prefix!r}")
+    if len(matches) > 1:
+        raise AmbiguousKey(prefix, matches)
+    return matches[0]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import errors
 from .fsutil import owner_problem, temp_name, unreal_dir
-from .keys import is_digest
+from .keys import is_digest, match_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +258,4 @@ class Layout:
                 names = []
         else:
             names = list(self.digests())
-        matches = sorted(n for n in names if n.startswith(p))
-        if not matches:
-            raise errors.KeyNotFound(f"no entry matches {prefix!r}")
-        if len(matches) > 1:
-            raise errors.AmbiguousKey(prefix, matches)
-        return matches[0]
+        return match_prefix(prefix, names)

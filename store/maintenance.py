@@ -21,7 +21,7 @@ from typing import Any
 from . import errors, verification
 from .blobs import blob_map
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
-from .index import ABOUT, GRAPH_SCOPE, PULLS, REMOTE_HITS, Index
+from .index import ABOUT, GRAPH_SCOPE, LEVEL_HITS, PULLS, REMOTE_HITS, Index
 from .keys import digest_of
 from .layout import Layout, blob_name
 from .metrics import merge, read_counters, remove_counters
@@ -632,7 +632,8 @@ def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> d
     """Counts of the user's entries and lookups, as ``cachectl ls`` lists them; shared
     graphs apart under ``shared_graphs``. ``bytes`` is physical (what counts against
     the cap, shared graphs included), ``logical_bytes`` the sum of entry sizes; of the
-    ``hits``, ``hits_remote`` were served by a download from a remote tier; ``pulls``
+    ``hits``, ``hits_remote`` were served by a download from a remote tier (by level in
+    ``hits_remote_levels``); ``pulls``
     counts the entries ``cachectl pull`` downloaded ahead of use (not lookups, so not hits).
 
     Entry counts and sizes come from the totals the index keeps as entries come and go
@@ -670,10 +671,14 @@ def stats(layout: Layout, index: Index, cap: int, *, recount: bool = False) -> d
         "hits": hits,
         "hits_local": max(hits - remote, 0),
         "hits_remote": remote,
+        # Of those, what each level of the remote chain served (by its URL, shown).
+        "hits_remote_levels": {k[len(LEVEL_HITS):]: int(v) for k, v in counters.items()
+                               if k.startswith(LEVEL_HITS)},
         "misses": misses,
         "misses_about": about,   # {"guard": {"input_ids": 3}}: what the misses were about
         "shared_graphs": {"entries": graphs,
                           "hits": int(counters.get(GRAPH_SCOPE + "hits", 0)),
+                          "publishes": int(counters.get(GRAPH_SCOPE + "publishes", 0)),
                           "misses": graph_misses},
         "publishes": int(counters.get("publishes", 0)),
         "pulls": int(counters.get(PULLS, 0)),

@@ -32,6 +32,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from . import settings
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessCounters", "read_counters", "remove_counters", "stats_dir"]
@@ -44,7 +46,7 @@ _MAX_FILE = 1 << 20  # a counters file is a few hundred bytes; refuse to read a 
 
 def stats_dir(root: Path | str) -> Path:
     """Where the counters of ``root``'s read-only processes go (see the module doc)."""
-    explicit = os.environ.get("CACHECOMPILE_STATS_DIR", "").strip()
+    explicit = settings.STATS_DIR.get()
     if explicit:
         return Path(explicit)
     digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]

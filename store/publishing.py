@@ -23,7 +23,7 @@ from typing import Any
 from . import errors
 from .blobs import blob_map, exclusive_bytes, exclusive_bytes_of, link_in
 from .fsutil import fsync_dir, remove_entry_tree, rmtree_quiet, temp_name, write_new_file
-from .index import Index
+from .index import Index, counter_scope
 from .keys import Key
 from .layout import DATA, MANIFEST, Layout
 from .manifest import dump_manifest
@@ -108,7 +108,8 @@ def publish(
     def index_it() -> None:
         if present:
             index.add(digest, size, created, labels, blobs=blob_map(manifest))
-        index.incr("publishes")
+        # A shared graph's publish is counted apart, as its lookups are ("graph:").
+        index.incr(counter_scope(digest, labels) + "publishes")
         # Physical: content already in blobs/ (dedup) takes no more room.
         index.incr("bytes", new_bytes)
 

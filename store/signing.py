@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import env_flag
+from . import settings
 from .errors import ManifestError, RemoteConfigError, UntrustedEntryError
 from .manifest import parse_manifest
 
@@ -97,14 +97,14 @@ class Trust:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Trust:
         env = os.environ if env is None else env
-        raw = env.get("CACHECOMPILE_SIGNING_KEY") or ""
+        raw = settings.SIGNING_KEY.get(env)
         try:
             key = _load_key(raw) if raw else None
         except OSError as e:
             raise RemoteConfigError(f"CACHECOMPILE_SIGNING_KEY={raw}: cannot read the key "
                                     f"file ({e.strerror}); fix the path, or unset it") from None
         try:
-            extra = _load_keys(env.get("CACHECOMPILE_VERIFY_KEYS") or "")
+            extra = _load_keys(settings.VERIFY_KEYS.get(env))
         except OSError as e:
             raise RemoteConfigError(f"CACHECOMPILE_VERIFY_KEYS: cannot read the key file "
                                     f"{e.filename} ({e.strerror})") from None
@@ -112,7 +112,7 @@ class Trust:
             _check_length("CACHECOMPILE_SIGNING_KEY", key)
         for i, k in enumerate(extra, 1):
             _check_length(f"CACHECOMPILE_VERIFY_KEYS (key {i})", k)
-        return cls(key=key or None, accept_unsigned=env_flag("CACHECOMPILE_TRUST_REMOTE", env),
+        return cls(key=key or None, accept_unsigned=settings.TRUST_REMOTE.get(env),
                    verify_keys=tuple(k for k in extra if k != key))
 
     @property

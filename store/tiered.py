@@ -1,5 +1,5 @@
-"""A local store with a remote tier behind it: look up remote on a local miss, backfill,
-upload local publishes in the background.
+"""A local store with remote tiers behind it: look up the levels in turn on a local miss,
+backfill, upload local publishes in the background.
 
 ``open_store()`` builds one when ``$CACHECOMPILE_REMOTE`` (or ``remote=``) is set:
 
@@ -15,7 +15,19 @@ upload local publishes in the background.
   read-only store, nothing is uploaded, and a remote hit is published into a private
   scratch store that lives as long as the process (:func:`scratch_store`).
 
-The remote is any :class:`~cachecompile.store.remote.base.Remote` (Redis, S3).
+The remote is any :class:`~cachecompile.store.remote.base.Remote` (Redis, S3, a shared
+directory, an HTTP cache), or a chain of them, nearest first
+(``CACHECOMPILE_REMOTE="file:///mnt/cc,s3://bucket/p"``), as sccache chains its levels:
+
+* a lookup asks the levels in turn; a hit in level *i* is published locally and then
+  queued for upload to every writable level above it (the backfill), so the next node
+  finds it nearer;
+* a local publish is queued for every writable level (``?mode=ro`` levels are only read);
+* the write-error policy is "each level on its own": every level has its own upload
+  queue and breaker, so a level that fails (down, full, refusing) warns once and is
+  skipped while the others go on, and the local publish never waits on or fails by any
+  of them;
+* ``stats()`` (``cachectl stats``) counts remote hits per level.
 
 Remote faults never reach the caller: the tier logs (once, see cachecompile.store.remote.base)
 and the lookup is the local miss. A remote entry refused (untrusted or damaged) is warned
@@ -34,27 +46,27 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from . import errors
-from .config import env_float, env_int
+from . import errors, settings
 from .disk import Store
 from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet, temp_name
-from .index import PULLS, REMOTE_HITS, counter_scope
+from .index import PULLS, REMOTE_HITS, counter_scope, level_counter
 from .keys import Key, digest_of
 from .outcomes import Entry, Hit, Miss
 from .protocol import DiskStorage, FileSource, Maintenance
-from .remote.base import Remote, open_remote
+from .remote.base import Remote, open_levels
 from .wrapper import Wrapper
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TieredStore", "Uploader", "scratch_store", "wrap"]
+__all__ = ["Level", "TieredStore", "Uploader", "scratch_store", "wrap"]
 
-DEFAULT_FLUSH_TIMEOUT = 5.0
-DEFAULT_QUEUE = 64
+DEFAULT_FLUSH_TIMEOUT = settings.REMOTE_FLUSH_TIMEOUT.default
+DEFAULT_QUEUE = settings.REMOTE_QUEUE.default
 
 S = TypeVar("S", bound=Maintenance)
 
@@ -86,10 +98,11 @@ class Uploader:
 
     def __init__(self, remote: Remote, maxsize: int | None = None) -> None:
         self.remote = remote
-        size = maxsize or env_int("CACHECOMPILE_REMOTE_QUEUE", DEFAULT_QUEUE, lenient=True) or 1
+        size = maxsize or settings.REMOTE_QUEUE.get()
         self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._pid = os.getpid()
         self._dropped_warned = False
         self.uploaded = 0
         self.failed = 0
@@ -107,6 +120,13 @@ class Uploader:
         return True
 
     def _ensure_thread(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child has the parent's queue and thread object, not its thread:
+            # start over (what the parent had queued is the parent's to upload).
+            self._q = queue.Queue(maxsize=self._q.maxsize)
+            self._thread = None
+            self._start_lock = threading.Lock()
+            self._pid = os.getpid()
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cachecompile-upload",
@@ -147,7 +167,7 @@ class Uploader:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained; False if ``timeout`` ran out first."""
         if timeout is None:
-            timeout = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", DEFAULT_FLUSH_TIMEOUT)
+            timeout = settings.REMOTE_FLUSH_TIMEOUT.get()
         deadline = time.monotonic() + timeout
         with self._q.all_tasks_done:
             while self._q.unfinished_tasks:
@@ -161,27 +181,54 @@ class Uploader:
         return True
 
 
+@dataclass
+class Level:
+    """One remote level of a tiered store: the remote and its own upload queue (None
+    where nothing is uploaded to it: a ``mode=ro`` level, or a read-only node)."""
+
+    remote: Remote
+    uploader: Uploader | None
+    hits: int = 0  # remote hits this level served in this process
+
+
 class TieredStore(Wrapper[S]):
-    """The local store ``local`` plus ``remote`` behind it (see the module docstring).
+    """The local store ``local`` plus ``remote`` behind it: one remote, or a chain of
+    levels, nearest first (see the module docstring).
 
     ``backfill`` makes the store remote hits are published into (default: ``local``
     itself); an OSError from it is a local miss.
     """
 
-    def __init__(self, local: S, remote: Remote, *,
+    def __init__(self, local: S, remote: Remote | Sequence[Remote], *,
                  backfill: Callable[[], DiskStorage] | None = None) -> None:
         super().__init__(local)
-        self.remote = remote
+        remotes: list[Remote] = (list(remote) if isinstance(remote, (list, tuple))
+                                 else [cast(Remote, remote)])
+        if not remotes:
+            raise ValueError("a tiered store needs at least one remote level")
+        # Nothing is published from a read-only node, nor to a read-only level.
+        self.levels = [Level(r, None if r.readonly or local.readonly else Uploader(r))
+                       for r in remotes]
         self._backfill = backfill
-        # Nothing is published from a read-only node, nor to a read-only remote.
-        self.uploader: Uploader | None = (None if remote.readonly or local.readonly
-                                          else Uploader(remote))
         # Entries this process found bad or withdrew: its own upload may replace them.
         self._replace: set[str] = set()
-        self.remote_hits = 0
 
     def __repr__(self) -> str:
-        return f"TieredStore({self.inner!r}, {self.remote!r})"
+        return f"TieredStore({self.inner!r}, {', '.join(repr(v.remote) for v in self.levels)})"
+
+    @property
+    def remote(self) -> Remote:
+        """The nearest remote level."""
+        return self.levels[0].remote
+
+    @property
+    def uploader(self) -> Uploader | None:
+        """The nearest remote level's upload queue."""
+        return self.levels[0].uploader
+
+    @property
+    def remote_hits(self) -> int:
+        return sum(v.hits for v in self.levels)
 
     @property
     def local(self) -> S:
@@ -206,15 +253,20 @@ class TieredStore(Wrapper[S]):
             kept = target.peek(digest)  # downloaded earlier in this process
             if isinstance(kept, Hit):
                 return kept
-        hit = self._fetch_into(target, key, digest)
-        if hit is None:
-            return local
-        self.inner.count(counter_scope(key, hit.entry.labels) + REMOTE_HITS)
-        return hit
+        for i, level in enumerate(self.levels):
+            hit = self._fetch_into(level, target, key, digest)
+            if hit is None:
+                continue  # absent there, refused, or the level is down: ask the next
+            scope = counter_scope(key, hit.entry.labels)
+            self.inner.count(scope + REMOTE_HITS)
+            self.inner.count(scope + level_counter(level.remote.config.display))
+            self._fill_above(i, hit.entry)
+            return hit
+        return local
 
     def pull(self, key: Key | str) -> Hit | Miss:
-        """Download ``key`` from the remote into the local store ahead of use (``cachectl
-        pull``); the local entry if it is here already.
+        """Download ``key`` from the remote levels into the local store ahead of use
+        (``cachectl pull``); the local entry if it is here already.
 
         Not a lookup: neither the store's hits nor the entry's own hit count and last use
         move (a prefetch is not evidence the entry serves anyone, and ``gc``'s LRU must
@@ -223,18 +275,30 @@ class TieredStore(Wrapper[S]):
         if isinstance(local, Hit):
             return local
         digest = digest_of(key)
-        got = self._fetch_into(self.inner, key, digest, lookup=False)
-        if got is None:
-            return local
-        self.inner.count(PULLS)
-        return got
+        for i, level in enumerate(self.levels):
+            got = self._fetch_into(level, self.inner, key, digest, lookup=False)
+            if got is not None:
+                self.inner.count(PULLS)
+                self._fill_above(i, got.entry)
+                return got
+        return local
+
+    def _fill_above(self, i: int, entry: Entry) -> None:
+        """Queue ``entry`` (a hit of level ``i``, now local) for every writable level
+        nearer than ``i``: the next lookup finds it there."""
+        if self.inner.readonly:
+            return  # a scratch copy: a read-only node publishes nothing
+        for level in self.levels[:i]:
+            if level.uploader is not None:
+                level.uploader.submit(entry, overwrite=entry.key in self._replace)
 
     def put(self, key: Key, files: Mapping[str, FileSource], *,
             labels: Mapping[str, Any] | None = None,
             meta: Mapping[str, Any] | None = None) -> Entry:
         entry = self.inner.put(key, files, labels=labels, meta=meta)
-        if self.uploader is not None:
-            self.uploader.submit(entry, overwrite=entry.key in self._replace)
+        for level in self.levels:
+            if level.uploader is not None:
+                level.uploader.submit(entry, overwrite=entry.key in self._replace)
         return entry
 
     def delete(self, key: Key | str) -> bool:
@@ -244,31 +308,46 @@ class TieredStore(Wrapper[S]):
         return self.inner.delete(key)
 
     def stats(self, *, recount: bool = False) -> dict[str, Any]:
-        return {**self.inner.stats(recount=recount), "remote": self.remote.config.display}
+        s = self.inner.stats(recount=recount)
+        by_level = s.get("hits_remote_levels") or {}
+        return {**s, "remote": ", ".join(v.remote.config.display for v in self.levels),
+                "levels": [{"remote": v.remote.config.display, "readonly": v.remote.readonly,
+                            "hits": int(by_level.get(v.remote.config.display, 0))}
+                           for v in self.levels]}
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued uploads (see :meth:`Uploader.flush`); True if none is left."""
-        return True if self.uploader is None else self.uploader.flush(timeout)
+        """Wait for queued uploads of every level (see :meth:`Uploader.flush`); True if
+        none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for level in self.levels:
+            if level.uploader is not None:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                done = level.uploader.flush(left) and done
+        return done
 
     def close(self) -> None:
         self.flush()
-        self.remote.close()
+        for level in self.levels:
+            level.remote.close()
         self.inner.close()
 
-    def _fetch_into(self, target: DiskStorage, key: Key | str, digest: str, *,
+    def _fetch_into(self, level: Level, target: DiskStorage, key: Key | str, digest: str, *,
                     lookup: bool = True) -> Hit | None:
-        """Download ``digest`` into ``target`` and return its local Hit; None on any failure.
+        """Download ``digest`` from ``level`` into ``target`` and return its local Hit;
+        None on any failure.
 
         ``lookup`` (a process wants the entry now) reads it back with ``get``, which
         records the hit; a pull (``lookup=False``) reads it with ``peek``, which does not."""
-        if not self.remote.available:
+        remote = level.remote
+        if not remote.available:
             return None
         staging: Path | None = None
         t0 = time.perf_counter()
         try:
             # Private (0700) even in a shared cache: the files are checked, then put.
             staging = target.staging_dir("remote", digest, mode=0o700)
-            rec = self.remote.download(digest, staging)
+            rec = remote.download(digest, staging)
             if rec is None:
                 return None
             m = rec.manifest
@@ -289,22 +368,22 @@ class TieredStore(Wrapper[S]):
         except errors.InsecureStoreError as e:
             # Our own store refuses the write (a symlinked tmp/, blobs/...): the remote
             # entry is not at fault, so it is neither refused nor ours to replace.
-            _warn_once(self.remote, str(e.path), f"not downloading remote entries: {e}")
+            _warn_once(remote, str(e.path), f"not downloading remote entries: {e}")
             return None
         except errors.ReadOnlyStoreError as e:
             # A read-only local store and no backfill to download into (wrap() gives one
             # a scratch store): again not the remote entry's fault.
-            _warn_once(self.remote, str(target.root), f"not downloading remote entries: {e}")
+            _warn_once(remote, str(target.root), f"not downloading remote entries: {e}")
             return None
         except errors.UntrustedEntryError as e:
             # Our own upload may replace it; cachecompile.store.remote decides whether it
             # really may.
             self._replace.add(digest)
-            _warn_once(self.remote, digest, f"remote {e}")
+            _warn_once(remote, digest, f"remote {e}")
             return None
         except errors.StoreError as e:  # corrupt remote entry, or the local put failed
             self._replace.add(digest)
-            _warn_once(self.remote, digest, f"remote entry {digest} refused: {e}")
+            _warn_once(remote, digest, f"remote entry {digest} refused: {e}")
             return None
         except OSError as e:
             logger.warning("downloading remote entry %s failed: %s", digest, e)
@@ -318,9 +397,9 @@ class TieredStore(Wrapper[S]):
                         rec.size_bytes, ms)
             got = target.peek(digest)
             return got if isinstance(got, Hit) else None
-        self.remote_hits += 1
-        logger.info("remote hit %s: downloaded %d bytes in %.1f ms", digest[:12],
-                    rec.size_bytes, ms)
+        level.hits += 1
+        logger.info("remote hit %s from %s: downloaded %d bytes in %.1f ms", digest[:12],
+                    remote.config.display, rec.size_bytes, ms)
         hit = target.get(digest)
         return hit if isinstance(hit, Hit) else None
 
@@ -381,14 +460,15 @@ def scratch_store(max_size: int) -> Callable[[], Store]:
     return get
 
 
-def wrap(local: S, remote: str | Remote) -> TieredStore[S]:
-    """Put ``remote`` behind ``local``; a bad URL raises RemoteConfigError (a ValueError).
+def wrap(local: S, remote: str | Remote | Sequence[Remote]) -> TieredStore[S]:
+    """Put ``remote`` (a URL, or a chain of levels: a comma list, nearest first) behind
+    ``local``; a bad URL raises RemoteConfigError (a ValueError).
 
     Over a read-only local store the tier is the same class, composed with the read-only
     view: lookups go local, then remote; remote hits land in a per-process scratch store
     (the view refuses writes), and nothing is uploaded (the view says it is read-only).
     """
-    r = open_remote(remote) if isinstance(remote, str) else remote
+    r = open_levels(remote) if isinstance(remote, str) else remote
     if local.readonly:
         return TieredStore(local, r, backfill=scratch_store(local.max_size))
     return TieredStore(local, r)

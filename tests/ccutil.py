@@ -13,8 +13,11 @@ compile in a warm process would call g++ and be counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -26,6 +29,11 @@ from typing import Any
 import zygote
 
 REPO = Path(__file__).resolve().parent.parent
+# Which kind of process each child ran in, and why (choose_process): at INFO, which this
+# logger lets through whatever the root logger's level, so that pytest shows it with a
+# failed test's output ("Captured log call").
+logger = logging.getLogger("ccutil")
+logger.setLevel(logging.INFO)
 
 # A g++ stand-in that logs every invocation to the file its caller names, then runs the
 # real compiler. Inductor finds it through CXX, which is in our key and in Inductor's own
@@ -94,7 +102,7 @@ class Sandbox:
         self.store = root / "store"
         self.gxx_log = root / "gxx.log"
         self._n = 0
-        self._turn = 0  # which of the two zygotes (two hash seeds) the next child forks from
+        self._turn = 0  # which of the two plain zygotes (two hash seeds) the next fork is from
         root.mkdir(parents=True, exist_ok=True)  # the children run in it
         self.gxx = logging_gxx(root)
 
@@ -137,14 +145,10 @@ class Sandbox:
             **extra: str) -> Any:
         """Run ``code`` in a fresh process; it reports with ``report(obj)``.
 
-        A script that imports torch before anything but the standard library forks from
-        one of the test process's zygotes (tests/zygote.py), which imported torch; any other
-        script, or one whose environment differs in what the zygote's imports read, runs
-        as ``python -c``. A child that ``compiles`` forks from a zygote that has imported
-        Dynamo and Inductor's compiler too (what it would import first anyway, ~3 s of a
-        core). By default a child compiles when its store holds no entry yet (a cold
-        run); a warm child, whose promise may be that it imports no Dynamo, never gets
-        them."""
+        The process is a fork of one of the test process's zygotes (tests/zygote.py) or a
+        plain ``python -c``: :func:`choose_process` decides, and says why in the log.
+        ``compiles`` (default: whether the store is still empty, a cold run) picks the
+        zygote that has imported Dynamo and Inductor's compiler too."""
         prelude = textwrap.dedent("""
             import json as _json, sys as _sys
             def report(obj):
@@ -152,33 +156,93 @@ class Sandbox:
         """)
         body = textwrap.dedent(code)
         env = self.env(fresh_inductor=fresh_inductor, **extra)
-        proc = None
-        if zygote.usable(body):
-            # A script that imports torch first forks from a process that already did
-            # (tests/zygote.py: what differs from a fresh interpreter, and how each is held).
-            self._turn += 1
-            if compiles is None:
-                compiles = not _has_entries(Path(env["CACHECOMPILE_DIR"]))
-            # Inductor's import reads its dirs (and CXX): a zygote that imported it serves
-            # only children on the session's shared dirs, which it was started with.
-            shared = shared_inductor_dirs()
-            preload = zygote.COMPILER if compiles and shared is not None and all(
-                env.get(k) == v for k, v in shared.items()) else ()
-            # A zygote starts from a sandbox's plain environment (shared dirs, no extras),
-            # not from the first child's: children with extras then fit where they can.
-            base = env if shared is None else self.env(fresh_inductor=False)
-            proc = zygote.run(prelude + body, env, str(self.root), timeout, self._turn,
-                              preload, base=base)
-        if proc is None:
-            proc = subprocess.run([sys.executable, "-c", prelude + body], env=env,
-                                  capture_output=True, text=True, timeout=timeout,
-                                  cwd=str(self.root))
+        # A zygote starts from a sandbox's plain environment (shared dirs, no extras),
+        # not from the first child's: children with extras then fit where they can.
+        base = self.env(fresh_inductor=False) if shared_inductor_dirs() is not None else env
+        process = choose_process(body, env, base=base, compiles=compiles, store=self.store,
+                                 turn=self._turn)
+        script = prelude + body
+        self._turn += process.zygote is not None
+        logger.info("child of %s: %s, because %s", self.root.name, process.kind, process.why)
+        if process.zygote is not None:
+            proc = process.zygote.run(script, env, str(self.root), timeout)
+        else:
+            proc = plain_python_c(script, env, str(self.root), timeout)
         results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if check and (proc.returncode != 0 or not results):
-            raise AssertionError(f"child failed (rc={proc.returncode})\nstdout:\n{proc.stdout}"
+            raise AssertionError(f"child failed (rc={proc.returncode}; {process.kind}, because "
+                                 f"{process.why})\nstdout:\n{proc.stdout}"
                                  f"\nstderr:\n{proc.stderr[-6000:]}")
         out = json.loads(results[-1]) if results else None
         return ChildResult(out, proc.returncode, proc.stdout, proc.stderr)
+
+
+PLAIN = "python -c"
+ZYGOTE = "zygote fork"
+ZYGOTE_COMPILER = "zygote fork with Dynamo and Inductor's compiler imported"
+
+
+@dataclass(frozen=True)
+class Process:
+    """The kind of process a Sandbox child runs in, and why (:func:`choose_process`)."""
+
+    kind: str
+    why: str
+    zygote: zygote.Zygote | None = None
+
+
+def choose_process(script: str, env: Mapping[str, str], *, base: Mapping[str, str],
+                   compiles: bool | None, store: Path, turn: int) -> Process:
+    """Where a Sandbox child runs: a fork of a zygote (tests/zygote.py), with Dynamo and
+    Inductor's compiler imported or without, or a plain ``python -c``; and why. Every
+    reason is said here, in the order it is decided.
+
+    ``compiles=None``: whether the child compiles is whether its store is empty (a cold
+    run). ``turn`` picks one of the two plain zygotes (two hash seeds)."""
+    if os.environ.get("CC_TESTS_ZYGOTE", "1") == "0":
+        return Process(PLAIN, "CC_TESTS_ZYGOTE=0 turns zygotes off")
+    misfit = zygote.script_misfit(script)
+    if misfit is not None:
+        return Process(PLAIN, f"the script cannot start from a zygote: {misfit}")
+    if compiles is None:
+        compiles = not _has_entries(store)
+        why = "its store is empty (a cold run)" if compiles else (
+            "its store holds an entry (a warm run, which may promise to import no Dynamo)")
+    else:
+        why = f"the test said compiles={compiles}"
+    shared = shared_inductor_dirs()
+    preload: tuple[str, ...] = ()
+    if compiles and shared is not None and all(env.get(k) == v for k, v in shared.items()):
+        preload = zygote.COMPILER
+        why += ", on the session's shared Inductor dirs, which that zygote was started with"
+    elif compiles:
+        why += (", but on Inductor dirs of its own (Inductor's import reads them): a zygote "
+                "without the compiler")
+    servers = zygote.zygotes(base, preload)
+    if isinstance(servers, str):
+        return Process(PLAIN, f"no zygote could start ({servers})")
+    server = servers[turn % len(servers)]
+    misfit = server.misfit(env)
+    if misfit is not None:
+        return Process(PLAIN, f"a zygote's child would not be a fresh interpreter: {misfit}")
+    return Process(ZYGOTE_COMPILER if preload else ZYGOTE, why, server)
+
+
+def plain_python_c(script: str, env: Mapping[str, str], cwd: str,
+                   timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -c script``, started as a zygote's child is: stdin from /dev/null, a
+    session of its own, whose processes a timeout kills all."""
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=cwd,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
 
 
 def _has_entries(store: Path) -> bool:

@@ -110,3 +110,10 @@ def child_env() -> dict[str, str]:
     env.pop("CACHECOMPILE_DIR", None)
     env.pop("CACHECOMPILE_SHARED_GROUP", None)
     return env
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh store root for an in-process cache_compile, with caching on."""
+    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
+    return tmp_path / "cc"

@@ -139,6 +139,50 @@ def test_the_check_fails_on_a_tree_that_breaks_it() -> None:
     # cachecompile at all is tests/store/test_store_torch_free.py's check.
 
 
+def cycles(srcs: Mapping[str, str]) -> list[list[str]]:
+    """The import cycles among ``srcs`` (strongly connected groups of two or more
+    modules), wherever the import statements are: the floors forbid a cycle between
+    packages, this forbids one inside a package too."""
+    known = set(srcs)
+    graph = {m: sorted({t for _, t in imports(m, src, known) if t in known and t != m})
+             for m, src in srcs.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:   # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = [stack.pop()]
+            while group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in graph:
+        if v not in order:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(sources()) == []
+    # As the TorchAir adapter and its selector were (each imported the other): found.
+    broken = {f"{PKG}.backends.torchair": "from cachecompile.backends import torchair_select\n",
+              f"{PKG}.backends.torchair_select":
+                  "def options():\n    from cachecompile.backends import torchair\n",
+              f"{PKG}.backends": ""}
+    assert cycles(broken) == [[f"{PKG}.backends.torchair", f"{PKG}.backends.torchair_select"]]
+
+
 def test_every_module_is_in_the_design_doc() -> None:
     listed = {line.split()[0] for line in _block("modules").splitlines() if line.strip()}
     missing = []

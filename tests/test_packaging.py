@@ -90,3 +90,9 @@ def test_the_wheel_carries_the_license_and_the_one_version(wheel: zipfile.ZipFil
     metadata = wheel.read(f"{dist_info}/METADATA").decode()
     assert f"\nVersion: {__version__}\n" in metadata
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
+    # What an index shows and filters by (issue 51): the Pythons CI runs, typed, Linux.
+    for classifier in ("Programming Language :: Python :: 3.10",
+                       "Programming Language :: Python :: 3.12", "Typing :: Typed",
+                       "Operating System :: POSIX :: Linux"):
+        assert f"\nClassifier: {classifier}\n" in metadata, classifier
+    assert "\nKeywords: " in metadata

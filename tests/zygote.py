@@ -9,30 +9,84 @@ each script it forks a child, which sets the script's environment, working direc
 output on the caller's pipes, ending through the interpreter's normal exit (atexit
 handlers, flushes) with the status the caller sees as a return code.
 
-A forked child is what a fresh interpreter is at the end of its first line, with three
-exceptions, each handled:
+Which kind of process a child gets, and why, is decided in one place:
+``ccutil.choose_process``, which Sandbox.run logs at INFO (pytest shows it under a failed
+test's "Captured log call").
 
-- **What ``import torch`` read from the environment** (torch's compiler settings,
-  ``TORCH_LOGS``, the OpenMP and allocator variables its libraries read when loaded):
-  the zygote records every variable Python code read during its import, and a script whose
-  environment differs from the zygote's in any of them, or in any variable of
-  :data:`_READ_BY_LIBRARIES`' prefixes, runs as a plain ``python -c`` instead.
-- **The hash seed.** Children of one zygote share its ``str`` hash seed. Each test process
-  runs two zygotes (two seeds) and a Sandbox alternates between them, so a cold run and
-  the warm run after it still hash differently, as two fresh processes do.
-- **Import order.** Only a script that imports torch before anything but standard-library
-  imports uses a zygote; one that sets a variable or imports anything else first
-  (``import os; os.environ[...]``, ``from cachecompile import ...``) runs as ``python -c``.
+**What a forked child is not, and how each difference is held.** A forked child is what a
+fresh interpreter is at the end of its first line, but for the differences below. Each
+is either made equal in the child, or sends the script to a plain ``python -c`` (the
+zygote "does not fit"), or is left as it is, with the reason; each names the test
+(tests/test_zygote.py unless said) that holds it.
 
-**A child that will compile** (a cold run: its store holds no entry yet; tests/ccutil.py
-decides) forks from a third zygote that has also imported Dynamo and Inductor's compiler
+- *Random state* (made equal): a fresh interpreter seeds torch's CPU generator from the
+  OS at ``import torch``, and numpy's and sympy's module generators when they are
+  imported (and sympy the first index of its Dummy symbols); children of one zygote would
+  all draw the zygote's numbers (0.873, 0.819, 0.873, 0.819 from two zygotes). The child reseeds each from the OS first thing
+  (:data:`RESEEDED`); Python's ``random`` reseeds itself after a fork (its own
+  ``os.register_at_fork`` hook). ``test_children_draw_as_fresh_interpreters_do``; that no
+  other generator exists in a zygote: ``test_every_generator_in_a_zygote_is_reseeded``.
+- *What ``import torch`` read from the environment* (does not fit): torch's compiler
+  settings, ``TORCH_LOGS``, the OpenMP and allocator variables its libraries read when
+  loaded, the locale and ``TZ`` Python reads at its start. The zygote records every variable
+  Python code read during its import; a script whose environment differs from the
+  zygote's in any of them, or in any variable of :data:`_READ_BY_LIBRARIES`' prefixes,
+  runs as ``python -c``.
+  ``test_an_environment_torch_reads_at_import_gets_a_plain_interpreter``.
+- *What ``import torch`` printed* (made equal): a warning torch's import gives
+  (``PYTHONWARNINGS=default`` shows a DeprecationWarning of torch.jit) went to the
+  zygote's stderr once; the zygote keeps what its imports wrote and each child writes it
+  to its own stdout and stderr first, as a fresh interpreter's import would.
+  ``test_a_zygote_child_is_a_fresh_python_c``.
+- *What the script's PYTHONPATH would have shadowed* (does not fit): a module of the same
+  name as one the zygote imported, on the script's ``PYTHONPATH``, or a
+  ``sitecustomize``. ``test_a_module_on_pythonpath_that_shadows_one_torch_imported``.
+- *Process attributes a child inherits* (does not fit): umask, resource limits, CPU
+  affinity, priority, user and groups, blocked and ignored signals are the test
+  process's when the zygote started; where the test process has changed one since, the
+  script runs as ``python -c``. ``test_a_changed_umask_gets_a_plain_interpreter``.
+- *The interpreter's own view of its start* (made equal): ``sys.argv`` is ``["-c"]``,
+  ``sys.orig_argv`` the ``python -c CODE`` a plain child has, ``sys.path`` ``""``, then
+  ``PYTHONPATH``, then the interpreter's own entries; ``__main__`` holds what ``python -c``
+  gives it; stdin is ``/dev/null`` (a plain child's too: ccutil); the working directory,
+  the environment, the open file descriptors, the signal handlers and mask, the
+  loaded modules, ``atexit`` handlers, warning filters and logging set-up are a plain
+  child's. ``test_a_zygote_child_is_a_fresh_python_c`` (compares them with a plain child's).
+- *The hash seed* (left, halved): children of one zygote share its ``str`` hash seed, which
+  cannot change after start. Each test process runs two plain zygotes (two seeds) and a
+  Sandbox alternates between them, so a cold run and the warm run after it hash
+  differently, as two fresh processes do; its first and third children hash alike.
+  ``test_a_zygote_child_is_a_fresh_python_c``.
+- *Import order* (does not fit): only a script that imports torch before anything but
+  standard-library imports uses a zygote; one that sets a variable or imports anything
+  else first (``import os; os.environ[...]``, ``from cachecompile import ...``) runs as
+  ``python -c``. ``test_scripts_that_do_something_before_torch_run_as_plain_interpreters``.
+- *Parent, session, command line* (left): a child's parent is the zygote, not the test
+  process; it leads a session of its own (so a timeout kills what it started; a plain
+  child does too: ccutil); ``/proc/self/cmdline`` and ``ps`` show the zygote's command.
+  Nothing of cachecompile reads them: ``test_nothing_of_cachecompile_reads_what_a_fork_changes``.
+- *Native threads* (made equal): after torch's import a process has one more thread,
+  OpenBLAS's pool (numpy's import starts it). OpenBLAS stops its threads before a fork
+  and starts them again at the child's first BLAS call (its own fork handlers), so a
+  child runs BLAS with the pool a fresh interpreter has; a Python thread in a zygote
+  stops it from starting. ``test_a_zygote_child_is_a_fresh_python_c``.
+- *Memory* (left): a child's pages are the zygote's, copy-on-write, and its peak RSS
+  (``ru_maxrss``) starts at the zygote's. No test measures a child's memory (the tools/
+  benchmarks start their own interpreters): the same test.
+
+**A child that will compile** (a cold run: its store holds no entry yet; ccutil decides)
+forks from a third zygote that has also imported Dynamo and Inductor's compiler
 (:data:`COMPILER`, about 3 s of a core that such a child pays at its first compile
-otherwise). The same three rules hold for it, and one more: Inductor's import reads its
-cache dirs, ``TMPDIR`` and ``CXX``, so only children on the session's shared Inductor
+otherwise). The differences above hold for it too, and one more: Inductor's import reads
+its cache dirs, ``TMPDIR`` and ``CXX``, so only children on the session's shared Inductor
 dirs (which that zygote was started with) use it; a child with empty dirs of its own runs
-as ``python -c``. A warm child never uses it: its promise may be that it imports no Dynamo.
+without it. A warm child never uses it: its promise may be that it imports no Dynamo.
+What the preload imported is in the child already (modules, loggers, atexit handlers,
+the warnings it printed: written first, not at the first compile).
+``test_a_compiling_child_forks_with_the_compiler_imported_only_on_shared_dirs``.
 
-``CC_TESTS_ZYGOTE=0`` turns zygotes off (every child a plain interpreter).
+``CC_TESTS_ZYGOTE=0`` turns zygotes off (every child a plain interpreter); CI runs the
+fresh-process tests so too (.ci/fresh-processes.sh).
 """
 
 from __future__ import annotations
@@ -41,6 +95,7 @@ import ast
 import atexit
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -48,22 +103,37 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 # Variables the native libraries behind torch read when they load (OpenMP, BLAS, the C
-# allocator, the dynamic loader) or Python reads at its start: not seen by the recording
-# of Python-level reads, so any difference in them means a plain interpreter.
-# TORCHINDUCTOR_ and TORCHDYNAMO_ are not among them: only Python code reads those (Inductor's
-# and Dynamo's config modules, imported by the child itself), and the recording sees the
-# ones that torch's import reads.
+# allocator, the dynamic loader) or Python reads at its start (its own, the locale, the
+# time zone): not seen by the recording of Python-level reads, so any difference in them
+# means a plain interpreter. TORCHINDUCTOR_ and TORCHDYNAMO_ are not among them: only
+# Python code reads those (Inductor's and Dynamo's config modules, imported by the child
+# itself), and the recording sees the ones that torch's import reads.
 _READ_BY_LIBRARIES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_",
-                      "GLIBC_", "PYTHON", "TORCH_", "PYTORCH_", "CUDA", "NUMEXPR_", "NPY_")
+                      "GLIBC_", "PYTHON", "TORCH_", "PYTORCH_", "CUDA", "NUMEXPR_", "NPY_",
+                      "LC_", "LANG", "TZ")
 # Modules a script may import before torch and still fork from a zygote: the standard
 # library's (torch's import brings in many of them anyway, and importing one sets nothing
 # torch's import reads).
 _STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
+# The generators a fresh interpreter seeds from the OS when it imports their module, as
+# ``module: statement`` run in each child whose zygote imported the module. Python's own
+# ``random`` is not here: it reseeds itself in a forked child. tests/test_zygote.py checks
+# that a zygote holds no other generator.
+RESEEDED = {
+    "torch": "torch.default_generator.seed()",
+    "numpy.random": "numpy.random.seed()",
+    "sympy.core.random": "sympy.core.random.rng.seed(); sympy.core.random._assumptions_rng.seed()",
+    # A Dummy symbol's index starts at a number drawn when sympy defines the class (the
+    # Dummies made during the zygote's imports keep theirs, as at a fresh start).
+    "sympy.core.symbol": ("d = sympy.core.symbol.Dummy; d._prng.seed(); "
+                          "d._base_dummy_index = d._prng.randint(10**6, 9*10**6)"),
+}
 
-_SERVER = r'''
-import json, os, selectors, socket, sys
+_SERVER = r"""
+import json, os, sys
 # The interpreter's own entries of sys.path (the stdlib, site-packages), as a fresh
 # `python -c` has them after its PYTHONPATH entries (this one is started without any).
 _base_path = sys.path[1:]
@@ -86,19 +156,44 @@ def _i(self):
         yield k
     _scanned[0] = None
 _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _g, _h, _i
+# What the imports write (torch's import warns under PYTHONWARNINGS=default) is kept and
+# written again by each child, where a fresh interpreter's import would write it.
+_kept = [os.memfd_create("stdout"), os.memfd_create("stderr")]
+_saved = [os.dup(1), os.dup(2)]
+os.dup2(_kept[0], 1)
+os.dup2(_kept[1], 2)
 import torch  # noqa: F401  (the whole point)
 import importlib, threading
 for _m in filter(None, sys.argv[3].split(",")):
     importlib.import_module(_m)
+sys.stdout.flush()
+sys.stderr.flush()
+os.dup2(_saved[0], 1)
+os.dup2(_saved[1], 2)
+def _written(fd):
+    os.lseek(fd, 0, 0)
+    chunks = list(iter(lambda: os.read(fd, 1 << 16), b""))
+    os.close(fd)
+    return b"".join(chunks)
+_import_output = [_written(fd) for fd in _kept]
+for fd in _saved:
+    os.close(fd)
 _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _get, _has, _iter
+# (A native thread is there already: OpenBLAS's pool, which numpy's import starts; it
+# stops it before a fork and starts it again at the child's first BLAS call.)
 if threading.active_count() != 1:
-    sys.exit("a preloaded module started a thread: forking would copy it half-held")
+    sys.exit("an import started a thread: forking would copy it half-held")
+if torch.cuda.is_initialized():
+    sys.exit("an import initialised CUDA, which a forked child cannot use")
+_reseed = compile(sys.argv[4], "<reseed>", "exec")
+import selectors, socket
 
 def _serve(path, parent):
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lsock.bind(path)
     lsock.listen(16)
-    print(json.dumps({"read": sorted(_read)}), flush=True)
+    print(json.dumps({"read": sorted(_read),
+                      "modules": sorted({m.split(".")[0] for m in sys.modules})}), flush=True)
     sel = selectors.DefaultSelector()
     sel.register(lsock, selectors.EVENT_READ)
     children = {}  # pid -> connection
@@ -136,7 +231,8 @@ def _serve(path, parent):
 
 _job, _fds = _serve(sys.argv[1], int(sys.argv[2]))
 # The child: from here on, what `python -c CODE` is after its first line.
-os.setsid()  # its own group, so that a timeout can kill what it started too
+exec(_reseed)  # the generators a fresh interpreter seeds from the OS (zygote.RESEEDED)
+os.setsid()  # its own session, so that a timeout can kill what it started too
 os.dup2(_fds[0], 1)
 os.dup2(_fds[1], 2)
 os.close(_fds[0])
@@ -144,11 +240,15 @@ os.close(_fds[1])
 _null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_null, 0)
 os.close(_null)
+for _fd, _out in zip((1, 2), _import_output):
+    while _out:
+        _out = _out[os.write(_fd, _out):]
 os.chdir(_job["cwd"])
 os.environ.clear()
 os.environ.update(_job["env"])
 sys.path[:] = [""] + [p for p in _job["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + _base_path
 sys.argv[:] = ["-c"]
+sys.orig_argv[:] = [sys.orig_argv[0], "-c", _job["code"]]
 import tempfile
 tempfile.tempdir = None
 _code = compile(_job["code"], "<string>", "exec")
@@ -163,37 +263,84 @@ _d = sys.modules["__main__"].__dict__
 _keep = {k: _d[k] for k in ("__name__", "__doc__", "__package__", "__loader__", "__spec__",
                             "__annotations__", "__builtins__") if k in _d}
 exec(_code, _fresh(_d, _keep))
-'''
+"""
 
 
-class _Server:
+def inherited() -> dict[str, Any]:
+    """What a child inherits from the process that starts it, beyond its environment and
+    working directory: a zygote's children have the test process's as it was when the
+    zygote started."""
+    status: dict[str, str] = {}
+    try:
+        with open("/proc/thread-self/status", encoding="ascii") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                status[k] = v.strip()
+    except OSError:
+        pass
+    return {
+        "umask": status.get("Umask"),
+        "signals": (status.get("SigBlk"), status.get("SigIgn")),
+        "limits": [resource.getrlimit(getattr(resource, n)) for n in sorted(dir(resource))
+                   if n.startswith("RLIMIT_")],
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "priority": os.getpriority(os.PRIO_PROCESS, 0),
+        "ids": (os.getresuid(), os.getresgid(), sorted(os.getgroups())),
+    }
+
+
+class Zygote:
     """One zygote: a process that imported torch and forks a child per script."""
 
     def __init__(self, env: Mapping[str, str], preload: tuple[str, ...] = ()) -> None:
         self.env = dict(env)
+        self.preload = preload
+        self.inherited = inherited()
         self.dir = tempfile.mkdtemp(prefix="cc-zygote-")
         self.path = os.path.join(self.dir, "sock")
+        reseed = "\n".join(f"if {m!r} in sys.modules:\n    import {m}; {stmt}"
+                           for m, stmt in RESEEDED.items())
         # Started from / with no PYTHONPATH: it imports torch, and nothing of this checkout.
         server_env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"}
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.path, str(os.getpid()),
-                                      ",".join(preload)],
+                                      ",".join(preload), reseed],
                                      env=server_env, cwd="/", stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("the zygote did not start")
-        read = set(json.loads(line)["read"])
+            raise RuntimeError(f"the zygote did not start (exit status {self.proc.wait()})")
+        started = json.loads(line)
+        read = set(started["read"])
+        self.modules = frozenset(started["modules"])
         self.sensitive = read | {k for k in self.env if k.startswith(_READ_BY_LIBRARIES)}
 
-    def fits(self, env: Mapping[str, str]) -> bool:
+    def misfit(self, env: Mapping[str, str]) -> str | None:
+        """None where a child with ``env`` is what a fresh interpreter would be, else why
+        it would not be (it then runs as ``python -c``)."""
         keys = self.sensitive | {k for k in env if k.startswith(_READ_BY_LIBRARIES)}
         keys.discard("PYTHONPATH")  # set in the child's sys.path below
-        if any(env.get(k) != self.env.get(k) for k in keys):
-            return False
-        # A sitecustomize (or .pth) on the script's PYTHONPATH would run at a fresh start.
-        return not any(os.path.exists(os.path.join(p, "sitecustomize.py"))
-                       for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+        differ = sorted(k for k in keys if env.get(k) != self.env.get(k))
+        if differ:
+            return (f"its environment differs from the zygote's in {', '.join(differ)}, which "
+                    "torch's import or the libraries it loads read")
+        for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+            try:
+                names = {n.split(".")[0] for n in os.listdir(entry)}
+            except OSError:
+                continue
+            # A sitecustomize (or .pth) on the script's PYTHONPATH would run at a fresh
+            # start; a module the zygote imported, found there, would be imported from there.
+            shadowed = sorted(names & (self.modules | {"sitecustomize", "usercustomize"}))
+            if shadowed:
+                return (f"its PYTHONPATH entry {entry} holds {', '.join(shadowed)}, which a "
+                        "fresh interpreter would import from there")
+        now = inherited()
+        changed = sorted(k for k, v in now.items() if v != self.inherited[k])
+        if changed:
+            return (f"the test process's {', '.join(changed)} changed since the zygote "
+                    "started, and a child would have the old one")
+        return None
 
     def run(self, code: str, env: Mapping[str, str], cwd: str,
             timeout: float) -> subprocess.CompletedProcess[str]:
@@ -251,16 +398,19 @@ class _Server:
 
 # What a compiling child imports anyway, and what costs it most (~3 s of a core after
 # torch): Dynamo and Inductor's compiler. A child that will compile forks from a zygote
-# that imported them too (see :func:`run`).
+# that imported them too (ccutil.choose_process).
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx")
-_servers: dict[tuple[str, ...], list[_Server]] = {}
+_zygotes: dict[tuple[str, ...], list[Zygote]] = {}
 _lock = threading.Lock()
 _broken: dict[tuple[str, ...], str] = {}
 
 
-def _zygotes(base: Mapping[str, str], preload: tuple[str, ...]) -> list[_Server]:
+def zygotes(base: Mapping[str, str], preload: tuple[str, ...]) -> list[Zygote] | str:
+    """The zygotes that imported ``preload`` after torch, started from ``base`` on first
+    use: two plain ones (two hash seeds), one with a preload. A str says why there are
+    none (one could not start, or exited)."""
     with _lock:
-        servers = _servers.get(preload)
+        servers = _zygotes.get(preload)
         if servers and any(s.proc.poll() is not None for s in servers):
             _broken[preload] = "a zygote exited"
         if not servers and preload not in _broken:
@@ -268,51 +418,39 @@ def _zygotes(base: Mapping[str, str], preload: tuple[str, ...]) -> list[_Server]
                 # Two plain zygotes, so that a sandbox's consecutive children (a cold run and the
                 # warm run after it) hash differently; a compiling child is the only one of its
                 # kind in a sandbox as a rule, and its zygote's seed is another one anyway.
-                servers = _servers[preload] = [_Server(base, preload)
-                                               for _ in range(1 if preload else 2)]
+                servers = []
+                for _ in range(1 if preload else 2):
+                    servers.append(Zygote(base, preload))
+                    atexit.register(servers[-1].close)
+                _zygotes[preload] = servers
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
                 _broken[preload] = repr(e)
-                return []
-            atexit.register(lambda: [s.close() for s in servers or ()])
-        return [] if preload in _broken else servers or []
+        if preload in _broken:
+            return _broken[preload]
+        return servers or "no zygote"
 
 
-def usable(code: str) -> bool:
-    """Whether ``code`` may run in a zygote: zygotes are on, and the script imports torch
-    before it does anything else (its statements up to that import are imports of the
-    standard library and torch only: ``import os, sys, torch`` qualifies, ``import os;
-    os.environ[...] = ...`` before torch does not)."""
-    if os.environ.get("CC_TESTS_ZYGOTE", "1") == "0":
-        return False
+def script_misfit(code: str) -> str | None:
+    """None where ``code`` may run in a zygote: it imports torch before it does anything
+    else (its statements up to that import are imports of the standard library and torch
+    only: ``import os, sys, torch`` qualifies, ``import os; os.environ[...] = ...`` before
+    torch does not); else why not."""
     try:
         statements = ast.parse(code).body
     except SyntaxError:
-        return False   # python -c reports it
+        return "it does not parse (python -c reports it)"
     for st in statements:
         if isinstance(st, ast.Import):
             names = [a.name for a in st.names]
         elif isinstance(st, ast.ImportFrom) and st.level == 0 and st.module:
             names = [st.module]
         else:
-            return False
+            return (f"its line {st.lineno} ({ast.unparse(st).splitlines()[0][:60]}) runs "
+                    "before any import of torch")
         tops = {n.split(".")[0] for n in names}
-        if not tops <= _STDLIB | {"torch"}:
-            return False
+        others = sorted(tops - _STDLIB - {"torch"})
+        if others:
+            return f"it imports {', '.join(others)} before torch (line {st.lineno})"
         if "torch" in tops:
-            return True
-    return False
-
-
-def run(code: str, env: Mapping[str, str], cwd: str, timeout: float, turn: int,
-        preload: tuple[str, ...] = (), base: Mapping[str, str] | None = None,
-        ) -> subprocess.CompletedProcess[str] | None:
-    """Run ``code`` in a zygote that imported ``preload`` after torch (zygote ``turn % 2``
-    of the two plain ones), started from ``base`` (default ``env``); None where ``env``
-    does not fit it."""
-    servers = _zygotes(env if base is None else base, preload)
-    if not servers:
-        return None  # none could start: plain interpreters, as before
-    server = servers[turn % len(servers)]
-    if not server.fits(env):
-        return None
-    return server.run(code, env, cwd, timeout)
+            return None
+    return "it never imports torch"

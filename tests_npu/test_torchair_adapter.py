@@ -100,7 +100,7 @@ def _option_objects(cfg: Any, prefix: str = "") -> list[tuple[str, Any]]:
 def test_every_config_option_is_a_key_factor_and_defaults_are_stable() -> None:
     import torchair
 
-    from cachecompile.backends.torchair import ConfigOptions
+    from cachecompile.backends.torchair_config import ConfigOptions
     from cachecompile.key.factors import canonical
 
     base = canonical(dict(ConfigOptions(torchair.CompilerConfig())))
@@ -128,7 +128,7 @@ def test_every_config_option_is_a_key_factor_and_defaults_are_stable() -> None:
 def test_custom_passes_are_keyed_by_their_code() -> None:
     import torchair
 
-    from cachecompile.backends.torchair import ConfigOptions
+    from cachecompile.backends.torchair_config import ConfigOptions
 
     def pass_a(gm: Any) -> None:
         return None
@@ -148,13 +148,13 @@ def test_custom_passes_are_keyed_by_their_code() -> None:
 def test_default_config_key_is_the_same_in_another_process(sb: NpuSandbox) -> None:
     import torchair
 
-    from cachecompile.backends.torchair import ConfigOptions
+    from cachecompile.backends.torchair_config import ConfigOptions
     from cachecompile.key.factors import canonical
 
     here = canonical(dict(ConfigOptions(torchair.CompilerConfig())))
     there = sb.run("""
         import torchair
-        from cachecompile.backends.torchair import ConfigOptions
+        from cachecompile.backends.torchair_config import ConfigOptions
         from cachecompile.key.factors import canonical
         report(canonical(dict(ConfigOptions(torchair.CompilerConfig()))))
     """)
@@ -166,8 +166,9 @@ def test_machine_factors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     import torchair
 
     from cachecompile.backends import torchair as adapter_mod
+    from cachecompile.backends.torchair_config import make_options
 
-    opts = adapter_mod.make_options(torchair.CompilerConfig(), True)
+    opts = make_options(torchair.CompilerConfig(), True)
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
     f = adapter_mod.ADAPTER.factors(opts)

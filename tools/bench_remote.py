@@ -2,7 +2,7 @@
 
     python tools/bench_remote.py                 # --reps 5 --big-mb 200
     python tools/bench_remote.py --url redis://127.0.0.1:6379/0   # an existing server
-    python tools/bench_remote.py --tiers --entry-mb 80    # local vs Redis vs S3, 80 MB
+    python tools/bench_remote.py --tiers --entry-mb 80    # local vs Redis, S3, file://, HTTP
 
 Without ``--url`` it starts its own ``redis-server`` on a free loopback port (no
 persistence) and stops it at the end; ``--tiers`` also starts a moto S3 server
@@ -18,7 +18,8 @@ persistence) and stops it at the end; ``--tiers`` also starts a moto S3 server
    (download + verify + local publish with fsync).
 3. ``--tiers``: one entry of ``--entry-mb`` (random bytes) looked up by a whole fresh
    process (spawn to Hit: import, open the store, download, verify, publish locally)
-   from a local store that holds it, and from an empty one with Redis or S3 behind it.
+   from a local store that holds it, and from an empty one with Redis, S3, a shared
+   directory (file://) or an nginx HTTP cache (where nginx is installed) behind it.
 """
 
 from __future__ import annotations
@@ -132,13 +133,20 @@ print(json.dumps({"get_s": time.perf_counter() - t0}))
 def tiers(base: Path, redis_url: str, mb: int, reps: int) -> dict[str, list[float]]:
     """Whole fresh processes: spawn to Hit of one ``mb`` MB entry, per tier."""
     sys.path.insert(0, str(REPO / "tests"))
+    from http_util import DAV_EXT, NginxServer, nginx_exe
     from s3_util import MotoServer
 
     srv = MotoServer(base / "moto").start()
+    web = (NginxServer(base / "nginx").start() if nginx_exe() and DAV_EXT.is_file()
+           else None)
     try:
         os.environ.update(srv.env())  # this process uploads the entry too
         env = {**os.environ, "CACHECOMPILE_SIGNING_KEY": "bench-key"}
-        urls = {"Redis": redis_url, "S3 (moto)": f"s3://{srv.bucket()}/bench"}
+        (base / "share").mkdir(mode=0o700)
+        urls = {"Redis": redis_url, "S3 (moto)": f"s3://{srv.bucket()}/bench",
+                "file://": f"file://{base / 'share'}"}
+        if web is not None:
+            urls["HTTP (nginx)"] = web.url("bench")
         seed = base / "tier-seed"
         with open(base / "entry.bin", "wb") as f:
             for _ in range(mb):
@@ -161,6 +169,8 @@ def tiers(base: Path, redis_url: str, mb: int, reps: int) -> dict[str, list[floa
         return out
     finally:
         srv.stop()
+        if web is not None:
+            web.stop()
 
 
 def main() -> int:
@@ -170,7 +180,7 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="an existing Redis (default: start one)")
     ap.add_argument("--skip-warm", action="store_true", help="only the throughput figures")
     ap.add_argument("--tiers", action="store_true",
-                    help="only: a fresh process's hit of one entry, local vs Redis vs S3")
+                    help="only: a fresh process's hit of one entry, local vs each tier")
     ap.add_argument("--entry-mb", type=int, default=80)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:

@@ -7,13 +7,20 @@ without pulling Dynamo in. Only a compiling process calls these functions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
+import inspect
+import logging
 import sys
+import threading
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from . import versions
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe
 # when a cold compile starts.
@@ -23,6 +30,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.exc", "Unsupported"),
     ("torch._dynamo.exc", "UserError"),
     ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
+    ("torch._dynamo.exc", "TorchRuntimeError"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
@@ -84,6 +92,88 @@ def recompile_limit_errors() -> tuple[type[BaseException], ...]:
     return (FailOnRecompileLimitHit,)
 
 
+def input_errors() -> tuple[type[BaseException], ...]:
+    """What Dynamo raises when an operator fails on the call's fake tensors, besides
+    :func:`graph_break_errors` (a shape that does not fit: ``TorchRuntimeError``)."""
+    try:
+        from torch._dynamo.exc import TorchRuntimeError
+    except ImportError:
+        return ()
+    return (TorchRuntimeError,)
+
+
+# Dynamo's graph breaks that mean "an operator failed on these inputs", by their type, and
+# the hint Dynamo gives every break it blames on the user's code (graph_break_hints).
+_INPUT_BREAKS = ("TypeError when making fake tensor call",
+                 "RuntimeError when making fake tensor call",
+                 "Failed to convert args/kwargs to proxy")
+_USER_ERROR_HINT = "may result in an error when running in eager"
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """Whether Dynamo's failure is an operator failing on the call's inputs (a ``str``
+    where a tensor goes, shapes that do not multiply), which eager would raise too,
+    rather than code Dynamo cannot trace."""
+    if isinstance(exc, input_errors()):
+        return True
+    gb_type = getattr(exc, "gb_type", None) or ""
+    return gb_type in _INPUT_BREAKS or _USER_ERROR_HINT in str(exc)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What escapes a fullgraph trace raw when a shape or a branch depends on a tensor's
+    values (``lengths.tolist()`` deciding a split): the symbolic-shapes guard error and
+    fake tensors' data-dependent output errors."""
+    out: list[type[BaseException]] = []
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        out.append(GuardOnDataDependentSymNode)
+    except ImportError:
+        pass
+    try:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
+        out += [DataDependentOutputException, DynamicOutputShapeException]
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def data_dependent_cause(exc: BaseException) -> str:
+    """The user's line a data-dependent error names (its "Caused by:" line), if any."""
+    for line in str(exc).splitlines():
+        if line.startswith("Caused by:"):
+            return line[len("Caused by:"):].strip()
+    return ""
+
+
+class _MetaErrorFilter(logging.Filter):
+    """Drops fake tensors' "failed while attempting to run meta" log record: the error
+    it logs (with a 30-line traceback) reaches the caller as an exception anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+_META_LOGGER = "torch._subclasses.fake_tensor"
+_meta_filter = _MetaErrorFilter()
+
+
+@contextlib.contextmanager
+def quiet_meta_errors() -> Iterator[None]:
+    """While tracing: no log spew for an operator that fails on fake tensors."""
+    log = logging.getLogger(_META_LOGGER)
+    log.addFilter(_meta_filter)
+    try:
+        yield
+    finally:
+        log.removeFilter(_meta_filter)
+
+
 def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
     """(file, line, reason) of a graph break, from one of :func:`graph_break_errors`."""
     frames = list(getattr(exc, "real_stack", None) or [])
@@ -132,9 +222,15 @@ class GuardEntry:
     derived_types: frozenset[str]    # guard types this one implies (TYPE_MATCH)
     code_parts: tuple[str, ...]      # SHAPE_ENV: the shape relations as Python expressions
     _guard: Any = dataclasses.field(repr=False, compare=False)
+    # Arguments read from the guard's source where a release does not pass them to its
+    # builder (2.11's HASATTR: the attribute is the source's last step).
+    _keywords: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                     compare=False)
 
     def keyword(self, name: str) -> Any:
         """An argument the guard was built with: ``attr`` of HASATTR, ``key`` of DICT_CONTAINS."""
+        if name in self._keywords:
+            return self._keywords[name]
         fn = getattr(self._guard, "create_fn", None)
         kw = getattr(fn, "keywords", None) or {}
         if name in kw:
@@ -144,15 +240,133 @@ class GuardEntry:
 
 
 def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
+    """Dynamo's guard entries for one frame, read into one form across releases, plus the
+    guards a release failed to build for reads made while tracing that frame
+    (:func:`unguarded_reads_recorded`)."""
     out: list[GuardEntry] = []
     for e in entries:
         guard = e.orig_guard
-        out.append(GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
-                              has_value=bool(e.has_value),
-                              derived_types=frozenset(e.derived_guard_types or ()),
-                              code_parts=tuple(getattr(guard, "code_list", None) or ()),
-                              _guard=guard))
+        entry = GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
+                           has_value=bool(e.has_value),
+                           derived_types=frozenset(e.derived_guard_types or ()),
+                           code_parts=tuple(getattr(guard, "code_list", None) or ()),
+                           _guard=guard)
+        out.append(entry if versions.at_least(2, 12) else _as_in_2_12(entry, e))
+    if _unguarded is not None:
+        out.extend(_unguarded)
+        _unguarded.clear()                # each frame's guards are built once, after it
     return out
+
+
+# -- torch 2.11 and 2.12: outputs marked maybe-dynamic by the compiled graph -------------
+# AOTAutograd's runtime wrapper in 2.11 and 2.12 marks each output dim it traced as
+# symbolic with ``_dynamo_weak_dynamic_indices``, the attribute ``maybe_mark_dynamic``
+# sets, which Dynamo (and cachecompile's signature) read as the user's mark. A replayed
+# program marks nothing, as eager does, so the next cached method called on that output
+# (a model's next block) saw another signature in the compiling process than in a warm
+# one, and the warm process compiled it again. 2.13 stamps a separate, unguarded attribute
+# instead (``_dynamo_propagated_dynamic_indices``); on 2.11 and 2.12 the live compiled
+# graphs of a cached method mark nothing, as 2.13's and the warm path's do.
+_MARK_HELPER = "maybe_mark_dynamic_helper"
+_unmarked_depth = 0
+_unmarked_lock = threading.Lock()
+_real_mark: Any = None
+
+
+@contextlib.contextmanager
+def outputs_left_unmarked() -> Iterator[None]:
+    """While a cached method's live compile runs (its cold call, and later live calls),
+    its compiled graphs do not mark their outputs maybe-dynamic. Nothing on 2.13+."""
+    global _unmarked_depth, _real_mark
+    if versions.at_least(2, 13):
+        yield
+        return
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    with _unmarked_lock:
+        if _unmarked_depth == 0:
+            # (a 2.11/2.12 name: read and set by name, so it type-checks against 2.13+)
+            _real_mark = getattr(runtime_wrappers, _MARK_HELPER)
+            setattr(runtime_wrappers, _MARK_HELPER, lambda t, dims: None)
+        _unmarked_depth += 1
+    try:
+        yield
+    finally:
+        with _unmarked_lock:
+            _unmarked_depth -= 1
+            if _unmarked_depth == 0:
+                setattr(runtime_wrappers, _MARK_HELPER, _real_mark)
+
+
+# -- torch 2.11: class attributes read without a guard -----------------------------------
+# torch 2.11's Dynamo reads a literal or enum class attribute (``type(self).FLAG``,
+# ``Cls.MODE``) as a constant with no source, so it builds no guard on it: a process whose
+# class says otherwise would be served the value traced (torch.compile 2.11 is wrong there
+# within one process too; a fresh process of it compiles again). 2.12 guards the read
+# (CONSTANT_MATCH on ``<class source>.<name>``). On 2.11, while a frame is traced, each such
+# read is recorded as the entry 2.12 would have built, and guard_entries adds it.
+_unguarded: list[GuardEntry] | None = None
+
+
+@contextlib.contextmanager
+def unguarded_reads_recorded() -> Iterator[None]:
+    """While tracing (TraceSession's first call), record the reads 2.11 leaves unguarded.
+    Nothing is patched on 2.12 and later, which guard them."""
+    global _unguarded
+    if versions.at_least(2, 12) or _unguarded is not None:
+        yield
+        return
+    from torch._dynamo.variables import user_defined
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    cls_var = user_defined.UserDefinedClassVariable
+    orig = cls_var.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        out = orig(self, tx, name)
+        base = source_name(getattr(self, "source", None))
+        if base is not None and getattr(out, "source", None) is None and _unguarded is not None:
+            try:
+                value = inspect.getattr_static(self.value, name)
+            except AttributeError:
+                return out
+            if ConstantVariable.is_literal(value) or isinstance(value, enum.Enum):
+                _unguarded.append(GuardEntry(
+                    guard_type="CONSTANT_MATCH", expr=f"{base}.{name}", value=value,
+                    has_value=True, derived_types=frozenset(), code_parts=(), _guard=None))
+        return out
+
+    _unguarded = []
+    cls_var.var_getattr = var_getattr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls_var.var_getattr = orig  # type: ignore[method-assign]
+        _unguarded = None
+
+
+def _as_in_2_12(entry: GuardEntry, e: Any) -> GuardEntry:
+    """A torch 2.11 guard entry in the form 2.12 and later give it, so that capture reads
+    one form.
+
+    - 2.11 builds HASATTR on the attribute's own source (``base.attr``, an ``AttrSource``,
+      perhaps inside an ``NNModuleSource``) and reads the name from it; 2.12 builds it on
+      the base with ``attr=`` and names the base. 2.11's entry has no value for the base:
+      whether the attribute was there is whether the entry could read it (``present``).
+    - 2.11 has one DICT_CONTAINS / SET_CONTAINS with ``invert=``; 2.12 splits off
+      DICT_NOT_CONTAINS / SET_NOT_CONTAINS."""
+    if entry.guard_type == "HASATTR":
+        src = getattr(entry._guard, "originating_source", None)
+        src = getattr(src, "base", src) if type(src).__name__ == "NNModuleSource" else src
+        base, member = getattr(src, "base", None), getattr(src, "member", None)
+        name = source_name(base) if base is not None else None
+        if name is None or not isinstance(member, str):
+            return entry                  # capture names the guard it cannot read
+        return dataclasses.replace(entry, expr=name, has_value=False, value=None,
+                                   _keywords={"attr": member, "present": entry.has_value})
+    if entry.guard_type in ("DICT_CONTAINS", "SET_CONTAINS") and entry.keyword("invert"):
+        return dataclasses.replace(entry, guard_type=entry.guard_type.replace("_", "_NOT_", 1))
+    return entry
 
 
 # -- the graph Dynamo hands a backend ------------------------------------------------------

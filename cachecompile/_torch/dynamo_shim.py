@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import types
 from typing import Any
 
@@ -94,7 +95,34 @@ class _FunctionsShim(types.ModuleType):
 functions = _FunctionsShim(DYNAMO_FUNCTIONS)
 functions._create_nested_fn = _create_nested_fn  # type: ignore[attr-defined]
 
-_STANDINS: dict[str, types.ModuleType] = {DYNAMO_UTILS: utils, DYNAMO_FUNCTIONS: functions}
+
+POLYFILL_BUILTINS = "torch._dynamo.polyfills.builtins"
+
+
+class _PolyfillBuiltinsShim(types.ModuleType):
+    """``torch._dynamo.polyfills.builtins`` until something needs more than its sentinel.
+
+    torch 2.11 and 2.12 inline their ``iter()`` polyfill (``iter_(fn_or_iterable,
+    sentinel=_sentinel_missing)``) where a method iterates a module list, and guard the
+    default's type: ``type(<the module>._sentinel_missing) is object``. Importing the module
+    for that guard imports all of Dynamo. Until the real module is imported, the sentinel
+    is a plain ``object()`` of our own (its type is all the guard reads); once it is (a
+    replayed bytecode or a live compile needed a polyfill), every name, the sentinel
+    included, is the real module's, so a polyfill never meets a sentinel it does not know."""
+
+    _own_sentinel = object()
+
+    def __getattr__(self, name: str) -> Any:
+        real = sys.modules.get(POLYFILL_BUILTINS)
+        if name == "_sentinel_missing" and real is None:
+            return self._own_sentinel
+        return getattr(real if real is not None else importlib.import_module(POLYFILL_BUILTINS),
+                       name)
+
+
+_STANDINS: dict[str, types.ModuleType] = {
+    DYNAMO_UTILS: utils, DYNAMO_FUNCTIONS: functions,
+    POLYFILL_BUILTINS: _PolyfillBuiltinsShim(POLYFILL_BUILTINS)}
 
 
 def standin(module_name: str) -> types.ModuleType | None:

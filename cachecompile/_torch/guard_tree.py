@@ -12,7 +12,7 @@ Every name here is private and per release: :func:`available` builds a small tre
 per process and checks that it accepts and rejects what it should; where it does not,
 cachecompile checks guards in Python only.
 
-What a leaf takes, side by side per release (2.13-2.15 agree): ``add_*_guard(value...,
+What a leaf takes, side by side per release (2.11-2.15 agree; checked on each): ``add_*_guard(value...,
 verbose_code_parts, user_stack)``; ``add_tensor_match_guard(value, sizes, strides, name,
 verbose_code_parts, user_stack, pytype, dispatch_keys)``.
 """

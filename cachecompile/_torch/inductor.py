@@ -16,7 +16,7 @@ import unittest.mock
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from cachecompile._torch import inductor_runtime
+from cachecompile._torch import inductor_runtime, versions
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def compile_capturing(gm: Any, example_inputs: Sequence[Any], options: Mapping[s
     with functorch_config.patch(enable_autograd_cache=False), \
             unittest.mock.patch.object(freezing, "freeze", freeze):
         live = compile_fx(gm, example_inputs, inner_compile=inner,
-                          config_patches=dict(options) or None,
+                          config_patches=config_patches(options) or None,
                           decompositions=dict(decompositions) if decompositions else None)
     return live, captured
 
@@ -139,19 +139,47 @@ def _plain_isa(vec: str) -> Any:
     return isa if bool(isa) else None
 
 
+def config_patches(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor's config patches for ``options``, as this release takes them.
+
+    torch 2.11 and 2.12 have no ``cpp.march`` setting (their ``-march=native`` is a literal
+    in ``cpp_builder._get_optimization_cflags``): the option is taken out here and
+    :func:`vec_isa_limited` puts the level's ``-march`` into the flags instead. Their FX
+    graph cache is off for such a compile: its key holds the Inductor config, which on
+    these releases says nothing of the level, so it could hand back output code generated
+    for this CPU's vector ISA (on 2.13+ ``cpp.march`` is in that key)."""
+    out = dict(options)
+    if "cpp.march" in out and not versions.at_least(2, 13):
+        del out["cpp.march"]
+        out["fx_graph_cache"] = False
+    return out
+
+
 @contextlib.contextmanager
 def vec_isa_limited(march: str, vec: str | None) -> Iterator[None]:
     """Compile for ``-march=<march>`` with vector ISA ``vec`` at most (None: scalar
-    kernels): Inductor's ``cpp.march`` plus its list of valid vector ISAs, which every
-    pick of an ISA (codegen, the kernels' build command, the code cache's key) reads."""
+    kernels): Inductor's ``cpp.march`` (on 2.11 and 2.12, the ``-march`` in its flags, see
+    :func:`config_patches`) plus its list of valid vector ISAs, which every pick of an ISA
+    (codegen, the kernels' build command, the code cache's key) reads."""
     from torch._inductor import config as inductor_config
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import cpp_builder, cpu_vec_isa
 
     isas = [i for i in ([_plain_isa(vec)] if vec else []) if i is not None]
     if vec and not isas:
         logger.warning("Inductor's %s vector ISA failed its build check here; the kernels "
                        "for %s are scalar", vec, march)
-    with inductor_config.patch({"cpp.march": march}), \
+    if versions.at_least(2, 13):
+        march_set: contextlib.AbstractContextManager[Any] = inductor_config.patch(
+            {"cpp.march": march})
+    else:
+        real_cflags = cpp_builder._get_optimization_cflags
+
+        def cflags(*args: Any, **kwargs: Any) -> tuple[list[str], list[str]]:
+            flags, ldflags = real_cflags(*args, **kwargs)
+            return [f"march={march}" if f == "march=native" else f for f in flags], ldflags
+
+        march_set = unittest.mock.patch.object(cpp_builder, "_get_optimization_cflags", cflags)
+    with march_set, \
             unittest.mock.patch.object(cpu_vec_isa, "valid_vec_isa_list", lambda: list(isas)):
         yield
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from . import versions
+
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe.
 NEEDS: tuple[tuple[str, str], ...] = (
     ("torch", "_C._dynamo.guards.GlobalStateGuard"),
@@ -26,6 +28,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch.utils._device", "CURRENT_DEVICE"),
     ("torch.utils._pytree", ""),
     ("torch.fx._pytree", ""),
+    ("torch", "_as_tensor_fullprec"),
 )
 
 # The module torch defines its operator classes in (OpOverload, OpOverloadPacket,
@@ -111,6 +114,17 @@ def _is_pass(name: str) -> bool:
     return "custom_p" in name
 
 
+def _user_override(entry: Any, unset: object) -> Any:
+    """What the process set a config entry to, or ``unset``.
+
+    torch 2.12 and later keep each override in a ``ContextVar`` (per thread and context);
+    2.11 keeps the value itself on the entry."""
+    if versions.at_least(2, 12):
+        override = getattr(entry, "user_override", None)
+        return override.get() if override is not None else unset
+    return getattr(entry, "user_override", unset)
+
+
 def compiler_config_changes() -> dict[str, dict[str, Any]]:
     """Per config module, the settings this process changed from what the module starts
     with (its defaults, with the environment's ``TORCHINDUCTOR_*`` overrides, which the
@@ -132,8 +146,7 @@ def compiler_config_changes() -> dict[str, dict[str, Any]]:
                       if not _is_pass(p)), *_NOT_PROGRAM, "_")
         changed: dict[str, Any] = {}
         for name, e in entries.items():
-            override = getattr(e, "user_override", None)
-            value = override.get() if override is not None else unset
+            value = _user_override(e, unset)
             if (value is unset or name in ignored or name.startswith(prefixes)
                     or getattr(e, "alias", None) is not None):
                 continue
@@ -149,6 +162,13 @@ def compiler_config_changes() -> dict[str, dict[str, Any]]:
 
 
 # -- objects Dynamo bakes into bytecode or guards ----------------------------------------
+def as_tensor_fullprec(value: Any) -> Any:
+    """What a shape guard's ``___as_tensor(x)`` calls (a float or int attribute Dynamo traced
+    as a symbol: 2.11 and 2.12 do so for module attributes under ``dynamic=True``): the
+    Python number as a 0-d float64 / int64 tensor on the CPU."""
+    return torch._as_tensor_fullprec(value)  # type: ignore[attr-defined]
+
+
 def sdp_backend_name(v: Any) -> str | None:
     """The member name if ``v`` is an SDPBackend enum member, else None."""
     return v.name if isinstance(v, torch._C._SDPBackend) else None
@@ -238,3 +258,16 @@ def dynamo_imported() -> bool:
     """Whether Dynamo was imported (a warm process never imports it)."""
     return "torch._dynamo" in sys.modules
 
+
+
+def compiled_by_dynamo(obj: Any) -> Any | None:
+    """What ``torch.compile`` was given, if ``obj`` is what it returned for a function or
+    method (Dynamo's wrapper keeps the original as ``_torchdynamo_orig_callable``), or a
+    method bound to what it returned for a module; else None. Read as attributes, without
+    importing Dynamo. ``torch.compiler.disable``'s wrapper keeps the original the same
+    way; it is not one."""
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    if not callable(obj) or getattr(obj, "_torchdynamo_disable", False):
+        return None
+    return getattr(obj, "_torchdynamo_orig_callable", None)

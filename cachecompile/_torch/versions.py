@@ -3,10 +3,10 @@
 Where the layer's code must differ between torch releases, the branches sit side by side
 in the module that uses the name, on :func:`release`::
 
-    if versions.release() >= (2, 15):
-        ...   # the 2.15 spelling
+    if versions.at_least(2, 13):
+        ...   # the 2.13+ spelling
     else:
-        ...   # 2.13 and 2.14
+        ...   # 2.11 and 2.12
 
 so each difference is visible in one place. On a release outside :data:`SUPPORTED`,
 ``cache_compile`` runs as plain ``torch.compile`` (see :func:`unsupported`).
@@ -22,7 +22,7 @@ import re
 import torch
 
 # major.minor releases whose private names and replay behaviour the tests cover.
-SUPPORTED = ("2.13", "2.14", "2.15")
+SUPPORTED = ("2.11", "2.12", "2.13", "2.14", "2.15")
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)")
 
@@ -46,6 +46,13 @@ def release() -> tuple[int, int] | None:
     """(major, minor) of the running torch; None if the version string is not one."""
     m = _RELEASE.match(version())
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def at_least(major: int, minor: int) -> bool:
+    """Whether the running torch is release ``major.minor`` or newer (False when its version
+    string names no release): the one test the layer's side-by-side branches use."""
+    rel = release()
+    return rel is not None and rel >= (major, minor)
 
 
 def unsupported() -> str | None:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-JSON = Any
+from cachecompile._types import JSON
+
 GraphCallable = Callable[..., Any]
 
 
@@ -113,9 +114,23 @@ class Adapter(Protocol):
         targets (its programs hold no code built for this CPU, or it cannot choose)."""
         return None
 
+    def with_passes(self, options: Mapping[str, Any], passes: Any) -> Mapping[str, Any]:
+        """``options`` with ``cache_compile(passes=...)`` (custom compiler passes by hook,
+        or None) merged in and checked; TypeError / ValueError say what is wrong. Default:
+        this backend runs no custom passes, so any are refused."""
+        if passes is None:
+            return options
+        raise ValueError(f"passes= are Inductor's custom pass hooks; the {self.name!r} "
+                         "backend does not run them")
+
+    def default_cache_dir(self) -> str | None:
+        """The cache dir when ``cache_compile`` names none: a backend's own convention (a
+        drop-in keeps its users' caches where they were). Default None: cachecompile's."""
+        return None
+
 
 # The optional capabilities: defined with a default on Adapter.
-OPTIONAL = ("make_options", "freezes", "cpu_target")
+OPTIONAL = ("make_options", "freezes", "cpu_target", "with_passes", "default_cache_dir")
 # Everything else the protocol names is required.
 REQUIRED = tuple(sorted(
     {*Adapter.__annotations__,

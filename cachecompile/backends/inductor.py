@@ -54,6 +54,8 @@ from cachecompile.entry import codeobj
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import cpu, passes
+from cachecompile.key.passes import check as check_passes
+from cachecompile.key.passes import merge as merge_passes
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,13 @@ class InductorAdapter(Adapter):
     def freezes(self, options: Mapping[str, Any]) -> bool:
         return bool(options.get("freezing"))
 
+    def with_passes(self, options: Mapping[str, Any], passes: Any) -> Mapping[str, Any]:
+        # Inductor's pass hooks are options: merged, then every pass among them (given
+        # here or in config=) must be one the key can identify.
+        merged = merge_passes(options, passes)
+        check_passes(merged)
+        return merged
+
     def cpu_target(self, options: Mapping[str, Any], target: str) -> Mapping[str, Any] | None:
         if "cpp.march" in options or "cpp.simdlen" in options:
             return None  # the config chose its own; it stays as given
@@ -180,7 +189,7 @@ class InductorAdapter(Adapter):
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
         # torch.compile's Inductor takes no decompositions: custom ones are not applied.
-        return "inductor", dict(options) or None
+        return "inductor", inductor.config_patches(options) or None
 
 
 def _compile_program(src: str, filename: str) -> types.CodeType:

@@ -6,7 +6,8 @@ options it then runs with.
 TorchAir's own knowledge, kept apart from :mod:`cachecompile.backends.torchair` so that the
 registry asks it on every ``cache_compile`` (the default backend included) without
 importing the adapter (tens of ms): the registry knows only that an adapter may have a
-selector (:func:`cachecompile.backends.register`).
+selector (:func:`cachecompile.backends.register`). It imports the adapter's config and
+machine modules once TorchAir is selected; nothing of the adapter imports it.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def selects(backend: Any, config: Any, ge_cache: bool) -> bool:
 def options(backend: Any, config: Any, ge_cache: bool) -> dict[str, Any]:
     """The TorchAir adapter's options for those arguments (ValueError / TypeError for the
     user, naming what is wrong)."""
-    from cachecompile.backends import torchair
+    from cachecompile.backends.torchair_config import make_options
+    from cachecompile.backends.torchair_machine import unavailable_reason
+    from cachecompile.errors import TorchairUnavailableError
 
-    why = torchair.unavailable_reason()
+    why = unavailable_reason()
     if why is not None:
         raise ValueError("the Ascend torchair backend was selected (backend='torchair', a "
                          "torchair CompilerConfig, ge_cache=True or an NPU device) but it is "
@@ -75,6 +78,6 @@ def options(backend: Any, config: Any, ge_cache: bool) -> dict[str, Any]:
         raise TypeError("config for backend 'torchair' must be a torchair.CompilerConfig, got "
                         f"{type(config).__qualname__}")
     try:
-        return torchair.make_options(config, ge_cache)
-    except torchair.TorchairUnavailableError as e:
+        return make_options(config, ge_cache)
+    except TorchairUnavailableError as e:
         raise ValueError(str(e)) from None

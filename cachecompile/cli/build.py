@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -34,8 +35,10 @@ from cachecompile.procs.builders import (
     prebuild_factory,
     push_results,
 )
+from cachecompile.store import settings
 
 from .common import EXIT_PROBLEMS, EXIT_USAGE, CliError, _console, cache_dir_option
+from .readable import factor_text
 
 _MARKS = {"built": "[green]built[/green]", "present": "[cyan]present[/cyan]",
           "not cached": "[yellow]not cached[/yellow]", "failed": "[red]failed[/red]"}
@@ -78,7 +81,7 @@ def _env_target() -> tuple[str | None, ...]:
     on a miss (its best candidate this CPU has), checked like an option's value. The
     workers inherit the variable; a check or a build for a level this CPU lacks would
     key native compiles instead (a --check that passed on entries nobody asked for)."""
-    value = os.environ.get(cpu.ENV, "").strip()
+    value = settings.CPU_TARGET.get()
     if not value:
         return (None,)
     best = cpu.plan(cpu.parse(value))
@@ -87,13 +90,13 @@ def _env_target() -> tuple[str | None, ...]:
     return (None,) if best.build == cpu.NATIVE else (best.build,)
 
 
-@click.command("build")
+@click.command("build", short_help="Compile every signature a FACTORY lists, before serving")
 @cache_dir_option
 @click.argument("factory", metavar="MODULE:FACTORY")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Worker processes (default: $CACHECOMPILE_COMPILE_SLOTS, else cores/2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.option("--shard", type=ShardParam(), default=None, envvar="CACHECOMPILE_BUILD_SHARD",
+@click.option("--shard", type=ShardParam(), default=None, envvar=settings.BUILD_SHARD.name,
               help="Build shard I of N (0 <= I < N) of the signatures, split by a stable "
                    "hash; 'auto' or 'auto/N' takes it from a Kubernetes Indexed Job, a "
                    "Slurm job array or torchrun (default: $CACHECOMPILE_BUILD_SHARD). "
@@ -218,6 +221,23 @@ def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:
             "entries": list(r.entries), **({"cpu_target": target} if target else {})}
 
 
+def _missing_line(t: Mapping[str, Any], target: str | None) -> str:
+    """One ``missing`` line of ``build --check``; where the check found the entry nearest
+    to the signature's key (``t["nearest"] = {"key", "differ": {factor: [here, there]}}``),
+    the factors it differs in, with both values, as ``cachectl explain`` prints them."""
+    line = (f"missing  {t['name']} [{t['signature']}]  {t['key'][:12] or '(no key)'}"
+            + (f"  ({target})" if target else ""))
+    near = t.get("nearest")
+    if not isinstance(near, Mapping) or not near.get("key"):
+        return line
+    differ = near.get("differ") or {}
+    named = ([f"{n} ({factor_text(n, v[0])} here, {factor_text(n, v[1])} there)"
+              for n, v in differ.items()] if isinstance(differ, Mapping) else list(differ))
+    more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+    return (f"{line}\n         nearest entry {str(near['key'])[:12]} differs in "
+            f"{', '.join(named[:3]) or 'nothing keyed'}{more}")
+
+
 def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
            targets: tuple[str | None, ...], as_json: bool) -> None:
     """``build --check``: which declared signatures the tier lacks, for every CPU target
@@ -244,8 +264,7 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
                         for target, t in missing]}, indent=1))
     else:
         for target, t in missing:
-            click.echo(f"missing  {t['name']} [{t['signature']}]  {t['key'][:12]}"
-                       + (f"  ({target})" if target else ""))
+            click.echo(_missing_line(t, target))
         for target, c in found:
             where = ", ".join(w for w in (f"shard {shard}" if shard else "", target or "") if w)
             click.echo(f"{f'{where}: ' if where else ''}"

@@ -24,7 +24,7 @@ from cachecompile.entry import frames as frames_mod
 from cachecompile.entry.frames import FrameRecord
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
-from cachecompile.store import Maintenance, OpenStore, errors, open_store
+from cachecompile.store import Maintenance, OpenStore, errors, open_store, settings
 from cachecompile.store.outcomes import EntryInfo
 
 EXIT_PROBLEMS = 1
@@ -64,7 +64,7 @@ def cache_dir_option(f: F) -> F:
         "--cache-dir",
         type=click.Path(file_okay=False),
         default=None,
-        envvar="CACHECOMPILE_DIR",
+        envvar=settings.DIR.name,
         help="Store root (default: $CACHECOMPILE_DIR, else $XDG_CACHE_HOME/cachecompile).",
     )(f)
 

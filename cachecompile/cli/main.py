@@ -6,6 +6,7 @@ processes that import torch and the factory (cachecompile.procs.builders). Exit 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import click
@@ -57,7 +58,15 @@ cli.add_command(build.build_cmd)
 cli.add_command(torchair.import_torchair)
 
 
+def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              line: str | None = None) -> str:
+    """A warning as cachectl prints it: its class and message, not the source line that
+    warned (``SettingWarning: CACHECOMPILE_MAX_SIZE='garbage': not a size ...``)."""
+    return f"cachectl: {category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
+    warnings.formatwarning = _one_line
     cli.main(args=argv, prog_name="cachectl")
 
 

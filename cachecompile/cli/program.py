@@ -32,6 +32,7 @@ from cachecompile.entry.frames import graph_prefix
 from cachecompile.entry.meta import EntryMeta
 
 from .common import _console, _open_local, cache_dir_option, frame_summary, read_frames, read_meta
+from .readable import demangle, fold_hooks, ranges
 
 # A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
 # '\x00cachecompile-const\x000' (the backslashes are in the text); the index is group 1.
@@ -92,7 +93,7 @@ def _frames(meta: EntryMeta, data_dir: Path, no_bytecode: bool,
     return out
 
 
-@click.command("program")
+@click.command("program", short_help="Print an entry's guards, bytecode and program")
 @cache_dir_option
 @click.argument("key")
 @click.option("--no-bytecode", is_flag=True, help="Leave out Dynamo's bytecode.")
@@ -120,8 +121,11 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) 
     out.append(("entry", "\n".join(head), "text"))
     guards = list(meta.guards)
     if guards:
-        lines = [f"{i:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
-                 for i, g in enumerate(guards)]
+        # Dynamo's generated names as what they hold; hook-dict checks folded into one
+        # line per group, at its first guard's number, naming every guard it stands for.
+        texts = [demangle(str(g.get("text") or g.get("expr") or g.get("kind"))) for g in guards]
+        lines = [f"{idx[0]:4d}  {text}" + (f" [{ranges(idx)}]" if len(idx) > 1 else "")
+                 for idx, text in fold_hooks(texts)]
         out.append((f"guards ({len(guards)}): the entry fits a call when all hold",
                     "\n".join(lines), "text"))
         if tree:

@@ -1,6 +1,6 @@
 """``cachectl`` verbs of the remote tier and of bundles (registered in cachecompile.cli.main).
 
-    cachectl remote ls | stats | purge        the remote tier itself (Redis or S3)
+    cachectl remote ls | stats | purge        the remote tier itself (Redis, S3, file://, HTTP)
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
     cachectl export OUT.tar.zst [KEY...]      entries, manifests, signatures in one file
     cachectl import IN.tar.zst                verify everything, then publish everything
@@ -26,11 +26,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from cachecompile.store import Maintenance, errors, open_store
+from cachecompile.store import Maintenance, open_store, settings
 from cachecompile.store.bundle import export_bundle, import_bundle
+from cachecompile.store.keys import match_prefix
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.remote import Remote, open_remote
+from cachecompile.store.remote import Remote, open_levels, split_levels
 from cachecompile.store.remote.push import push_entries
 from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
@@ -45,27 +46,43 @@ from .common import (
     human_size,
     label_options,
 )
+from .readable import entries, split_graphs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def remote_option(f: F) -> F:
     return click.option(
-        "--remote", "remote_url", envvar="CACHECOMPILE_REMOTE", default=None, metavar="URL",
-        help="redis://host:port/db or s3://bucket/prefix, [?mode=ro] "
-             "(default: $CACHECOMPILE_REMOTE). A Redis password is best given in "
+        "--remote", "remote_url", envvar=settings.REMOTE.name, default=None, metavar="URL",
+        help="redis://host:port/db, s3://bucket/prefix, file:///shared/dir or "
+             "http(s)://host/prefix, [?mode=ro], or a chain of them separated by commas, "
+             "nearest first (default: $CACHECOMPILE_REMOTE). A password is best given in "
              "$CACHECOMPILE_REMOTE_PASSWORD or $CACHECOMPILE_REMOTE_PASSWORD_FILE; it is "
              "never printed.")(f)
 
 
-def _remote(url: str | None) -> Remote:
+def _levels(url: str | None) -> list[Remote]:
+    """Every level the URL names (one, or a chain), each checked now: a failure is one
+    clear line, rather than one per entry."""
     if not url:
-        raise click.UsageError("no remote: pass --remote redis://host:port/db or "
-                               "s3://bucket/prefix, or set CACHECOMPILE_REMOTE")
-    r = open_remote(url)
-    r.breaker.quiet = True  # a failure is this command's error line, not a warning too
-    r.ping()  # fail now, with one clear line, rather than per entry
-    return r
+        raise click.UsageError("no remote: pass --remote redis://host:port/db, "
+                               "s3://bucket/prefix, file:///dir or http://host/prefix, or "
+                               "set CACHECOMPILE_REMOTE")
+    levels = open_levels(url)
+    for r in levels:
+        r.breaker.quiet = True  # a failure is this command's error line, not a warning too
+        r.ping()
+    return levels
+
+
+def _remote(url: str | None) -> Remote:
+    """The one remote of a verb that works on one level (a chain is refused, naming its
+    levels: pick one with --remote)."""
+    if url and len(split_levels(url)) > 1:
+        shown = ", ".join(r.config.display for r in open_levels(url))
+        raise click.UsageError(f"--remote names a chain of levels ({shown}): this verb works "
+                               "on one level; pass that level's URL with --remote")
+    return _levels(url)[0]
 
 
 def _local(cache_dir: str | None, *, create: bool) -> Maintenance:
@@ -96,16 +113,6 @@ def _info(rec: Record) -> EntryInfo:
                      state="signed" if rec.sig else "unsigned")
 
 
-def _resolve(prefix: str, keys: list[str]) -> str:
-    p = prefix.strip().lower()
-    matches = sorted(k for k in keys if k.startswith(p))
-    if not p or not matches:
-        raise errors.KeyNotFound(f"no remote entry matches {prefix!r}")
-    if len(matches) > 1:
-        raise errors.AmbiguousKey(prefix, matches)
-    return matches[0]
-
-
 def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str],
               resolve: Callable[[str], str]) -> list[EntryInfo]:
     if keys:
@@ -114,12 +121,13 @@ def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str
     return [i for i in infos if has_labels(i.labels, want)]
 
 
-@click.group("remote")
+@click.group("remote", short_help="The remote tiers: ls, stats, purge")
 def remote_group() -> None:
-    """The remote tier (Redis or S3): list, statistics, purge."""
+    """The remote tier (Redis, S3, a shared directory, an HTTP cache): list, statistics,
+    purge."""
 
 
-@remote_group.command("ls")
+@remote_group.command("ls", short_help="List the remote's entries (signed or unsigned)")
 @remote_option
 @label_options
 @click.option("--json", "as_json", is_flag=True)
@@ -139,20 +147,33 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
         _console().print(_entries_table(infos))
 
 
-@remote_group.command("stats")
+@remote_group.command("stats", short_help="Entries, bytes and the server's space used")
 @remote_option
 @click.option("--json", "as_json", is_flag=True)
 def remote_stats(remote_url: str | None, as_json: bool) -> None:
     """Entries, bytes (logical), signed entries and the server's space: Redis's memory
     use, or the bucket prefix's objects and bytes."""
-    r = _remote(remote_url)
-    recs = list(r.records())
-    s: dict[str, Any] = {"remote": r.config.display, "readonly": r.readonly,
-                         "entries": len(recs), "bytes": sum(x.size_bytes for x in recs),
-                         "signed": sum(1 for x in recs if x.sig), **r.info()}
+    levels = _levels(remote_url)
+    all_stats = [_level_stats(r) for r in levels]
     if as_json:
-        click.echo(json.dumps(s, indent=1, sort_keys=True))
+        # One level: its numbers; a chain: a list of them, nearest first.
+        out: Any = all_stats[0] if len(all_stats) == 1 else all_stats
+        click.echo(json.dumps(out, indent=1, sort_keys=True))
         return
+    for i, s in enumerate(all_stats):
+        if len(all_stats) > 1:
+            click.echo(("" if i == 0 else "\n") + f"level {i + 1} of {len(all_stats)}")
+        _print_level_stats(s)
+
+
+def _level_stats(r: Remote) -> dict[str, Any]:
+    recs = list(r.records())
+    return {"remote": r.config.display, "readonly": r.readonly, "entries": len(recs),
+            "bytes": sum(x.size_bytes for x in recs), "signed": sum(1 for x in recs if x.sig),
+            **r.info()}
+
+
+def _print_level_stats(s: dict[str, Any]) -> None:
     for k in ("remote", "entries", "signed"):
         click.echo(f"{k:<16} {s[k]}")
     click.echo(f"{'size':<16} {human_size(s['bytes'])}")
@@ -161,13 +182,13 @@ def remote_stats(remote_url: str | None, as_json: bool) -> None:
         click.echo(f"{'server memory':<16} {human_size(s['used_memory'])} of {cap} "
                    f"({s['maxmemory_policy'] or '-'})")
     if "stored_bytes" in s:
-        click.echo(f"{'bucket objects':<16} {s['objects']} "
+        click.echo(f"{'stored objects':<16} {s['objects']} "
                    f"({human_size(s['stored_bytes'])} stored, blobs shared)")
     if s["readonly"]:
         click.echo(f"{'read-only':<16} yes")
 
 
-@remote_group.command("purge")
+@remote_group.command("purge", short_help="Remove remote entries; sweep unreferenced blobs")
 @remote_option
 @click.argument("keys", nargs=-1)
 @label_options
@@ -183,10 +204,12 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
         raise click.UsageError("say what to purge: KEY..., --label or --all")
     r = _remote(remote_url)
     infos = [_info(rec) for rec in r.records()]
-    goes = _selected(infos, keys, want, lambda k: _resolve(k, [i.key for i in infos]))
+    goes = _selected(infos, keys, want,
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
     if goes:
-        _console().print(_entries_table(goes, title=f"{len(goes)} remote entries, "
-                         f"{human_size(sum(i.size_bytes for i in goes))}"))
+        _console().print(_entries_table(
+            goes, title=f"remote: {entries(*split_graphs(i.labels for i in goes))}, "
+                        f"{human_size(sum(i.size_bytes for i in goes))}"))
     if dry_run:
         click.echo("dry run: nothing removed")
         return
@@ -197,10 +220,11 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
     for i in goes:
         r.delete(i.key)
     swept = r.sweep()
-    click.echo(f"removed {len(goes)} entries; swept {swept} unreferenced blob keys")
+    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept {swept} "
+               "unreferenced blob keys")
 
 
-@click.command("push")
+@click.command("push", short_help="Upload local entries to the remote tier")
 @cache_dir_option
 @remote_option
 @click.argument("keys", nargs=-1)
@@ -221,20 +245,29 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     (unsigned, malformed, or signed with another key) is replaced: run push with the
     fleet's key to repair such records. Without a key, signed records stay as they are.
     """
-    r = _remote(remote_url)
-    if resign and r.trust.key is None:
+    levels = _levels(remote_url)
+    if resign and levels[0].trust.key is None:
         raise click.UsageError("--resign signs with CACHECOMPILE_SIGNING_KEY, which is not set")
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
+    # A chain: every level that takes writes (a mode=ro level is skipped, unless it is
+    # the only one named: then pushing is the error it is).
+    writable = [r for r in levels if not r.readonly] or levels[:1]
+    for r in writable:
+        _push_to(r, st, infos, force, resign)
+
+
+def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
+             resign: bool) -> None:
     with _progress("push", sum(i.size_bytes for i in infos)) as advance:
         # repair (push_entries' default): the operator who pushes with a key vouches
         # that it is the fleet's.
         done = push_entries(r, st, [i.key for i in infos], overwrite=force, resign=resign,
                             progress=advance,
                             on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
-    click.echo(f"pushed {done.sent} entries to {r.config.display}; {done.there} were there "
-               "already"
+    click.echo(f"{entries(*split_graphs(i.labels for i in infos))}: pushed {done.sent} to "
+               f"{r.config.display}; {done.there} were there already"
                + (f"; {done.repaired} replaced records that did not verify"
                   if done.repaired else "")
                + (f"; {done.resigned} re-signed with the current key" if done.resigned else "")
@@ -243,7 +276,7 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
                   "safely)" if done.refused else ""))
 
 
-@click.command("pull")
+@click.command("pull", short_help="Download remote entries into the local store")
 @cache_dir_option
 @remote_option
 @click.argument("keys", nargs=-1)
@@ -251,30 +284,34 @@ def push_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
 def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...],
              label: tuple[str, ...], model: str | None, function: str | None) -> None:
     """Download remote entries (verified, then published): all, or those selected."""
-    r = _remote(remote_url)
+    levels = _levels(remote_url)
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
     local.require_writable("pull entries")
-    st = TieredStore(local, r)
-    infos = [_info(rec) for rec in r.records()]
+    st = TieredStore(local, levels)  # a chain: nearest level first, nearer ones backfilled
+    infos = list({i.key: i for r in reversed(levels) for i in map(_info, r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
-                     lambda k: _resolve(k, [i.key for i in infos]))
-    got = have = failed = 0
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
+    got: list[EntryInfo] = []
+    have = failed = 0
     for i in todo:
         if isinstance(st.peek(i.key), Hit):
             have += 1
             continue
         # pull, not get: a prefetch is not a hit (cachectl stats counts it as a pull).
         if isinstance(st.pull(i.key), Hit):
-            got += 1
+            got.append(i)
         else:
             failed += 1  # cachecompile.store.tiered logged why
-    click.echo(f"pulled {got} entries from {r.config.display}; {have} were here already"
+    st.flush()  # what a chain's lower levels gave goes up to the nearer ones now
+    shown = ", ".join(r.config.display for r in levels)
+    click.echo(f"pulled {entries(*split_graphs(i.labels for i in got))} from "
+               f"{shown}; {have} were here already"
                + (f"; {failed} refused or failed" if failed else ""))
     if failed:
         raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)
 
 
-@click.command("export")
+@click.command("export", short_help="Write entries to a bundle (.tar.zst, .tar.gz, .tar)")
 @cache_dir_option
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.argument("keys", nargs=-1)
@@ -289,11 +326,13 @@ def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
         raise click.UsageError("no entries match: nothing to export")
     with _progress("export", sum(i.size_bytes for i in infos)) as advance:
         rep = export_bundle(st, out, [i.key for i in infos], progress=advance)
-    click.echo(f"exported {len(rep.entries)} entries ({human_size(rep.bytes)}) to {out} "
+    labels = {i.key: i.labels for i in infos}
+    click.echo(f"exported {entries(*split_graphs(labels.get(d, {}) for d in rep.entries))} "
+               f"({human_size(rep.bytes)}) to {out} "
                f"({human_size(Path(out).stat().st_size)} on disk) in {rep.seconds:.1f} s")
 
 
-@click.command("import")
+@click.command("import", short_help="Verify a bundle, then publish all of it (or none)")
 @cache_dir_option
 @click.argument("src", type=click.Path(dir_okay=False, exists=True))
 def import_cmd(cache_dir: str | None, src: str) -> None:
@@ -301,5 +340,7 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
     st = _local(cache_dir, create=True)  # importing into a new cache makes it
     with _progress("import", Path(src).stat().st_size) as advance:
         rep = import_bundle(st, src, progress=advance)
-    click.echo(f"imported {len(rep.entries)} entries ({human_size(rep.bytes)}) into "
-               f"{st.root}; {len(rep.skipped)} were there already")
+    found = [st.stat(d) for d in rep.entries]
+    click.echo(f"imported {entries(*split_graphs(i.labels for i in found if i is not None))} "
+               f"({human_size(rep.bytes)}) into {st.root}; {len(rep.skipped)} were there "
+               "already")

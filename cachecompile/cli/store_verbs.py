@@ -47,6 +47,7 @@ from .common import (
     read_frames,
     read_meta,
 )
+from .readable import count, demangle, entries, factor_text, fold_hooks, split_graphs
 
 if TYPE_CHECKING:
     from cachecompile.store import OpenStore
@@ -62,7 +63,7 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
 }
 
 
-@click.command("ls")
+@click.command("ls", short_help="List entries, one row each")
 @cache_dir_option
 @label_options
 @click.option("--sort", type=click.Choice(sorted(_SORTS)), default="last_used", show_default=True)
@@ -92,14 +93,21 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     if not infos:
         click.echo(f"no entries in {st.root}")
         return
+    # The count every verb gives: the user's entries, and the shared graphs apart.
+    matching = [i for i in everything if has_labels(i.labels, want)] if want else everything
+    user, shared = split_graphs(i.labels for i in matching)
+    footer = entries(user, shared) + (", the shared graphs not listed (--graphs lists them)"
+                                      if shared and not graphs else "")
     if len(infos) > RICH_MAX_ROWS:
         # rich lays out ~1,500 rows/s; a plain aligned table keeps 10,000 entries well under 1 s.
         out = _Chunked()
         for line in _plain_lines(infos, groups):   # written as made: no whole text held
             out.write(line + "\n")
+        out.write(footer + "\n")
         out.flush()
         return
     _console().print(_entries_table(infos, groups=groups))
+    click.echo(footer)
 
 
 def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
@@ -180,9 +188,9 @@ def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
               f"; what a call and its state must be ({len(shown)}); the other "
               f"{len(gs) - len(shown)} check that the code and objects the method reads are "
               "the same (--guards lists all)"))
-    for g in shown:
-        con.print("  " + escape(str(g.get("text") or g.get("expr") or g.get("kind"))),
-                  soft_wrap=True)
+    texts = [demangle(str(g.get("text") or g.get("expr") or g.get("kind"))) for g in shown]
+    for _, line in fold_hooks(texts):   # Dynamo's names as what they hold, hooks folded
+        con.print("  " + escape(line), soft_wrap=True)
 
 
 def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
@@ -210,7 +218,7 @@ def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
                                                           or g.get("kind"))), soft_wrap=True)
 
 
-@click.command("show")
+@click.command("show", short_help="Show an entry: what it serves, guards, factors")
 @cache_dir_option
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
@@ -261,7 +269,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
     for k, v in flatten(m["factors"]).items():
-        ft.add_row(escape(k), escape(json.dumps(v)))
+        ft.add_row(escape(k), escape(factor_text(k, v)))
     con.print(ft)
     fl = Table(title="files", box=None, pad_edge=False, title_justify="left")
     fl.add_column("name")
@@ -272,7 +280,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
     con.print(fl)
 
 
-@click.command("explain")
+@click.command("explain", short_help="Why two entries differ, or what one needs to serve")
 @cache_dir_option
 @click.argument("key")
 @click.argument("key2", required=False)
@@ -326,8 +334,8 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
     t.add_column(a[:12], overflow="fold")
     t.add_column(b[:12], overflow="fold")
     for n in names:
-        va = json.dumps(fa[n]) if n in fa else "(absent)"
-        vb = json.dumps(fb[n]) if n in fb else "(absent)"
+        va = factor_text(n, fa[n]) if n in fa else "(absent)"
+        vb = factor_text(n, fb[n]) if n in fb else "(absent)"
         if n in diff:
             t.add_row(Text("* " + n, style="bold red"), Text(va, style="red"), Text(vb, style="red"))
         elif show_all:
@@ -343,7 +351,7 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         g.add_column(a[:12], overflow="fold")
         g.add_column(b[:12], overflow="fold")
         for ta, tb in rows:
-            g.add_row(escape(ta), escape(tb))
+            g.add_row(escape(demangle(ta)), escape(demangle(tb)))
         con.print(g)
     if guards.renamed:
         con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
@@ -381,7 +389,7 @@ def _explain_frames(con: Console, ma: EntryMeta, mb: EntryMeta, a: str, b: str) 
                 con.print(f"    {escape(ta)}  |  {escape(tb)}", soft_wrap=True)
 
 
-@click.command("purge")
+@click.command("purge", short_help="Remove entries by key, label, age or --all")
 @cache_dir_option
 @click.argument("keys", nargs=-1)
 @label_options
@@ -412,7 +420,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if not goes:
         click.echo("nothing to purge")
         return
-    _console().print(_entries_table(goes, title=f"{len(goes)} entries, {human_size(sum(i.size_bytes for i in goes))}"))
+    _console().print(_entries_table(goes, title=f"{entries(*split_graphs(i.labels for i in goes))}, "
+                                                f"{human_size(sum(i.size_bytes for i in goes))}"))
     if dry_run:
         click.echo("dry run: nothing removed")
         return
@@ -420,7 +429,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
         click.echo("aborted")
         return
     gone = st.purge(keys=[i.key for i in goes], include_pinned=include_pinned)
-    click.echo(f"removed {len(gone)} entries ({human_size(sum(i.size_bytes for i in gone))})"
+    click.echo(f"removed {entries(*split_graphs(i.labels for i in gone))} "
+               f"({human_size(sum(i.size_bytes for i in gone))})"
                + (f"; {len(goes) - len(gone)} kept (pinned meanwhile)"
                   if len(gone) < len(goes) else ""))
 
@@ -451,7 +461,7 @@ def _open_counted(cache_dir: str | None) -> tuple[OpenStore, StoreNotFound | Non
         return open_store(root, readonly=True), e
 
 
-@click.command("stats")
+@click.command("stats", short_help="Entries, size, hits, misses by reason, evictions")
 @cache_dir_option
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
@@ -480,7 +490,9 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     if missing is not None:
         t.add_row("store", "none at this path (nothing was published here): the counts "
                            "are its read-only processes'")
-    t.add_row("entries", str(s["entries"]))
+    g = s.get("shared_graphs") or {}
+    # The count every verb gives (ls, export, verify...): "3 (+3 shared graphs)".
+    t.add_row("entries", count(s["entries"], g.get("entries", 0)))
     # Physical: content shared by entries (dedup) counts once, as it does against the cap.
     t.add_row("size", f"{human_size(s['bytes'])} of {human_size(s['cap'])} "
                       f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)"
@@ -491,6 +503,13 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
     t.add_row("  local", str(s["hits_local"]))
     t.add_row("  remote", str(s["hits_remote"]))
+    # A chain of remote levels (or one level): what each served, nearest first; levels
+    # no longer configured that served hits before are listed after them.
+    shown = [lv["remote"] for lv in s.get("levels") or []]
+    by_level = s.get("hits_remote_levels") or {}
+    for name in shown + sorted(set(by_level) - set(shown)):
+        if len(shown) > 1 or by_level.get(name):
+            t.add_row(escape(f"    {name}"), str(by_level.get(name, 0)))
     t.add_row("misses", str(total_misses))
     about = s.get("misses_about") or {}
     for kind, n in sorted(s["misses"].items()):
@@ -505,12 +524,13 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     if ro.get("hits") or ro.get("misses"):
         t.add_row("read-only processes", f"{ro['hits']} hits, {ro['misses']} misses "
                                          f"(counted above; from {s['readonly_stats_dir']})")
-    g = s.get("shared_graphs") or {}
     if g.get("entries") or g.get("hits") or g.get("misses"):
-        # Internal entries (ls --graphs): counted apart so the numbers above match ls.
-        t.add_row("shared graphs", f"{g['entries']} entries, {g['hits']} hits, "
-                                   f"{sum(g['misses'].values())} misses")
-    for k in ("publishes", "evictions", "corruptions", "quarantined"):
+        # Internal entries (ls --graphs): their lookups counted apart, so the numbers
+        # above are the user's.
+        t.add_row("shared graphs", f"{g['hits']} hits, {sum(g['misses'].values())} misses "
+                                   "(their lookups, not counted above)")
+    t.add_row("publishes", count(s["publishes"], g.get("publishes", 0)))
+    for k in ("evictions", "corruptions", "quarantined"):
         t.add_row(k, str(s[k]))
     if s.get("pulls"):
         t.add_row("pulled", f"{s['pulls']} (cachectl pull; not hits)")
@@ -519,7 +539,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
     _console().print(t)
 
 
-@click.command("gc")
+@click.command("gc", short_help="Enforce the size cap now (LRU; pinned entries stay)")
 @cache_dir_option
 @click.option("--max-size", default=None, metavar="SIZE", help="Cap for this run (e.g. 5G).")
 @click.option("--other-versions", is_flag=True,
@@ -538,13 +558,14 @@ def gc_cmd(cache_dir: str | None, max_size: str | None, other_versions: bool) ->
         click.echo(f"retired {len(gone)} entries written by other cachecompile code "
                    f"(this code: {mine}; {len(others) - len(gone)} pinned, kept)")
     r = st.gc(cap)
-    click.echo(f"evicted {len(r.evicted)} entries ({human_size(r.freed_bytes)}); "
+    click.echo(f"evicted {entries(*split_graphs(i.labels for i in r.evicted))} "
+               f"({human_size(r.freed_bytes)}); "
                f"{human_size(r.bytes_after)} of {human_size(r.max_size)} used; "
                f"{len(r.pinned_skipped)} pinned; {r.temp_swept} temp dirs and "
                f"{r.blobs_removed} unused blobs swept")
 
 
-@click.command("verify")
+@click.command("verify", short_help="Check checksums and the index (exit 1 on problems)")
 @cache_dir_option
 @click.option("--fix", is_flag=True, help="Quarantine bad entries and rebuild the index.")
 @click.option("--full", is_flag=True,
@@ -571,18 +592,17 @@ def verify_cmd(cache_dir: str | None, fix: bool, full: bool, as_json: bool) -> N
             click.echo(f"{d}  on disk but not in the index" + ("  -> reindexed" if fix else ""))
         for d in r.index_stale:
             click.echo(f"{d}  in the index but not on disk" + ("  -> reindexed" if fix else ""))
-        graphs = f" ({r.shared_graphs} of them shared graphs)" if r.shared_graphs else ""
         # Said only when some were skipped: "checked N entries: ok" stays as it was.
         same = (f", {r.unchanged} unchanged since their last full check (--full reads "
                 "them too)") if r.unchanged else ""
-        click.echo(f"checked {r.checked} entries{graphs}{same}: "
+        click.echo(f"checked {entries(r.checked - r.shared_graphs, r.shared_graphs)}{same}: "
                    + ("ok" if r.ok else f"{len(r.problems)} bad, "
                       f"{len(r.index_missing) + len(r.index_stale)} index mismatches"))
     if not r.ok:
         sys.exit(EXIT_PROBLEMS)
 
 
-@click.command("init")
+@click.command("init", short_help="Make a team store a group reads and writes")
 @cache_dir_option
 @click.option("--shared", "group", metavar="GROUP", required=True,
               help="The OS group whose members share the store.")

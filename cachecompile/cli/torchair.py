@@ -106,7 +106,7 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
-@click.command("import-torchair")
+@click.command("import-torchair", short_help="List a TorchAir cache_compile cache (read-only)")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path),
                 required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry.")

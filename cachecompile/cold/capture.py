@@ -44,6 +44,7 @@ from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
+from cachecompile.key.signature import describe_types
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
 
@@ -141,16 +142,33 @@ def frame_deps(compiles: Sequence[FrameCompile], traced: Sequence[str] = (),
     return _user_file_hashes(files + sorted(guard_capture.class_files(all_classes)))
 
 
-def graph_break_error(exc: BaseException, func: Callable[..., Any]) -> GraphBreakError:
+_BREAK_HINT = ("Hint: pass fullgraph=False to let the graph break there (every frame is "
+               "cached with its guards: docs/usage.md, \"Graph breaks\"), move the unsupported "
+               "code (print, .item(), data-dependent Python control flow, unsupported "
+               "libraries) out of the cached method, or run torch._dynamo.explain() on it "
+               "for every break.")
+_DATA_HINT = ("Hint: a size or a Python branch here depends on the values in a tensor "
+              "(.tolist(), .item(), a boolean mask, nonzero()), which one graph for every "
+              "call cannot have. Compute it outside the cached method and pass it in as a "
+              "Python int or list, or cache a smaller part that does not need it (a vision "
+              "tower's blocks rather than the tower); fullgraph=False splits the method there "
+              "instead, and caches each part.")
+
+
+def graph_break_error(exc: BaseException, func: Callable[..., Any],
+                      note: str = "") -> GraphBreakError:
     """Turn Dynamo's fullgraph failure into an error naming file, line and reason."""
     filename, lineno, reason = dynamo.graph_break_site(exc)
+    hint = _BREAK_HINT
+    if isinstance(exc, dynamo.data_dependent_errors()):
+        cause = dynamo.data_dependent_cause(exc)
+        reason = f"data-dependent: {reason}" + (f" (at {cause})" if cause else "")
+        hint = _DATA_HINT
     where = f"{filename}:{lineno}" if filename else getattr(func, "__qualname__", repr(func))
     message = (
         f"cache_compile needs {getattr(func, '__qualname__', func)} to compile as ONE graph "
         f"(fullgraph), but Dynamo broke the graph at {where}: {reason}\n"
-        "Hint: move the unsupported code (print, .item(), data-dependent Python control "
-        "flow, unsupported libraries) out of the cached method, or run "
-        "torch._dynamo.explain() on it for every break."
+        f"{note}{hint}"
     )
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
 
@@ -355,6 +373,17 @@ class _FrameCapture:
         return run
 
 
+def _with_note(exc: BaseException, note: str) -> BaseException:
+    """``exc`` with ``note`` shown under its message (PEP 678; kept as ``__notes__`` on
+    Python 3.10, whose tracebacks do not print it)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    return exc
+
+
 class TraceSession(_FrameCapture):
     """One signature of one cached method, compiled live by Dynamo.
 
@@ -547,8 +576,19 @@ class TraceSession(_FrameCapture):
             self._state = guard_capture.state_snapshot()
             self._in_first_call = True
         try:
-            return self._live(*args, **kwargs)
-        except dynamo.graph_break_errors() as e:
+            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
+                if first and self._capture:
+                    with dynamo.unguarded_reads_recorded():
+                        return self._live(*args, **kwargs)
+                return self._live(*args, **kwargs)
+        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
+            note = ""
+            if dynamo.is_input_error(e):
+                self._raise_eager_error(args, kwargs)
+                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
+                        "cannot trace, not an error in them; it ran once to check.)\n")
+            raise graph_break_error(e, self._orig, note) from None
+        except dynamo.data_dependent_errors() as e:
             raise graph_break_error(e, self._orig) from None
         except dynamo.recompile_limit_errors():
             # A value Dynamo guards changed on every call, each a new compile, up to its
@@ -571,6 +611,25 @@ class TraceSession(_FrameCapture):
                                                 self._guard_classes)
             elif self._late and self.on_frames is not None:
                 self.on_frames(self.take_late())
+
+    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An operator failed on the call's fake tensors: run the method uncompiled on the
+        same inputs (under no_grad, as the cached call) and raise what it raises, the
+        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
+        the call's argument types noted. Dynamo failed while tracing, before anything
+        ran, so this run is the one the call makes: its effects are what an uncompiled
+        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
+        try:
+            with torch.no_grad():
+                self._orig(*args, **kwargs)
+        except Exception as eager:
+            qualname = getattr(self._orig, "__qualname__", "the method")
+            names = [p.name for p in inspect.signature(self._orig).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            call = describe_types(args, kwargs, names)
+            raise _with_note(eager, (
+                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
+                "do not fit the method. Nothing was compiled or cached.")) from None
 
     def last_guard_failure(self) -> str | None:
         """Why Dynamo last recompiled this session's code (the guard that failed), if known."""

@@ -28,6 +28,7 @@ import torch
 
 from cachecompile._torch import dynamo, runtime
 from cachecompile._torch.dynamo import GuardEntry
+from cachecompile._types import JSON
 from cachecompile.entry import guard_kinds, values
 from cachecompile.entry import guards as g
 from cachecompile.errors import UnsupportedProgramError
@@ -35,7 +36,6 @@ from cachecompile.key import identity as idn
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 
 # Covered by the one GLOBAL_STATE snapshot (Dynamo checks them through it too).
 _IN_GLOBAL_STATE = {"GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "FSDP_TRAINING_STATE"}

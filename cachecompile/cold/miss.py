@@ -44,6 +44,7 @@ from cachecompile.errors import (
 )
 from cachecompile.key import deps as deps_mod
 from cachecompile.key.frame import FrameKeys
+from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
@@ -179,7 +180,7 @@ class MissPath:
             # A graph break compiles several graphs per call: each rank compiles its own.
             if not st.readonly and self._spec.adapter.shares_graphs and self._spec.fullgraph:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
-                                        who, model=type(self._method.__self__).__qualname__)
+                                        who, model=model_label(self._method.__self__))
                 held.callback(share.finish)
             session = TraceSession(self._method, self._spec, share=share, phases=phases)
             session.on_recompile_limit = self._on_recompile_limit
@@ -294,7 +295,7 @@ class MissPath:
         spec = self._spec
         ranks = spec.ranks
         labels = {
-            "model": type(self._method.__self__).__qualname__,
+            "model": model_label(self._method.__self__),
             "dynamic": str(spec.dynamic).lower(),
             "signature": signature,
             "ranks": ranks.label(),

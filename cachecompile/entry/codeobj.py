@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from cachecompile._torch import runtime
+from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.files import CONST_PREFIX
 from cachecompile.errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 
 # A string no source code produces by accident: NUL bytes, a fixed prefix, an index.
 _PREFIX = CONST_PREFIX

@@ -30,12 +30,11 @@ import torch
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
 from cachecompile._torch.dynamo import GuardEntry
+from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.guard_paths import LEAVES, NO_GLOBAL, UNSET_ENV
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import class_digest, identity, qualified_name
-
-JSON = Any
 
 
 class Source(Protocol):
@@ -663,7 +662,8 @@ def _capture_keys(c: Capture, e: GuardEntry) -> None:
 
 def _capture_hasattr(c: Capture, e: GuardEntry) -> None:
     attr = c.attr_of(e)
-    present = hasattr(c.value(e), attr)
+    known = e.keyword("present")          # a release whose entry names the attribute
+    present = bool(known) if isinstance(known, bool) else hasattr(c.value(e), attr)
     c.add("hasattr", e.expr, {"attr": attr, "present": present},
           f"{c.text(e.expr)} {'has' if present else 'has no'} attribute {attr!r}")
 

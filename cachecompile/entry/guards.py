@@ -47,14 +47,15 @@ import torch
 import xxhash
 
 from cachecompile._torch import runtime
+from cachecompile._types import JSON
 from cachecompile.entry import codeobj, values
 from cachecompile.entry.guard_kinds import KINDS, TABLE, TypeRef
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import qualified_name, type_value
+from cachecompile.store import settings
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 GuardDict = dict[str, JSON]
 
 class GuardMode(enum.Enum):
@@ -68,13 +69,8 @@ class GuardMode(enum.Enum):
 
     @classmethod
     def from_env(cls) -> GuardMode:
-        """``$CACHECOMPILE_GUARDS``, or ALWAYS; an unknown value is logged and ignored."""
-        raw = os.environ.get("CACHECOMPILE_GUARDS", "always").strip().lower() or "always"
-        try:
-            return cls(raw)
-        except ValueError:
-            logger.warning("ignoring CACHECOMPILE_GUARDS=%r (use always or first)", raw)
-            return cls.ALWAYS
+        """``$CACHECOMPILE_GUARDS``, or ALWAYS; an unknown value warns (settings.py)."""
+        return cls(settings.GUARDS.get())
 
 
 LOCAL_RE = re.compile(r"\bL\[['\"]([A-Za-z_]\w*)['\"]\]")
@@ -122,6 +118,7 @@ _EXPR_HELPERS: dict[str, Any] = {
     "___namedtuple_fields": lambda x: x._fields,
     "___dataclass_fields": dataclasses.fields,
     "__math_isnan": math.isnan,
+    "___as_tensor": runtime.as_tensor_fullprec,
     # Whether an environment variable is set (guard_capture: variables read while unset).
     "___environ_has": lambda name: name in os.environ,
     "___environ_get": lambda name: os.environ.get(name),

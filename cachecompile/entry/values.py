@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
+from cachecompile._types import JSON
 from cachecompile.errors import UnsupportedProgramError
-
-JSON = Any
 
 _TORCH_SINGLETONS = (torch.dtype, torch.layout, torch.memory_format)
 

@@ -18,20 +18,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import platform
 from collections.abc import Sequence
 from typing import Any
 
 from cachecompile.errors import CpuTargetError
+from cachecompile.store import settings
 
 logger = logging.getLogger(__name__)
 
-ENV = "CACHECOMPILE_CPU_TARGET"
+ENV = settings.CPU_TARGET.name
 # Test-only: the CPU flags the target check reads instead of /proc/cpuinfo's, so a test
 # can be a CPU that lacks a level. Never set it in production: a process told its CPU has
 # flags it lacks loads kernels that die of SIGILL.
-TEST_FLAGS_ENV = "CACHECOMPILE_TEST_CPU_FLAGS"
+TEST_FLAGS_ENV = settings.TEST_CPU_FLAGS.name
 
 NATIVE = "native"
 AUTO = "auto"
@@ -92,7 +92,7 @@ def native_identity() -> dict[str, Any]:
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's flags as /proc/cpuinfo lists them (or the test-only override)."""
-    fake = os.environ.get(TEST_FLAGS_ENV)
+    fake = settings.TEST_CPU_FLAGS.raw()
     if fake is not None:
         _warn_fake(fake)
         return frozenset(fake.split())
@@ -180,8 +180,16 @@ def plan(candidates: Sequence[str], flags: frozenset[str] | None = None,
 
 
 def from_env() -> Plan:
-    """The plan ``CACHECOMPILE_CPU_TARGET`` asks for on this CPU."""
-    return plan(parse(os.environ.get(ENV)))
+    """The plan ``CACHECOMPILE_CPU_TARGET`` asks for on this CPU. An unknown name warns
+    once, naming the variable, and plans ``native`` (kernels for this CPU, keyed by its
+    model and flags: never loaded where they cannot run); ``cachectl build`` refuses it."""
+    raw = settings.CPU_TARGET.get()
+    try:
+        candidates = parse(raw)
+    except CpuTargetError as e:
+        settings.CPU_TARGET.invalid(raw, str(e))
+        candidates = (NATIVE,)
+    return plan(candidates)
 
 
 def require(target: str) -> Level | None:

@@ -20,13 +20,13 @@ import xxhash
 
 from cachecompile._torch import runtime
 from cachecompile._torch import versions as torch_versions
+from cachecompile._types import JSON
 from cachecompile._version import ENTRY_FORMAT, __version__, code_digest
 from cachecompile.key import identity, passes
 from cachecompile.key.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 _PLAIN = (bool, int, float, str, type(None))
 
 

@@ -20,8 +20,7 @@ import torch
 import xxhash
 
 from cachecompile._torch import runtime
-
-JSON = Any
+from cachecompile._types import JSON
 
 _code_digests: dict[int, tuple[types.CodeType, str]] = {}
 
@@ -231,3 +230,10 @@ def _cell_full(cell: types.CellType) -> bool:
         return False
     return True
 
+
+def model_label(module: Any) -> str:
+    """What ``cachectl ls`` shows as an entry's model (its ``model`` label): the module's
+    class, or what the class says it is (``cachecompile_label``: a plain function's holder
+    names the function's Python module)."""
+    own = getattr(type(module), "cachecompile_label", None)
+    return own(module) if callable(own) else type(module).__qualname__

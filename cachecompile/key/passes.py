@@ -39,12 +39,12 @@ import torch
 import xxhash
 
 from cachecompile._torch import passes as torch_passes
+from cachecompile._types import JSON
 from cachecompile.errors import ContractError, UnidentifiedPassError
 from cachecompile.key import identity
 
 logger = logging.getLogger(__name__)
 
-JSON = Any
 
 # Inductor's config options that hold user passes (torch._inductor.config), in the order
 # Inductor runs them. Each takes one pass or a list of passes.

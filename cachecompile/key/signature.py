@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from cachecompile._torch import runtime
+from cachecompile.key.sigtext import _describe_one, describe  # noqa: F401 (re-exported: callers import it from here)
 
 Signature = tuple[Any, ...]
 
@@ -165,50 +166,19 @@ def requires_grad(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     return False
 
 
-def describe(sig: Signature) -> str:
-    """A short human-readable rendering, for labels and log lines."""
-    parts: list[str] = []
-    for item in sig:
-        if isinstance(item, tuple) and item and item[0] == "kw":
-            parts.extend(f"{k}={_describe_one(v)}" for k, v in item[1:])
-        else:
-            parts.append(_describe_one(item))
+def describe_types(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   names: Sequence[str] = ()) -> str:
+    """A call's arguments by type, named where ``names`` (the parameters) say: ``x:
+    float32[4,15]@cpu, n: int``, ``x: str`` (for an error message about the call)."""
+
+    def one(v: Any) -> str:
+        if isinstance(v, _Tensor):
+            return _describe_one(_tensor_sig(v, False))
+        return type(v).__qualname__
+
+    parts = [f"{names[i]}: {one(a)}" if i < len(names) else one(a) for i, a in enumerate(args)]
+    parts += [f"{k}: {one(v)}" for k, v in kwargs.items()]
     return ", ".join(parts)
-
-
-def _describe_one(v: Any) -> str:
-    if isinstance(v, tuple) and v and v[0] == "T":
-        _, dtype, device, sizes, layout, _inf, cls = v[:7]
-        dims = ",".join("n" if s == -1 else str(s) for s in sizes)
-        if isinstance(layout, (tuple, list)):
-            extra = " strides[" + ",".join(str(s) for s in layout) + "]"
-        else:
-            extra = "" if layout else " strided"
-        extra += f" {cls.rsplit('.', 1)[-1]}" if cls else ""
-        if len(v) > 7:
-            extra += " marked " + ",".join(f"{label}{list(val) if isinstance(val, tuple) else val}"
-                                           for label, val in v[7])
-        return f"{str(dtype).replace('torch.', '')}[{dims}]@{device}{extra}"
-    if isinstance(v, tuple) and v and v[0] in ("nt", "dc") and len(v) == 3:
-        name = v[1].rsplit(".", 1)[-1]
-        if v[0] == "nt":
-            return f"{name}(" + ", ".join(_describe_one(x) for x in v[2]) + ")"
-        return f"{name}(" + ", ".join(f"{k}={_describe_one(x)}" for k, x in v[2]) + ")"
-    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
-        kind, val = v
-        if kind in ("list", "tuple"):
-            inner = ", ".join(_describe_one(x) for x in val)
-            return f"[{inner}]" if kind == "list" else f"({inner})"
-        if kind == "dict":
-            return "{" + ", ".join(f"{k!r}: {_describe_one(x)}" for k, x in val) + "}"
-        if kind == "obj":
-            return str(val).rsplit(".", 1)[-1]
-        if kind == "int" and val == -1:
-            return "int"
-        if kind == "float" and val is None:
-            return "float"
-        return repr(val)
-    return repr(v)
 
 
 def varying(old: list[Signature], new: Signature, names: tuple[str, ...] = ()) -> str:

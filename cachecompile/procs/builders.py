@@ -40,10 +40,9 @@ from cachecompile.errors import BuildError, ContractError
 from cachecompile.key import cpu
 from cachecompile.key.shards import Shard, without_launcher
 from cachecompile.procs.slots import default_slots
-from cachecompile.store import open_store
-from cachecompile.store.config import env_float
+from cachecompile.store import open_store, settings
 from cachecompile.store.errors import StoreNotFound
-from cachecompile.store.remote import open_remote
+from cachecompile.store.remote import open_levels
 from cachecompile.store.remote.push import Pushed, push_entries
 
 logger = logging.getLogger(__name__)
@@ -165,7 +164,7 @@ class _Worker:
 
 
 # How long a worker whose input is closed may take to exit: its uploads' flush, plus a margin.
-_EXIT_GRACE = env_float("CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", 5.0) + 10.0
+_EXIT_GRACE = settings.REMOTE_FLUSH_TIMEOUT.get() + 10.0
 
 
 def _worker_env(n: int, cache_dir: str | None, shard: Shard | None,
@@ -173,7 +172,7 @@ def _worker_env(n: int, cache_dir: str | None, shard: Shard | None,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if cache_dir is not None:
-        env["CACHECOMPILE_DIR"] = str(Path(cache_dir).resolve())
+        env[settings.DIR.name] = str(Path(cache_dir).resolve())
     if cpu_target is not None:
         # The workers' cache_compile builds for it and keys by it (key.cpu); a listing
         # worker's keys are then that target's keys, which build --check asks for.
@@ -329,13 +328,19 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
     A signature is there when the tier holds its first entry (variant 0); nothing is
     loaded, so no guard is checked (``cachectl build`` does that, and says ``present``)."""
     tasks = list_factory(spec, cache_dir=cache_dir, shard=shard, cpu_target=cpu_target)
-    url = os.environ.get("CACHECOMPILE_REMOTE", "")
+    url = settings.REMOTE.get()
     has: Callable[[str], bool]
     if url:
-        remote = open_remote(url)
-        remote.breaker.quiet = True  # a failure is the check's error, not a warning too
-        remote.ping()
-        tier, has = remote.config.display, remote.contains
+        # A chain of levels: a signature is there if any level has it (a serving node
+        # looks in each in turn).
+        levels = open_levels(url)
+        for remote in levels:
+            remote.breaker.quiet = True  # a failure is the check's error, not a warning too
+            remote.ping()
+        tier = ", ".join(r.config.display for r in levels)
+
+        def has(digest: str) -> bool:
+            return any(r.contains(digest) for r in levels)
     else:
         try:
             local = open_store(cache_dir, remote="", create=False).maintenance()
@@ -361,17 +366,22 @@ def push_results(results: Sequence[BuildResult], *,
     process, waiting for each (an entry there already costs one read), through the loop
     ``cachectl push`` runs (:func:`cachecompile.store.remote.push.push_entries`): a
     record the remote kept rather than take ours is counted apart, as refused."""
-    url = os.environ.get("CACHECOMPILE_REMOTE", "")
+    url = settings.REMOTE.get()
     digests = list(dict.fromkeys(d for r in results if r.ok for d in r.entries))
     if not url:
         return None
-    remote = open_remote(url)
-    if remote.readonly:
+    # A chain: every writable level gets them; what is reported is the farthest level's
+    # (the fleet-wide one, as a rule), the nearer ones are filled first.
+    writable = [r for r in open_levels(url) if not r.readonly]
+    if not writable:
         return None
-    remote.breaker.quiet = True
+    for remote in writable:
+        remote.breaker.quiet = True
     if not digests:
-        return Pushed(remote.config.display)
+        return Pushed(writable[-1].config.display)
     local = open_store(cache_dir, remote="", create=False).maintenance()
     # repair (the default), as `cachectl push` does: a builder with the fleet's key
     # replaces a record that does not verify under it (nodes would refuse that one).
-    return push_entries(remote, local, digests, keep_going=True)
+    for remote in writable[:-1]:
+        push_entries(remote, local, digests, keep_going=True)
+    return push_entries(writable[-1], local, digests, keep_going=True)

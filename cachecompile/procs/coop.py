@@ -33,21 +33,20 @@ from cachecompile.entry import writer
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.procs.poll import poll
 from cachecompile.procs.slots import default_slots
-from cachecompile.store import Hit, Key, make_key
-from cachecompile.store.config import env_float
+from cachecompile.store import Hit, Key, make_key, settings
 from cachecompile.store.errors import LockTimeout, StoreError
 from cachecompile.store.index import GRAPH_SCOPE
 from cachecompile.store.protocol import LocalStorage, Locking
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 900.0
+DEFAULT_TIMEOUT = settings.LOCK_TIMEOUT.default
 _POLL = 0.2
 _REPORT_EVERY = 30.0
 
 
 def lock_timeout() -> float:
-    return env_float("CACHECOMPILE_LOCK_TIMEOUT", DEFAULT_TIMEOUT)
+    return settings.LOCK_TIMEOUT.get()
 
 
 def _owner_path(lock_path: Path) -> Path:

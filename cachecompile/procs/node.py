@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from cachecompile.errors import RankConfigError
 from cachecompile.key.ranks import env_int
 from cachecompile.procs.poll import poll
+from cachecompile.store.fsutil import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +159,7 @@ def _alive(info: dict[str, Any]) -> bool:
     pid = info.get("pid")
     if not isinstance(pid, int) or info.get("pidns", "") != _pid_namespace():
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def prepare_node(cache_dir: str | os.PathLike[str] | None = None, *,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from cachecompile.store.config import env_int
+from cachecompile.store import settings
 
 
 def default_slots() -> int:
     """Compiles allowed at once on this node: ``CACHECOMPILE_COMPILE_SLOTS`` or cores / 2."""
-    n = env_int("CACHECOMPILE_COMPILE_SLOTS", lenient=True)
+    n = settings.COMPILE_SLOTS.get()
     return max(1, n if n is not None else (os.cpu_count() or 2) // 2)

@@ -27,6 +27,7 @@ from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError, fault
 from cachecompile.key import deps as deps_mod
 from cachecompile.key import passes as passes_mod
+from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
@@ -163,7 +164,7 @@ class Lookup:
                 out.free = i if out.free is None else out.free
                 return out
             except _Vacated as v:
-                # Quarantined by the store just now (it warned once): refill this index.
+                # Quarantined by the store just now (warned above): refill this index.
                 out.free = i if out.free is None else out.free
                 out.first(str(v))
                 continue
@@ -212,6 +213,9 @@ class Lookup:
         if outcome.kind == "absent":
             raise _Absent()
         if outcome.kind in ("corrupt", "insecure"):
+            # Quarantined by the store just now: the user hears of it once, as promised.
+            fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}; it is quarantined "
+                  "and compiled again")
             raise _Vacated(outcome.kind)
         fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
         return None
@@ -310,7 +314,7 @@ class Lookup:
         Where the signature differs, both are shown: a stride, a size, an int's value."""
         try:
             near = nearest_entry(st, key.factors,
-                                 {"model": type(self._module).__qualname__,
+                                 {"model": model_label(self._module),
                                   "function": self._method.__name__},
                                  limit=NEAREST_CANDIDATES)
             theirs = (str(st.manifest(near.key)["labels"].get("signature", "?"))

@@ -6,12 +6,16 @@
              URL), the breaker, and BlobRemote: the one upload / download flow
     redis    RedisRemote: records, chunked blobs and pins as Redis keys
     s3       S3Remote: records, blobs and pins as objects in an S3-compatible bucket
+    file     FileRemote: records, blobs and pins as files in a shared directory (NFS...)
+    http     HttpRemote: records and blobs under /ac/ and /cas/ of an HTTP cache
 
 Each server's class parses its own URL (``parse_url``) and registers its schemes
 (``@register``); :func:`open_remote` picks one by the URL's scheme through that registry.
 Importing this package imports every server's module, which fills the registry: a new
 server is one module here and one import line below. Neither client library is imported
-until the first call that needs the network.
+until the first call that needs the network. ``CACHECOMPILE_REMOTE`` may name a chain of
+levels, nearest first (``file:///mnt/cc,s3://bucket/p``): :func:`open_levels` opens each,
+and the tiered store (cachecompile.store.tiered) chains them.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ from .base import (
     Remote,
     RemoteConfig,
     Uploaded,
+    open_levels,
     open_remote,
     redact,
+    split_levels,
 )
+from .file import FileRemote
+from .http import HttpRemote
 from .redis import RedisRemote
 from .s3 import S3Remote
 
-__all__ = ["Breaker", "RecordState", "RedisRemote", "Remote", "RemoteConfig", "S3Remote",
-           "Uploaded", "open_remote", "redact"]
+__all__ = ["Breaker", "FileRemote", "HttpRemote", "RecordState", "RedisRemote", "Remote",
+           "RemoteConfig", "S3Remote", "Uploaded", "open_levels", "open_remote", "redact",
+           "split_levels"]

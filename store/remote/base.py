@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
-from .. import errors
+from .. import errors, settings
 from ..config import parse_size
 from ..outcomes import Entry
 from ..signing import Record, Trust, make_record, parse_record, sha256_file
@@ -40,7 +40,8 @@ from ..signing import Record, Trust, make_record, parse_record, sha256_file
 logger = logging.getLogger(__name__)
 
 __all__ = ["BlobRemote", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
-           "may_replace", "open_remote", "record_state", "redact", "register"]
+           "call_with_deadline", "may_replace", "open_levels", "open_remote", "record_state",
+           "redact", "register", "split_levels"]
 
 MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
@@ -57,6 +58,7 @@ _OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
 # before anything here parses a URL.
 _REMOTES: dict[str, type[BlobRemote]] = {}
 R = TypeVar("R", bound="BlobRemote")
+T = TypeVar("T")
 
 # What a remote record is, as this node sees it: "ours" verifies under our signing key;
 # "trusted" under one of our other verify keys (an old key, while it is rotated out);
@@ -86,7 +88,7 @@ _QUERY_SECRET = re.compile(r"[?&]password=", re.IGNORECASE)
 # A user name shown as it is: plain ones only (a "user" that is really a password, or
 # that holds part of one, is masked with the password).
 _PLAIN_USER = re.compile(r"[A-Za-z0-9._-]{1,64}")
-PASSWORD_VARS = ("CACHECOMPILE_REMOTE_PASSWORD", "CACHECOMPILE_REMOTE_PASSWORD_FILE")
+PASSWORD_VARS = (settings.REMOTE_PASSWORD.name, settings.REMOTE_PASSWORD_FILE.name)
 
 
 def redact(url: str) -> str:
@@ -151,8 +153,8 @@ def _scrub(text: str, url: str) -> str:
 def _password_from_env(env: Mapping[str, str]) -> str | None:
     """``CACHECOMPILE_REMOTE_PASSWORD``, or the first line of the file
     ``CACHECOMPILE_REMOTE_PASSWORD_FILE`` names (a mounted secret); not both."""
-    value = env.get(PASSWORD_VARS[0]) or None
-    path = env.get(PASSWORD_VARS[1]) or None
+    value = settings.REMOTE_PASSWORD.get(env) or None
+    path = settings.REMOTE_PASSWORD_FILE.get(env) or None
     if value is not None and path is not None:
         raise errors.RemoteConfigError(f"both {PASSWORD_VARS[0]} and {PASSWORD_VARS[1]} are "
                                        "set: keep one")
@@ -245,7 +247,7 @@ class RemoteConfig:
         if from_env is not None:
             if remote.credentials_elsewhere:
                 raise errors.RemoteConfigError(
-                    f"{' / '.join(PASSWORD_VARS)} is for Redis; "
+                    f"{' / '.join(PASSWORD_VARS)} is for Redis and HTTP caches; "
                     f"{remote.credentials_elsewhere}: unset it")
             if password is not None:
                 raise errors.RemoteConfigError(
@@ -653,12 +655,45 @@ class BlobRemote:
                                                        f"({n} of {size} bytes)")
         return rec
 
+    def referenced_blobs(self) -> set[str]:
+        """The SHA-256 of every blob a parsable record references (what a sweep keeps)."""
+        return {s for rec in self.records() for s in rec.sha256.values()}
+
+    def records(self) -> Iterator[Record]:
+        raise NotImplementedError
+
     def _kept(self, digest: str, found: RecordState) -> None:
         if found == "foreign":
             logger.info("not replacing remote entry %s: it is signed, and not with %s",
                         digest, "our key" if self.trust.key else "a key we have")
         else:
             logger.debug("remote has %s already (%s)", digest, found)
+
+
+def call_with_deadline(fn: Callable[[], T], seconds: float, what: str, why: str = "") -> T:
+    """``fn()``, given up on after ``seconds``: a RemoteError then, while ``fn`` runs on
+    (or stays stuck: a hung mount, a server that accepts and never answers) in a daemon
+    thread. A thread per call, not an executor: uploads run at interpreter exit (the
+    uploader's flush), when executors refuse new work."""
+    box: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # handed to the caller as raised
+            box.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="cc-remote-call", daemon=True).start()
+    if not done.wait(seconds):
+        raise errors.RemoteError(f"remote cache {what}: no answer in {seconds:.0f} s"
+                                 + (f" ({why})" if why else ""))
+    ok, value = box[0]
+    if ok:
+        return cast(T, value)
+    raise value
 
 
 def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:
@@ -681,8 +716,37 @@ def register(cls: type[R]) -> type[R]:
     return cls
 
 
+# Where one level's URL ends and the next begins in a chain: a comma before a scheme. A
+# comma elsewhere (in a password, a query value) stays in its URL.
+_NEXT_LEVEL = re.compile(r",\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def split_levels(url: str) -> list[str]:
+    """The levels of ``CACHECOMPILE_REMOTE="file:///mnt/cc,s3://bucket/p"``, nearest
+    first (one URL is a chain of one)."""
+    return [u.strip() for u in _NEXT_LEVEL.split(url.strip()) if u.strip()]
+
+
+def open_levels(url: str, trust: Trust | None = None) -> list[Remote]:
+    """Every level of a chain, nearest first (RemoteConfigError names the level that is
+    malformed); no network yet."""
+    levels = split_levels(url)
+    if not levels:
+        raise errors.RemoteConfigError("CACHECOMPILE_REMOTE or --remote names no remote")
+    shown = [RemoteConfig.parse(u).display for u in levels]
+    if len(set(shown)) != len(shown):
+        raise errors.RemoteConfigError(f"remote chain {', '.join(shown)}: a level is named "
+                                       "twice")
+    return [open_remote(u, trust) for u in levels]
+
+
 def open_remote(url: str | RemoteConfig, trust: Trust | None = None) -> Remote:
-    """The remote a URL names (RemoteConfigError if it is malformed); no network yet."""
+    """The remote a URL names (RemoteConfigError if it is malformed, or a chain of
+    several levels: :func:`open_levels` opens those); no network yet."""
+    if isinstance(url, str) and len(split_levels(url)) > 1:
+        raise errors.RemoteConfigError(
+            f"remote {redact(url)} is a chain of {len(split_levels(url))} levels; name one "
+            "level here (--remote URL)")
     config = RemoteConfig.parse(url) if isinstance(url, str) else url
     # A registered class is a server's: BlobRemote plus the rest of Remote (ping...).
     return cast(Remote, config.remote(config, trust))

@@ -59,7 +59,14 @@ from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Record, Trust
-from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
+from .base import (
+    BlobRemote,
+    RemoteConfig,
+    call_with_deadline,
+    parse_records,
+    refuse_readonly,
+    register,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -203,29 +210,10 @@ class S3Remote(BlobRemote):
     def _run(self, fn: Callable[[], Any], bounded: bool) -> Any:
         if not bounded:
             return fn()
-        # A daemon thread per call, not an executor: uploads run at interpreter exit (the
-        # uploader's flush), when executors refuse new work.
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # handed to the caller as raised
-                box.append((False, e))
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name="cc-s3-call", daemon=True).start()
-        if not done.wait(self.deadline):
-            raise errors.RemoteError(
-                f"remote cache {self.config.display}: no answer in {self.deadline:.0f} s "
-                "(the endpoint, or the credentials' metadata service when no AWS keys are "
-                "set, accepts and does not answer)")
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
+        return call_with_deadline(
+            fn, self.deadline, self.config.display,
+            "the endpoint, or the credentials' metadata service when no AWS keys are set, "
+            "accepts and does not answer")
 
     def _check_bucket(self, ob: Any) -> None:
         """Raise obstore's NotFound (NoSuchBucket) if the bucket is missing. A GET of an

@@ -124,7 +124,7 @@ def test_unsupported_torch_release_runs_plain_torch_compile(tmp_path: Path, back
     box = Sandbox(tmp_path)
     out = _run(box, 'import torch\ntorch.__version__ = "2.99.0"', backend)
     _, message = _assert_plain(out, box)
-    assert message == ("cachecompile is tested on torch 2.13-2.15; "
+    assert message == ("cachecompile is tested on torch 2.11-2.15; "
                        "torch 2.99 runs as plain torch.compile"), message
 
 
@@ -155,15 +155,16 @@ def test_probe_names_what_is_missing() -> None:
 
 
 @pytest.mark.parametrize("version, supported", [
-    ("2.13.0+cpu", True), ("2.14.1+cu128", True), ("2.15.0a0+git1234abc", True),
-    ("2.12.1", False), ("2.16.0", False), ("3.0.0", False), ("not a version", False),
+    ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", True), ("2.14.1+cu128", True),
+    ("2.15.0a0+git1234abc", True), ("2.10.0", False), ("2.16.0", False), ("3.0.0", False),
+    ("not a version", False),
 ])
 def test_version_gate(monkeypatch: pytest.MonkeyPatch, version: str, supported: bool) -> None:
     monkeypatch.setattr(torch, "__version__", version)
     why = versions.unsupported()
     assert (why is None) is supported, why
     if not supported:
-        assert why is not None and "tested on torch 2.13-2.15" in why
+        assert why is not None and "tested on torch 2.11-2.15" in why
         assert _torch.probe() == why
 
 

@@ -18,12 +18,12 @@ import pytest
 from click.testing import CliRunner
 
 from cachecompile import backends
-from cachecompile.backends import torchair as torchair_adapter
+from cachecompile.backends.torchair_machine import unavailable_reason
 from cachecompile.cli.main import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(torchair_adapter.unavailable_reason() is None,
+pytestmark = pytest.mark.skipif(unavailable_reason() is None,
                                 reason="torchair imports here; tests_npu/ covers it")
 
 

@@ -11,8 +11,9 @@ import torch
 from click.testing import CliRunner
 from tiny import Small
 
-from cachecompile import IgnoredArgumentWarning, cache_compile, store
-from cachecompile.api import _torchair_default_dir
+from cachecompile import IgnoredArgumentWarning, backends, cache_compile, store
+from cachecompile.backends.base import capability
+from cachecompile.backends.torchair import ADAPTER as TORCHAIR
 from cachecompile.cli.main import cli
 
 
@@ -40,15 +41,19 @@ def test_non_method_is_a_value_error_too() -> None:
 
 
 def test_torchair_default_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The adapter's capability (cache_compile asks it when no cache_dir is given).
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CACHECOMPILE_DIR", raising=False)
     monkeypatch.delenv("TORCHAIR_CACHE_HOME", raising=False)
-    assert _torchair_default_dir() == str(tmp_path / ".torchair_cache")
+    assert TORCHAIR.default_cache_dir() == str(tmp_path / ".torchair_cache")
     monkeypatch.setenv("TORCHAIR_CACHE_HOME", str(tmp_path / "ta"))
-    assert _torchair_default_dir() == str(tmp_path / "ta")
+    assert TORCHAIR.default_cache_dir() == str(tmp_path / "ta")
     # cachecompile's own variable, when set, still wins.
     monkeypatch.setenv("CACHECOMPILE_DIR", str(tmp_path / "cc"))
-    assert _torchair_default_dir() is None
+    assert TORCHAIR.default_cache_dir() is None
+    # Every other backend keeps cachecompile's default: the protocol's, None.
+    for name in ("inductor", "aot_eager"):
+        assert capability(backends.get(name), "default_cache_dir")() is None
 
 
 def test_cachectl_program_prints_guards_bytecode_and_program(tmp_path: Path) -> None:

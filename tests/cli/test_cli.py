@@ -374,13 +374,15 @@ def test_stats_count_what_ls_lists(tmp_path: Path, child_env: dict[str, str]) ->
     s = json.loads(cachectl(child_env, "stats", "--json", "--cache-dir", d).stdout)
     assert s["entries"] == len(rows) == 1
     assert (s["hits"], s["misses"]) == (1, {"absent": 1})
-    assert s["shared_graphs"] == {"entries": 1, "hits": 2, "misses": {"absent": 1}}
+    assert s["shared_graphs"] == {"entries": 1, "hits": 2, "misses": {"absent": 1},
+                                  "publishes": 1}
+    assert s["publishes"] == 1  # the user's (issue 51: one counting rule)
     assert s["bytes"] == len(b"user") + len(b"graph")  # disk use and the cap: everything
     p = cachectl(child_env, "stats", "--cache-dir", d)
     assert p.returncode == 0 and "50.0%" in p.stdout and "shared graphs" in p.stdout
     # verify checks every entry, and says how many of them ls does not list.
     p = cachectl(child_env, "verify", "--cache-dir", d)
-    assert p.returncode == 0 and "checked 2 entries (1 of them shared graphs): ok" in p.stdout
+    assert p.returncode == 0 and "checked 1 entry (+1 shared graph): ok" in p.stdout
 
 
 def test_purge_keeps_pinned_entries(cache: Store, child_env: dict[str, str]) -> None:
@@ -394,7 +396,7 @@ def test_purge_keeps_pinned_entries(cache: Store, child_env: dict[str, str]) -> 
     p = cachectl(child_env, "purge", "--all", "--dry-run", "--cache-dir", d)
     assert "nothing to purge" in p.stdout and "kept 1 pinned" in p.stdout
     p = cachectl(child_env, "purge", "--all", "--yes", "--include-pinned", "--cache-dir", d)
-    assert p.returncode == 0 and "removed 1 entries" in p.stdout
+    assert p.returncode == 0 and "removed 1 entry" in p.stdout
     assert list(cache.digests()) == []
     pin.release()
 

@@ -236,11 +236,6 @@ def fn(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
-    return tmp_path / "cc"
-
 
 def test_module_form_is_like_optimized_module(cache_dir: Path) -> None:
     m = Tiny().eval()

@@ -36,11 +36,6 @@ class Rows(nn.Module):
         return h, h.sum(-1)
 
 
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
-    return tmp_path / "cc"
-
 
 def _signatures(cache_dir: Path, function: str) -> list[str]:
     st = store.open_store(cache_dir)

@@ -84,7 +84,9 @@ def _decomp(d: Path) -> str:
 
 def _version(d: Path) -> str:
     real = torch.__version__
-    torch.__version__ = "2.13.0+other"  # type: ignore[assignment]
+    # Another build of the same release: the release's side-by-side branches in _torch/
+    # (which read torch.__version__) keep to the torch that is really here.
+    torch.__version__ = real.split("+")[0] + "+other"  # type: ignore[assignment]
     try:
         return _call(d, seeded(), X)
     finally:

@@ -14,12 +14,6 @@ from cachecompile import cache_compile, store
 from cachecompile.key.signature import describe, signature
 
 
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.delenv("CACHECOMPILE_DISABLE", raising=False)
-    return tmp_path / "cc"
-
-
 def _marked(rows: int, how: str) -> torch.Tensor:
     x = torch.randn(rows, 4)
     getattr(torch._dynamo, how)(x, 0)

@@ -6,15 +6,22 @@ A server killed mid-transfer or absent costs a warning and a compile, never a re
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ccutil import Sandbox
+from fs_util import shared_dir
+from http_util import NginxServer
 from redis_util import RedisServer, free_port
 
-from cachecompile.store import open_store
+from cachecompile.store import Hit, make_key, open_store
 from cachecompile.store.remote import RedisRemote
 from cachecompile.store.signing import Trust
 
@@ -70,6 +77,15 @@ def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
     if tier == "redis":
         srv: Any = RedisServer(tmp_path / "redis").start()
         env = {"CACHECOMPILE_REMOTE": srv.url()}
+    elif tier == "file":
+        with shared_dir(tmp_path / "share") as share:
+            # Node A writes through one mount point; the others read through the other.
+            yield {"CACHECOMPILE_REMOTE": share.url("a"), "NODE_B_REMOTE": share.url("b"),
+                   "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
+        return
+    elif tier == "http":
+        srv = NginxServer(tmp_path / "nginx").start()
+        env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
     else:
         from s3_util import MotoServer
 
@@ -81,9 +97,18 @@ def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
         srv.stop()
 
 
-@pytest.mark.parametrize("tier", ["redis", "s3"])
+def node_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a node other than A: on a share, through the other mount point."""
+    out = {k: v for k, v in env.items() if k != "NODE_B_REMOTE"}
+    if "NODE_B_REMOTE" in env:
+        out["CACHECOMPILE_REMOTE"] = env["NODE_B_REMOTE"]
+    return out
+
+
+@pytest.mark.parametrize("tier", ["redis", "s3", "file", "http"])
 def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str) -> None:
-    with remote_server(tmp_path, tier) as env:
+    with remote_server(tmp_path, tier) as both:
+        env = node_env({**both, "NODE_B_REMOTE": both["CACHECOMPILE_REMOTE"]})
         box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
         a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
         assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
@@ -94,7 +119,7 @@ def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str)
         assert graphs and all(g.labels.get("model") == "MLP" for g in graphs), graphs
         box.reset_compiler_log()
         # Node B: its own empty store, empty Inductor dirs; the entry comes from the tier.
-        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **env)
+        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **node_env(both))
         assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
         assert box.compiler_calls() == 0, box.gxx_log.read_text()
         assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
@@ -209,3 +234,73 @@ def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: P
     finally:
         srv.stop()
 
+
+
+def _entry_bytes(root: Path) -> dict[str, dict[str, bytes]]:
+    """Every entry of a node's store: digest -> file name -> bytes."""
+    st = open_store(root, remote="")
+    out: dict[str, dict[str, bytes]] = {}
+    for info in st.entries():
+        hit = st.peek(info.key)
+        assert isinstance(hit, Hit), (info.key, hit)
+        out[info.key] = {n: p.read_bytes() for n, p in hit.entry.files.items()}
+    return out
+
+
+@pytest.mark.parametrize("tier", ["file", "http"])
+def test_two_nodes_serve_byte_exact_under_a_concurrent_gc_and_purge(tmp_path: Path,
+                                                                    tier: str) -> None:
+    """Done-when of issue 50: node A compiles; nodes B and C, sharing the tier with it,
+    load at the same time with zero g++ while `cachectl gc` runs on their stores and
+    `cachectl remote purge` sweeps other entries off the tier; their entries are A's,
+    byte for byte."""
+    with remote_server(tmp_path, tier) as both:
+        box = Sandbox(tmp_path / "box", fresh_inductor=True)
+        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **node_env(
+            {k: v for k, v in both.items() if k != "NODE_B_REMOTE"}))
+        assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
+        env = node_env(both)
+        # Other entries on the tier, unreferenced blobs included: what the purge removes.
+        junk = open_store(tmp_path / "junk", remote=env["CACHECOMPILE_REMOTE"])
+        for i in range(12):
+            junk.put(make_key({"junk": i}), {"blob.bin": os.urandom(20_000)},
+                     labels={"model": "Junk"})
+        assert junk.flush(60)
+        junk.close()
+        stop = tmp_path / "stop"
+        cli = [sys.executable, "-m", "cachecompile.cli.main"]
+        loop = (f"while [ ! -e {stop} ]; do "
+                f"{shlex.join(cli)} gc --cache-dir {tmp_path / 'b'} >/dev/null 2>&1; "
+                f"{shlex.join(cli)} gc --cache-dir {tmp_path / 'c'} >/dev/null 2>&1; "
+                f"{shlex.join(cli)} remote purge --model Junk --yes "
+                f"--remote {shlex.quote(env['CACHECOMPILE_REMOTE'] + '?lease=1')} "
+                f">>{tmp_path / 'purge.log'} 2>&1; done")
+        chaos = subprocess.Popen(["bash", "-c", loop], env={**os.environ, **env})
+        try:
+            boxes = {n: Sandbox(tmp_path / f"box-{n}", fresh_inductor=True) for n in "bc"}
+            results: dict[str, Any] = {}
+
+            def node(n: str) -> None:
+                results[n] = boxes[n].run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / n), **env)
+
+            threads = [threading.Thread(target=node, args=(n,)) for n in "bc"]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(600)
+        finally:
+            stop.touch()
+            chaos.wait(120)
+        for n in "bc":
+            r = results[n]
+            assert (r["event"], r["ok"], r["warnings"]) == ("hit", True, []), (n, r.value)
+            assert boxes[n].compiler_calls() == 0, (n, boxes[n].gxx_log.read_text())
+            assert remote_lines(r.stderr) == [], (n, r.stderr)
+        purged = (tmp_path / "purge.log").read_text()
+        assert "removed 12 entries" in purged and "Error" not in purged, purged
+        # What each serving node holds is A's, byte for byte: the method's entry (a warm
+        # node never needs the shared graph's, which A's compile published beside it).
+        mine = _entry_bytes(tmp_path / "a")
+        for n in "bc":
+            theirs = _entry_bytes(tmp_path / n)
+            assert theirs and all(mine.get(d) == files for d, files in theirs.items()), n

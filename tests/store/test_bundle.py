@@ -208,9 +208,9 @@ def test_cachectl_export_import(tmp_path: Path, src: Store, child_env: dict[str,
 
     out = tmp_path / "llama.tar.zst"
     p = cachectl("export", "--cache-dir", str(src.root), str(out), "--model", "llama")
-    assert p.returncode == 0 and "exported 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "exported 1 entry" in p.stdout, p.stderr
     p = cachectl("import", "--cache-dir", str(tmp_path / "dst"), str(out))
-    assert p.returncode == 0 and "imported 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "imported 1 entry" in p.stdout, p.stderr
     p = cachectl("ls", "--cache-dir", str(tmp_path / "dst"), "--json")
     assert [r["labels"]["model"] for r in json.loads(p.stdout)] == ["llama"]
     evil = _write(tmp_path / "evil.tar.gz", [_file("../evil", b"x")])

@@ -355,9 +355,9 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     a.put(ka, FILES, labels={"model": "llama", "function": "forward"})
     a.put(kb, {"f": b"1"}, labels={"model": "mlp", "function": "forward"})
     p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"), "--model", "llama")
-    assert p.returncode == 0 and "pushed 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "1 entry: pushed 1 to" in p.stdout, p.stderr
     p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"))
-    assert p.returncode == 0 and "pushed 1 entries" in p.stdout and "1 were there" in p.stdout
+    assert p.returncode == 0 and "pushed 1 to" in p.stdout and "1 were there" in p.stdout
     p = cachectl(env, "remote", "ls", "--json")
     rows = json.loads(p.stdout)
     assert sorted(r["labels"]["model"] for r in rows) == ["llama", "mlp"]
@@ -365,7 +365,7 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     p = cachectl(env, "remote", "stats", "--json")
     assert json.loads(p.stdout)["entries"] == 2
     p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"), ka.digest[:8])
-    assert p.returncode == 0 and "pulled 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "pulled 1 entry" in p.stdout, p.stderr
     assert [i.key for i in store.open_store(tmp_path / "b").entries()] == [ka.digest]
     # A hit through the tier counts as remote in cachectl stats.
     assert isinstance(store.open_store(tmp_path / "c", remote=srv.url()).get(kb), Miss)
@@ -375,7 +375,7 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     s = json.loads(p.stdout)
     assert (s["hits_local"], s["hits_remote"]) == (0, 1), s
     p = cachectl(env, "remote", "purge", "--model", "mlp", "--yes")
-    assert p.returncode == 0 and "removed 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "removed 1 entry" in p.stdout, p.stderr
     p = cachectl(env, "remote", "ls", "--json")
     assert [r["labels"]["model"] for r in json.loads(p.stdout)] == ["llama"]
     p = cachectl(dict(env, CACHECOMPILE_REMOTE=f"redis://127.0.0.1:{free_port()}/0"),
@@ -391,7 +391,7 @@ def test_cachectl_pull_is_counted_as_a_pull_not_a_hit(tmp_path: Path, srv: Redis
     a.put(key, FILES, labels={"model": "llama"})
     assert cachectl(env, "push", "--cache-dir", str(tmp_path / "a")).returncode == 0
     p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"))
-    assert p.returncode == 0 and "pulled 1 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "pulled 1 entry" in p.stdout, p.stderr
 
     s = json.loads(cachectl(env, "stats", "--cache-dir", str(tmp_path / "b"), "--json").stdout)
     assert (s["hits"], s["hits_remote"]) == (0, 0), s
@@ -640,7 +640,7 @@ def test_purge_keeps_the_chunks_of_an_upload_in_flight(
     assert reached.wait(10)
     env = dict(child_env, CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_TRUST_REMOTE="1")
     p = cachectl(env, "remote", "purge", "--all", "--yes")  # a second process
-    assert p.returncode == 0 and "removed 1 entries" in p.stdout, (p.stdout, p.stderr)
+    assert p.returncode == 0 and "removed 1 entry" in p.stdout, (p.stdout, p.stderr)
     go.set()
     assert a.flush(10)
     hit = tiered(tmp_path / "b", srv.url()).get(key)
@@ -668,7 +668,7 @@ def test_push_repairs_with_the_right_key_only(tmp_path: Path, srv: RedisServer,
     assert p.returncode == 0, p.stderr
     assert all(_verifies(srv, k, KEY_A) for k in (unsigned, wrong, good))
     assert _record_bytes(srv, good) == kept
-    assert "pushed 2 entries" in p.stdout and "2 replaced records" in p.stdout, p.stdout
+    assert "pushed 2 to" in p.stdout and "2 replaced records" in p.stdout, p.stdout
 
 
 def test_record_states_and_who_may_replace_them(tmp_path: Path, srv: RedisServer) -> None:

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from cachecompile.store import errors
-from cachecompile.store.remote import RedisRemote, S3Remote, base, open_remote
+from cachecompile.store.remote import (
+    FileRemote,
+    HttpRemote,
+    RedisRemote,
+    S3Remote,
+    base,
+    open_levels,
+    open_remote,
+)
 from cachecompile.store.remote.base import BlobRemote, RemoteConfig, register
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,9 +33,21 @@ def test_each_scheme_opens_its_own_remote() -> None:
     assert RedisRemote.from_url("redis://h:1/0?prefix=p").config.prefix == "p"
     with pytest.raises(errors.RemoteConfigError, match="not a redis URL"):
         RedisRemote.from_url("s3://bucket/team")
+    assert type(open_remote("file:///mnt/shared/cc")) is FileRemote
+    web = open_remote("https://cache.internal:8443/team/cc?mode=ro")
+    assert type(web) is HttpRemote and web.readonly
+    assert web.config.display == "https://cache.internal:8443/team/cc"
     with pytest.raises(errors.RemoteConfigError,
-                       match=r"only redis://, rediss://, unix:// and s3:// URLs"):
+                       match=r"only file://, http://, https://, redis://, rediss://, unix:// "
+                             r"and s3:// URLs"):
         open_remote("ftp://host/x")
+    # A chain of levels is opened level by level, never as one remote.
+    with pytest.raises(errors.RemoteConfigError, match="a chain of 2 levels"):
+        open_remote("file:///mnt/cc,s3://bucket/p")
+    assert [type(r) for r in open_levels("file:///mnt/cc, s3://bucket/p")] == [FileRemote,
+                                                                               S3Remote]
+    with pytest.raises(errors.RemoteConfigError, match="named twice"):
+        open_levels("file:///mnt/cc,file:///mnt/cc?mode=ro")
 
 
 def test_a_registered_server_is_parsed_and_opened_without_base_knowing_it(

@@ -51,6 +51,10 @@ def urls(port: int, sock: Path, tls_port: int | None = None) -> list[str]:
             f"redis://127.0.0.1:{port}/0?password={pw}",
             f"s3://:{pw}@bucket-name/prefix",
             f"s3://AKIAEXAMPLE:{pw}@bucket-name/prefix",
+            # an HTTP cache: Basic with a user, a bearer token without (the server here
+            # is Redis, or nothing: the verbs fail, and must say nothing of the password)
+            f"http://fleet:{pw}@127.0.0.1:{port}/cc",
+            f"https://:{pw}@127.0.0.1:{tls_port or port}/cc?mode=ro",
             # malformed besides: a port that is no number, a bad mode, another scheme
             f"redis://:{pw}@127.0.0.1:notaport/0",
             f"redis://:{pw}@127.0.0.1:{port}/0?mode=sometimes",
@@ -190,7 +194,7 @@ def test_the_password_from_a_variable_or_a_file(guarded: RedisServer, tmp_path: 
     env = {"CACHECOMPILE_TRUST_REMOTE": "1", "CACHECOMPILE_REMOTE": url}
     code, text = _cachectl("push", "--cache-dir", cache,
                            env={**env, "CACHECOMPILE_REMOTE_PASSWORD": MARKER})
-    assert code == 0 and "pushed 1 entries" in text, text
+    assert code == 0 and "pushed 1 to" in text, text
     code, text = _cachectl("remote", "ls", "--json",
                            env={**env, "CACHECOMPILE_REMOTE_PASSWORD_FILE": str(secret_file)})
     assert code == 0 and make_key({"k": 2}).digest in text, text

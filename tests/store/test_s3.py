@@ -242,13 +242,13 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
     # A lease no loaded machine outruns between two commands: the test moves the clock.
     url = f"s3://{bucket}/cli?lease=600"
     p = cachectl("push", "--cache-dir", str(tmp_path / "a"), "--remote", url, env=env)
-    assert p.returncode == 0 and "pushed 3 entries" in p.stdout, p.stderr
+    assert p.returncode == 0 and "pushed 3 to" in p.stdout, p.stderr
     p = cachectl("push", "--cache-dir", str(tmp_path / "a"), "--remote", url, env=env)
-    assert "pushed 0 entries" in p.stdout and "3 were there already" in p.stdout, p.stdout
+    assert "pushed 0 to" in p.stdout and "3 were there already" in p.stdout, p.stdout
     p = cachectl("remote", "ls", "--json", "--remote", url, env=env)
     assert p.returncode == 0 and p.stdout.count('"key"') == 3, p.stdout + p.stderr
     p = cachectl("remote", "stats", "--remote", url, env=env)
-    assert p.returncode == 0 and "bucket objects" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "stored objects" in p.stdout, p.stdout + p.stderr
     p = cachectl("pull", "--cache-dir", str(tmp_path / "c"), "--remote", url,
                  "--model", "m", env=env)
     assert p.returncode == 0 and "pulled 2 entries" in p.stdout, p.stdout + p.stderr
@@ -257,9 +257,9 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
     # Purge right after an upload: the records go, the blobs stay while pinned.
     p = cachectl("push", "--force", "--cache-dir", str(tmp_path / "a"), "--remote", url,
                  env=env)
-    assert "pushed 3 entries" in p.stdout, p.stdout + p.stderr
+    assert "pushed 3 to" in p.stdout, p.stdout + p.stderr
     p = cachectl("remote", "purge", "--model", "other", "-y", "--remote", url, env=env)
-    assert "removed 1 entries; swept 0" in p.stdout, p.stdout + p.stderr
+    assert "removed 1 entry; swept 0" in p.stdout, p.stdout + p.stderr
     assert len([k for k in server.objects(bucket, "cli/v1/entry/")]) == 2
     # Once the pins' lease has run out (the remote's clock moved on, not slept through):
     # only the purged entry's own blob goes; "common" is still used by the

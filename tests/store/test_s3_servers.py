@@ -183,7 +183,7 @@ def test_a_server_that_ignores_conditional_puts_never_has_a_record_replaced(
     assert r.exit_code == 0, r.output
     assert "kept: the server does not honour conditional puts" in r.output, r.output
     # Entry 0's record and entry 1's are there: kept; entry 2 was absent: created.
-    assert "pushed 1 entries" in r.output and "2 records not replaced" in r.output, r.output
+    assert "pushed 1 to" in r.output and "2 records not replaced" in r.output, r.output
 
 
 def test_a_server_that_fails_big_lists_still_serves(

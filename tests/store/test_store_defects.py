@@ -66,7 +66,7 @@ def test_pinning_an_entry_gc_took_is_key_not_found_and_leaves_nothing(tmp_path: 
     f"redis://user:{SECRET}@localhost:6379/0?mode=sometimes",
     f"redis://:{SECRET}@localhost:6379/0?chunk=1T",
     f"redis://:{SECRET}@localhost:6379/0?timeout=soon",
-    f"http://:{SECRET}@localhost:6379/0",
+    f"ftp://:{SECRET}@localhost:6379/0",
 ])
 def test_a_malformed_remote_url_never_shows_the_password(url: str) -> None:
     with pytest.raises(errors.RemoteConfigError) as caught:
@@ -119,7 +119,7 @@ def test_verify_and_stats_on_a_read_only_file_system(readonly_mount: tuple[Path,
     cli = [sys.executable, "-m", "cachecompile.cli.main"]
     verify = subprocess.run([*cli, "verify"], env=env, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert "not in the index" not in verify.stdout and "checked 1 entries: ok" in verify.stdout
+    assert "not in the index" not in verify.stdout and "checked 1 entry: ok" in verify.stdout
     stats = subprocess.run([*cli, "stats", "--json"], env=env, capture_output=True, text=True)
     s = json.loads(stats.stdout)
     assert (s["entries"], s["hits"], s["misses"]) == (1, 1, {"absent": 1}), s

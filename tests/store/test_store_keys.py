@@ -7,7 +7,8 @@ import json
 import pytest
 
 from cachecompile.store import EntryInfo, canonical_json, make_key
-from cachecompile.store.errors import ManifestError, UnsafePathError
+from cachecompile.store.errors import AmbiguousKey, KeyNotFound, ManifestError, UnsafePathError
+from cachecompile.store.keys import match_prefix
 from cachecompile.store.manifest import dump_manifest, parse_manifest, validate_name
 from cachecompile.store.policy import lru_evictions, older_than
 
@@ -112,3 +113,16 @@ def test_lru_policy_skips_pinned() -> None:
 def test_older_than() -> None:
     es = [_info("a", 1, 10.0), _info("b", 1, 20.0)]
     assert [e.key for e in older_than(es, 15.0)] == ["a"]
+
+
+def test_a_key_prefix_resolves_to_one_digest_or_says_why_not() -> None:
+    """The one resolver of a prefix, for the local store and the remote tier alike."""
+    digests = ["ab01", "ab02", "cd03"]
+    assert match_prefix(" CD ", digests) == "cd03"      # spaces and case ignored
+    with pytest.raises(AmbiguousKey) as amb:
+        match_prefix("ab", digests)
+    assert amb.value.matches == ["ab01", "ab02"]
+    with pytest.raises(KeyNotFound, match="no remote entry matches 'ef'"):
+        match_prefix("ef", digests, "remote entry")
+    with pytest.raises(KeyNotFound, match="no entry matches ''"):
+        match_prefix("", digests)                       # an empty prefix matches nothing

@@ -94,7 +94,7 @@ assert "cachecompile.build" not in sys.modules
     p = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "checked 1 entries: ok" in p.stdout
+    assert "checked 1 entry: ok" in p.stdout
     assert "# ---- Dynamo's transformed bytecode" in p.stdout and '<"stored">' in p.stdout
     assert "# ---- program.py" in p.stdout and "def call(args):" in p.stdout
 

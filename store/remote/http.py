@@ -1,0 +1,517 @@
+"""The HTTP tier: a :class:`~cachecompile.store.remote.base.Remote` over a build-cache HTTP
+server in bazel-remote's layout, the one ccache's and sccache's HTTP/WebDAV backends and
+Gradle's HTTP cache speak: bazel-remote itself, nginx with its WebDAV module, WsgiDAV,
+Apache mod_dav, Artifactory...
+
+``CACHECOMPILE_REMOTE=http://host[:port]/prefix`` (or ``https://``). Under the prefix::
+
+    /ac/<sha256("cachecompile-v1:" + digest)>    the record (cachecompile.store.signing)
+    /cas/<sha256 of the file's bytes>            one file's bytes
+
+Both are plain ``GET``, ``PUT`` and ``HEAD``; the record's name is a SHA-256 of our entry
+digest (bazel-remote takes 64 hex digits there, and the name space keeps us apart from
+ccache or Bazel entries on the same server); a blob's name is the SHA-256 of its bytes,
+which bazel-remote checks on every PUT. A server that stores a PUT whole before it
+serves it (nginx's WebDAV writes a temp file and renames it) shows every file whole or
+not at all; one that does not (WsgiDAV writes in place) may show a half-written file for
+a moment, which a reader refuses by its SHA-256 (a miss), as it refuses any damage.
+
+Answers, as Gradle's HTTP cache reads them: a GET or HEAD is 200 (there) or 404 (not
+there); a PUT is 2xx (stored) or 413 (too large: this file is not shared, and nothing
+else changes). Any other answer, or no answer within ``timeout``, is a failure of the
+remote: one warning, then the breaker keeps the process local-only (retrying after 1 s,
+doubling to 60 s), as on every other tier.
+
+What HTTP cannot do: compare-and-set. A record is created (a HEAD, then a PUT with
+``If-None-Match: *``, which a WebDAV server answers with 412 where one is there) and never
+replaced, so an unsigned or stale record stays until ``cachectl remote purge`` deletes it
+(a WebDAV ``DELETE``). Listing (``cachectl remote ls``, ``stats``, ``purge``, ``pull``
+without keys) uses WebDAV's ``PROPFIND``: nginx needs its dav-ext module for it, WsgiDAV
+has it, bazel-remote has none (it evicts by itself, LRU). There are no pins: the sweep
+deletes only blobs older than ``lease`` that no record references, and an upload checks
+its blobs again after writing its record, storing any a sweep took meanwhile.
+
+Credentials: ``https://user:password@host/prefix`` or the user in the URL and the
+password in ``CACHECOMPILE_REMOTE_PASSWORD`` / ``_FILE`` go as HTTP Basic; a password with
+no user name goes as a bearer token (``Authorization: Bearer``). They are sent only in
+that header and never appear in a URL we build, a message or a log. Standard library
+only (http.client): one keep-alive connection per thread, made again in a forked child.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import json
+import logging
+import os
+import re
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from ..fsutil import write_new_file
+from ..outcomes import Entry
+from ..signing import Record, Trust
+from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HttpRemote", "ac_name"]
+
+_AC_SPACE = "cachecompile-v1:"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HREF = re.compile(r"<(?:[A-Za-z0-9_-]+:)?href>\s*([^<]*?)\s*</(?:[A-Za-z0-9_-]+:)?href>")
+_RESPONSE = re.compile(r"<(?:[A-Za-z0-9_-]+:)?response\b.*?</(?:[A-Za-z0-9_-]+:)?response>",
+                       re.DOTALL)
+_MODIFIED = re.compile(r"<(?:[A-Za-z0-9_-]+:)?getlastmodified>([^<]*)<")
+_LENGTH = re.compile(r"<(?:[A-Za-z0-9_-]+:)?getcontentlength>\s*(\d+)\s*<")
+_PROPFIND = (b'<?xml version="1.0" encoding="utf-8"?><D:propfind xmlns:D="DAV:"><D:prop>'
+             b"<D:getlastmodified/><D:getcontentlength/></D:prop></D:propfind>")
+_MAX_RECORD = 64 * 1024**2
+_MAX_LISTING = 256 * 1024**2
+# A keep-alive connection the server closed while idle fails the next request at once:
+# that request is sent again, once, on a new connection.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+          http.client.CannotSendRequest, http.client.ResponseNotReady)
+
+
+def ac_name(digest: str) -> str:
+    """The ``/ac/`` name of an entry's record."""
+    return hashlib.sha256((_AC_SPACE + digest).encode("ascii")).hexdigest()
+
+
+class _Status(Exception):
+    """An answer outside the rules (see the module docstring)."""
+
+    def __init__(self, method: str, what: str, status: int, reason: str) -> None:
+        super().__init__(f"{what}: {method} answered {status} {reason}".rstrip())
+        self.status = status
+
+
+@register
+class HttpRemote(BlobRemote):
+    """One HTTP cache and prefix: the half of
+    :class:`~cachecompile.store.remote.base.BlobRemote` that differs by server, over
+    ``/ac/`` and ``/cas/`` (see the module docstring)."""
+
+    kind = "http"
+    schemes = ("http", "https")
+    default_timeout = 5.0  # seconds of a stall (connect: at most 2)
+    default_prefix = ""
+
+    @classmethod
+    def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
+                  rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
+        if rest:
+            raise ValueError(f"unknown parameters {sorted(k for k, _ in rest)} (http:// "
+                             "takes mode, chunk, timeout, backoff and lease)")
+        if not parts.hostname:
+            raise ValueError(f"{parts.scheme}:// takes a host: {parts.scheme}://host[:port]/prefix")
+        if "prefix" in ours:
+            raise ValueError(f"on {parts.scheme}:// the prefix is the URL's path")
+        host = parts.hostname
+        if ":" in host:
+            host = f"[{host}]"  # IPv6
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        prefix = "/".join(p for p in parts.path.split("/") if p)
+        if any(p in (".", "..") for p in prefix.split("/")):
+            raise ValueError("the prefix may not hold '.' or '..'")
+        return f"{parts.scheme}://{netloc}", prefix
+
+    @classmethod
+    def display_of(cls, target: str, prefix: str) -> str:
+        return f"{target}/{prefix}" if prefix else target
+
+    def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
+        super().__init__(config, trust)
+        target = urllib.parse.urlsplit(self.config.target)
+        self._https = target.scheme == "https"
+        self._host = target.hostname or ""
+        self._port = target.port
+        self._base = "/" + (urllib.parse.quote(self.config.prefix) + "/"
+                            if self.config.prefix else "")
+        self._auth = _authorization(self.config.username, self.config.password)
+        self._local = threading.local()
+        # Fork: the connections of the process that made them are not the child's (a
+        # socket shared by two processes interleaves their requests). A child sees
+        # another pid and starts with none.
+        self._pid = os.getpid()
+        self._ssl: ssl.SSLContext | None = None
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
+        if self._pid != os.getpid():
+            self._local = threading.local()
+            self._pid = os.getpid()
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and fresh:
+            conn.close()
+            conn = None
+        if conn is None:
+            t = self.config.timeout
+            if self._https:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()  # SSL_CERT_FILE is honoured
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=t,
+                                                   context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=t)
+            self._local.conn = conn
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and self._pid == os.getpid():
+            conn.close()
+        self._local.conn = None
+
+    def _url(self, kind: str, name: str = "") -> str:
+        return f"{self._base}{kind}/{name}"
+
+    def _send(self, method: str, path: str, body: Any = None,
+              headers: Mapping[str, str] | None = None) -> http.client.HTTPResponse:
+        """One request on this thread's connection (sent again once on a new connection
+        if the kept-alive one had been closed); the response, body unread."""
+        hdrs = {"User-Agent": "cachecompile", **(headers or {})}
+        if self._auth:
+            hdrs["Authorization"] = self._auth
+        for attempt in (0, 1):
+            conn = self._conn(fresh=attempt > 0)
+            # Connecting waits at most 2 s; a stall after that, ``timeout``.
+            conn.timeout = min(self.config.timeout, 2.0) if conn.sock is None else conn.timeout
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                    conn.sock.settimeout(self.config.timeout)  # type: ignore[attr-defined]
+                if hasattr(body, "seek"):
+                    body.seek(0)
+                conn.request(method, path, body=body, headers=hdrs)
+                return conn.getresponse()
+            except _STALE:
+                self._drop()
+                if attempt:
+                    raise
+            except BaseException:
+                self._drop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with the breaker: a transport error or an answer outside the rules
+        (:class:`_Status`) trips it, with one warning, and is a RemoteError."""
+        self.breaker.guard(what)
+        try:
+            out = fn()
+        except (errors.CorruptEntryError, errors.UntrustedEntryError):
+            self.breaker.ok()
+            raise
+        except (_Status, OSError, http.client.HTTPException, ValueError) as e:
+            self._drop()
+            detail = str(e) if isinstance(e, _Status) else f"{what} failed: {type(e).__name__}: {e}"
+            err = errors.RemoteError(f"remote cache {self.config.display}: {detail}")
+            self.breaker.failed(err)
+            raise err from None
+        self.breaker.ok()
+        return out
+
+    def _small(self, method: str, kind: str, name: str, what: str) -> bytes | None:
+        """GET (or HEAD) a small object: its bytes (b"" for HEAD), None on 404."""
+
+        def go() -> bytes | None:
+            r = self._send(method, self._url(kind, name))
+            with _closing(r):
+                if r.status != 200:
+                    if r.status == 404:
+                        r.read()  # drained: the connection serves the next request
+                        return None
+                    raise _Status(method, what, r.status, r.reason)
+                if method == "HEAD":
+                    r.read()
+                    return str(r.getheader("Content-Length") or "").encode()
+                data = r.read(_MAX_RECORD + 1)
+                if len(data) > _MAX_RECORD:
+                    raise errors.CorruptEntryError(name[:32], "the record is far too big")
+                return data
+
+        got = self._call(what, go)
+        return None if got is None else bytes(got)
+
+    def _put(self, kind: str, name: str, body: Any, size: int, what: str,
+             headers: Mapping[str, str] | None = None) -> int:
+        """PUT: its status if 2xx, 412 or 413 (the caller decides); else a failure."""
+
+        def put() -> int:
+            r = self._send("PUT", self._url(kind, name), body,
+                           {"Content-Length": str(size),
+                            "Content-Type": "application/octet-stream", **(headers or {})})
+            with _closing(r):
+                r.read()
+                return int(r.status)
+
+        def go() -> int:
+            status = put()
+            if status == 409:
+                # WebDAV: the collection is not there yet (nginx makes it itself with
+                # create_full_put_path; WsgiDAV, Apache want a MKCOL first).
+                self._make_collections(kind)
+                status = put()
+            if 200 <= status < 300 or status in (412, 413):
+                return status
+            raise _Status("PUT", what, status, http.client.responses.get(status, ""))
+
+        return int(self._call(what, go))
+
+    def _make_collections(self, kind: str) -> None:
+        """MKCOL the prefix's folders and ``kind/``, top down (405: there already)."""
+        parts = [p for p in self._base.split("/") if p] + [kind]
+        for i in range(1, len(parts) + 1):
+            r = self._send("MKCOL", "/" + "/".join(parts[:i]) + "/")
+            with _closing(r):
+                r.read()
+                if not (200 <= r.status < 300 or r.status in (405, 409)):
+                    raise _Status("MKCOL", f"make the collection {kind}/", r.status, r.reason)
+
+    # -- reads ---------------------------------------------------------------------------
+    def ping(self) -> bool:
+        # A record that is never written: 404 (or 200) says the server answers by the rules.
+        self._small("HEAD", "ac", "0" * 64, "check the server")
+        return True
+
+    def contains(self, digest: str) -> bool:
+        return self._small("HEAD", "ac", ac_name(digest), "head record") is not None
+
+    def read_record(self, digest: str) -> tuple[bytes, object] | None:
+        raw = self._small("GET", "ac", ac_name(digest), "get record")
+        return None if raw is None else (raw, raw)
+
+    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
+                   target: Path, mode: int,
+                   progress: Callable[[int], None] | None) -> tuple[int, str]:
+        if not _HEX64.fullmatch(sha):
+            raise errors.CorruptEntryError(digest, f"{name!r} has no valid SHA-256")
+
+        def open_() -> http.client.HTTPResponse | None:
+            r = self._send("GET", self._url("cas", sha))
+            if r.status == 404:
+                with _closing(r):
+                    r.read()
+                return None
+            if r.status != 200:
+                with _closing(r):
+                    raise _Status("GET", "get blob", r.status, r.reason)
+            return r
+
+        resp = self._call("get blob", open_)
+        if resp is None:
+            raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone")
+        h = hashlib.sha256()
+        got = 0
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal got
+            while True:
+                data = self._call("read blob", lambda: resp.read(self.config.chunk))
+                if not data:
+                    return
+                h.update(data)
+                got += len(data)
+                if progress is not None:
+                    progress(len(data))
+                yield data
+
+        with _closing(resp):
+            try:
+                write_new_file(target, chunks(), mode)
+            except BaseException:
+                self._drop()  # the body was not read to its end: the connection is spent
+                raise
+        return got, h.hexdigest()
+
+    def _listing(self, kind: str) -> list[tuple[str, float, int]]:
+        """(name, Last-Modified, size) of every file under ``kind/``, by PROPFIND."""
+
+        def go() -> list[tuple[str, float, int]]:
+            r = self._send("PROPFIND", self._url(kind),
+                           _PROPFIND, {"Depth": "1", "Content-Type": "application/xml"})
+            with _closing(r):
+                if r.status == 404:
+                    r.read()
+                    return []  # nothing was ever stored there
+                if r.status != 207:
+                    raise _Status("PROPFIND", f"list {kind} (WebDAV PROPFIND: listing needs "
+                                  "a WebDAV server; nginx needs its dav-ext module)",
+                                  r.status, r.reason)
+                text = r.read(_MAX_LISTING).decode("utf-8", "replace")
+            out = []
+            for block in _RESPONSE.findall(text):
+                href = _HREF.search(block)
+                if href is None:
+                    continue
+                name = urllib.parse.unquote(href.group(1)).rstrip("/").rsplit("/", 1)[-1]
+                if not _HEX64.fullmatch(name):
+                    continue
+                when = _MODIFIED.search(block)
+                length = _LENGTH.search(block)
+                try:
+                    stamp = parsedate_to_datetime(when.group(1)).timestamp() if when else 0.0
+                except (TypeError, ValueError):
+                    stamp = 0.0
+                out.append((name, stamp, int(length.group(1)) if length else 0))
+            return out
+
+        return list(self._call(f"list {kind}", go))
+
+    def records(self) -> Iterator[Record]:
+        names = [n for n, _, _ in self._listing("ac")]
+
+        def raws() -> Iterator[tuple[str, bytes | None]]:
+            for name in names:
+                raw = self._small("GET", "ac", name, "get record")
+                if raw is None:
+                    continue
+                digest = _digest_in(raw)
+                if digest is None or ac_name(digest) != name:
+                    logger.warning("remote record %s names no entry of its own: skipped", name)
+                    continue
+                yield digest, raw
+
+        return parse_records(raws())
+
+    def info(self) -> dict[str, Any]:
+        blobs = self._listing("cas")
+        return {"objects": len(blobs), "stored_bytes": sum(s for _, _, s in blobs)}
+
+    # -- writes --------------------------------------------------------------------------
+    def replace_refused(self) -> str:
+        return ("an HTTP cache cannot compare and set, so a record on it is never replaced "
+                "(cachectl remote purge deletes it)")
+
+    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+        if tag is not None:
+            return False  # never replaced (replace_refused): judge again, and keep it
+        if self.contains(digest):
+            return False
+        status = self._put("ac", ac_name(digest), data, len(data), "put record",
+                           {"If-None-Match": "*"})
+        if status == 413:
+            raise errors.StoreError(f"remote cache {self.config.display}: the record of "
+                                    f"{digest} is too large for the server (413)")
+        if status == 412:
+            # Another node's record, or ours: a PUT whose answer was lost on a closed
+            # keep-alive connection is sent again, and then finds itself there.
+            got = self.read_record(digest)
+            return got is not None and got[0] == data
+        return True
+
+    def put_blobs(self, entry: Entry, sha: dict[str, str],
+                  progress: Callable[[int], None] | None) -> dict[str, int]:
+        chunks: dict[str, int] = {}
+        for s in sorted(set(sha.values())):
+            if s in self.bad_blobs:
+                continue
+            there = self._small("HEAD", "cas", s, "head blob")
+            if there is not None:
+                chunks[s] = max(int(there or b"0"), 1)  # dedup: stored already
+        for n in sorted(sha):
+            s = sha[n]
+            if s not in chunks:
+                chunks[s] = self._put_blob(entry.files[n], s, progress)
+        return chunks
+
+    def _put_blob(self, path: Path, sha: str, progress: Callable[[int], None] | None) -> int:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            status = self._put("cas", sha, f, size, "put blob")
+        if status == 413:
+            # Gradle's rule: too large for this server is no failure of the remote (the
+            # breaker stays closed): this entry is not shared, the next may be.
+            raise errors.StoreError(f"remote cache {self.config.display}: a file of {size} "
+                                    "bytes is too large for the server (413): entry not shared")
+        if progress is not None:
+            progress(size)
+        self.bad_blobs.discard(sha)
+        return max(size, 1)
+
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
+                      chunks: dict[str, int]) -> None:
+        for n in sorted(sha):
+            s = sha[n]
+            if self._small("HEAD", "cas", s, "head blob") is None:
+                logger.info("blob %s of %s went while we uploaded (a purge, or the server's "
+                            "eviction): storing it again", s[:12], entry.key[:12])
+                self._put_blob(entry.files[n], s, None)
+
+    def delete(self, digest: str) -> bool:
+        refuse_readonly(self.config)
+        return self._delete("ac", ac_name(digest), "delete record")
+
+    def _delete(self, kind: str, name: str, what: str) -> bool:
+        def go() -> bool:
+            r = self._send("DELETE", self._url(kind, name))
+            with _closing(r):
+                r.read()
+                if r.status == 404:
+                    return False
+                if 200 <= r.status < 300:
+                    return True
+                raise _Status("DELETE", what, r.status, r.reason)
+
+        return bool(self._call(what, go))
+
+    def sweep(self) -> int:
+        """Delete blobs no record references that are older than ``lease`` (there are no
+        pins on HTTP; an upload's recheck stores again any blob it lost)."""
+        refuse_readonly(self.config)
+        blobs = self._listing("cas")
+        used = self.referenced_blobs()
+        now = time.time()
+        deleted = 0
+        for name, stamp, _ in blobs:
+            if name not in used and now - stamp >= self.config.lease:
+                deleted += self._delete("cas", name, "delete blob")
+        return deleted
+
+    def close(self) -> None:
+        self._drop()
+
+
+class _closing:
+    """Close a response on the way out of a ``with`` (an error midway included)."""
+
+    def __init__(self, r: http.client.HTTPResponse) -> None:
+        self.r = r
+
+    def __enter__(self) -> http.client.HTTPResponse:
+        return self.r
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.r.close()
+
+
+def _authorization(user: str | None, password: str | None) -> str:
+    """The Authorization header's value: Basic with a user, Bearer with a password alone."""
+    if password is None and user is None:
+        return ""
+    if user is None:
+        return f"Bearer {password}"
+    token = base64.b64encode(f"{user}:{password or ''}".encode()).decode("ascii")
+    return f"Basic {token}"
+
+
+def _digest_in(raw: bytes) -> str | None:
+    """The entry digest a record names (read before it is parsed against that digest)."""
+    try:
+        key = json.loads(json.loads(raw)["body"]).get("key")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return key if isinstance(key, str) else None
+
