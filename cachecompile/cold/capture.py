@@ -577,7 +577,9 @@ class TraceSession(_FrameCapture):
             self._in_first_call = True
         try:
             with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
-                if first and self._capture:
+                # A graph break's later calls may compile frames too (a branch first
+                # taken), each published as a frame variant with the guards 2.11 leaves out.
+                if self._capture and (first or not self._fullgraph):
                     with dynamo.unguarded_reads_recorded():
                         return self._live(*args, **kwargs)
                 return self._live(*args, **kwargs)
@@ -776,4 +778,9 @@ class FrameSession(_FrameCapture):
         return [True] * len(entries)
 
     def __call__(self, *args: Any) -> Any:
-        return self._live(*args)
+        # As TraceSession's calls: what it compiles is published, with every guard.
+        with dynamo.outputs_left_unmarked():
+            if self._capture:
+                with dynamo.unguarded_reads_recorded():
+                    return self._live(*args)
+            return self._live(*args)

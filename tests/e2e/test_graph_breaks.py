@@ -32,6 +32,10 @@ act = torch.tanh if os.environ.get("CC_TEST_ACT", "tanh") == "tanh" else torch.s
 
 
 class Net(nn.Module):
+    # A class attribute read after the breaks: torch 2.11 builds no guard on it (2.12+
+    # does), and cachecompile adds the one 2.12 builds, in every frame that reads it.
+    OFFSET = float(os.environ.get("CC_TEST_OFFSET", "0"))
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -44,7 +48,7 @@ class Net(nn.Module):
         else:
             y = y * -2
         print("between graphs", tuple(y.shape))   # and here
-        return act(y) * SCALE
+        return act(y) * SCALE + type(self).OFFSET
 '''
 
 RUN = '''
@@ -137,6 +141,11 @@ def test_a_global_read_after_the_breaks_changed_in_a_fresh_process(
     other = box.run(run, CC_TEST_ACT="sigmoid")
     assert other["results"]["pos"][0], other.value
     assert other["results"]["pos"][1] != changed["results"]["pos"][1]
+    # A class attribute read after the breaks, in both branches' frames: the first call's
+    # and the one the cold process compiled later (a frame variant).
+    both = RUN.format(backend="inductor", branches=("pos", "neg"))
+    offset = box.run(both, CC_TEST_OFFSET="7")
+    assert all(ok for ok, _ in offset["results"].values()), offset.value
     stats = cachectl("stats", env=box.env())
     assert stats.returncode == 0 and "frame" in stats.stdout, stats.stdout
 
@@ -163,6 +172,10 @@ class Sub(nn.Module):
 
 
 class Net(nn.Module):
+    # A class attribute read after the breaks: torch 2.11 builds no guard on it (2.12+
+    # does), and cachecompile adds the one 2.12 builds, in every frame that reads it.
+    OFFSET = float(os.environ.get("CC_TEST_OFFSET", "0"))
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
