@@ -172,10 +172,6 @@ class Sub(nn.Module):
 
 
 class Net(nn.Module):
-    # A class attribute read after the breaks: torch 2.11 builds no guard on it (2.12+
-    # does), and cachecompile adds the one 2.12 builds, in every frame that reads it.
-    OFFSET = float(os.environ.get("CC_TEST_OFFSET", "0"))
-
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
