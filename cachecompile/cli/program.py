@@ -74,7 +74,7 @@ def _frames(meta: EntryMeta, data_dir: Path, no_bytecode: bool,
                         "no variant serves)",
                         bytecode_text(data_dir / r.code, list(r.code_consts)), "text"))
         for j, v in enumerate(r.variants):
-            lines = [f"{k:4d}  {g.get('text') or g.get('expr') or g.get('kind')}"
+            lines = [f"{k:4d}  {demangle(str(g.get('text') or g.get('expr') or g.get('kind')))}"
                      for k, g in enumerate(v.guards)]
             out.append((f"frame {i} variant {j}: guards ({len(v.guards)})",
                         "\n".join(lines) or "(none)", "text"))

@@ -214,8 +214,8 @@ def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
         for j, v in enumerate(r.variants):
             shown = [g for g in v.guards if every or g.get("kind") in _VALUE_GUARDS]
             for g in shown:
-                con.print(f"         [{j}] " + escape(str(g.get("text") or g.get("expr")
-                                                          or g.get("kind"))), soft_wrap=True)
+                text = demangle(str(g.get("text") or g.get("expr") or g.get("kind")))
+                con.print(f"         [{j}] " + escape(text), soft_wrap=True)
 
 
 @click.command("show", short_help="Show an entry: what it serves, guards, factors")

@@ -14,6 +14,7 @@ docs/performance.md, "Graph breaks".)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -295,5 +296,7 @@ def test_a_frame_whose_guards_cannot_be_stored_is_live_in_every_process(tmp_path
         named = [w for w in warm["warnings"] if "compiled live in every process" in w]
         assert len(named) == 1 and "no process-independent form" in named[0], warm["warnings"]
     stats = cachectl("stats", env={**box.env(), "COLUMNS": "200"})
-    assert "Net.torch_dynamo_resume_in_run_at_24: live in every process" in stats.stdout, \
-        stats.stdout
+    # The resume function's name has the bytecode offset of the break (24 on 2.11 and 2.13,
+    # 28 on 2.12).
+    assert re.search(r"Net\.torch_dynamo_resume_in_run_at_\d+: live in every process",
+                     stats.stdout), stats.stdout
