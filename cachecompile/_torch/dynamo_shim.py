@@ -56,15 +56,17 @@ def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -
     cm.__exit__(None, None, None)
 
 
-class _UtilsShim(types.ModuleType):
+class _LazyShim(types.ModuleType):
+    """A module of our own copies; any other name is the real module's (imported then)."""
+
     def __getattr__(self, name: str) -> Any:
         # Kept once looked up: replayed bytecode reads it on every call.
-        value = getattr(importlib.import_module(DYNAMO_UTILS), name)
+        value = getattr(importlib.import_module(self.__name__), name)
         setattr(self, name, value)
         return value
 
 
-utils = _UtilsShim(DYNAMO_UTILS)
+utils = _LazyShim(DYNAMO_UTILS)
 for _name in ("call_size", "call_stride", "call_storage_offset",
               "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
     setattr(utils, _name, globals()[_name])
@@ -85,14 +87,7 @@ def _create_nested_fn(code: types.CodeType, f_globals: dict[str, Any], name: str
     return func
 
 
-class _FunctionsShim(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(importlib.import_module(DYNAMO_FUNCTIONS), name)
-        setattr(self, name, value)
-        return value
-
-
-functions = _FunctionsShim(DYNAMO_FUNCTIONS)
+functions = _LazyShim(DYNAMO_FUNCTIONS)
 functions._create_nested_fn = _create_nested_fn  # type: ignore[attr-defined]
 
 
