@@ -25,6 +25,9 @@ __all__ = ["GuardDiff", "Nearest", "closest", "differing", "flatten", "guard_dif
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.
 NOT_COMPARED = ("variant",)
+# Factors that make a key another kind of entry (a graph break's frame variant, beside the
+# method's entries): an entry of another kind is never the nearest one.
+KIND_FACTORS = ("dynamo_frame",)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ def closest(factors: Mapping[str, Any],
     from ``factors``; the first on a tie; None if there is none."""
     best: Nearest | None = None
     for key, other in candidates:
+        if any((k in other) != (k in factors) for k in KIND_FACTORS):
+            continue
         diff = differing(factors, other, ignore=NOT_COMPARED)
         if best is None or len(diff) < len(best.differ):
             best = Nearest(key, diff)

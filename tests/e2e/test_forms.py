@@ -325,7 +325,7 @@ def test_forms_cached_twice_are_refused() -> None:
     ({"mode": "reduce-overhead"}, "CUDA graphs, whose capture is not cached"),
     ({"mode": "fast"}, "mode must be one of"),
     ({"mode": "max-autotune", "backend": "aot_eager"}, "selects Inductor options"),
-    ({"fullgraph": False}, "fullgraph=False is refused"),
+    ({"fullgraph": "no"}, "fullgraph must be True or False"),
     ({"options": {"a": 1}, "config": {"a": 2}}, "disagree on a"),
 ])
 def test_torch_compile_arguments_refused_with_the_reason(kwargs: dict[str, Any],
@@ -346,6 +346,10 @@ def test_mode_and_options_become_inductor_options() -> None:
     assert c.spec.options["max_autotune"] is False
     assert "triton.cudagraphs" not in cache_compile(Tiny().forward,
                                                     mode="max-autotune").spec.options
+    # fullgraph=False lets the graph break (docs/usage.md, "Graph breaks"), in every form.
+    assert cache_compile(Tiny().forward, fullgraph=False).spec.fullgraph is False
+    assert cache_compile(Tiny(), fullgraph=False).cached_forward.spec.fullgraph is False
+    assert cache_compile(Tiny().forward).spec.fullgraph is True
 
 
 # -- repeated blocks, in process: one group loads once --------------------------------------

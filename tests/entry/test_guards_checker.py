@@ -308,8 +308,13 @@ def test_the_entry_meta_record_round_trips_and_names_another_format() -> None:
     graph = EntryMeta(adapter="inductor", program={}).to_json()
     assert set(graph) == {"format", "adapter", "program", "publisher"}
     assert not EntryMeta.from_json(graph).is_method
-    with pytest.raises(UnsupportedProgramError, match="entry format 2, not 3: written by another"):
+    with pytest.raises(UnsupportedProgramError,
+                       match=f"entry format 2, not {FORMAT_VERSION}: written by another"):
         EntryMeta.from_json({**raw, "format": 2})
+    # Format 3 (before graph breaks) would run a method's bytecode without the frames it
+    # calls: refused by name too.
+    with pytest.raises(UnsupportedProgramError, match="entry format 3, not 4"):
+        EntryMeta.from_json({**raw, "format": 3})
     with pytest.raises(UnsupportedProgramError, match="'guards' is a str"):
         EntryMeta.from_json({**raw, "guards": "x"})
     with pytest.raises(UnsupportedProgramError, match="no 'adapter'"):
