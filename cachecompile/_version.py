@@ -19,7 +19,10 @@ __version__ = "0.1.0"
 # 2: Dynamo's guards carried per entry; variants per frame key; rebuilt constants.
 # 3: Inductor programs import their stand-ins from cachecompile._torch.inductor_runtime.
 #    Later additions are optional fields a format-3 reader does without (``checker``).
-ENTRY_FORMAT = 3
+# 4: graph breaks (fullgraph=False): every frame Dynamo compiled for the call (``frames``,
+#    ``graphs``, ``resumes``; entry.frames). A format-3 reader would run the method's
+#    bytecode without the frames it calls, so it must refuse these entries by name.
+ENTRY_FORMAT = 4
 
 # Folders of the package that never decide what an entry holds or how it is replayed:
 # they read entries (the CLI) or use the package as a user does (the demo). The store

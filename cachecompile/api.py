@@ -133,18 +133,9 @@ def _mode_options(mode: Any, backend: Any) -> dict[str, Any]:
     return dict(_MODES[mode])
 
 
-def _torch_compile_args(config: Any, backend: Any, mode: Any, options: Any,
-                        fullgraph: Any) -> Any:
+def _torch_compile_args(config: Any, backend: Any, mode: Any, options: Any) -> Any:
     """torch.compile's own arguments, as ``config``: ``mode=`` and ``options=`` merged in
-    (what ``config`` says explicitly wins over the mode), ``fullgraph`` checked."""
-    if fullgraph is not True:
-        if fullgraph is False:
-            raise ContractError(
-                "cache_compile(): fullgraph=False is refused: cache_compile stores one graph "
-                "per signature and replays it without Dynamo, which a graph break would need "
-                "at every call. Drop fullgraph= (fullgraph=True is the contract: a break is "
-                "a GraphBreakError naming where), or use torch.compile for this method")
-        raise ContractError(f"cache_compile(): fullgraph must be True, got {fullgraph!r}")
+    (what ``config`` says explicitly wins over the mode)."""
     if mode is None and options is None:
         return config
     merged = _mode_options(mode, backend)
@@ -249,7 +240,7 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
     * nothing: ``cache_compile(**options)`` is a decorator applying those options.
 
     The first call of each input signature loads a matching entry from the cache, or
-    compiles (Dynamo fullgraph + the backend) and publishes one. See docs/usage.md for
+    compiles (Dynamo + the backend) and publishes one. See docs/usage.md for
     the key factors and every warning.
 
     Args:
@@ -289,7 +280,10 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             ``"max-autotune-no-cudagraphs"`` become Inductor options (both max-autotune
             modes without CUDA graphs); ``"reduce-overhead"`` is refused.
         options: torch.compile's: Inductor options, merged into ``config``.
-        fullgraph: torch.compile's: ``True`` (the contract); ``False`` is refused.
+        fullgraph: torch.compile's: ``True`` (a graph break raises
+            :class:`GraphBreakError` naming where) or ``False`` (the graph may break: every
+            frame Dynamo compiles for a call is stored, each with its guards; the code
+            between graphs runs as under torch.compile; docs/usage.md, "Graph breaks").
         disable: torch.compile's: ``True`` returns ``func`` itself, uncompiled and uncached
             (``disable=not args.compile``); with no ``func``, a decorator that does so.
 
@@ -303,11 +297,11 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
         # torch.compile(disable=True) returns what it was given, as it was given.
         return (lambda target: target) if func is None else func
     settings = _Settings(
-        config=_torch_compile_args(config, backend, mode, options, fullgraph),
+        config=_torch_compile_args(config, backend, mode, options),
         backend=backend, dynamic=dynamic, cache_dir=cache_dir, global_rank=global_rank,
         tp_rank=tp_rank, pp_rank=pp_rank, custom_decompositions=custom_decompositions,
         ge_cache=ge_cache, max_signatures=max_signatures, guards=guards, passes=passes,
-        gears=gears, gear_policy=gear_policy, pad=pad)
+        gears=gears, gear_policy=gear_policy, pad=pad, fullgraph=fullgraph)
     if func is None:
         _checked(settings)  # a bad option fails where the decorator is written
 
@@ -337,6 +331,7 @@ class _Settings:
     gears: Any
     gear_policy: Any
     pad: Any
+    fullgraph: Any = True
 
 
 def _form(func: Any, s: _Settings) -> Any:
@@ -390,11 +385,15 @@ def _form(func: Any, s: _Settings) -> Any:
     return _cache_method(forms.function_method(fn), s, function=fn)
 
 
-def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
-    """The checks that need no method: adapter and options, guard mode, cache dir."""
+def _check_values(s: _Settings) -> None:
+    """The plain values' types and ranges (dynamic, fullgraph, max_signatures,
+    custom_decompositions): each a ContractError naming the argument."""
     if s.dynamic is not None and not isinstance(s.dynamic, bool):
         raise ContractError(f"cache_compile(): dynamic must be True, False or None "
                             f"(automatic, as torch.compile's default), got {s.dynamic!r}")
+    if not isinstance(s.fullgraph, bool):
+        raise ContractError(f"cache_compile(): fullgraph must be True or False, got "
+                            f"{s.fullgraph!r}")
     max_signatures = s.max_signatures
     if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) or max_signatures < 1:
         raise ContractError(f"cache_compile(): max_signatures must be a positive int, got "
@@ -402,6 +401,11 @@ def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
     if s.custom_decompositions is not None and not isinstance(s.custom_decompositions, Mapping):
         raise ContractError("cache_compile(): custom_decompositions must be a dict "
                             "{aten op: function}")
+
+
+def _checked(s: _Settings) -> tuple[Any, dict[str, Any], GuardMode, str | None]:
+    """The checks that need no method: adapter and options, guard mode, cache dir."""
+    _check_values(s)
     try:
         adapter, options = backends.resolve(s.backend, s.config, ge_cache=s.ge_cache)
     except (TypeError, ValueError, KeyError) as e:
@@ -472,7 +476,7 @@ def _cache_method(method: types.MethodType, s: _Settings,
                        automatic=s.dynamic is None, guards=mode,
                        cache_dir=cache_dir, ranks=ranks, decompositions=s.custom_decompositions,
                        max_signatures=max_signatures, enabled=enabled, gears=declared,
-                       extra_factors=extra, **targets)
+                       extra_factors=extra, fullgraph=s.fullgraph, **targets)
     return CachedFunction(method, spec, shared)
 
 
@@ -526,7 +530,7 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
         if isinstance(sub.forward, CachedFunction):
             raise ContractError(f"compile_repeated_blocks(): {name}.forward is cached "
                                 "already; cache each block once")
-        sub.forward = _cache_method(_check_method(sub.forward), settings,  # type: ignore[method-assign]
+        sub.forward = _cache_method(_check_method(sub.forward), settings,
                                     shared=group)
         found.add(name)
     # Classes named explicitly must be there; of the model's own _repeated_blocks (a
@@ -547,19 +551,17 @@ _DEFAULTS: dict[str, Any] = {
     "config": None, "backend": None, "dynamic": True, "cache_dir": None, "global_rank": None,
     "tp_rank": None, "pp_rank": None, "custom_decompositions": None, "ge_cache": False,
     "max_signatures": 8, "guards": None, "passes": None, "gears": None,
-    "gear_policy": "zip", "pad": False,
+    "gear_policy": "zip", "pad": False, "fullgraph": True,
 }
 
 
 def _settings_of(options: Mapping[str, Any]) -> dict[str, Any]:
     """``cache_compile``'s keyword options as settings: torch.compile's own (mode,
-    options, fullgraph) merged into config, unknown ones warned about and dropped."""
+    options) merged into config, unknown ones warned about and dropped."""
     opts = dict(options)
-    mode, extra, fullgraph = opts.pop("mode", None), opts.pop("options", None), \
-        opts.pop("fullgraph", True)
+    mode, extra = opts.pop("mode", None), opts.pop("options", None)
     unknown = {k: opts.pop(k) for k in list(opts) if k not in _DEFAULTS}
     if unknown:
         _ignore_unknown(unknown)
-    opts["config"] = _torch_compile_args(opts.get("config"), opts.get("backend"), mode, extra,
-                                         fullgraph)
+    opts["config"] = _torch_compile_args(opts.get("config"), opts.get("backend"), mode, extra)
     return opts

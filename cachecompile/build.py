@@ -64,6 +64,7 @@ from cachecompile.procs.builders import (  # noqa: F401
 )
 from cachecompile.store import settings
 from cachecompile.store.errors import StoreError
+from cachecompile.store.keys import Key
 from cachecompile.warm.lookup import MAX_VARIANTS, variant_key
 from cachecompile.warm.state import store_for
 
@@ -111,13 +112,19 @@ class Task:
         them on its first call: a build asks only after the call (a call of another
         method before it may change the module's keyed attributes, as it does when
         serving); ``--check`` asks before any call."""
+        first = self.first_key()
+        return first.digest if first is not None else ""
+
+    def first_key(self) -> Key | None:
+        """The key of the signature's first entry, with its factors (``--check`` names
+        the factors the tier's nearest entries differ in); None if unkeyable."""
         if self.sig is None:
-            return ""
+            return None
         try:
-            return variant_key(self.fn.key(self.sig), 0).digest
+            return variant_key(self.fn.key(self.sig), 0)
         except Exception:  # an unkeyable call: the build reports it when it runs
             logger.debug("no key for %s [%s]", self.name, self.signature, exc_info=True)
-            return ""
+            return None
 
     def local_entries(self) -> tuple[str, ...]:
         """The digests of the signature's entries in this process's local store, in
@@ -214,7 +221,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     obj = identity.import_attr(module_name, attr)
     if not callable(obj):
         raise ContractError(f"{spec} is {type(obj).__qualname__}, not a callable")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def plan_factory(spec: str) -> list[Task]:
@@ -299,8 +306,14 @@ def _worker_main(spec: str, listing: bool = False) -> int:
         send({"error": f"{type(e).__name__}: {e}"})
         return 2
     if listing:
-        # `build --check`: each signature with its first entry's key, and nothing run.
-        send({"tasks": [{**t.info(), "key": t.entry_key()} for t in tasks]})
+        # `build --check`: each signature with its first entry's key and factors, and
+        # nothing run.
+        listed = []
+        for t in tasks:
+            first = t.first_key()
+            listed.append({**t.info(), "key": first.digest if first is not None else "",
+                           "factors": first.factors if first is not None else None})
+        send({"tasks": listed})
         return 0
     send({"tasks": [t.info() for t in tasks]})
     for line in sys.stdin:

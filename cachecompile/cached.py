@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from cachecompile.cold.capture import TraceSession
     from cachecompile.cold.miss import MissPath
+    from cachecompile.warm.frames import Continuation, Frames
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,20 @@ class SharedEntries:
         return None
 
 
+class _LiveFrames:
+    """warm.frames.LiveFrames for one cached method: a frame of a graph break that no
+    stored variant serves is compiled by the cold side, imported on first use."""
+
+    def __init__(self, cached: CachedFunction) -> None:
+        self._cached = cached
+
+    def run_frame(self, frames: Frames, cont: Continuation, args: tuple[Any, ...]) -> Any:
+        if cache_off(self._cached.spec.adapter.torch_parts) is not None:
+            frames.live = None   # nothing may be compiled: the frame runs as written
+            return cont(*args)
+        return self._cached._miss_path().run_frame(frames, cont, args)
+
+
 class CachedFunction(Generic[_P, _R]):
     """What ``cache_compile`` returns. Call it like the method it wraps (a type checker
     sees the method's parameters and return type)."""
@@ -129,6 +144,7 @@ class CachedFunction(Generic[_P, _R]):
         self._alt_keys = [FrameKeys(method, spec.for_alternate(i))
                           for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
+        self._lookup.live_frames = _LiveFrames(self)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
         self._fallback: TraceSession | None = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
@@ -273,7 +289,7 @@ class CachedFunction(Generic[_P, _R]):
         return sum(len(v) for v in self._runners.values())
 
     # -- first call of a signature (or of a variant whose guards failed) --------------
-    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],  # noqa: C901 (today's exception: the first call's outcomes (hit, miss, refusal, fault))
                     off_gear: bool = False) -> Any:
         if self._shapes is not None:
             sig = self._automatic(sig, args, kwargs)

@@ -44,6 +44,9 @@ class CompileSpec:
     cpu_target: str | None = None
     alternates: tuple[Mapping[str, Any], ...] = ()
     cpu_unserved: str | None = None
+    # torch.compile's: False lets the graph break; every frame Dynamo compiles for a call
+    # is stored in the signature's entry (entry.frames).
+    fullgraph: bool = True
 
     def __post_init__(self) -> None:
         # Frozen all the way down: nothing the key hashed may change under it.

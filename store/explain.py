@@ -2,14 +2,15 @@
 
 Keys are named factors stored readable in every manifest, so a miss is explained by
 comparing factors leaf by leaf. ``cachectl explain`` and cachecompile's miss log line
-both use :func:`nearest`, so they name the same entry and the same factors.
+both use :func:`nearest`, so they name the same entry and the same factors; ``cachectl
+build --check`` picks among a remote tier's records by the same rule (:func:`closest`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +19,15 @@ from .protocol import Catalog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GuardDiff", "Nearest", "differing", "flatten", "guard_diff", "nearest"]
+__all__ = ["GuardDiff", "Nearest", "closest", "differing", "flatten", "guard_diff",
+           "nearest"]
 
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.
 NOT_COMPARED = ("variant",)
+# Factors that make a key another kind of entry (a graph break's frame variant, beside the
+# method's entries): an entry of another kind is never the nearest one.
+KIND_FACTORS = ("dynamo_frame",)
 
 
 @dataclass(frozen=True)
@@ -61,21 +66,33 @@ def nearest(st: Catalog, factors: Mapping[str, Any], labels: Mapping[str, str], 
     bounds how many candidates are read; ``exclude`` is a digest to pass over (the
     entry being explained).
     """
+    def candidates() -> Iterator[tuple[str, Mapping[str, Any]]]:
+        seen = 0
+        for info in st.find(**labels):
+            if info.key == exclude:
+                continue
+            if limit is not None and seen >= limit:
+                return
+            seen += 1
+            try:
+                yield info.key, st.manifest(info.key)["factors"]
+            except (StoreError, OSError, KeyError):
+                continue  # a manifest that went away or fails its digest: not a candidate
+
+    return closest(factors, candidates())
+
+
+def closest(factors: Mapping[str, Any],
+            candidates: Iterable[tuple[str, Mapping[str, Any]]]) -> Nearest | None:
+    """Of the (key, factors) ``candidates``, the one with the fewest factors that differ
+    from ``factors``; the first on a tie; None if there is none."""
     best: Nearest | None = None
-    seen = 0
-    for info in st.find(**labels):
-        if info.key == exclude:
+    for key, other in candidates:
+        if any((k in other) != (k in factors) for k in KIND_FACTORS):
             continue
-        if limit is not None and seen >= limit:
-            break
-        seen += 1
-        try:
-            other = st.manifest(info.key)["factors"]
-        except (StoreError, OSError, KeyError):
-            continue  # a manifest that went away or fails its digest: not a candidate
         diff = differing(factors, other, ignore=NOT_COMPARED)
         if best is None or len(diff) < len(best.differ):
-            best = Nearest(info.key, diff)
+            best = Nearest(key, diff)
     return best
 
 

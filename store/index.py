@@ -61,6 +61,7 @@ import sqlite3
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -310,6 +311,7 @@ class Index:
         self._on_unsafe = on_unsafe
         # A read-only index cannot repair itself: its failure is warned about once.
         self._warned = False
+        _LIVE.add(self)
 
     @property
     def db(self) -> Path:
@@ -412,14 +414,22 @@ class Index:
         """The rows of a scan, streamed from a connection of their own (its snapshot is
         what was committed when it began; this process may write meanwhile)."""
         con = self._db()
-        if self._readonly:
-            scan = con
-        else:
-            with self._lock:
+        with self._lock:
+            if self._readonly:
+                scan = con
+            else:
                 if self._scan is None:
                     self._scan = _connect(self.db, readonly=True)
                 scan = self._scan
-        yield from scan.execute(sql, args)
+            cursor = scan.execute(sql, args)
+        # Stepped under the lock, a batch at a time: no thread is inside SQLite while
+        # another forks (see _before_fork), and a long scan does not hold off the writes.
+        while True:
+            with self._lock:
+                rows = cursor.fetchmany(_SCAN_BATCH)
+            if not rows:
+                return
+            yield from rows
 
     @property
     def readonly(self) -> bool:
@@ -430,6 +440,28 @@ class Index:
         """The same index, opened read-only (a read-only store's: never written)."""
         return Index(self.path, self._guard, self._on_unsafe, readonly=True,
                      shared=self._shared)
+
+    # -- fork ------------------------------------------------------------------
+    def _before_fork(self) -> None:
+        """Hold both locks across the fork: no other thread is then inside SQLite or
+        half-way through the hits queue, in the parent or the child's copy of it."""
+        self._hits_lock.acquire()
+        self._lock.acquire()
+
+    def _after_fork_in_parent(self) -> None:
+        self._lock.release()
+        self._hits_lock.release()
+
+    def _after_fork_in_child(self) -> None:
+        """A child opens its own connections: SQLite's are not to be used across a
+        fork, nor closed (closing may checkpoint the parent's WAL); they are kept, never
+        touched. The parent's queued hits are the parent's to write."""
+        _INHERITED.extend(c for c in (self._scan, self._con) if c is not None)
+        self._scan = self._con = None
+        self._lock = threading.RLock()
+        self._hits_lock = threading.Lock()
+        self._hits = []
+        self._hits_timer = None
 
     def close(self) -> None:
         self.flush_hits()
@@ -681,3 +713,35 @@ class Index:
     def zero(self) -> None:
         with self._tx() as con:
             con.execute("DELETE FROM counters")
+
+
+
+# Every index this process opened (weakly), those locked for the fork in progress (a
+# WeakSet may lose one between the hooks), and the connections a forked child inherited
+# (kept open, never used: see Index._after_fork_in_child).
+_LIVE: weakref.WeakSet[Index] = weakref.WeakSet()
+_FORKING: list[Index] = []
+_INHERITED: list[sqlite3.Connection] = []
+# Rows a scan reads per step under the index's lock.
+_SCAN_BATCH = 256
+
+
+def _before_fork() -> None:
+    _FORKING[:] = list(_LIVE)
+    for index in _FORKING:
+        index._before_fork()
+
+
+def _after_fork(child: bool) -> None:
+    for index in _FORKING:
+        if child:
+            index._after_fork_in_child()
+        else:
+            index._after_fork_in_parent()
+    _FORKING.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to survive
+    os.register_at_fork(before=_before_fork,
+                        after_in_parent=lambda: _after_fork(child=False),
+                        after_in_child=lambda: _after_fork(child=True))

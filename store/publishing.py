@@ -164,7 +164,7 @@ def remove(layout: Layout, index: Index, digest: str, *, respect_pins: bool, kin
 RM_THREADS = 16
 
 
-def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pins: bool,
+def remove_many(layout: Layout, index: Index, digests: list[str], *, respect_pins: bool,  # noqa: C901 (today's exception: pins, index and disk for each digest)
                 kind: str, pool: Executor | None = None,
                 then: Callable[[str], None] | None = None) -> list[str]:
     """:func:`remove` of each of ``digests``, with one pin scan and one index transaction

@@ -71,7 +71,7 @@ class Setting(Generic[T]):
         if raw is None:
             return self.default
         if raw.strip() == "":
-            return self.default if self.blank is _UNSET else self.blank  # type: ignore[no-any-return]
+            return self.default if self.blank is _UNSET else self.blank
         try:
             return self.parse(raw)
         except (ValueError, StoreInputError) as e:

@@ -42,6 +42,7 @@ import logging
 import os
 import queue
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -94,20 +95,35 @@ class Uploader:
     A full queue drops the upload (another node, or the next run, will publish it): a
     publish must never wait on the network. At exit the process waits at most
     ``$CACHECOMPILE_REMOTE_FLUSH_TIMEOUT`` seconds (default 5) for the queue to drain.
+    A forked child starts with an empty queue and a thread of its own (the parent's
+    thread is not in it, and the parent uploads what it queued).
     """
 
     def __init__(self, remote: Remote, maxsize: int | None = None) -> None:
         self.remote = remote
         size = maxsize or settings.REMOTE_QUEUE.get()
-        self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=max(size, 1))
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._pid = os.getpid()
+        self._size = max(size, 1)
+        self._pid = 0
+        self._own_process()
         self._dropped_warned = False
         self.uploaded = 0
         self.failed = 0
 
+    def _own_process(self) -> None:
+        """A queue, a lock and (later) a thread of this process's own: in a forked child
+        the parent's may be held by its upload thread, which the child does not have
+        (what the parent had queued is the parent's to upload). The one pid check of the
+        uploader, run first by everything that touches the queue; the remote's client is
+        the remote's own to re-create (``BlobRemote.reset_client``)."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._q: queue.Queue[tuple[Entry, bool]] = queue.Queue(maxsize=self._size)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
     def submit(self, entry: Entry, overwrite: bool = False) -> bool:
+        self._own_process()
         self._ensure_thread()
         try:
             self._q.put_nowait((entry, overwrite))
@@ -120,13 +136,6 @@ class Uploader:
         return True
 
     def _ensure_thread(self) -> None:
-        if self._pid != os.getpid():
-            # A forked child has the parent's queue and thread object, not its thread:
-            # start over (what the parent had queued is the parent's to upload).
-            self._q = queue.Queue(maxsize=self._q.maxsize)
-            self._thread = None
-            self._start_lock = threading.Lock()
-            self._pid = os.getpid()
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cachecompile-upload",
@@ -134,7 +143,19 @@ class Uploader:
                 self._thread.start()
                 # weakref: the atexit hook must not keep a closed store's uploader alive.
                 ref = weakref.ref(self)
-                atexit.register(lambda: (u := ref()) is not None and u.flush())
+
+                def flush() -> None:
+                    u = ref()
+                    if u is not None:
+                        u.flush()
+
+                atexit.register(flush)
+                mp_util = sys.modules.get("multiprocessing.util")
+                if mp_util is not None:
+                    # A multiprocessing child (a forked Pool worker...) leaves through
+                    # os._exit: no atexit hook runs there, only multiprocessing's own
+                    # finalizers, and its uploads were dropped.
+                    mp_util.Finalize(None, flush, exitpriority=0)
 
     def _run(self) -> None:
         while True:
@@ -162,10 +183,12 @@ class Uploader:
                 self._q.task_done()
 
     def pending(self) -> int:
+        self._own_process()
         return self._q.unfinished_tasks
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained; False if ``timeout`` ran out first."""
+        self._own_process()
         if timeout is None:
             timeout = settings.REMOTE_FLUSH_TIMEOUT.get()
         deadline = time.monotonic() + timeout
@@ -332,7 +355,7 @@ class TieredStore(Wrapper[S]):
             level.remote.close()
         self.inner.close()
 
-    def _fetch_into(self, level: Level, target: DiskStorage, key: Key | str, digest: str, *,
+    def _fetch_into(self, level: Level, target: DiskStorage, key: Key | str, digest: str, *,  # noqa: C901 (today's exception: each download fault is a named miss)
                     lookup: bool = True) -> Hit | None:
         """Download ``digest`` from ``level`` into ``target`` and return its local Hit;
         None on any failure.
@@ -433,14 +456,24 @@ def sweep_scratch(parent: Path) -> int:
     return removed
 
 
+def _remove_own(root: Path, pid: int) -> None:
+    """The exit hook of a scratch store: a forked child inherits the hook, and must not
+    remove the store its parent still serves from."""
+    if os.getpid() == pid:
+        rmtree_quiet(root)
+
+
 def scratch_store(max_size: int) -> Callable[[], Store]:
     """A backfill for a read-only node: a private store made on first use and removed at
     exit (remote hits must land somewhere this process may write); one left by a
-    process that was killed is swept by the next one."""
-    made: list[Store] = []
+    process that was killed is swept by the next one. A forked child makes its own: the
+    parent's is removed when the parent exits, and only by the parent."""
+    made: dict[int, Store] = {}  # by the pid of the process that made it
 
     def get() -> Store:
-        if not made:
+        st = made.get(os.getpid())
+        if st is None:
+            made.clear()  # the parent's, if we were forked: the parent's to keep and remove
             try:
                 parent = scratch_parent()
                 swept = sweep_scratch(parent)
@@ -453,9 +486,9 @@ def scratch_store(max_size: int) -> Callable[[], Store]:
             except (OSError, errors.StoreError) as e:
                 logger.warning("cannot make a scratch store for remote hits: %s", e)
                 raise
-            atexit.register(rmtree_quiet, root)
-            made.append(st)
-        return made[0]
+            atexit.register(_remove_own, root, os.getpid())
+            made[os.getpid()] = st
+        return st
 
     return get
 

@@ -239,7 +239,7 @@ def _inspect(layout: Layout, digest: str, full: bool | None,
         os.close(fd)
 
 
-def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_result,
+def _inspect_dir(layout: Layout, digest: str, edir: Path, fd: int, dst: os.stat_result,  # noqa: C901 (today's exception: one check per kind of entry damage)
                  full: bool | None, seen: list[StatRecord] | None = None) -> Entry:
     """:func:`inspect` of the entry directory open as ``fd`` (``dst``: its stat). Each
     lstat made on the way is added to ``seen`` (what a :data:`Stamp` covers)."""

@@ -116,7 +116,10 @@ class Sandbox:
             d.mkdir(parents=True, exist_ok=True)
         return {k: str(v) for k, v in dirs.items()}
 
-    def env(self, *, fresh_inductor: bool | None = None, **extra: str) -> dict[str, str]:
+    def env(self, *, fresh_inductor: bool | None = None,
+            environ: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+        """The child's environment: the sandbox's, then ``environ`` (a whole mapping, e.g. a
+        remote server's settings), then ``extra``."""
         shared = shared_inductor_dirs()
         env = dict(os.environ)
         for k in list(env):
@@ -129,6 +132,7 @@ class Sandbox:
         env["PYTHONWARNINGS"] = "default"
         fresh = self.fresh_inductor if fresh_inductor is None else fresh_inductor
         env.update(self.fresh_inductor_dirs() if fresh or shared is None else shared)
+        env.update(environ or {})
         env.update(extra)
         return env
 
@@ -142,7 +146,7 @@ class Sandbox:
 
     def run(self, code: str, *, timeout: float = 600, check: bool = True,
             fresh_inductor: bool | None = None, compiles: bool | None = None,
-            **extra: str) -> Any:
+            environ: Mapping[str, str] | None = None, **extra: str) -> Any:
         """Run ``code`` in a fresh process; it reports with ``report(obj)``.
 
         The process is a fork of one of the test process's zygotes (tests/zygote.py) or a
@@ -155,7 +159,7 @@ class Sandbox:
                 print("RESULT " + _json.dumps(obj), flush=True)
         """)
         body = textwrap.dedent(code)
-        env = self.env(fresh_inductor=fresh_inductor, **extra)
+        env = self.env(fresh_inductor=fresh_inductor, environ=environ, **extra)
         # A zygote starts from a sandbox's plain environment (shared dirs, no extras),
         # not from the first child's: children with extras then fit where they can.
         base = self.env(fresh_inductor=False) if shared_inductor_dirs() is not None else env

@@ -16,13 +16,8 @@ from typing import Any
 from cachecompile.store import errors
 from cachecompile.store.fsutil import write_new_file
 from cachecompile.store.outcomes import Entry
-from cachecompile.store.remote.base import (
-    BlobRemote,
-    RemoteConfig,
-    parse_records,
-    refuse_readonly,
-)
-from cachecompile.store.signing import Record, Trust
+from cachecompile.store.remote.base import BlobRemote, RemoteConfig, refuse_readonly
+from cachecompile.store.signing import Trust
 
 
 class MemoryRemote(BlobRemote):
@@ -54,7 +49,8 @@ class MemoryRemote(BlobRemote):
         raw = self.records_.get(digest)
         return None if raw is None else (raw, raw)
 
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+    def write_record(self, digest: str, data: bytes, tag: object | None, *,
+                     blind: bool = False) -> bool:
         self._io("put record")
         with self._lock:
             if self.records_.get(digest) != tag:
@@ -94,9 +90,9 @@ class MemoryRemote(BlobRemote):
         self._io("exists")
         return digest in self.records_
 
-    def records(self) -> Iterator[Record]:
+    def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         self._io("list")
-        return parse_records(iter(list(self.records_.items())))
+        return iter(list(self.records_.items()))
 
     def delete(self, digest: str) -> bool:
         refuse_readonly(self.config)

@@ -31,6 +31,29 @@ def test_ruff() -> None:
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+# -- the complexity gate: its exceptions only shrink ------------------------------------------
+# Today's functions over C901 12 (issue 52): 20 marked noqa on their def line, and 4 files of entry/
+# in per-file-ignores (its Checker rewrite removes them). Lower these when a split lands;
+# a new exception is a function to split, not a number to raise.
+C901_NOQA_MAX = 20
+C901_FILES_MAX = 4
+
+
+def test_complexity_gate_is_on_and_its_exceptions_do_not_grow() -> None:
+    import tomllib
+
+    lint = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert "C901" in lint["select"] and lint["mccabe"]["max-complexity"] <= 12
+    files = [f for f, codes in lint["per-file-ignores"].items() if "C901" in codes]
+    assert len(files) <= C901_FILES_MAX, files
+    marked = [f"{path.relative_to(REPO)}:{n}"
+              for top in ("cachecompile", "store", "tests", "tests_npu", "tools")
+              for path in sorted((REPO / top).rglob("*.py"))
+              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+              if re.search(r"#\s*noqa:[^#]*\bC901\b", line)]
+    assert len(marked) <= C901_NOQA_MAX, marked
+
+
 def test_mypy() -> None:
     # Packages to check come from [tool.mypy] in pyproject.toml; tools/typecheck.py puts
     # store/ in its installed place (cachecompile.store) so the store is checked with its

@@ -195,7 +195,7 @@ def main() -> None:
     if a.config_reads_exact:
         from cachecompile.entry import guard_kinds
 
-        guard_kinds._config_getattribute = lambda: None  # type: ignore[assignment]
+        guard_kinds._config_getattribute = lambda: None
     rows = []
     trees: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-guards-") as d:

@@ -21,7 +21,7 @@ class HfPrefill(LlmRunner):
     """``prefill(input_ids)`` returns the logits: the method every mechanism runs."""
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.model(input_ids=input_ids, use_cache=False).logits  # type: ignore[no-any-return]
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.prefill(input_ids)

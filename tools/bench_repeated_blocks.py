@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,7 +100,7 @@ def main() -> None:
     if a.child:
         child(a.child[0], int(a.child[1]))
         return
-    rows = []
+    rows: list[tuple[str, Any, str, dict[str, object], int, int | str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         n = 0

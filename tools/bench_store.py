@@ -36,7 +36,7 @@ from cachecompile.store import (  # noqa: E402
 )
 
 
-def median_time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+def median_time(fn, reps: int) -> float:
     out = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -190,7 +190,7 @@ def main() -> None:
         # `cachectl ls` over many entries, whole process. Filling 10,000 entries with a
         # full fsync each would take minutes and is not what is measured here: skip fsync.
         real_fsync, real_fsync_dir = os.fsync, publishing.fsync_dir
-        os.fsync = lambda fd: None  # type: ignore[assignment]
+        os.fsync = lambda fd: None
         publishing.fsync_dir = lambda p: None  # type: ignore[assignment]
         big = open_store(work / "many")
         assert isinstance(big, Store)
@@ -200,7 +200,7 @@ def main() -> None:
                 {"code.py": f"x = {i}\n".encode()},
                 labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)},
             )
-        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
+        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir
         cmd = [sys.executable, "-m", "cachecompile.cli.main", "ls", "--cache-dir", str(big.root)]
         subprocess.run(cmd, env=env, capture_output=True, check=True)
         t_ls = median_time(
@@ -227,7 +227,7 @@ def _fill(root: Path, n: int) -> Store:
     """``n`` small entries in seven models, without fsync (filling is not what is timed).
     Entries already on disk are kept (a reused store is only topped up)."""
     real_fsync, real_fsync_dir = os.fsync, publishing.fsync_dir
-    os.fsync = lambda fd: None  # type: ignore[assignment]
+    os.fsync = lambda fd: None
     publishing.fsync_dir = lambda p: None  # type: ignore[assignment]
     try:
         st = open_store(root)
@@ -241,7 +241,7 @@ def _fill(root: Path, n: int) -> Store:
                    labels={"model": f"m{i % 7}", "function": "forward", "ranks": str(i % 8)})
         return st
     finally:
-        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir  # type: ignore[assignment]
+        os.fsync, publishing.fsync_dir = real_fsync, real_fsync_dir
 
 
 def _env() -> dict[str, str]:
@@ -326,14 +326,14 @@ def _gc_under_readers(root: Path, n: int, env: dict[str, str], py: list[str],
                               env=env) for r in range(readers)]
     try:
         time.sleep(2.0 if readers else 0.0)  # readers started and looking up
-        before = sum(1 for _ in open_store(root).digests())
+        before = sum(1 for _ in open_store(root).maintenance().digests())
         st = open_store(root)
         assert isinstance(st, Store)
         # Entries are alike in size: evicting a share of the bytes evicts that share of them.
         cap = int(st.stats(recount=True)["bytes"] * (1 - min(n // 2, most) / n))
         wall, _, _ = _child([*py, "-m", "cachecompile.cli.main", "gc", "--max-size",
                              str(cap), "--cache-dir", str(root)], env)
-        after = sum(1 for _ in open_store(root).digests())
+        after = sum(1 for _ in open_store(root).maintenance().digests())
     finally:
         for p in procs:
             p.kill()

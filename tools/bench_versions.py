@@ -90,7 +90,7 @@ def table(results: list[dict[str, Any]], model: str, only: tuple[str, ...]) -> s
         eager.append(statistics.median(e) if e else None)
     for mech in (m for m in STARTUP if m in only):
         cells = []
-        for rows, e in zip(by_release, eager, strict=True):
+        for rows, base in zip(by_release, eager, strict=True):
             row = rows.get(mech)
             if row is None:
                 cells.append("-")
@@ -101,7 +101,7 @@ def table(results: list[dict[str, Any]], model: str, only: tuple[str, ...]) -> s
                 cells.append(status or "failed")
                 continue
             med = statistics.median(firsts)
-            over = "" if e is None or mech == "eager" else f" ({med - e:+.2f} s)"
+            over = "" if base is None or mech == "eager" else f" ({med - base:+.2f} s)"
             cells.append(f"{med:.2f} s{over}")
         lines.append(f"| {LABELS[mech]} | " + " | ".join(cells) + " |")
     if not any(m in MICRO for m in only):

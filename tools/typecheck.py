@@ -1,4 +1,5 @@
-"""mypy over cachecompile with the store in its installed place (``cachecompile.store``).
+"""mypy over cachecompile, tests/ and tools/ (pyproject's ``files``) with the store in its
+installed place (``cachecompile.store``); an unused ``type: ignore`` is an error.
 
 ``store/`` is a top-level folder that installs as ``cachecompile.store`` (pyproject's
 package-dir). mypy finds modules by path, so on the checkout alone it cannot see the store

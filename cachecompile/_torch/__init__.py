@@ -9,6 +9,8 @@ banned-api rule, TID251, keeps it so; see pyproject.toml), one module per concer
                            SDPBackend, operators, pytree, what is imported
 * :mod:`.dynamo_shim`      the stand-in for ``torch._dynamo.utils`` in replayed bytecode
 * :mod:`.guard_tree`       warm path: Dynamo's C++ guard tree, built without Dynamo
+* :mod:`.frames`           warm path: a stored frame run in place of a called function's
+                           code (Dynamo's run-only frame hook), without Dynamo
 * :mod:`.inductor_runtime` the stand-ins for the Inductor names that output code imports
 * :mod:`.dynamo`           cold path: tracing, guards, the names Dynamo resolves,
                            transformed bytecode, AOTAutograd
@@ -33,6 +35,7 @@ from collections.abc import Iterable
 from cachecompile._torch import (
     dynamo,
     dynamo_shim,
+    frames,
     inductor,
     inductor_runtime,
     passes,
@@ -47,7 +50,7 @@ DYNAMO = "dynamo"
 INDUCTOR = "inductor"
 
 _NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "warm": runtime.NEEDS + dynamo_shim.NEEDS + inductor_runtime.NEEDS,
+    "warm": runtime.NEEDS + dynamo_shim.NEEDS + inductor_runtime.NEEDS + frames.NEEDS,
     DYNAMO: dynamo.NEEDS,
     INDUCTOR: inductor.NEEDS + passes.NEEDS,
 }

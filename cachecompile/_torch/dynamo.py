@@ -57,6 +57,9 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.variables.misc", "GetAttrVariable"),
     ("torch._dynamo.variables.misc", "SuperVariable"),
     ("torch._dynamo.variables.nn_module", "NNModuleVariable"),
+    ("torch._dynamo.convert_frame", "_compile"),
+    ("torch._dynamo.convert_frame", "initial_global_state"),
+    ("torch._dynamo.convert_frame", "input_codes"),
 )
 
 
@@ -207,7 +210,7 @@ def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
 
 def transformed_code(code: types.CodeType) -> list[types.CodeType]:
     """The transformed code object of each entry in Dynamo's cache for ``code``."""
-    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)  # type: ignore[attr-defined]
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
     return [entry.code for entry in entries]
 
 
@@ -225,7 +228,7 @@ def aot_inference(on_forward: Callable[[torch.fx.GraphModule], None],
         on_forward(fx_gm)
         return make_boxed_func(fx_gm.forward)
 
-    return aot_autograd(fw_compiler=fw_compiler,  # type: ignore[no-any-return]
+    return aot_autograd(fw_compiler=fw_compiler,
                         decompositions=dict(decompositions) if decompositions else {},
                         keep_inference_input_mutations=True)
 
@@ -713,3 +716,97 @@ def _looked_in(tx: Any, vt: Any) -> Any:
                        PythonModuleVariable)):
         return getattr(vt, "value", _NO_VALUE)
     return _NO_VALUE
+# -- the frame Dynamo is compiling (graph breaks: several frames per call) ------------------
+@dataclasses.dataclass(frozen=True)
+class CompilingFrame:
+    """The frame Dynamo is converting, as its own ``convert_frame._compile`` holds it: the
+    code object, its transformed code (once made: None inside the backend), the frame's
+    globals and its locals at entry (the frame's arguments)."""
+
+    code: types.CodeType
+    out_code: types.CodeType | None
+    f_globals: dict[str, Any]
+    f_locals: dict[str, Any]
+
+
+# The functions of torch/_dynamo/convert_frame.py whose locals name the frame being
+# converted: ``_compile(code, globals, locals, ...)`` and its ``_compile_inner``, which
+# holds the transformed code as ``out_code`` once made (2.13 and 2.14 spell them so).
+_COMPILE = "_compile"
+_COMPILE_INNER = "_compile_inner"
+
+
+def compiling_frame() -> CompilingFrame | None:
+    """The frame Dynamo is converting, read from its own call stack; called from inside
+    a backend or a ``guard_filter_fn`` (which Dynamo calls while converting one frame).
+    None where the stack holds no such frame (another release's layout)."""
+    f: Any = sys._getframe(1)
+    inner: Any = None
+    while f is not None:
+        code = f.f_code
+        if code.co_filename.endswith("convert_frame.py"):
+            if code.co_name == _COMPILE_INNER and inner is None:
+                inner = f
+            elif code.co_name == _COMPILE:
+                loc = f.f_locals
+                frame_code, g, l_ = loc.get("code"), loc.get("globals"), loc.get("locals")
+                if not (isinstance(frame_code, types.CodeType) and isinstance(g, dict)
+                        and isinstance(l_, dict)):
+                    return None
+                out = inner.f_locals.get("out_code") if inner is not None else None
+                return CompilingFrame(frame_code,
+                                      out if isinstance(out, types.CodeType) else None,
+                                      g, dict(l_))
+        f = f.f_back
+    return None
+
+
+def frame_entry_state() -> str | None:
+    """Dynamo's global-state snapshot taken when it began converting the current frame
+    (what that frame's GLOBAL_STATE guard compares with), as :func:`runtime.global_state`
+    spells it; None outside a conversion."""
+    from torch._dynamo import convert_frame
+
+    state = getattr(convert_frame, "initial_global_state", None)
+    return None if state is None else str(state.__getstate__())
+
+
+def graph_callable(value: Any) -> Any:
+    """What a backend returned, from the ``__compiled_fn_*`` global Dynamo installed for
+    it (``torch._dynamo.disable`` wraps it)."""
+    seen = 0
+    while seen < 8 and hasattr(value, "__wrapped__"):
+        value = value.__wrapped__
+        seen += 1
+    return value
+
+
+def resume_code(value: Any) -> types.CodeType | None:
+    """The code of a resume function from the ``__resume_at_*`` global Dynamo installed:
+    the function itself, or (for code with free variables) a factory taking the closure,
+    whose own closure holds the code."""
+    if isinstance(value, types.FunctionType):
+        if value.__code__.co_name.startswith("torch_dynamo_resume_in_"):
+            return value.__code__
+        for cell in value.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(contents, types.CodeType):
+                return contents
+    return None
+
+
+def is_resume_code(code: types.CodeType) -> bool:
+    """Whether Dynamo generated ``code`` as a continuation after a graph break."""
+    return code.co_name.startswith("torch_dynamo_resume_in_")
+
+
+def ran_as_written(code: types.CodeType) -> bool:
+    """Whether Dynamo met a frame of ``code`` and left it as written (it skipped it: no
+    graph, a break it cannot resume from), rather than never meeting one: the code is
+    among those Dynamo was asked to convert and it has no compiled entry."""
+    from torch._dynamo.convert_frame import input_codes
+
+    return code in input_codes and not transformed_code(code)

@@ -26,15 +26,15 @@ DYNAMO_UTILS = "torch._dynamo.utils"
 
 
 def call_size(x: Any, i: int) -> int:
-    return x.size(i)  # type: ignore[no-any-return]
+    return x.size(i)
 
 
 def call_stride(x: Any, i: int) -> int:
-    return x.stride(i)  # type: ignore[no-any-return]
+    return x.stride(i)
 
 
 def call_storage_offset(x: Any) -> int:
-    return x.storage_offset()  # type: ignore[no-any-return]
+    return x.storage_offset()
 
 
 # Stateless, so one serves every call: replayed bytecode enters it on each call while no
@@ -56,18 +56,40 @@ def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -
     cm.__exit__(None, None, None)
 
 
-class _UtilsShim(types.ModuleType):
+class _LazyShim(types.ModuleType):
+    """A module of our own copies; any other name is the real module's (imported then)."""
+
     def __getattr__(self, name: str) -> Any:
         # Kept once looked up: replayed bytecode reads it on every call.
-        value = getattr(importlib.import_module(DYNAMO_UTILS), name)
+        value = getattr(importlib.import_module(self.__name__), name)
         setattr(self, name, value)
         return value
 
 
-utils = _UtilsShim(DYNAMO_UTILS)
+utils = _LazyShim(DYNAMO_UTILS)
 for _name in ("call_size", "call_stride", "call_storage_offset",
               "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
     setattr(utils, _name, globals()[_name])
+
+DYNAMO_FUNCTIONS = "torch._dynamo.variables.functions"
+
+
+def _create_nested_fn(code: types.CodeType, f_globals: dict[str, Any], name: str,
+                      defaults: tuple[Any, ...] | None, closure: tuple[Any, ...] | None,
+                      kwdefaults: dict[str, Any] | None, annotations: Any) -> types.FunctionType:
+    """A nested function rebuilt after a graph break, as Dynamo's helper of this name makes
+    it (annotations may come as a flat tuple of name, value pairs)."""
+    func = types.FunctionType(code, f_globals, name, defaults, closure)
+    func.__kwdefaults__ = kwdefaults
+    if isinstance(annotations, tuple):
+        annotations = dict(zip(annotations[::2], annotations[1::2], strict=True))
+    func.__annotations__ = annotations
+    return func
+
+
+functions = _LazyShim(DYNAMO_FUNCTIONS)
+functions._create_nested_fn = _create_nested_fn  # type: ignore[attr-defined]
+
 
 POLYFILL_BUILTINS = "torch._dynamo.polyfills.builtins"
 
@@ -94,7 +116,8 @@ class _PolyfillBuiltinsShim(types.ModuleType):
 
 
 _STANDINS: dict[str, types.ModuleType] = {
-    DYNAMO_UTILS: utils, POLYFILL_BUILTINS: _PolyfillBuiltinsShim(POLYFILL_BUILTINS)}
+    DYNAMO_UTILS: utils, DYNAMO_FUNCTIONS: functions,
+    POLYFILL_BUILTINS: _PolyfillBuiltinsShim(POLYFILL_BUILTINS)}
 
 
 def standin(module_name: str) -> types.ModuleType | None:

@@ -47,7 +47,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch", "_C._dispatch_keys"),
 )
 
-_G: Any = getattr(torch._C, "_dynamo", None) and torch._C._dynamo.guards  # type: ignore[attr-defined]
+_G: Any = getattr(torch._C, "_dynamo", None) and torch._C._dynamo.guards
 
 
 # The flags the C++ reads from torch._dynamo.config when it creates a manager; their

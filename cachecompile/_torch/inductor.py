@@ -121,7 +121,7 @@ def _plain_isa(vec: str) -> Any:
         isa = cpu_vec_isa.VecAVX2()
     elif vec == "avx512":
         @dataclasses.dataclass
-        class PlainAVX512(cpu_vec_isa.VecAVX512):  # type: ignore[misc, name-defined]
+        class PlainAVX512(cpu_vec_isa.VecAVX512):
             # A class of its own: VecISA instances compare equal by class and fields, and
             # Inductor caches __bool__ and the bf16 answer per equal instance.
             __hash__ = cpu_vec_isa.VecAVX512.__hash__

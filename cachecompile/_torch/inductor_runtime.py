@@ -55,7 +55,7 @@ def assert_tensor_metadata(tensor: torch.Tensor | None, expected_size: tuple[Any
     if tensor.dtype != expected_dtype:
         op_msg = f"\nError in op: {op_name}" if op_name else ""
         raise RuntimeError(f"expected dtype {expected_dtype} but got {tensor.dtype}{op_msg}")
-    torch._C._dynamo.guards.assert_size_stride(  # type: ignore[attr-defined]
+    torch._C._dynamo.guards.assert_size_stride(
         tensor, expected_size, expected_stride, op_name)
 
 
@@ -126,7 +126,7 @@ def load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
         sys.modules[name] = module
-    return module.kernel  # type: ignore[no-any-return]
+    return module.kernel
 
 
 class LightAsyncCompile:

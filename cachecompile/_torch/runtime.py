@@ -44,9 +44,9 @@ def global_state() -> str:
 
 def global_state_check(state: str) -> Callable[[], bool]:
     """A check that the global state is still ``state`` (a :func:`global_state` snapshot)."""
-    g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
+    g = torch._C._dynamo.guards.GlobalStateGuard()
     g.__setstate__(state)  # type: ignore[attr-defined]
-    return g.check  # type: ignore[no-any-return]
+    return g.check
 
 
 def global_state_difference(state: str) -> str | None:
@@ -59,9 +59,9 @@ def global_state_difference(state: str) -> str | None:
     now = global_state()
     if now == state:
         return None
-    g = torch._C._dynamo.guards.GlobalStateGuard()  # type: ignore[attr-defined]
+    g = torch._C._dynamo.guards.GlobalStateGuard()
     g.__setstate__(state)  # type: ignore[attr-defined]
-    named = "" if g.check() else str(g.reason() or "").strip()  # type: ignore[attr-defined]
+    named = "" if g.check() else str(g.reason() or "").strip()
     try:
         then, current = json.loads(state), json.loads(now)
     except ValueError:
@@ -166,7 +166,7 @@ def as_tensor_fullprec(value: Any) -> Any:
     """What a shape guard's ``___as_tensor(x)`` calls (a float or int attribute Dynamo traced
     as a symbol: 2.11 and 2.12 do so for module attributes under ``dynamic=True``): the
     Python number as a 0-d float64 / int64 tensor on the CPU."""
-    return torch._as_tensor_fullprec(value)  # type: ignore[attr-defined]
+    return torch._as_tensor_fullprec(value)
 
 
 def sdp_backend_name(v: Any) -> str | None:

@@ -303,14 +303,14 @@ class BareAdapter(Adapter):
             # compiled, with this call's inputs as the examples.
             gm = rebuild(doc, constants)
             try:
-                return fn(gm, list(args))  # type: ignore[no-any-return]
+                return fn(gm, list(args))
             except Exception as e:  # a backend fault must not fail the call
                 # As torch.compile with suppress_errors: the graph runs eagerly, said once.
                 logger.debug("backend %s failed on the rebuilt graph", qualname, exc_info=True)
                 fault(f"the backend {qualname} failed on the graph rebuilt from the cache "
                       f"({type(e).__name__}: {e}); this process runs that graph eagerly "
                       "(docs/usage.md, 'A bare backend callable')")
-                return gm  # type: ignore[no-any-return]
+                return gm
 
         def call(*args: Any) -> Any:
             sizes = tuple(args[i] for i in ints)

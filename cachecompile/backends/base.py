@@ -149,6 +149,6 @@ def capability(adapter: Any, name: str) -> Callable[..., Any]:
         raise AttributeError(f"{name} is not an optional capability of an adapter")
     own = getattr(adapter, name, None)
     if own is not None:
-        return own  # type: ignore[no-any-return]
+        return own
     default: Callable[..., Any] = getattr(Adapter, name).__get__(adapter)
     return default

@@ -272,7 +272,7 @@ class _RecordingAsyncCompile:
         return getattr(self._real, attr)
 
 
-def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, Any],
+def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, Any],  # noqa: C901 (today's exception: one branch per form of Inductor's output)
                      sources: Sequence[str]) -> Program:
     for opt in _UNSUPPORTED_OPTIONS:
         value = options.get(opt, inductor.config_value(opt))

@@ -30,6 +30,7 @@ from cachecompile.procs.builders import (
     BuildError,
     BuildEvent,
     BuildResult,
+    Cause,
     Checked,
     check_factory,
     prebuild_factory,
@@ -110,7 +111,7 @@ def _env_target() -> tuple[str | None, ...]:
                    "level this CPU has); repeat it or give a comma list to build several. "
                    "Default: the target $CACHECOMPILE_CPU_TARGET serves with on this CPU "
                    "(its best candidate this CPU has), else native.")
-def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,
+def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bool,  # noqa: C901 (today's exception: CLI: option checks and each report form)
               shard: shards.Shard | None, check: bool, cpu_targets: tuple[str, ...]) -> None:
     """Compile and publish every signature FACTORY lists, before serving.
 
@@ -130,6 +131,12 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
     # native compile instead).
     targets: tuple[str | None, ...] = cpu.build_targets(cpu_targets) if cpu_targets \
         else _env_target()
+    try:
+        # Under torchrun (WORLD_SIZE > 1) its ranks split the shard (or the whole matrix):
+        # each signature is built once, keyed without the launcher's rank.
+        shard = shards.within_launcher(shard, os.environ)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     if check:
         _check(cache_dir, factory, shard, targets, as_json)
         return
@@ -148,7 +155,9 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
             else:
                 bar.append(progress.add_task("building", total=e.total))
             if not as_json:
-                con.print(f"{e.total} signature(s) to build" + _of_shard(shard))
+                con.print(escape(f"{e.total} signature(s) to build" + _of_shard(shard)))
+            if e.total == 0 and shard is not None:
+                click.echo(_empty(shard, e.declared, factory), err=True)
         elif e.kind == "started" and e.task is not None and bar:
             progress.update(bar[0], description=escape(f"{e.task['name']} "
                                                        f"[{e.task['signature']}]"))
@@ -210,9 +219,21 @@ def build_cmd(cache_dir: str | None, factory: str, jobs: int | None, as_json: bo
 def _of_shard(shard: shards.Shard | None) -> str:
     if shard is None:
         return ""
+    if shard.count == 1:  # torchrun's ranks split the whole matrix
+        return f" ({shard.part} of the whole matrix)" if shard.part else ""
     # What the user typed needs no source; a variable or an engine is named.
-    return f" (shard {shard})" if shard.origin == shards.GIVEN else \
-        f" (shard {shard}, from {shard.origin})"
+    where = "" if shard.origin == shards.GIVEN else f", from {shard.origin}"
+    return f" (shard {shard}{where}" + (f"; {shard.part}" if shard.part else "") + ")"
+
+
+def _empty(shard: shards.Shard, declared: int | None, factory: str) -> str:
+    """What a shard (or a rank's part) with no signatures says: why, and that it is no
+    failure (more shards than signatures leave some empty)."""
+    of = f"the {declared} signature(s)" if declared is not None else "the signatures"
+    what = f"shard {shard}" if shard.count > 1 else "this part of the matrix"
+    part = f" ({shard.part})" if shard.part else ""
+    return (f"{what}{part} holds none of {of} {factory} declares: nothing to do here "
+            "(a split into more parts than signatures leaves some empty)")
 
 
 def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:
@@ -221,21 +242,39 @@ def _result_json(r: BuildResult, target: str | None) -> dict[str, Any]:
             "entries": list(r.entries), **({"cpu_target": target} if target else {})}
 
 
+def _differ_text(differ: Mapping[str, Any]) -> list[str]:
+    """``{factor: [here, there]}`` (:class:`~cachecompile.procs.builders.Checked`'s
+    ``nearest["differ"]``, a :class:`~cachecompile.procs.builders.Cause`'s ``differ``) as
+    ``factor (here's value here, there's there)``, values as ``cachectl explain`` prints
+    them; a factor one side lacks is ``unset`` there."""
+    def value(name: str, v: Any) -> str:
+        return "unset" if v is None else factor_text(name, v)
+
+    return [f"{n} ({value(n, v[0])} here, {value(n, v[1])} there)"
+            if isinstance(v, (list, tuple)) and len(v) == 2 else n for n, v in differ.items()]
+
+
 def _missing_line(t: Mapping[str, Any], target: str | None) -> str:
     """One ``missing`` line of ``build --check``; where the check found the entry nearest
     to the signature's key (``t["nearest"] = {"key", "differ": {factor: [here, there]}}``),
-    the factors it differs in, with both values, as ``cachectl explain`` prints them."""
+    the factors it differs in, with both values."""
     line = (f"missing  {t['name']} [{t['signature']}]  {t['key'][:12] or '(no key)'}"
             + (f"  ({target})" if target else ""))
     near = t.get("nearest")
     if not isinstance(near, Mapping) or not near.get("key"):
         return line
-    differ = near.get("differ") or {}
-    named = ([f"{n} ({factor_text(n, v[0])} here, {factor_text(n, v[1])} there)"
-              for n, v in differ.items()] if isinstance(differ, Mapping) else list(differ))
+    named = _differ_text(near.get("differ") or {})
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""
     return (f"{line}\n         nearest entry {str(near['key'])[:12]} differs in "
             f"{', '.join(named[:3]) or 'nothing keyed'}{more}")
+
+
+def _cause_text(c: Cause) -> str:
+    """A likely cause of the misses, as ``likely cause: ...`` and the JSON's
+    ``likely_causes`` say it: the advice, how many missing signatures it sets apart, and
+    its factors' values as the missing lines print them."""
+    return (f"{c.advice}. It sets {c.count} of the {c.of} missing signatures apart: "
+            f"{', '.join(_differ_text(c.differ))}")
 
 
 def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
@@ -252,23 +291,33 @@ def _check(cache_dir: str | None, factory: str, shard: shards.Shard | None,
     except BuildError as e:
         raise CliError(str(e), EXIT_PROBLEMS) from None
     missing = [(target, t) for target, c in found for t in c.missing]
+    causes = list(dict.fromkeys(_cause_text(why) for _, c in found for why in c.causes))
     if as_json:
         named = [t for t in targets if t is not None]
         click.echo(json.dumps({
             "tier": found[0][1].tier, "shard": str(shard) if shard else None,
+            **({"part": shard.part} if shard is not None and shard.part else {}),
             **({"cpu_targets": named} if named else {}),
             "declared": sum(len(c.present) + len(c.missing) for _, c in found),
             "present": sum(len(c.present) for _, c in found),
             "missing": [{**{k: t[k] for k in ("name", "signature", "key")},
-                         **({"cpu_target": target} if target else {})}
-                        for target, t in missing]}, indent=1))
+                         **({"cpu_target": target} if target else {}),
+                         **({"nearest": t["nearest"]} if "nearest" in t else {})}
+                        for target, t in missing],
+            "likely_causes": causes}, indent=1))
     else:
         for target, t in missing:
             click.echo(_missing_line(t, target))
         for target, c in found:
-            where = ", ".join(w for w in (f"shard {shard}" if shard else "", target or "") if w)
+            where = ", ".join(w for w in (f"shard {shard}" if shard and shard.count > 1
+                                          else "", shard.part if shard else "",
+                                          target or "") if w)
             click.echo(f"{f'{where}: ' if where else ''}"
                        f"{len(c.present) + len(c.missing)} signatures declared; "
                        f"{c.tier} has {len(c.present)}, lacks {len(c.missing)}")
+            if shard is not None and not (c.present or c.missing):
+                click.echo(_empty(shard, c.declared, factory), err=True)
+        for why in causes:
+            click.echo(f"likely cause: {why}")
     if missing:
         sys.exit(EXIT_PROBLEMS)

@@ -20,6 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cachecompile._version import code_label
+from cachecompile.entry import frames as frames_mod
+from cachecompile.entry.frames import FrameRecord
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.store import Maintenance, OpenStore, errors, open_store, settings
@@ -143,7 +145,8 @@ def label_options(f: F) -> F:
 RICH_MAX_ROWS = 500
 SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
-            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("frames", "right"),
+            ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
             ("state", "left"), ("code", "left"))
 
 
@@ -172,8 +175,15 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
     if len(sig) > SIGNATURE_WIDTH:
         sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
-            group, i.labels.get("dynamic", ""), sig, human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
+            group, i.labels.get("dynamic", ""), sig, _frames(i.labels),
+            human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
             _code(i)]
+
+
+def _frames(labels: Mapping[str, str]) -> str:
+    """How many of Dynamo's frames an entry holds: a method's entry (1 unless its graph
+    breaks), ``+1`` for a frame variant published after it, nothing for a shared graph."""
+    return labels.get("frames") or ("1" if labels.get("signature") else "")
 
 
 def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
@@ -188,6 +198,32 @@ def read_meta(manifest: Mapping[str, Any]) -> EntryMeta:
         adapter, fmt = got.get("adapter"), got.get("format")
         return EntryMeta(adapter=adapter if isinstance(adapter, str) else "",
                          format=fmt if isinstance(fmt, int) else -1)
+
+
+def read_frames(meta: EntryMeta) -> list[FrameRecord]:
+    """An entry's frames besides the method's own (a graph break's); none where the record
+    does not read (another format: cachectl still shows the rest)."""
+    try:
+        return list(frames_mod.read_frames(meta.frames))
+    except UnsupportedProgramError:
+        return []
+
+
+def frame_summary(r: FrameRecord) -> str:
+    """One frame in a line: what it is, and what a warm process does with it."""
+    kind = {"resume": "resume function", "callee": "called function"}.get(r.kind, r.kind)
+    if r.live:
+        what = f"compiled live in every process ({r.live})"
+    elif r.as_written:
+        what = "runs as written (Dynamo skips it too)"
+    elif not r.variants:
+        what = "no variant stored here (compiled where first reached, then published)"
+    else:
+        n = len(r.variants)
+        what = (f"{n} variant{'s' if n > 1 else ''}, "
+                f"{', '.join(str(len(v.guards)) for v in r.variants)} guards, "
+                f"{sum(len(v.graphs) for v in r.variants)} graph(s)")
+    return f"{kind}: {r.name}: {what}"
 
 
 def _code(i: EntryInfo) -> str:
@@ -263,6 +299,7 @@ def _columns(infos: list[EntryInfo], groups: dict[str, str] | None) -> list[list
         [group(lab.get("group", "")) for lab in labels],
         [lab.get("dynamic", "") for lab in labels],
         [signature(lab.get("signature", "")) for lab in labels],
+        [_frames(lab) for lab in labels],
         [size(i.size_bytes) for i in infos],
         [_when(i.created) for i in infos],
         [_when(i.last_used) for i in infos],

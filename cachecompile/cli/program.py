@@ -19,6 +19,8 @@ import marshal
 import re
 import sys
 import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -26,8 +28,10 @@ from rich.syntax import Syntax
 
 from cachecompile.entry import guard_paths
 from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
+from cachecompile.entry.frames import graph_prefix
+from cachecompile.entry.meta import EntryMeta
 
-from .common import _console, _open_local, cache_dir_option, read_meta
+from .common import _console, _open_local, cache_dir_option, frame_summary, read_frames, read_meta
 from .readable import demangle, fold_hooks, ranges
 
 # A placeholder constant as dis prints it: the repr of CONST_PREFIX and its index, e.g.
@@ -54,6 +58,39 @@ def disassemble(data: bytes, consts: list[Any]) -> str:
         return f"<{json.dumps(consts[i])}>" if i < len(consts) else m.group(0)
 
     return _PLACEHOLDER.sub(const, buf.getvalue())
+
+
+def _frames(meta: EntryMeta, data_dir: Path, no_bytecode: bool,
+            bytecode_text: Callable[[Path, list[Any]], str]) -> list[tuple[str, str, str]]:
+    """A graph break's other frames: each one's guards per variant, the continuation's own
+    code, each variant's transformed bytecode, and the graphs' programs."""
+    out: list[tuple[str, str, str]] = []
+    frames = read_frames(meta)
+    # Frame 0 is the method's own; a frame variant's entry holds none, its frame is 0.
+    for i, r in enumerate(frames, 0 if meta.head else 1):
+        out.append((f"frame {i}: {frame_summary(r)}", f"module {r.module}", "text"))
+        if r.kind == "resume" and r.code and not no_bytecode:
+            out.append((f"frame {i}: the continuation Dynamo generated (run as written where "
+                        "no variant serves)",
+                        bytecode_text(data_dir / r.code, list(r.code_consts)), "text"))
+        for j, v in enumerate(r.variants):
+            lines = [f"{k:4d}  {demangle(str(g.get('text') or g.get('expr') or g.get('kind')))}"
+                     for k, g in enumerate(v.guards)]
+            out.append((f"frame {i} variant {j}: guards ({len(v.guards)})",
+                        "\n".join(lines) or "(none)", "text"))
+            if not no_bytecode:
+                calls = ", ".join([*(f"{n} (graph {g})" for n, g in v.graphs.items()),
+                                   *v.resumes])
+                out.append((f"frame {i} variant {j}: Dynamo's transformed bytecode (calls "
+                            f"{calls or 'nothing of ours'})",
+                            bytecode_text(data_dir / v.bytecode, list(v.consts)), "text"))
+    for g in range(len(meta.graphs)):
+        for name in PROGRAM_FILES:
+            path = data_dir / graph_prefix(g) / name
+            if path.is_file():
+                out.append((f"graph {g}: {name}",
+                            path.read_text(encoding="utf-8", errors="replace"), "python"))
+    return out
 
 
 @click.command("program", short_help="Print an entry's guards, bytecode and program")
@@ -96,23 +133,28 @@ def program_cmd(cache_dir: str | None, key: str, no_bytecode: bool, tree: bool) 
                         "leaves the identity of a module's dict-held state decides are "
                         "skipped while those dicts are unchanged)",
                         guard_paths.render(guards), "text"))
+    written = _python_of(m) or "?"
+    same_python = written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]
+
+    def bytecode_text(path: Path, consts: list[Any]) -> str:
+        if not same_python:
+            return (f"(written by {written}; this is Python {sys.version.split()[0]}, "
+                    "whose marshal and dis cannot read it)")
+        try:
+            return disassemble(path.read_bytes(), consts)
+        except (OSError, ValueError, EOFError, TypeError) as e:
+            return f"(does not load: {e})"
+
     bytecode = data_dir / BYTECODE_FILE
     if not no_bytecode and bytecode.is_file():
-        written = _python_of(m) or "?"
-        if written.split()[-1].split(".")[:2] == [str(v) for v in sys.version_info[:2]]:
-            try:
-                text = disassemble(bytecode.read_bytes(), list(meta.consts))
-            except (ValueError, EOFError, TypeError) as e:
-                text = f"(does not load: {e})"
-        else:
-            text = (f"(written by {written}; this is Python {sys.version.split()[0]}, "
-                    "whose marshal and dis cannot read it)")
-        out.append(("Dynamo's transformed bytecode (calls "
-                    f"{meta.compiled_fn or '__compiled_fn'})", text, "text"))
+        calls = ", ".join([meta.compiled_fn] * bool(meta.compiled_fn) + list(meta.resumes))
+        out.append((f"Dynamo's transformed bytecode (calls {calls or 'nothing of ours'})",
+                    bytecode_text(bytecode, list(meta.consts)), "text"))
     for name in PROGRAM_FILES:
         path = data_dir / name
         if path.is_file():
             out.append((name, path.read_text(encoding="utf-8", errors="replace"), "python"))
+    out.extend(_frames(meta, data_dir, no_bytecode, bytecode_text))
     con = _console()
     tty = sys.stdout.isatty()
     for title, text, lexer in out:

@@ -8,8 +8,10 @@ one way of counting entries and one way of printing a signature, in every verb.
 * A module Dynamo traced gets one check per hook dict (``len(self._modules['fc1'].
   _forward_hooks) == 0``, eight kinds, and four global ones): :func:`fold_hooks` folds
   them into one line per group, ``fc1, fc2: no hooks (16 checks)``.
-* :func:`entries` is the one phrase for a count: ``3 entries (+3 shared graphs)``, the
-  user's entries as ``ls`` lists them, and the shared-graph entries (``ls --graphs``) apart.
+* :func:`entries` is the one phrase for a count of entries: ``3 entries (+3 shared
+  graphs)``, the user's entries as ``ls`` lists them, and the shared-graph entries (``ls
+  --graphs``) apart; :func:`plural` counts anything else the same way (``1 record``,
+  ``2 records``).
 * :func:`factor_text` prints a factor's value, the ``signature`` factor as the labels
   and log lines print it (``float32[2,16]@cpu``), never as raw JSON.
 
@@ -26,7 +28,8 @@ from typing import Any
 from cachecompile.key.sigtext import describe
 from cachecompile.store.policy import is_shared_graph
 
-__all__ = ["count", "demangle", "entries", "factor_text", "fold_hooks", "split_graphs"]
+__all__ = ["count", "demangle", "entries", "factor_text", "fold_hooks", "plural",
+           "split_graphs", "were"]
 
 # ``<module>.__import_torch_dot_nn_dot_modules_dot_module``: the module, in the function's
 # module globals, under the name Dynamo gave it ("." spelled "_dot_").
@@ -87,7 +90,7 @@ def fold_hooks(texts: Sequence[str]) -> list[tuple[list[int], str]]:
             continue
         kind = text
         indices, modules = groups[kind]
-        checks = f"({len(indices)} check{'' if len(indices) == 1 else 's'})"
+        checks = f"({plural(len(indices), 'check')})"
         out.append((indices, f"no global module hooks {checks}" if kind == "global"
                     else f"{', '.join(modules)}: no hooks {checks}"))
     return out
@@ -118,9 +121,20 @@ def split_graphs(labels: Iterable[Mapping[str, str]]) -> tuple[int, int]:
     return mine, graphs
 
 
+def plural(n: int, noun: str, many: str = "") -> str:
+    """A count and its noun, singular for one: ``1 record``, ``2 records`` (``many``: the
+    plural where it is not ``noun`` + s)."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
+def were(n: int) -> str:
+    """``1 was``, ``2 were``: a count of entries already where they were asked for."""
+    return f"{n} {'was' if n == 1 else 'were'}"
+
+
 def entries(n: int, graphs: int = 0) -> str:
     """The one way every verb counts entries: ``3 entries (+3 shared graphs)``."""
-    return f"{n} {'entry' if n == 1 else 'entries'}{_and_graphs(graphs)}"
+    return plural(n, "entry", "entries") + _and_graphs(graphs)
 
 
 def count(n: int, graphs: int = 0) -> str:
@@ -129,7 +143,7 @@ def count(n: int, graphs: int = 0) -> str:
 
 
 def _and_graphs(graphs: int) -> str:
-    return f" (+{graphs} shared graph{'' if graphs == 1 else 's'})" if graphs else ""
+    return f" (+{plural(graphs, 'shared graph')})" if graphs else ""
 
 
 def factor_text(name: str, value: Any) -> str:

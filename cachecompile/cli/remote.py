@@ -31,9 +31,8 @@ from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.keys import match_prefix
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.remote import Remote, open_levels, split_levels
+from cachecompile.store.remote import Listed, Remote, open_levels, split_levels
 from cachecompile.store.remote.push import push_entries
-from cachecompile.store.signing import Record
 from cachecompile.store.tiered import TieredStore
 
 from .common import (
@@ -46,7 +45,7 @@ from .common import (
     human_size,
     label_options,
 )
-from .readable import entries, split_graphs
+from .readable import entries, plural, split_graphs, were
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -105,20 +104,51 @@ def _progress(label: str, total: int | None) -> Iterator[Callable[[int], None]]:
         yield lambda n: bar.advance(task, n)
 
 
-def _info(rec: Record) -> EntryInfo:
+def _info(row: Listed) -> EntryInfo:
+    """A remote record as a row of the tables ``cachectl ls`` prints: a malformed one
+    with its key and its own size, and nothing else (nothing in it can be read)."""
+    rec = row.record
+    if rec is None:
+        return EntryInfo(key=row.key, size_bytes=row.size, created=0.0, last_used=0.0,
+                         hits=0, state=row.state)
     m = rec.manifest
     return EntryInfo(key=rec.key, size_bytes=rec.size_bytes, created=float(m["created"]),
                      last_used=float(m["created"]), hits=0,
                      labels={str(k): str(v) for k, v in m["labels"].items()},
-                     state="signed" if rec.sig else "unsigned")
+                     state=row.state)
+
+
+def _rows(r: Remote) -> tuple[list[EntryInfo], dict[str, str]]:
+    """Every remote record as a row, malformed ones included; what is wrong with each
+    malformed one, by key."""
+    rows = list(r.listing())
+    return [_info(x) for x in rows], {x.key: x.problem for x in rows if x.record is None}
+
+
+def _states(malformed: bool, unsigned: bool) -> set[str]:
+    """The states ``--malformed`` / ``--unsigned`` select (both: either); none: every state."""
+    return {s for s, on in (("malformed", malformed), ("unsigned", unsigned)) if on}
+
+
+def state_options(f: F) -> F:
+    f = click.option("--unsigned", is_flag=True,
+                     help="Records without a signature (left by a node without "
+                          "CACHECOMPILE_SIGNING_KEY; keyed nodes refuse them).")(f)
+    return click.option("--malformed", is_flag=True,
+                        help="Records that cannot be read (a torn or garbage write, or a "
+                             "format this version does not know): no node can load "
+                             "them.")(f)
 
 
 def _selected(infos: list[EntryInfo], keys: tuple[str, ...], want: dict[str, str],
-              resolve: Callable[[str], str]) -> list[EntryInfo]:
+              resolve: Callable[[str], str],
+              states: set[str] | None = None) -> list[EntryInfo]:
+    """The rows KEY... (prefixes) and the label filters select, and of ``states`` if any."""
     if keys:
         chosen = {resolve(k) for k in keys}
         infos = [i for i in infos if i.key in chosen]
-    return [i for i in infos if has_labels(i.labels, want)]
+    return [i for i in infos if has_labels(i.labels, want)
+            and (not states or i.state in states)]
 
 
 @click.group("remote", short_help="The remote tiers: ls, stats, purge")
@@ -130,21 +160,32 @@ def remote_group() -> None:
 @remote_group.command("ls", short_help="List the remote's entries (signed or unsigned)")
 @remote_option
 @label_options
+@state_options
 @click.option("--json", "as_json", is_flag=True)
 def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
-              function: str | None, as_json: bool) -> None:
-    """List the remote's entries (state: signed or unsigned)."""
+              function: str | None, malformed: bool, unsigned: bool, as_json: bool) -> None:
+    """List the remote's records (state: signed, unsigned or malformed)."""
     r = _remote(remote_url)
     want = _parse_labels(label, model, function)
-    infos = sorted((_info(rec) for rec in r.records()), key=lambda i: i.created,
-                   reverse=True)
-    infos = [i for i in infos if has_labels(i.labels, want)]
+    rows, problems = _rows(r)
+    infos = sorted(_selected(rows, (), want, str, _states(malformed, unsigned)),
+                   key=lambda i: i.created, reverse=True)
     if as_json:
-        click.echo(json.dumps([i.to_json() for i in infos], indent=1))
-    elif not infos:
+        click.echo(json.dumps([{**i.to_json(), **({"problem": problems[i.key]}
+                                                  if i.key in problems else {})}
+                               for i in infos], indent=1))
+        return
+    if not infos:
         click.echo(f"no entries in {r.config.display}")
-    else:
-        _console().print(_entries_table(infos))
+        return
+    _console().print(_entries_table(infos))
+    bad = [i for i in infos if i.key in problems]
+    for i in bad:
+        click.echo(f"malformed {i.key}: {problems[i.key]}", err=True)
+    if bad:
+        click.echo(f"{plural(len(bad), 'malformed record')}, which no node can load. "
+                   "`cachectl remote purge --malformed` removes them; a `cachectl push` of "
+                   "the entry with the fleet's key replaces one", err=True)
 
 
 @remote_group.command("stats", short_help="Entries, bytes and the server's space used")
@@ -167,14 +208,15 @@ def remote_stats(remote_url: str | None, as_json: bool) -> None:
 
 
 def _level_stats(r: Remote) -> dict[str, Any]:
-    recs = list(r.records())
+    rows = list(r.listing())
+    recs = [x.record for x in rows if x.record is not None]
     return {"remote": r.config.display, "readonly": r.readonly, "entries": len(recs),
             "bytes": sum(x.size_bytes for x in recs), "signed": sum(1 for x in recs if x.sig),
-            **r.info()}
+            "malformed": len(rows) - len(recs), **r.info()}
 
 
 def _print_level_stats(s: dict[str, Any]) -> None:
-    for k in ("remote", "entries", "signed"):
+    for k in ("remote", "entries", "signed", "malformed"):
         click.echo(f"{k:<16} {s[k]}")
     click.echo(f"{'size':<16} {human_size(s['bytes'])}")
     if "used_memory" in s:
@@ -192,20 +234,27 @@ def _print_level_stats(s: dict[str, Any]) -> None:
 @remote_option
 @click.argument("keys", nargs=-1)
 @label_options
-@click.option("--all", "purge_all", is_flag=True, help="Every entry.")
+@state_options
+@click.option("--all", "purge_all", is_flag=True, help="Every record, malformed ones too.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--dry-run", is_flag=True, help="Only show what would go.")
 def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str, ...],
-                 model: str | None, function: str | None, purge_all: bool, yes: bool,
-                 dry_run: bool) -> None:
-    """Remove remote entries by KEY, label or --all; then sweep unreferenced blobs."""
+                 model: str | None, function: str | None, malformed: bool, unsigned: bool,
+                 purge_all: bool, yes: bool, dry_run: bool) -> None:
+    """Remove remote records by KEY, label, state (--malformed, --unsigned) or --all; then
+    sweep unreferenced blobs. The filters given all apply (--unsigned --model M: M's
+    unsigned records); a malformed record has no labels, so name it by KEY or
+    --malformed."""
     want = _parse_labels(label, model, function)
-    if not (keys or want or purge_all):
-        raise click.UsageError("say what to purge: KEY..., --label or --all")
+    states = _states(malformed, unsigned)
+    if not (keys or want or states or purge_all):
+        raise click.UsageError("say what to purge: KEY..., --label, --malformed, --unsigned "
+                               "or --all")
     r = _remote(remote_url)
-    infos = [_info(rec) for rec in r.records()]
+    infos, _ = _rows(r)
     goes = _selected(infos, keys, want,
-                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
+                     lambda k: match_prefix(k, [i.key for i in infos], "remote entry"),
+                     states)
     if goes:
         _console().print(_entries_table(
             goes, title=f"remote: {entries(*split_graphs(i.labels for i in goes))}, "
@@ -213,15 +262,15 @@ def remote_purge(remote_url: str | None, keys: tuple[str, ...], label: tuple[str
     if dry_run:
         click.echo("dry run: nothing removed")
         return
-    if goes and not yes and not click.confirm(f"remove these {len(goes)} entries?",
-                                              default=False):
+    if goes and not yes and not click.confirm(
+            f"remove {entries(*split_graphs(i.labels for i in goes))}?", default=False):
         click.echo("aborted")
         return
     for i in goes:
         r.delete(i.key)
     swept = r.sweep()
-    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept {swept} "
-               "unreferenced blob keys")
+    click.echo(f"removed {entries(*split_graphs(i.labels for i in goes))}; swept "
+               f"{plural(swept, 'unreferenced blob key')}")
 
 
 @click.command("push", short_help="Upload local entries to the remote tier")
@@ -267,13 +316,14 @@ def _push_to(r: Remote, st: Maintenance, infos: list[EntryInfo], force: bool,
                             progress=advance,
                             on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
     click.echo(f"{entries(*split_graphs(i.labels for i in infos))}: pushed {done.sent} to "
-               f"{r.config.display}; {done.there} were there already"
-               + (f"; {done.repaired} replaced records that did not verify"
+               f"{r.config.display}; {were(done.there)} there already"
+               + (f"; replaced {plural(done.repaired, 'record')} that did not verify"
                   if done.repaired else "")
-               + (f"; {done.resigned} re-signed with the current key" if done.resigned else "")
-               + (f"; {len(done.kept)} signed records kept" if done.kept else "")
-               + (f"; {len(done.refused)} records not replaced (the server cannot do it "
-                  "safely)" if done.refused else ""))
+               + (f"; re-signed {plural(done.resigned, 'record')} with the current key"
+                  if done.resigned else "")
+               + (f"; kept {plural(len(done.kept), 'signed record')}" if done.kept else "")
+               + (f"; {plural(len(done.refused), 'record')} not replaced (the server cannot "
+                  "do it safely)" if done.refused else ""))
 
 
 @click.command("pull", short_help="Download remote entries into the local store")
@@ -288,7 +338,8 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     local = _local(cache_dir, create=True)  # pulling into a new node's cache makes it
     local.require_writable("pull entries")
     st = TieredStore(local, levels)  # a chain: nearest level first, nearer ones backfilled
-    infos = list({i.key: i for r in reversed(levels) for i in map(_info, r.records())}.values())
+    infos = list({i.key: i for r in reversed(levels)
+                  for i in (_info(Listed(rec.key, 0, rec)) for rec in r.records())}.values())
     todo = _selected(infos, keys, _parse_labels(label, model, function),
                      lambda k: match_prefix(k, [i.key for i in infos], "remote entry"))
     got: list[EntryInfo] = []
@@ -305,10 +356,10 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
     st.flush()  # what a chain's lower levels gave goes up to the nearer ones now
     shown = ", ".join(r.config.display for r in levels)
     click.echo(f"pulled {entries(*split_graphs(i.labels for i in got))} from "
-               f"{shown}; {have} were here already"
+               f"{shown}; {were(have)} here already"
                + (f"; {failed} refused or failed" if failed else ""))
     if failed:
-        raise CliError(f"{failed} entries could not be pulled", EXIT_STORE)
+        raise CliError(f"{entries(failed)} could not be pulled", EXIT_STORE)
 
 
 @click.command("export", short_help="Write entries to a bundle (.tar.zst, .tar.gz, .tar)")
@@ -342,5 +393,5 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
         rep = import_bundle(st, src, progress=advance)
     found = [st.stat(d) for d in rep.entries]
     click.echo(f"imported {entries(*split_graphs(i.labels for i in found if i is not None))} "
-               f"({human_size(rep.bytes)}) into {st.root}; {len(rep.skipped)} were there "
+               f"({human_size(rep.bytes)}) into {st.root}; {were(len(rep.skipped))} there "
                "already")

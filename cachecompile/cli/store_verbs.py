@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cachecompile._version import code_label
+from cachecompile.entry.meta import EntryMeta
 from cachecompile.store import default_root, open_store, parse_size
 from cachecompile.store.errors import StoreNotFound
 from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
@@ -38,10 +39,12 @@ from .common import (
     _plain_lines,
     _when,
     cache_dir_option,
+    frame_summary,
     group_status,
     human_size,
     label_options,
     parse_duration,
+    read_frames,
     read_meta,
 )
 from .readable import count, demangle, entries, factor_text, fold_hooks, split_graphs
@@ -190,6 +193,31 @@ def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
         con.print("  " + escape(line), soft_wrap=True)
 
 
+def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
+    """A graph break's frames: the method's own, then every other one the entry holds,
+    each with what a warm process does with it (and its value guards)."""
+    frames = read_frames(meta)
+    if not frames:
+        return
+    if meta.head:
+        con.print(f"[bold]frame[/bold]    a variant of one frame, published after the "
+                  f"signature's entry: {escape(frame_summary(frames[0]))}")
+        rest = frames[1:]
+        if rest:
+            con.print(f"         and {len(rest)} resume function(s) it calls (their variants "
+                      "are entries of their own)")
+        return
+    con.print(f"[bold]frames[/bold]   {1 + len(frames)}: the method's own (above), then "
+              "every other frame Dynamo compiled for the call")
+    for i, r in enumerate(frames, 1):
+        con.print(f"  {i:3d}  {escape(frame_summary(r))}", soft_wrap=True)
+        for j, v in enumerate(r.variants):
+            shown = [g for g in v.guards if every or g.get("kind") in _VALUE_GUARDS]
+            for g in shown:
+                text = demangle(str(g.get("text") or g.get("expr") or g.get("kind")))
+                con.print(f"         [{j}] " + escape(text), soft_wrap=True)
+
+
 @click.command("show", short_help="Show an entry: what it serves, guards, factors")
 @cache_dir_option
 @click.argument("key")
@@ -236,6 +264,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
             f"{k} {v:.2f}s" for k, v in meta.cold_phases.items()
             if isinstance(v, (int, float)))))
     _print_value_guards(con, m, all_guards)
+    _print_frames(con, meta, all_guards)
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
@@ -257,7 +286,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
 @click.argument("key2", required=False)
 @click.option("--all", "show_all", is_flag=True, help="Also list the factors that are equal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the differing factors as JSON.")
-def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,
+def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: bool,  # noqa: C901 (today's exception: CLI: one key or two, text or JSON)
                 as_json: bool) -> None:
     """Compare the factors and guards of two entries; with one KEY, against its nearest
     entry (same model and function). Guards that differ in value come first; guards that
@@ -282,6 +311,7 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
                       f"{escape(labels.get('function', '?'))}; it serves calls "
                       f"[{escape(labels.get('signature', ''))}] while these hold:")
             _print_value_guards(con, ma, show_all)
+            _print_frames(con, read_meta(ma), show_all)
             return
         b = near.key
     else:
@@ -326,6 +356,37 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
     if guards.renamed:
         con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
                   "__builtins_dict___N: the same check, folded)")
+    _explain_frames(con, read_meta(ma), read_meta(mb), a, b)
+
+
+def _explain_frames(con: Console, ma: EntryMeta, mb: EntryMeta, a: str, b: str) -> None:
+    """A graph break's frames of two entries: those only one holds, and, for a frame both
+    hold, the guards its first variants differ in."""
+    fa = {r.id: r for r in read_frames(ma)}
+    fb = {r.id: r for r in read_frames(mb)}
+    if not fa and not fb:
+        return
+    con.print(f"frames: {1 + len(fa)} vs {1 + len(fb)} (the method's own, compared above, "
+              "and the others)")
+    for fid in sorted(set(fa) | set(fb), key=lambda f: (fa.get(f) or fb[f]).name):
+        ra, rb = fa.get(fid), fb.get(fid)
+        if ra is None or rb is None:
+            r = ra or rb
+            assert r is not None
+            con.print(f"  only {(a if ra else b)[:12]}: {escape(frame_summary(r))}",
+                      soft_wrap=True)
+            continue
+        if not ra.variants or not rb.variants:
+            if frame_summary(ra) != frame_summary(rb):
+                con.print(f"  {escape(ra.name)}: {escape(frame_summary(ra))} vs "
+                          f"{escape(frame_summary(rb))}", soft_wrap=True)
+            continue
+        diff = guard_diff({"meta": {"guards": [dict(g) for g in ra.variants[0].guards]}},
+                          {"meta": {"guards": [dict(g) for g in rb.variants[0].guards]}})
+        if diff.rows:
+            con.print(f"  {escape(ra.name)}: {len(diff.rows)} guards differ", soft_wrap=True)
+            for ta, tb in diff.rows:
+                con.print(f"    {escape(ta)}  |  {escape(tb)}", soft_wrap=True)
 
 
 @click.command("purge", short_help="Remove entries by key, label, age or --all")
@@ -364,7 +425,8 @@ def purge_cmd(cache_dir: str | None, keys: tuple[str, ...], label: tuple[str, ..
     if dry_run:
         click.echo("dry run: nothing removed")
         return
-    if not yes and not click.confirm(f"remove these {len(goes)} entries?", default=False):
+    if not yes and not click.confirm(f"remove {entries(*split_graphs(i.labels for i in goes))}?",
+                                     default=False):
         click.echo("aborted")
         return
     gone = st.purge(keys=[i.key for i in goes], include_pinned=include_pinned)
@@ -407,7 +469,7 @@ def _open_counted(cache_dir: str | None) -> tuple[OpenStore, StoreNotFound | Non
 @click.option("--recount", is_flag=True,
               help="Recount entries and sizes from every record and the disk (and correct "
                    "the totals the index keeps) instead of reading those totals.")
-def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -> None:
+def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -> None:  # noqa: C901 (today's exception: CLI: text and JSON forms)
     """Entries, bytes, cap, hits, misses by reason, evictions, corruptions."""
     st, missing = _open_counted(cache_dir)
     if zero:

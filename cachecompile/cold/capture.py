@@ -18,7 +18,6 @@ capture and the adapters call it): a warm process never imports this module.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import contextvars
 import dataclasses
@@ -27,7 +26,7 @@ import logging
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,11 @@ import torch
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Compiled, Program
+from cachecompile.cold import frames as frames_mod
 from cachecompile.cold import guard_capture
+from cachecompile.cold.frames import FrameCompile, GraphCapture
 from cachecompile.entry import codeobj, guard_kinds
+from cachecompile.entry import frames as entry_frames
 from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
@@ -45,7 +47,6 @@ from cachecompile.key.deps import hash_file
 from cachecompile.key.signature import describe_types
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
-from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class Trace:
 
     bytecode: bytes
     imports: dict[str, str]          # global name in the bytecode -> module name
-    compiled_fn_name: str
-    program: Program
+    compiled_fn_name: str            # "" when the method breaks before any graph
+    program: Program | None          # None likewise
     deps: dict[str, str]             # traced user file -> content hash
     compile_seconds: float
     consts: list[Any]                # constants rebuilt on load (codeobj)
@@ -68,6 +69,9 @@ class Trace:
     # The checker's bodies derived from them (guards.Checker.lines): stored so that a warm
     # process compiles its checker without parsing a guard.
     checker_lines: dict[str, str] = dataclasses.field(default_factory=dict)
+    # A graph break (fullgraph=False): every other frame Dynamo compiled for the call
+    # (cold.frames.assemble).
+    frames: frames_mod.Assembled | None = None
 
 
 class Phases:
@@ -125,15 +129,30 @@ def _user_file_hashes(paths: list[str]) -> dict[str, str]:
     return deps_by_module(files)
 
 
-_BREAK_HINT = ("Hint: move the unsupported code (print, .item(), data-dependent Python "
-               "control flow, unsupported libraries) out of the cached method, or run "
-               "torch._dynamo.explain() on it for every break.")
+def frame_deps(compiles: Sequence[FrameCompile], traced: Sequence[str] = (),
+               classes: set[type] | None = None) -> dict[str, str]:
+    """The user files an entry depends on: what its graphs traced, the classes its guards
+    name, and each frame's own file (a callee's stored code is stale once its source
+    changes, though its frame traced nothing else)."""
+    files = list(traced)
+    all_classes = set(classes or ())
+    for c in compiles:
+        files += c.traced + [c.code.co_filename]
+        all_classes |= c.classes
+    return _user_file_hashes(files + sorted(guard_capture.class_files(all_classes)))
+
+
+_BREAK_HINT = ("Hint: pass fullgraph=False to let the graph break there (every frame is "
+               "cached with its guards: docs/usage.md, \"Graph breaks\"), move the unsupported "
+               "code (print, .item(), data-dependent Python control flow, unsupported "
+               "libraries) out of the cached method, or run torch._dynamo.explain() on it "
+               "for every break.")
 _DATA_HINT = ("Hint: a size or a Python branch here depends on the values in a tensor "
               "(.tolist(), .item(), a boolean mask, nonzero()), which one graph for every "
               "call cannot have. Compute it outside the cached method and pass it in as a "
               "Python int or list, or cache a smaller part that does not need it (a vision "
-              "tower's blocks rather than the tower); torch.compile without fullgraph=True "
-              "splits the method there instead.")
+              "tower's blocks rather than the tower); fullgraph=False splits the method there "
+              "instead, and caches each part.")
 
 
 def graph_break_error(exc: BaseException, func: Callable[..., Any],
@@ -154,6 +173,206 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any],
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
 
 
+class _FrameCapture:
+    """What every compiling session shares: the adapter's compile of a graph, its
+    verification on the graph's first run, and, for a graph break, the capture of each
+    frame Dynamo compiles other than a session's own root (its graphs, then its guards,
+    made portable and checked against the frame's own arguments: :class:`FrameCompile`)."""
+
+    def __init__(self, spec: CompileSpec, capture: bool, phases: Phases | None) -> None:
+        self.phases = phases if phases is not None else Phases()
+        self._adapter = spec.adapter
+        self._options = dict(spec.options)
+        self._decompositions = spec.decompositions
+        self._capture = capture
+        self._compile_seconds = 0.0
+        # Frames compiled during a session's first call (its entry's) and later (each
+        # published as a frame variant: cold.frames.publish_frames).
+        self._in_first_call = False
+        self._compiles: list[FrameCompile] = []
+        self._late: list[FrameCompile] = []
+        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
+        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
+        self._pending_traced: dict[types.CodeType, list[str]] = {}
+        self._strings: set[str] = set()  # string constants of the traced code
+
+    def take_late(self) -> list[FrameCompile]:
+        """The frames compiled since the last time asked, outside a first call."""
+        out, self._late = self._late, []
+        return out
+
+    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
+        # In a copy of the context: Dynamo builds the guards after the backend returns,
+        # and a context variable the compiler sets and leaves set (torch 2.15's compiler
+        # config overrides) would be guarded at the compiler's value, which a warm process
+        # that loads the program instead never has.
+        return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
+                                              self._options, self._decompositions)
+
+    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+                     example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph of a frame other than the root (a resume function's, a callee's):
+        compiled, verified on its first run, kept with its frame's compile."""
+        t0 = time.perf_counter()
+        if self._capture:
+            self._pending_dims.setdefault(code, {}).update(
+                guard_capture.tensor_dims_from_graph(gm))
+            self._pending_traced.setdefault(code, []).extend(dynamo.traced_code_files())
+            self._strings |= dynamo.traced_code_strings()
+        compiled = self._compile_here(gm, example_inputs)
+        self.phases.add("backend", time.perf_counter() - t0)
+        self._compile_seconds += time.perf_counter() - t0
+        if not self._capture:
+            return compiled.live
+        graph = GraphCapture(compiled, compiled.live)
+        run = self._verifying_stored(compiled, graph)
+        graph.run = run
+        self._pending.setdefault(code, []).append(graph)
+        return run
+
+    def _frame_guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
+        """A frame other than the root finished compiling: its guards, portable, checked
+        against its own arguments now, and its compile kept."""
+        if not self._capture:
+            return
+        code, g = frame.code, frame.f_globals
+        compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
+                                graphs=self._pending.pop(code, []),
+                                traced=self._pending_traced.pop(code, []))
+        (self._compiles if self._in_first_call else self._late).append(compile_)
+        dims = self._pending_dims.pop(code, {})
+        if frame.out_code is None:
+            compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
+            return
+        try:
+            with self.phases.timed("guards"):
+                names = entry_frames.frame_names(code)
+                portable, classes = guard_capture.translate(
+                    entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
+                    module_name=str(g.get("__name__", "")),
+                    state=guard_capture.frame_state(), strings=self._strings,
+                    resolved=dynamo.recorded_lookups())
+                fn = entry_frames.frame_function(code, g)
+                local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
+                values = entry_frames.frame_values(code, frame.f_locals)
+                probe = guards_mod.build_checker(fn, local, g)
+                if not probe.full(*values):
+                    raise UnsupportedProgramError("a carried guard does not hold at trace "
+                                                  f"time: {probe.explain(*values)}")
+                compile_.guards = portable
+                compile_.checker_lines = guards_mod.build_checker(fn, portable, g).lines()
+                compile_.classes = classes
+        except UnsupportedProgramError as e:
+            compile_.verdict = str(e)
+        except Exception as e:  # a guard we cannot carry means "do not store this frame"
+            logger.debug("guard capture failed", exc_info=True)
+            compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
+
+    def _verifying_stored(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+        """A graph break's graph: like :meth:`_verifying`, but once verified, the program
+        itself serves, on the real arguments (the live graph verifies it on copies of the
+        inputs it mutates), this call and every later one. The frames after it take its
+        outputs as arguments, and Dynamo guards what it sees of them (a view's base, its
+        strides): the very tensors a warm process will hand them, rather than what
+        AOTAutograd's runtime wrappers make of the live graph's (the stored program does
+        without them)."""
+        first = True
+        runner = compiled.live
+
+        def run(*args: Any) -> Any:
+            nonlocal first, runner
+            if not first:
+                return runner(*args)
+            first = False
+            program: Program | None = None
+            try:
+                with self.phases.timed("capture"):
+                    program = out.program = compiled.program()
+                if program.light is None:
+                    raise UnsupportedProgramError("the adapter built no replayable program")
+            except UnsupportedProgramError as e:
+                out.verdict = str(e)
+            except Exception as e:  # any capture failure means "do not cache"
+                logger.debug("program capture failed", exc_info=True)
+                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            if out.verdict is not None or program is None or program.light is None:
+                with self.phases.timed("run"):
+                    return compiled.live(*args)
+            live_args = list(args)
+            for i in program.mutated_inputs:
+                live_args[i] = args[i].clone()
+            # Both draw the same numbers from the generators; the call draws them once.
+            restore_rng = _rng_snapshot()
+            with self.phases.timed("run"):
+                live_out = compiled.live(*live_args)
+            restore_rng()
+            try:
+                with self.phases.timed("verify"):
+                    light_out = program.light(*args)
+                    mismatch = _compare(light_out, live_out)
+                    for i in program.mutated_inputs:
+                        mismatch = mismatch or _compare(args[i], live_args[i],
+                                                        f"mutated input {i}")
+            except Exception as e:  # the program failed: the live graph's result stands
+                logger.debug("the program failed on the call's arguments", exc_info=True)
+                mismatch = f"it raised {type(e).__name__}: {e}"
+            if mismatch:
+                out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+                for i in program.mutated_inputs:
+                    args[i].copy_(live_args[i])
+                return live_out
+            runner = program.light
+            return light_out
+
+        return run
+
+    def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+        """The live callable; its first call also runs the replayable program and compares
+        (the program and the verdict go to ``out``)."""
+        first = True
+
+        def run(*args: Any) -> Any:
+            nonlocal first
+            if not first:
+                return compiled.live(*args)
+            first = False
+            light_out: Any = None
+            light_args: list[Any] = list(args)
+            # The program and the live graph each draw from the generators: both must draw
+            # the same numbers (to compare), and the call must draw them once, as
+            # torch.compile's one call does.
+            restore_rng = _rng_snapshot()
+            try:
+                with self.phases.timed("capture"):
+                    program = compiled.program()
+                out.program = program
+                with self.phases.timed("verify"):
+                    for i in program.mutated_inputs:
+                        light_args[i] = args[i].clone()
+                    if program.light is None:
+                        raise UnsupportedProgramError("the adapter built no replayable program")
+                    light_out = program.light(*light_args)
+            except UnsupportedProgramError as e:
+                out.verdict = str(e)
+            except Exception as e:  # any capture failure means "do not cache"
+                logger.debug("program capture failed", exc_info=True)
+                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+            restore_rng()
+            with self.phases.timed("run"):
+                live_out = compiled.live(*args)
+            if out.verdict is None and out.program is not None:
+                with self.phases.timed("verify"):
+                    mismatch = _compare(light_out, live_out)
+                    for i in out.program.mutated_inputs:
+                        mismatch = mismatch or _compare(light_args[i], args[i],
+                                                        f"mutated input {i}")
+                if mismatch:
+                    out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+            return live_out
+
+        return run
+
+
 def _with_note(exc: BaseException, note: str) -> BaseException:
     """``exc`` with ``note`` shown under its message (PEP 678; kept as ``__notes__`` on
     Python 3.10, whose tracebacks do not print it)."""
@@ -165,7 +384,7 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-class TraceSession:
+class TraceSession(_FrameCapture):
     """One signature of one cached method, compiled live by Dynamo.
 
     With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
@@ -176,15 +395,16 @@ class TraceSession:
 
     def __init__(self, method: types.MethodType, spec: CompileSpec, *, capture: bool = True,
                  share: GraphShare | None = None, phases: Phases | None = None) -> None:
+        super().__init__(spec, capture, phases)
         self._orig = method
-        self.phases = phases if phases is not None else Phases()
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
-        adapter = self._adapter = spec.adapter
-        self._options = dict(spec.options)
-        decompositions = self._decompositions = spec.decompositions
+        adapter = self._adapter
+        decompositions = self._decompositions
         dynamic = spec.dynamic
-        self._capture = capture
         self.share = share
+        # Told the frames compiled in a later call (a branch first taken, a frame whose
+        # guards failed), once the call is over: the miss path publishes each one.
+        self.on_frames: Callable[[list[FrameCompile]], None] | None = None
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
@@ -193,10 +413,8 @@ class TraceSession:
         self._compiled: Compiled | None = None
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
-        self._strings: set[str] = set()  # string constants of the traced code
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
-        self._compile_seconds = 0.0
         self._called = False
         self._call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._state: dict[str, Any] = {}
@@ -204,18 +422,31 @@ class TraceSession:
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
+        # fullgraph=False: Dynamo compiles other frames too (_FrameCapture); the method's
+        # own frame's graph (its outcome: program, verdict).
+        self._fullgraph = spec.fullgraph
+        self._root_graph: GraphCapture | None = None
         backend: Any = self._backend
         compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
         if not capture and _torch.probe(adapter.torch_parts) is not None:
             backend, compile_options = adapter.plain_backend(self._options, decompositions)
         self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=backend, fullgraph=True, dynamic=dynamic,
-                                   options=compile_options)
+                                   backend=backend, fullgraph=self._fullgraph,
+                                   dynamic=dynamic, options=compile_options)
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:
         """guard_filter_fn: keep every guard; record the first trace's in portable form."""
         keep = [True] * len(entries)
+        if not self._fullgraph and self._capture:
+            frame = dynamo.compiling_frame()
+            if frame is None and self._in_first_call:
+                self._verdict = ("this torch's Dynamo does not say which frame it compiles, "
+                                 "so a graph break's frames cannot be told apart")
+                return keep
+            if frame is not None and frame.code is not self._fn.__code__:
+                self._frame_guards(frame, entries)
+                return keep
         if not self._capture or self._guards is not None or self._verdict is not None:
             return keep
         try:
@@ -257,6 +488,10 @@ class TraceSession:
         # A trace counts once the backend returns: Dynamo may restart analysis by raising
         # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
         # recompile.
+        if not self._fullgraph:
+            frame = dynamo.compiling_frame()
+            if frame is not None and frame.code is not self._fn.__code__:
+                return self._frame_graph(frame.code, gm, example_inputs)
         if self._compiled is not None:
             compiled = self._adapter.compile(gm, example_inputs, self._options,
                                              self._decompositions)
@@ -269,13 +504,7 @@ class TraceSession:
         self._strings = dynamo.traced_code_strings() if self._capture else set()
 
         def compile_here() -> Compiled:
-            # In a copy of the context: Dynamo builds the guards after the backend
-            # returns, and a context variable the compiler sets and leaves set (torch
-            # 2.15's compiler config overrides) would be guarded at the compiler's value,
-            # which a warm process that loads the program instead never has.
-            return contextvars.copy_context().run(
-                self._adapter.compile, gm, example_inputs, self._options,
-                self._decompositions)
+            return self._compile_here(gm, example_inputs)
 
         collective = has_collectives(gm)
         if self.share is not None:
@@ -292,7 +521,10 @@ class TraceSession:
             return compiled.live
         if collective:
             return self._run_once(compiled)
-        return self._verifying(compiled)
+        self._root_graph = GraphCapture(compiled, compiled.live)
+        if self._fullgraph:
+            return self._verifying(compiled, self._root_graph)
+        return self._verifying_stored(compiled, self._root_graph)
 
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.
@@ -331,51 +563,6 @@ class TraceSession:
         if self.on_recompile is not None:
             self.on_recompile(reason)
 
-    def _verifying(self, compiled: Compiled) -> Callable[..., Any]:
-        """The live callable; its first call also runs the replayable program and compares."""
-        first = True
-
-        def run(*args: Any) -> Any:
-            nonlocal first
-            if not first:
-                return compiled.live(*args)
-            first = False
-            light_out: Any = None
-            light_args: list[Any] = list(args)
-            # The program and the live graph each draw from the generators: both must draw
-            # the same numbers (to compare), and the call must draw them once, as
-            # torch.compile's one call does.
-            restore_rng = _rng_snapshot()
-            try:
-                with self.phases.timed("capture"):
-                    program = compiled.program()
-                self._program = program
-                with self.phases.timed("verify"):
-                    for i in program.mutated_inputs:
-                        light_args[i] = args[i].clone()
-                    if program.light is None:
-                        raise UnsupportedProgramError("the adapter built no replayable program")
-                    light_out = program.light(*light_args)
-            except UnsupportedProgramError as e:
-                self._verdict = str(e)
-            except Exception as e:  # any capture failure means "do not cache"
-                logger.debug("program capture failed", exc_info=True)
-                self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            restore_rng()
-            with self.phases.timed("run"):
-                live_out = compiled.live(*args)
-            if self._verdict is None and self._program is not None:
-                with self.phases.timed("verify"):
-                    mismatch = _compare(light_out, live_out)
-                    for i in self._program.mutated_inputs:
-                        mismatch = mismatch or _compare(light_args[i], args[i],
-                                                        f"mutated input {i}")
-                if mismatch:
-                    self._verdict = f"the replayed program disagrees with the live compile: {mismatch}"
-            return live_out
-
-        return run
-
     # -- calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = not self._called
@@ -387,11 +574,13 @@ class TraceSession:
             # Dynamo's guards are built during this call; they are checked against it.
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
+            self._in_first_call = True
         try:
             with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
-                if first and self._capture:
-                    # The first call's trace: the names Dynamo looks up are recorded
-                    # (absent state), and the reads 2.11 leaves unguarded.
+                # A graph break's later calls may compile frames too (a branch first
+                # taken), each published as a frame variant: the names Dynamo looks up are
+                # recorded (absent state), and the reads 2.11 leaves unguarded.
+                if self._capture and (first or not self._fullgraph):
                     with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
                         return self._live(*args, **kwargs)
                 return self._live(*args, **kwargs)
@@ -418,10 +607,13 @@ class TraceSession:
                 self.phases.add("dynamo", time.perf_counter() - t0 - others)
             if first and self._capture:
                 self._call_args = None  # do not keep the first call's tensors alive
-                if self._compiled is not None:
+                self._in_first_call = False
+                if self._compiled is not None or self._compiles:
                     with self.phases.timed("deps"):
-                        self._deps = _user_file_hashes(
-                            self._traced + sorted(guard_capture.class_files(self._guard_classes)))
+                        self._deps = frame_deps(self._compiles, self._traced,
+                                                self._guard_classes)
+            elif self._late and self.on_frames is not None:
+                self.on_frames(self.take_late())
 
     def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An operator failed on the call's fake tensors: run the method uncompiled on the
@@ -448,50 +640,54 @@ class TraceSession:
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""
-        if self._compiled is None:
+        if self._root_graph is not None:
+            self._verdict = self._verdict or self._root_graph.verdict
+            self._program = self._program or self._root_graph.program
+        if self._compiled is None and not self._compiles:
             raise UnsupportedProgramError("Dynamo produced no graph for this call")
         if self._verdict is not None:
             raise UnsupportedProgramError(self._verdict)
-        if self._program is None:
+        if self._compiled is not None and self._program is None:
             raise UnsupportedProgramError("the program was never run")
+        codes = dynamo.transformed_code(self._fn.__code__)
+        if (not codes and not self._fullgraph and self._compiles and self._guards is None
+                and self._compiled is None):
+            # Dynamo skipped the method's own frame (a graph break it cannot resume from,
+            # inside a try block: transformers' decorators), so it runs as written, with no
+            # guards, in torch.compile too; the frames it calls were compiled.
+            codes = [self._fn.__code__]
+            self._guards = []
         if self._guards is None:
             raise UnsupportedProgramError("Dynamo's guards were not recorded")
-        codes = dynamo.transformed_code(self._fn.__code__)
         if len(codes) != 1:
             raise UnsupportedProgramError(f"Dynamo holds {len(codes)} cache entries, expected 1")
         code = codes[0]
         if code.co_freevars != self._fn.__code__.co_freevars:
             raise UnsupportedProgramError("transformed bytecode changed the closure variables")
-        imports: dict[str, str] = {}
-        compiled_fn_names: list[str] = []
         g = self._fn.__globals__
-        original_names = set(self._fn.__code__.co_names)
-        guard_globals = {m.group(1) for gd in self._guards
-                         for m in guards_mod.GLOBAL_RE.finditer(_guard_text(gd))}
-        for n in [*_all_names(code), *sorted(guard_globals)]:
-            if n.startswith("__compiled_fn"):
-                compiled_fn_names.append(n)
-            elif is_dynamo_global(n) and n in g and n not in original_names:
-                # Dynamo installs module references under generated names
-                # (__import_torch_dot_nn..., ___module_torch_<id>_c1) and the builtins dict
-                # (__builtins_dict___0): rebind them by name in the warm process.
-                value = g.get(n)
-                if isinstance(value, types.ModuleType):
-                    imports[n] = value.__name__
-                elif value is vars(builtins):
-                    imports[n] = BUILTINS_DICT
-                else:
-                    raise UnsupportedProgramError(
-                        f"transformed bytecode uses Dynamo global {n} ({type(value).__name__})")
-        if len(compiled_fn_names) != 1:
+        names = frames_mod.all_names(code)
+        imports = frames_mod.dynamo_imports(
+            [*names, *frames_mod.guard_global_names(self._guards)], g,
+            set(self._fn.__code__.co_names))
+        compiled_fn_names = list(dict.fromkeys(
+            n for n in names if n.startswith(frames_mod.GRAPH_PREFIX)))
+        if len(compiled_fn_names) != (self._compiled is not None):
             raise UnsupportedProgramError(
-                f"expected one compiled graph in the bytecode, found {len(compiled_fn_names)}")
+                f"expected {int(self._compiled is not None)} compiled graph in the method's "
+                f"bytecode, found {len(compiled_fn_names)}")
+        assembled = None
+        if not self._fullgraph:
+            assembled = frames_mod.assemble(self._fn.__code__, code, g, self._compiles)
+            if not assembled.records and self._compiled is None:
+                raise UnsupportedProgramError("Dynamo produced no graph for this call")
         bytecode, consts = codeobj.dumps(code)
-        return Trace(bytecode=bytecode, imports=imports, compiled_fn_name=compiled_fn_names[0],
+        return Trace(bytecode=bytecode, imports=imports,
+                     compiled_fn_name=compiled_fn_names[0] if compiled_fn_names else "",
                      program=self._program, deps=self._deps,
                      compile_seconds=self._compile_seconds, consts=consts,
                      guards=self._guards,
-                     checker_lines=self.checker.lines() if self.checker is not None else {})
+                     checker_lines=self.checker.lines() if self.checker is not None else {},
+                     frames=assembled if assembled is not None and assembled.records else None)
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
@@ -523,20 +719,6 @@ def _rng_snapshot() -> Callable[[], None]:
     return restore
 
 
-def _guard_text(gd: dict[str, Any]) -> str:
-    if gd["kind"] in ("alias", "overlap"):
-        return " ".join(gd["value"]["exprs"])
-    return str(gd.get("expr", ""))
-
-
-def _all_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_all_names(const))
-    return names
-
-
 def _compare(a: Any, b: Any, where: str = "output") -> str | None:
     """None if ``a`` and ``b`` agree (tensors exactly or within float tolerance)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -558,3 +740,48 @@ def _compare(a: Any, b: Any, where: str = "output") -> str | None:
                 return m
         return None
     return None if a == b else f"{where}: {a!r} vs {b!r}"
+
+
+class FrameSession(_FrameCapture):
+    """A resume function compiled live in a process whose stored variants of it did not
+    serve a call (a branch the compiling process never took, state that changed since):
+    ``torch.compile`` of the continuation, with every frame Dynamo compiles for its calls
+    captured (``capture``) so that each can be published as a frame variant
+    (:meth:`take_late`). With ``capture=False`` it is plain torch.compile: a frame whose
+    guards cannot be stored is compiled live in each process."""
+
+    def __init__(self, fn: types.FunctionType, spec: CompileSpec, *, capture: bool) -> None:
+        super().__init__(spec, capture, None)
+        backend: Any = self._backend
+        options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
+        if not capture:
+            if _torch.probe(self._adapter.torch_parts) is not None:
+                backend, options = self._adapter.plain_backend(self._options,
+                                                               self._decompositions)
+            else:
+                backend, options = self._plain, None
+        self._live = torch.compile(fn, backend=backend, fullgraph=False,
+                                   dynamic=spec.dynamic, options=options)
+
+    def _plain(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return self._compile_here(gm, example_inputs).live
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        frame = dynamo.compiling_frame()
+        if frame is None:
+            return self._plain(gm, example_inputs)   # not attributable: not captured
+        return self._frame_graph(frame.code, gm, example_inputs)
+
+    def _on_guards(self, entries: Any) -> list[bool]:
+        frame = dynamo.compiling_frame()
+        if frame is not None:
+            self._frame_guards(frame, entries)
+        return [True] * len(entries)
+
+    def __call__(self, *args: Any) -> Any:
+        # As TraceSession's calls: what it compiles is published, with every guard.
+        with dynamo.outputs_left_unmarked():
+            if self._capture:
+                with dynamo.unguarded_reads_recorded():
+                    return self._live(*args)
+            return self._live(*args)

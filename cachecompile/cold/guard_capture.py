@@ -270,6 +270,18 @@ def state_snapshot() -> dict[str, JSON]:
             "default_device": runtime.default_device()}
 
 
+def frame_state() -> dict[str, JSON]:
+    """:func:`state_snapshot` for a frame Dynamo is converting now (a resume function's,
+    a callee's: the eager code before it may have changed the global state), with the
+    global state Dynamo took when it began converting it. Read while its guards are built
+    (Dynamo restores the function modes for that)."""
+    snap = state_snapshot()
+    entry = dynamo.frame_entry_state()
+    if entry is not None:
+        snap["global_state"] = entry
+    return snap
+
+
 def class_files(classes: set[type]) -> set[str]:
     files: set[str] = set()
     for cls in classes:

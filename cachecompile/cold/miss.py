@@ -26,9 +26,15 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cachecompile._torch import dynamo
+from cachecompile._torch import frames as frame_hook
+from cachecompile.cold import capture as capture_mod
+from cachecompile.cold import frames as frames_mod
 from cachecompile.cold.capture import Phases, Trace, TraceSession
+from cachecompile.cold.frames import FrameCompile
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
+from cachecompile.entry.frames import graph_prefix, read_frames
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
@@ -44,7 +50,16 @@ from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm.lookup import MAX_VARIANTS, Lookup, Probe, Variant, variant_key
+from cachecompile.warm import frames as warm_frames
+from cachecompile.warm.frames import MAX_FRAME_VARIANTS, frame_variant_key
+from cachecompile.warm.lookup import (
+    MAX_VARIANTS,
+    Lookup,
+    Probe,
+    Variant,
+    record_miss,
+    variant_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +87,10 @@ def _not_published(st: LocalStorage, qualname: str, sig: Signature) -> None:
     else:
         logger.info("cachecompile %s [%s]: compiled, not published (read-only cache %s)",
                     qualname, describe(sig), st.root)
+
+
+# Labels the writer sets itself (entry.writer), and the signature's variant index.
+_WRITER_LABELS = frozenset({"backend", "function", "code", "variant"})
 
 
 class Outcome(enum.Enum):
@@ -158,7 +177,8 @@ class MissPath:
                     return Served(Outcome.HIT, probe.runner, probe.runner.run(*args, **kwargs))
             phases.add("lock", time.perf_counter() - t_lock)
             share = None
-            if not st.readonly and self._spec.adapter.shares_graphs:
+            # A graph break compiles several graphs per call: each rank compiles its own.
+            if not st.readonly and self._spec.adapter.shares_graphs and self._spec.fullgraph:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
                                         who, model=model_label(self._method.__self__))
                 held.callback(share.finish)
@@ -188,12 +208,15 @@ class MissPath:
                 _not_published(st, self._qualname, sig)
                 return served
             t_publish = time.perf_counter()
-            if share is not None:
+            if share is not None and trace.program is not None:
                 share.publish(trace.program)
             self._publish(st, frame, sig, trace, elapsed, phases, who)
             phases.add("publish", time.perf_counter() - t_publish)
             logger.info("cachecompile cold phases %s [%s]: %s", self._qualname,
                         describe(sig), phases)
+            labels = self._labels(frame, describe(sig), self._keys.group(sig))
+            session.on_frames = lambda compiles: self.publish_frames(st, frame, labels,
+                                                                     compiles)
             session.on_recompile = lambda reason: logger.info(
                 "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
                 "entry keeps its own guards", self._qualname, describe(sig), reason)
@@ -215,11 +238,21 @@ class MissPath:
 
     def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Trace,
                  elapsed: float, phases: Phases, who: str) -> None:
-        files: dict[str, Any] = dict(trace.program.files)
+        files: dict[str, Any] = dict(trace.program.files) if trace.program else {}
         files[BYTECODE_FILE] = trace.bytecode
+        frames = trace.frames
+        if frames is not None:
+            # Every other frame of the call (entry.frames): codes, bytecode, graphs.
+            files.update(frames.files)
+            for i, program in enumerate(frames.programs):
+                files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
         meta = EntryMeta(
-            adapter=self._spec.adapter.name, program=trace.program.meta,
+            adapter=self._spec.adapter.name,
+            program=trace.program.meta if trace.program else {},
             imports=trace.imports, consts=trace.consts, compiled_fn=trace.compiled_fn_name,
+            resumes=frames.resumes if frames is not None else {},
+            frames=[f.to_json() for f in frames.records] if frames is not None else [],
+            graphs=[p.meta for p in frames.programs] if frames is not None else [],
             deps=trace.deps, guards=trace.guards,
             # The checker's bodies, derived once here: a warm process loads them without
             # parsing a guard (entry.guards.build_checker's ``lines``).
@@ -228,24 +261,9 @@ class MissPath:
             first_call_seconds=round(elapsed, 3),
             # Where the cold first call's time went, up to the publish (capture.Phases).
             cold_phases=phases.rounded())
-        spec = self._spec
-        ranks = spec.ranks
-        labels = {
-            "model": model_label(self._method.__self__),
-            "dynamic": str(spec.dynamic).lower(),
-            "signature": describe(sig),
-            "ranks": ranks.label(),
-            **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
-            "world_size": str(ranks.world_size),
-            "global_rank": str(ranks.global_rank),
-            "frame": frame.digest[:32],
-            "group": self._keys.group(sig),
-            "group_size": str(ranks.world_size),
-        }
-        if ranks.tp_rank is not None:
-            labels["tp_rank"] = str(ranks.tp_rank)
-        if ranks.pp_rank is not None:
-            labels["pp_rank"] = str(ranks.pp_rank)
+        labels = self._labels(frame, describe(sig), self._keys.group(sig))
+        if meta.frames:
+            labels["frames"] = str(meta.n_frames)   # cachectl ls: how many frames
         t0 = time.perf_counter()
         try:
             # Under the frame lock: the first free variant index. Another node (through a
@@ -268,8 +286,144 @@ class MissPath:
                   "live compile and the next one compiles again")
             return
         logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms "
-                    "(%d guards)", self._qualname, key.digest[:12], describe(sig), elapsed,
-                    (time.perf_counter() - t0) * 1e3, len(trace.guards))
+                    "(%d guards, %d frames)", self._qualname, key.digest[:12], describe(sig),
+                    elapsed, (time.perf_counter() - t0) * 1e3, len(trace.guards),
+                    meta.n_frames)
+
+    def _labels(self, frame: Key, signature: str, group: str) -> dict[str, str]:
+        """An entry's labels: what ``cachectl ls`` filters by, what gc evicts by."""
+        spec = self._spec
+        ranks = spec.ranks
+        labels = {
+            "model": model_label(self._method.__self__),
+            "dynamic": str(spec.dynamic).lower(),
+            "signature": signature,
+            "ranks": ranks.label(),
+            **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
+            "world_size": str(ranks.world_size),
+            "global_rank": str(ranks.global_rank),
+            "frame": frame.digest[:32],
+            "group": group,
+            "group_size": str(ranks.world_size),
+        }
+        if ranks.tp_rank is not None:
+            labels["tp_rank"] = str(ranks.tp_rank)
+        if ranks.pp_rank is not None:
+            labels["pp_rank"] = str(ranks.pp_rank)
+        return labels
+
+    # -- a graph break's frames compiled after the signature's entry ----------------------
+    def publish_frames(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
+                       compiles: list[FrameCompile]) -> None:
+        """Each frame Dynamo compiled after the signature's entry was made (a branch first
+        taken, a frame whose stored guards failed), as a frame variant under the
+        signature's key (warm.frames.frame_variant_key), at its chain's first free index;
+        an identical variant already there is left alone. A frame that cannot be stored is
+        compiled live by each process that reaches it."""
+        if st.readonly:
+            return
+        for c in compiles:
+            try:
+                assembled, why = frames_mod.assemble_variant(c)
+                if assembled is None:
+                    logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
+                                self._qualname, labels.get("signature", ""), c.code.co_name,
+                                why)
+                    continue
+                self._publish_frame(st, frame, labels, assembled, capture_mod.frame_deps([c]))
+            except Exception as e:  # publishing is extra: the call's result stands
+                logger.debug("publishing a frame variant failed", exc_info=True)
+                fault(f"{self._qualname}: a variant of frame {c.code.co_name} is not "
+                      f"published ({type(e).__name__}: {e})")
+
+    def _publish_frame(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
+                       assembled: frames_mod.Assembled, deps: Mapping[str, str]) -> None:
+        """One frame variant at its chain's first free index (or nowhere, where the
+        same one is there already, or the store is read-only)."""
+        if st.readonly:
+            return
+        who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
+        signature = str(labels.get("signature", ""))
+        head = assembled.records[0]
+        files: dict[str, Any] = dict(assembled.files)
+        for i, program in enumerate(assembled.programs):
+            files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
+        meta = EntryMeta(
+            adapter=self._spec.adapter.name, head=head.id,
+            frames=[r.to_json() for r in assembled.records],
+            graphs=[p.meta for p in assembled.programs], deps=dict(deps),
+            signature=signature)
+        frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
+                        "dynamo_frame": head.name[:200], "frames": "+1"}
+        mine = [list(v.guards) for v in head.variants]
+        try:
+            for i in range(MAX_FRAME_VARIANTS):
+                key = frame_variant_key(frame, head.id, i)
+                if st.contains(key) or isinstance(st.get(key), Hit):
+                    try:
+                        theirs = read_frames(EntryMeta.from_json(
+                            st.manifest(key)["meta"]).frames)[0]
+                        if [list(v.guards) for v in theirs.variants] == mine and \
+                                theirs.as_written == head.as_written:
+                            return   # the same variant, published by another process
+                    except (StoreError, OSError, KeyError, IndexError,
+                            UnsupportedProgramError):
+                        pass
+                    continue
+                writer.write(st, key, files, meta=meta, who=who,
+                             function=self._method.__name__, labels=frame_labels)
+                logger.info("cachecompile publish %s [%s]: frame %s, variant %d%s",
+                            self._qualname, signature, head.name, i,
+                            " (runs as written)" if head.as_written else "")
+                return
+        except (StoreError, OSError) as e:
+            fault(f"publishing a variant of frame {head.name} failed ({e})")
+
+    def run_frame(self, frames: warm_frames.Frames, cont: warm_frames.Continuation,
+                  args: tuple[Any, ...]) -> Any:
+        """A continuation no stored variant serves, compiled live (``torch.compile`` of
+        it), its frames captured and published when the call is over; one whose guards
+        cannot be stored compiled live and published nowhere."""
+        session = cont.live
+        if session is None:
+            fn = types.FunctionType(cont.code, frames.globals_of(cont.record),
+                                    cont.code.co_name)
+            capture = not cont.record.live and frames.st is not None and not frames.st.readonly
+            why = cont.why_unserved(args)
+            if cont.record.live:
+                # Named once per process: every process compiles this frame live.
+                fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
+                      f"compiled live in every process ({why})")
+            else:
+                logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
+                            self._qualname, frames.signature, cont.record.name, why)
+            if frames.st is not None:
+                # Counted by the frame (its qualified name), bounded by the code.
+                short = cont.record.name.split(" (", 1)[0]
+                record_miss(frames.st, "frame", f"{short}: "
+                            f"{'live in every process' if cont.record.live else 'compiled'}")
+            session = cont.live = capture_mod.FrameSession(fn, self._spec, capture=capture)
+        # Dynamo compiles every frame it meets in there itself: the frames this process
+        # installed (callees) stay out, so no stored code runs under Dynamo's tracing.
+        with frame_hook.not_serving():
+            result = session(*args)
+        late = session.take_late()
+        if frames.st is not None and frames.key is not None:
+            if late:
+                self.publish_frames(frames.st, frames.key, frames.labels, late)
+            elif dynamo.ran_as_written(cont.code) and not cont.record.live:
+                # Dynamo met the frame and compiled nothing (it skips it): say so to every
+                # other process, which then runs it as written without compiling.
+                cont.as_written = True
+                try:
+                    self._publish_frame(frames.st, frames.key, frames.labels,
+                                        frames_mod.assemble_as_written(cont.code,
+                                                                       cont.record.module),
+                                        {})
+                except Exception:  # publishing is extra: the call's result stands
+                    logger.debug("publishing a frame that runs as written failed",
+                                 exc_info=True)
+        return result
 
     def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
         """The lowest variant index with no entry (locally or in a remote tier); when

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dis
 import enum
+import importlib
 import json
 import logging
 import marshal
 import math
 import re
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +75,9 @@ _OWN_KINDS: dict[str, frozenset[str]] = {
     "finfo": frozenset({"$", "v"}),
     "iinfo": frozenset({"$", "v"}),
     "sdpbackend": frozenset({"$", "v"}),
+    # A module's globals dict, by the module's name: Dynamo's bytecode rebuilds a nested
+    # function over it after a graph break (its _create_nested_fn).
+    "globals": frozenset({"$", "v"}),
 }
 _KINDS = {**_VALUE_KINDS, **_OWN_KINDS}
 
@@ -137,10 +142,19 @@ def _dtype_by_name(name: Any) -> torch.dtype:
     return dtype
 
 
+def _module_globals_name(d: dict[Any, Any]) -> str | None:
+    """The name of the module whose globals ``d`` is (the very dict), else None."""
+    name = d.get("__name__")
+    mod = sys.modules.get(name) if isinstance(name, str) else None
+    return name if mod is not None and getattr(mod, "__dict__", None) is d else None
+
+
 def _encode_leaf(v: Any) -> JSON:
     """The portable form of one constant; UnsupportedProgramError if it has none."""
     if v is NotImplemented:
         return {"$": "notimplemented"}
+    if type(v) is dict and _module_globals_name(v) is not None:
+        return {"$": "globals", "v": _module_globals_name(v)}
     if isinstance(v, torch.finfo):
         return {"$": "finfo", "v": str(v.dtype)}
     if isinstance(v, torch.iinfo):
@@ -165,6 +179,8 @@ def _same(a: Any, b: Any) -> bool:
     ``==`` alone would accept ``"x"`` for a ``StrEnum`` member, ``1`` for ``True`` or for
     an ``IntEnum`` member, ``0.0`` for ``-0.0``: bytecode that then behaves differently.
     """
+    if a is b:
+        return True   # rebuilt as the very object (a module's globals)
     if type(a) is not type(b):
         return False
     if isinstance(a, (tuple, list)):
@@ -323,6 +339,8 @@ def _check_spec(spec: JSON, depth: int = 0, kinds: dict[str, frozenset[str]] = _
 
     if kind in ("torch", "finfo", "iinfo", "sdpbackend"):
         ok = isinstance(v, str) and _NAME.fullmatch(v) is not None
+    elif kind == "globals":
+        ok = isinstance(v, str) and _DOTTED.fullmatch(v) is not None
     elif kind == "device":
         ok = isinstance(v, str) and _DEVICE.fullmatch(v) is not None
     elif kind == "float":
@@ -377,6 +395,10 @@ def _decode(spec: JSON) -> Any:
         return torch.iinfo(dtype)
     if kind == "sdpbackend":
         return runtime.sdp_backend(v)
+    if kind == "globals":
+        if not (isinstance(v, str) and _DOTTED.fullmatch(v)):
+            raise ValueError(f"bad module name {v!r}")
+        return vars(sys.modules.get(v) or importlib.import_module(v))
     return values.decode_value(spec)
 
 

@@ -48,6 +48,16 @@ class EntryMeta:
     deps: Mapping[str, str] = _field(dict, factory=dict)      # traced file -> content hash
     guards: Sequence[Mapping[str, JSON]] = _field(list, factory=list)  # portable guards
     checker: Mapping[str, JSON] = _field(dict, factory=dict)  # the checker, ready to load
+    # A method whose graph breaks (fullgraph=False, entry.frames): the resume functions
+    # its bytecode calls (__resume_at_* -> frame id), every other frame Dynamo compiled
+    # for the call, and the graphs of those frames (the adapter's record each).
+    resumes: Mapping[str, str] = _field(dict, factory=dict)
+    frames: Sequence[Mapping[str, JSON]] = _field(list, factory=list)
+    graphs: Sequence[Mapping[str, JSON]] = _field(list, factory=list)
+    # A frame variant's entry (a frame compiled after the signature's first call, under
+    # the signature's key plus the frame's id): the id of the frame, ``frames[0]``, whose
+    # one variant it holds; the other records are the resume frames that variant calls.
+    head: str = _field(str, default="")
     # What it cost and served, for people (cachectl show).
     signature: str = _field(str, default="")
     compile_seconds: float | None = _field((int, float, type(None)), default=None)
@@ -56,8 +66,14 @@ class EntryMeta:
 
     @property
     def is_method(self) -> bool:
-        """A method's entry (bytecode, guards), not a shared graph's program alone."""
-        return bool(self.compiled_fn)
+        """A method's entry (bytecode, guards), not a shared graph's program alone. (A
+        method whose graph breaks before any graph has no ``compiled_fn``, but frames.)"""
+        return bool(self.compiled_fn) or bool(self.frames)
+
+    @property
+    def n_frames(self) -> int:
+        """How many frames the entry holds: the method's own and every other one."""
+        return 1 + len(self.frames) if self.is_method else 0
 
     def to_json(self) -> dict[str, JSON]:
         """The manifest's ``meta``: plain JSON, the fields a method entry does not use

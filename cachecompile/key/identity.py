@@ -162,7 +162,7 @@ def value_token(v: Any, depth: int = 0, unknown: list[str] | None = None) -> str
     return f"object:{qualified_name(type(v))}"
 
 
-def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str | None:
+def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str | None:  # noqa: C901 (today's exception: one branch per kind of object Dynamo matches by id)
     """A process-independent identity for what Dynamo matches by ``id``; None if none.
 
     ``unknown`` (optional) collects the types of values inside it (closure cells,

@@ -59,9 +59,9 @@ def detect(global_rank: int | None = None, tp_rank: int | None = None,
     world: int | None = None
     rank: int | None = None
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():  # type: ignore[attr-defined]
-        world = dist.get_world_size()  # type: ignore[attr-defined]
-        rank = dist.get_rank()  # type: ignore[attr-defined]
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        rank = dist.get_rank()
     env_world, env_rank = env_int("WORLD_SIZE"), env_int("RANK")
     if world is None:
         world, rank = env_world, env_rank

@@ -19,6 +19,16 @@ The shard may come from the engine that runs the builders (``--shard auto``):
   hides them (:func:`without_launcher`) from the factory, so that its entries are keyed as the
   factory declares them, not as shard I of N.
 
+**Nested engines.** torchrun inside a Slurm array task or a Kubernetes Indexed Job pod (or
+under ``--shard I/N``): the outer engine says the shard, and torchrun's ``WORLD_SIZE > 1``
+ranks split *that shard* among themselves (:func:`within_launcher`), by a second hash
+independent of the first, so each of the shard's signatures is built by one rank, once,
+and the ranks' parts are the shard. The ranks' variables are hidden from the factory here
+too: an entry is keyed by ranks only where the factory passes them to ``cache_compile``
+(``global_rank=``, ``tp_rank=``...), never by the launcher that happened to run the build.
+Splitting rather than refusing: the ranks are the parallelism the job was given, and a
+check of the shard (``--check --shard I/N``, outside torchrun) still sees one shard.
+
 Torch-free: ``cachectl`` parses ``--shard`` before it imports torch.
 """
 
@@ -55,12 +65,15 @@ _GIVEN = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 _AUTO = re.compile(r"^\s*auto\s*(?:/\s*(\d+)\s*)?$")
 
 
-def shard_of(name: str, signature: str, count: int) -> int:
-    """The shard (0 .. count-1) of the signature ``signature`` of the method ``name``."""
+def shard_of(name: str, signature: str, count: int, *, within: bool = False) -> int:
+    """The shard (0 .. count-1) of the signature ``signature`` of the method ``name``;
+    ``within``: its part (0 .. count-1) among the ranks that split one shard, from other
+    bits of the same hash, so that a shard's signatures spread over its ranks."""
     if count < 1:
         raise ValueError(f"a build has at least 1 shard, not {count}")
     digest = hashlib.sha256(f"{name}\0{signature}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % count
+    bits = digest[8:16] if within else digest[:8]
+    return int.from_bytes(bits, "big") % count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +87,11 @@ class Shard:
     count: int
     source: str = GIVEN
     origin: str = dataclasses.field(default=GIVEN, compare=False)
+    # torchrun's ranks splitting this shard (nested engines): this process's part.
+    rank: int = 0
+    ranks: int = 1
+    # torchrun's variables are in the environment: the factory must not see them.
+    launcher: bool = False
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -82,16 +100,70 @@ class Shard:
         if not 0 <= self.index < self.count:
             raise ValueError(f"shard index {self.index} is not in 0..{self.count - 1} "
                              f"(from {self.origin})")
+        if not 0 <= self.rank < self.ranks:
+            raise ValueError(f"torchrun's $RANK={self.rank} is not in 0..{self.ranks - 1} "
+                             "($WORLD_SIZE)")
 
     def holds(self, name: str, signature: str) -> bool:
-        return shard_of(name, signature, self.count) == self.index
+        if shard_of(name, signature, self.count) != self.index:
+            return False
+        return self.ranks == 1 or shard_of(name, signature, self.ranks, within=True) == self.rank
 
     def hides_launcher(self) -> bool:
         """Whether the launcher's rank variables must be kept from the factory."""
-        return self.source == TORCHRUN
+        return self.source == TORCHRUN or self.launcher
+
+    @property
+    def part(self) -> str:
+        """This process's part of the shard, where torchrun's ranks split it: "" or
+        "rank 1 of 2 (torchrun)"."""
+        return f"rank {self.rank} of {self.ranks} (torchrun)" if self.ranks > 1 else ""
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
+
+
+def within_launcher(shard: Shard | None, env: Mapping[str, str]) -> Shard | None:
+    """``shard`` (None: the whole matrix) as this process builds it: where torchrun runs
+    ``WORLD_SIZE > 1`` processes and did not itself say the shard, its ranks split the
+    shard (the whole matrix, for a build given none) among them (see "Nested engines");
+    where torchrun is present at all, its variables are hidden from the factory. Without
+    torchrun, ``shard`` as it is. ValueError if torchrun's variables are not integers or
+    disagree."""
+    if shard is None:
+        if _int(env, "WORLD_SIZE") is None:
+            return None
+        shard = Shard(0, 1, GIVEN, "torchrun's ranks")
+    return _nested(shard, env)
+
+
+def _nested(shard: Shard, env: Mapping[str, str]) -> Shard:
+    world = _int(env, "WORLD_SIZE")
+    if world is None or shard.source == TORCHRUN:
+        return shard
+    rank = _int(env, "RANK")
+    if rank is None:
+        raise ValueError(f"$WORLD_SIZE={world} is set and $RANK is not: run the build "
+                         "under torchrun, or unset WORLD_SIZE")
+    if world <= 1:
+        return dataclasses.replace(shard, launcher=True)
+    split = dataclasses.replace(shard, rank=rank, ranks=world, launcher=True)
+    logger.info("build shard %s split among torchrun's %d ranks: this is %s", split, world,
+                split.part)
+    _warn_one_thread(env)
+    return split
+
+
+def _warn_one_thread(env: Mapping[str, str]) -> None:
+    if env.get("OMP_NUM_THREADS") == "1" and env.get("LOCAL_WORLD_SIZE", "1") not in ("", "1"):
+        # torchrun sets OMP_NUM_THREADS=1 in each process when it starts several per
+        # node; the thread count is a key factor, so these entries would serve only
+        # one-thread processes (a new-user trial's whole build missed at serve time).
+        logger.warning("torchrun set OMP_NUM_THREADS=1 for its %s processes on this node: "
+                       "the thread count is in every key, so this build serves only "
+                       "one-thread processes. Run one shard per node "
+                       "(--nproc-per-node 1), or set OMP_NUM_THREADS to the serving "
+                       "processes' count", env.get("LOCAL_WORLD_SIZE"))
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -167,20 +239,12 @@ def parse(text: str, env: Mapping[str, str], given_by: str = GIVEN) -> Shard:
     which the shard's messages and ``cachectl build``'s output name."""
     m = _GIVEN.match(text)
     if m:
-        return Shard(int(m.group(1)), int(m.group(2)), GIVEN, given_by)
+        return _nested(Shard(int(m.group(1)), int(m.group(2)), GIVEN, given_by), env)
     m = _AUTO.match(text.lower())
     if m:
         shard = from_engine(env, int(m.group(1)) if m.group(1) else None, given_by)
         logger.info("build shard %s from %s", shard, shard.origin)
-        if (shard.source == TORCHRUN and env.get("OMP_NUM_THREADS") == "1"
-                and env.get("LOCAL_WORLD_SIZE", "1") not in ("", "1")):
-            # torchrun sets OMP_NUM_THREADS=1 in each process when it starts several per
-            # node; the thread count is a key factor, so these entries would serve only
-            # one-thread processes (a new-user trial's whole build missed at serve time).
-            logger.warning("torchrun set OMP_NUM_THREADS=1 for its %s processes on this node: "
-                           "the thread count is in every key, so this build serves only "
-                           "one-thread processes. Run one shard per node "
-                           "(--nproc-per-node 1), or set OMP_NUM_THREADS to the serving "
-                           "processes' count", env.get("LOCAL_WORLD_SIZE"))
-        return shard
+        if shard.source == TORCHRUN:
+            _warn_one_thread(env)
+        return _nested(shard, env)
     raise ValueError(f"{given_by}={text!r} is not I/N (e.g. 0/8), auto or auto/N")

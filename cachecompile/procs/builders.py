@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,12 +75,14 @@ class BuildResult:
 
 @dataclasses.dataclass
 class BuildEvent:
-    """What a progress callback is told: ``planned`` (once), ``started``, ``finished``."""
+    """What a progress callback is told: ``planned`` (once), ``started``, ``finished``.
+    ``declared`` (with ``planned``): the signatures the factory declares, every shard's."""
 
     kind: str
     total: int
     task: dict[str, Any] | None = None
     result: BuildResult | None = None
+    declared: int | None = None
 
 
 OnEvent = Callable[[BuildEvent], None]
@@ -190,7 +193,7 @@ def _worker_env(n: int, cache_dir: str | None, shard: Shard | None,
     return env
 
 
-def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,
+def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | None = None,  # noqa: C901 (today's exception: the factory's forms and the pool's outcomes)
                      on_event: OnEvent | None = None,
                      shard: Shard | None = None,
                      cpu_target: str | None = None) -> list[BuildResult]:
@@ -254,7 +257,7 @@ def prebuild_factory(spec: str, *, jobs: int | None = None, cache_dir: str | Non
                     mine = [i for i, t in enumerate(listed)
                             if shard is None or shard.holds(t["name"], t["signature"])]
                     pending.extend(mine)
-                    emit(BuildEvent("planned", len(mine)))
+                    emit(BuildEvent("planned", len(mine), declared=len(listed)))
                 elif [(t["name"], t["signature"]) for t in listed] != \
                         [(t["name"], t["signature"]) for t in tasks]:
                     raise BuildError(f"{spec} listed different signatures in two workers; a "
@@ -284,9 +287,17 @@ def list_factory(spec: str, *, cache_dir: str | None = None,
                  shard: Shard | None = None,
                  cpu_target: str | None = None) -> list[dict[str, Any]]:
     """What the factory declares (``name``, ``signature``, ``key``: the digest of its first
-    entry), listed by one worker process as a build lists it, compiling nothing; with
-    ``shard``, that shard's part only; with ``cpu_target``, the keys of that target's
-    entries."""
+    entry, ``factors``: that key's), listed by one worker process as a build lists it,
+    compiling nothing; with ``shard``, that shard's part only; with ``cpu_target``, the
+    keys of that target's entries."""
+    return [t for t in _listed(spec, cache_dir, shard, cpu_target)
+            if shard is None or shard.holds(t["name"], t["signature"])]
+
+
+def _listed(spec: str, cache_dir: str | None, shard: Shard | None,
+            cpu_target: str | None) -> list[dict[str, Any]]:
+    """Every signature the factory declares (every shard's), listed by one worker run
+    with ``shard``'s environment."""
     parse_spec(spec)
     events: queue.Queue[Any] = queue.Queue()
     w = _Worker(0, spec, _worker_env(1, cache_dir, shard, cpu_target), events, mode="list")
@@ -302,19 +313,89 @@ def list_factory(spec: str, *, cache_dir: str | None = None,
                 # It ran nothing and has nothing to upload: no need to wait for a torch
                 # process's teardown (a second or more).
                 w.proc.kill()
-                return [t for t in msg["tasks"]
-                        if shard is None or shard.holds(t["name"], t["signature"])]
+                return list(msg["tasks"])
     finally:
         w.stop()
 
 
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """A likely cause of ``--check``'s misses that a user can act on: ``advice`` (what
+    differs and what to do), how many of the missing signatures it sets apart
+    (``count`` of ``of``), and its factors as the first of those signatures' nearest
+    entry has them, ``{factor: [here, there]}`` (``nearest["differ"]``'s shape)."""
+
+    advice: str
+    count: int
+    of: int
+    differ: dict[str, list[Any]]
+
+
 @dataclasses.dataclass
 class Checked:
-    """What ``cachectl build --check`` found: each declared signature, there or not."""
+    """What ``cachectl build --check`` found: each declared signature (of the shard), there
+    or not; ``declared``: the factory's signatures, every shard's. A missing signature
+    carries ``nearest`` where the tier has entries of its method: the tier's entry most
+    like it, ``{"key", "differ": {factor: [here, there]}}`` (the factors they differ in,
+    with this check's value and the entry's); ``causes`` names the likely causes of the
+    misses where those factors say one (:func:`likely_causes`). ``cachectl build`` prints
+    both (cachecompile.cli.build)."""
 
     tier: str                                  # the store asked (the remote, or the local)
     present: list[dict[str, Any]]
     missing: list[dict[str, Any]]
+    declared: int = 0
+    causes: list[Cause] = dataclasses.field(default_factory=list)
+
+
+# The entries ``--check`` reads to explain what is missing: one manifest each (a GET on S3,
+# eight in flight); a bigger tier is explained from these.
+EXPLAIN_LIMIT = 10_000
+# Factors (dotted paths, a prefix ending in ".") that name a cause a user can act on, as
+# builds run somewhere else than the serving processes (torchrun, another image) miss it.
+_CAUSES = (
+    ("the thread count (OMP_NUM_THREADS, torch.set_num_threads); torchrun sets "
+     "OMP_NUM_THREADS=1 when it starts several processes per node: build with the serving "
+     "processes' count",
+     ("backend.num_threads", "backend.env.OMP_NUM_THREADS")),
+    ("the C++ compiler (CXX): build with the compiler the serving processes use, at the "
+     "same path",
+     ("backend.compiler.", "backend.env.CXX", "backend.env.CC")),
+)
+
+
+def likely_causes(missing: Sequence[dict[str, Any]]) -> list[Cause]:
+    """What the missing signatures' nearest entries differ in that a user can fix: one
+    :class:`Cause` per cause, with how many signatures it sets apart and its factors'
+    values on both sides."""
+    out: list[Cause] = []
+    for advice, paths in _CAUSES:
+        hit = [t for t in missing if any(_under(d, paths) for d in (t.get("nearest") or {})
+                                         .get("differ", {}))]
+        if hit:
+            differ = hit[0]["nearest"]["differ"]
+            out.append(Cause(advice, len(hit), len(missing),
+                             {d: v for d, v in differ.items() if _under(d, paths)}))
+    return out
+
+
+def _under(path: str, paths: Sequence[str]) -> bool:
+    return any(path == p or (p.endswith(".") and path.startswith(p)) for p in paths)
+
+
+def _nearest(factors: dict[str, Any], candidates: Sequence[tuple[str, dict[str, Any]]]
+             ) -> dict[str, Any] | None:
+    """The candidate (key, factors) with the fewest differing factors, those of the same
+    signature first (the rule of ``cachectl explain``, :func:`~cachecompile.store.explain.
+    closest`): ``{"key", "differ": {factor: [here, there]}}``."""
+    from cachecompile.store.explain import closest, flatten
+
+    same = [c for c in candidates if c[1].get("signature") == factors.get("signature")]
+    near = closest(factors, same or candidates)
+    if near is None:
+        return None
+    fo, ft = flatten(factors), flatten(dict(candidates)[near.key])
+    return {"key": near.key, "differ": {d: [fo.get(d), ft.get(d)] for d in near.differ}}
 
 
 def check_factory(spec: str, *, cache_dir: str | None = None,
@@ -327,9 +408,11 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
 
     A signature is there when the tier holds its first entry (variant 0); nothing is
     loaded, so no guard is checked (``cachectl build`` does that, and says ``present``)."""
-    tasks = list_factory(spec, cache_dir=cache_dir, shard=shard, cpu_target=cpu_target)
+    listed = _listed(spec, cache_dir, shard, cpu_target)
+    tasks = [t for t in listed if shard is None or shard.holds(t["name"], t["signature"])]
     url = settings.REMOTE.get()
     has: Callable[[str], bool]
+    entries: Callable[[], Iterator[tuple[str, dict[str, Any]]]]
     if url:
         # A chain of levels: a signature is there if any level has it (a serving node
         # looks in each in turn).
@@ -341,17 +424,61 @@ def check_factory(spec: str, *, cache_dir: str | None = None,
 
         def has(digest: str) -> bool:
             return any(r.contains(digest) for r in levels)
+
+        def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+            # Every level's records, nearest level first (a serving node's lookup order).
+            return ((rec.key, dict(rec.manifest.get("factors") or {}))
+                    for r in levels for rec in r.records())
     else:
         try:
             local = open_store(cache_dir, remote="", create=False).maintenance()
         except StoreNotFound:
             tier, has = f"{cache_dir or '$CACHECOMPILE_DIR'} (no store there)", lambda d: False
+
+            def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+                return iter(())
         else:
             tier, has = f"the local store at {local.root}", local.contains
-    out = Checked(tier, [], [])
+
+            def entries() -> Iterator[tuple[str, dict[str, Any]]]:
+                return ((i.key, dict(local.manifest(i.key).get("factors") or {}))
+                        for i in local.entries())
+    out = Checked(tier, [], [], declared=len(listed))
     for t in tasks:
         (out.present if t["key"] and has(t["key"]) else out.missing).append(t)
+    if out.missing:
+        _explain_missing(out, entries)
     return out
+
+
+def _explain_missing(out: Checked,
+                     entries: Callable[[], Iterator[tuple[str, dict[str, Any]]]]) -> None:
+    """Give each missing signature its nearest entry in the tier (of the same method:
+    its function's qualified name and module), among the first :data:`EXPLAIN_LIMIT`
+    entries read, and ``out`` the likely causes. A failure to read the tier's entries
+    only leaves the check without them."""
+    try:
+        every = list(itertools.islice(entries(), EXPLAIN_LIMIT))
+    except Exception as e:  # the answer (what is missing) stands without the explanation
+        logger.warning("could not read the tier's entries to explain the missing "
+                       "signatures: %s", e)
+        return
+    by_method: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
+    for key, factors in every:
+        by_method[_method_of(factors)].append((key, factors))
+    for t in out.missing:
+        ours = t.get("factors")
+        if not isinstance(ours, dict):
+            continue
+        near = _nearest(ours, by_method.get(_method_of(ours), []))
+        if near is not None:
+            t["nearest"] = near
+    out.causes = likely_causes(out.missing)
+
+
+def _method_of(factors: dict[str, Any]) -> str:
+    f = factors.get("function")
+    return f"{f.get('module')}.{f.get('qualname')}" if isinstance(f, dict) else ""
 
 
 def push_results(results: Sequence[BuildResult], *,

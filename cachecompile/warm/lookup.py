@@ -33,6 +33,7 @@ from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
 from cachecompile.store.errors import KeyNotFound, StoreError
 from cachecompile.store.explain import nearest as nearest_entry
+from cachecompile.warm import frames as warm_frames
 from cachecompile.warm import replay
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Variant:
     fast: Callable[..., bool] | None = None
     # A loaded entry's guard checker (free of any instance): repeated blocks reuse it.
     checker: guards_mod.Checker | None = None
+    # A graph break: the entry's other frames, loaded (warm.frames).
+    frames: warm_frames.Frames | None = None
 
 
 @dataclasses.dataclass
@@ -142,6 +145,9 @@ class Lookup:
         # When a variant's C++ tree is worth building: its variants differ by sizes only,
         # so one's build prices the next's.
         self._tree_cost = guard_tree.BuildCost()
+        # The cold side a graph break's frames call when no stored variant serves them
+        # (set by the cached method; None: such a frame runs as written).
+        self.live_frames: warm_frames.LiveFrames | None = None
 
     def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
@@ -229,6 +235,10 @@ class Lookup:
                                  f"{'' if meta.is_method else ' as a shared graph'}, "
                                  f"not {adapter.name!r}")
             return None
+        if meta.frames and self._spec.fullgraph:
+            # torch.compile(fullgraph=True) raises where this method's graph breaks.
+            out.reject("format", f"{name}: its graph breaks (written with fullgraph=False)")
+            return None
         changed = deps_mod.changed(dict(meta.deps))
         if changed:
             # Kept, not deleted: another checkout of the code (or a revert) may still
@@ -266,7 +276,17 @@ class Lookup:
         entry = outcome.entry
         # What was verified: the record read again from the entry ``get`` returned.
         loaded = EntryMeta.from_json(entry.meta)
-        compiled_fn = adapter.load(entry.files, dict(loaded.program))
+        compiled_fn = (adapter.load(entry.files, dict(loaded.program))
+                       if loaded.compiled_fn else None)
+        frames = None
+        if loaded.frames:
+            # A graph break: the resume functions the bytecode calls and the callees it
+            # reaches, each with its own guards (warm.frames).
+            signature_key = make_key({k: v for k, v in key.factors.items() if k != "variant"})
+            frames = warm_frames.Frames(loaded, entry.files, adapter, self._spec.guards,
+                                        self._tree_cost, qualname, st=st, key=signature_key,
+                                        live=self.live_frames, labels=entry.labels)
+            g.update(frames.names(loaded.resumes))
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
                                list(loaded.consts), g, loaded.compiled_fn, compiled_fn)
         try:
@@ -274,7 +294,9 @@ class Lookup:
         except Exception:  # a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
         check, fast = self.check_of(checker)
-        return Variant(run=bound, check=check, name=name, fast=fast, checker=checker)
+        run = frames.wrap(bound) if frames is not None else bound
+        return Variant(run=run, check=check, name=name, fast=fast, checker=checker,
+                       frames=frames)
 
     def check_of(self, checker: guards_mod.Checker
                  ) -> tuple[Callable[..., bool], Callable[..., bool] | None]:
@@ -282,15 +304,10 @@ class Lookup:
         or the argument guards, with the state guards once more on the next call (FIRST);
         and the tree alone (ALWAYS), which dispatch tries first among several variants."""
         m = self._module
-        if self._spec.guards is GuardMode.ALWAYS:
-            # Every guard on every call: Dynamo's C++ tree once the Python checks of the
-            # variant's calls took as long as building it, the Python check until then and
-            # whenever the tree does not hold.
-            every = guard_tree.EveryCall(checker.parts, checker.full, self._tree_cost)
-            return types.MethodType(every, m), types.MethodType(every.fast, m)
-        return types.MethodType(
-            guard_tree.FirstCall(checker.parts, checker.full,
-                                 checker.per_call if checker.n_per_call else None), m), None
+        check = warm_frames.variant_check(checker, self._spec.guards, self._tree_cost)
+        if isinstance(check, guard_tree.EveryCall):
+            return types.MethodType(check, m), types.MethodType(check.fast, m)
+        return types.MethodType(check, m), None
 
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.

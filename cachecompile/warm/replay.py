@@ -45,13 +45,46 @@ class ReplayGlobals(dict[str, Any]):
         return self.module_globals[key]
 
 
-def _resolve_module(name: str) -> Any:
+def resolve_module(name: str) -> Any:
+    """The object an entry's Dynamo global stands for: a module (Dynamo's helper module
+    by its light stand-in), the builtins dict, or a builtin function or class by its
+    qualified name (``module:qualname``; :func:`named_builtin`)."""
     if name == BUILTINS_DICT:
         return vars(builtins)
+    if ":" in name:
+        module, _, qualname = name.partition(":")
+        if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
+            raise UnsupportedProgramError(f"unexpected global {name!r} in entry")
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
     standin = dynamo_shim.standin(name)
     if standin is not None:
         return standin
     return importlib.import_module(name)
+
+
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def named_builtin(value: Any) -> str | None:
+    """``module:qualname`` for a builtin function or a class that its module names (so a
+    warm process finds the very object by name), else None. Dynamo installs such objects
+    under generated names (``___module_iter_<id>_c29``) when its bytecode rebuilds them."""
+    if not isinstance(value, (types.BuiltinFunctionType, type)):
+        return None
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
+        return None
+    try:
+        found = resolve_module(f"{module}:{qualname}")
+    except Exception:  # not reachable by its name: no portable form
+        return None
+    return f"{module}:{qualname}" if found is value else None
 
 
 # Dynamo's global by object id, with no prefix (install_global_by_id("", module)): a
@@ -74,14 +107,17 @@ def replay_globals(func: types.FunctionType, imports: Mapping[str, str],
     for gname, modname in imports.items():
         if not is_dynamo_global(gname):
             raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
-        names[gname] = _resolve_module(modname)
+        names[gname] = resolve_module(modname)
     names.update(extra or {})
     return ReplayGlobals(func.__globals__, names)
 
 
 def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
             g: ReplayGlobals, compiled_fn_name: str,
-            compiled_fn: Callable[..., Any]) -> types.MethodType:
+            compiled_fn: Callable[..., Any] | None) -> types.MethodType:
+    """The method over its stored bytecode and the private globals ``g``; its graph
+    (``compiled_fn``) under ``compiled_fn_name``, unless the method's graph breaks before
+    any graph (no name, no program: its frames hold them)."""
     func = method.__func__
     try:
         code = codeobj.loads(bytecode, consts)
@@ -89,13 +125,15 @@ def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
         raise UnsupportedProgramError(f"stored bytecode does not load: {e}") from e
     if not isinstance(code, types.CodeType):
         raise UnsupportedProgramError("stored bytecode is not a code object")
-    if code.co_freevars != func.__code__.co_freevars:  # type: ignore[attr-defined]
+    if code.co_freevars != func.__code__.co_freevars:
         raise UnsupportedProgramError("stored bytecode does not fit the method's closure")
-    if not compiled_fn_name.startswith("__compiled_fn"):
-        raise UnsupportedProgramError(f"unexpected compiled function name {compiled_fn_name!r}")
-    g[compiled_fn_name] = compiled_fn
-    fn = types.FunctionType(code, g, func.__name__, func.__defaults__,  # type: ignore[attr-defined]
-                            func.__closure__)  # type: ignore[attr-defined]
-    fn.__kwdefaults__ = func.__kwdefaults__  # type: ignore[attr-defined]
+    if compiled_fn_name or compiled_fn is not None:
+        if not compiled_fn_name.startswith("__compiled_fn") or compiled_fn is None:
+            raise UnsupportedProgramError(
+                f"unexpected compiled function name {compiled_fn_name!r}")
+        g[compiled_fn_name] = compiled_fn
+    fn = types.FunctionType(code, g, func.__name__, func.__defaults__,
+                            func.__closure__)
+    fn.__kwdefaults__ = func.__kwdefaults__
     fn.__qualname__ = func.__qualname__
     return types.MethodType(fn, method.__self__)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from .base import (
     Breaker,
+    Listed,
     RecordState,
     Remote,
     RemoteConfig,
@@ -36,6 +37,6 @@ from .http import HttpRemote
 from .redis import RedisRemote
 from .s3 import S3Remote
 
-__all__ = ["Breaker", "FileRemote", "HttpRemote", "RecordState", "RedisRemote", "Remote",
-           "RemoteConfig", "S3Remote", "Uploaded", "open_levels", "open_remote", "redact",
-           "split_levels"]
+__all__ = ["Breaker", "FileRemote", "HttpRemote", "Listed", "RecordState", "RedisRemote",
+           "Remote", "RemoteConfig", "S3Remote", "Uploaded", "open_levels", "open_remote",
+           "redact", "split_levels"]

@@ -1,6 +1,7 @@
 """What every remote tier is and shares: the :class:`Remote` protocol the tiered store and
-``cachectl`` type against, the URL's settings, the circuit breaker, and :class:`BlobRemote`: the one upload and
-download flow, which every remote runs over its own keys or objects (Redis, S3).
+``cachectl`` type against, the URL's settings, the circuit breaker, and
+:class:`BlobRemote`: the one upload and download flow, which every remote runs over its
+own keys, objects or files (Redis, S3, a shared directory, an HTTP cache).
 
 The rules, the same on every remote:
 
@@ -15,6 +16,12 @@ The rules, the same on every remote:
 * Any failure trips the breaker: ONE warning, then every call is a quick
   :class:`~cachecompile.store.errors.RemoteError` (the process goes on local-only) until
   one call is let through again after a backoff (1 s, doubling, at most 60 s).
+* A forked child never uses its parent's client: a client's sockets (and an S3 client's
+  I/O runtime and its epoll instance) are shared with the parent across ``fork``, so a
+  child that used them would hang and could crash the parent. Every remote re-creates its
+  client in a child (:meth:`BlobRemote.forked`, run by ``os.register_at_fork`` and, should
+  a fork skip Python's hooks, by a pid check before each call); a server's class says how
+  in one hook, :meth:`BlobRemote.reset_client`.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import stat
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +47,9 @@ from ..signing import Record, Trust, make_record, parse_record, sha256_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlobRemote", "Breaker", "RecordState", "Remote", "RemoteConfig", "Uploaded",
-           "call_with_deadline", "may_replace", "open_levels", "open_remote", "record_state",
-           "redact", "register", "split_levels"]
+__all__ = ["BlobRemote", "Breaker", "Listed", "RecordState", "Remote", "RemoteConfig",
+           "Uploaded", "call_with_deadline", "may_replace", "open_levels", "open_remote",
+           "record_state", "redact", "register", "split_levels"]
 
 MAX_CHUNK = 64 * 1024**2  # Redis caps a value at 512 MB; big values stall the server
 # 4 MiB: redis-py's reply parser copies big values; 4 MiB GETs ran 600 MB/s on loopback,
@@ -81,6 +89,26 @@ class Uploaded:
 
     def __bool__(self) -> bool:
         return self.written
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One record under the remote's prefix, as ``cachectl remote ls`` lists it: parsed
+    (``record``, not yet trusted), or not (``problem`` says why: a torn write, garbage, a
+    record of a format this version cannot read). ``size``: the record's own bytes."""
+
+    key: str
+    size: int
+    record: Record | None = None
+    problem: str = ""
+
+    @property
+    def state(self) -> str:
+        """``malformed``, ``unsigned`` or ``signed`` (whether it verifies is the reader's
+        business: a row is listed whatever key it is signed with)."""
+        if self.record is None:
+            return "malformed"
+        return "signed" if self.record.sig else "unsigned"
 
 
 # ``password=`` in a query (redis-py reads it there too), however it is cased.
@@ -219,7 +247,7 @@ class RemoteConfig:
                 f"{_scrub(str(e), url)}") from None
 
     @classmethod
-    def _parse(cls, url: str, env: Mapping[str, str]) -> RemoteConfig:
+    def _parse(cls, url: str, env: Mapping[str, str]) -> RemoteConfig:  # noqa: C901 (today's exception: one branch per remote URL form)
         public, username, password = _split_secret(url)
         parts = urllib.parse.urlsplit(public)
         remote = _REMOTES.get(parts.scheme)
@@ -341,6 +369,17 @@ class Breaker:
                             self.clock() - self.down_since)
                 self.down_since = None
 
+    def reset_after_fork(self) -> None:
+        """A forked child's breaker: closed, with a lock of its own (another thread may
+        have held the parent's at the fork, and no thread would ever release it here).
+        ``quiet`` and ``clock`` stay as they were set."""
+        self._lock = threading.Lock()
+        self.down_since = None
+        self.retry_at = 0.0
+        self.delay = self.base
+        self.failures = 0
+        self._warned = False
+
     def guard(self, what: str) -> None:
         """Raise the quick RemoteError of an open breaker."""
         if not self.allow():
@@ -386,6 +425,12 @@ class Remote(Protocol):
         """Every parsable record (unverified); malformed ones are logged and skipped."""
         ...
 
+    def listing(self) -> Iterator[Listed]:
+        """Every record, malformed ones included (``cachectl remote ls`` and ``purge``),
+        each under its entry's digest, or, on a server that stores records under another
+        name (HTTP), under that name where the record's bytes cannot prove its digest."""
+        ...
+
     def download(self, digest: str, dest: Path,
                  progress: Callable[[int], None] | None = None) -> Record | None:
         """Fetch a trusted entry's files into ``dest`` (a fresh dir); None if absent.
@@ -403,7 +448,8 @@ class Remote(Protocol):
         ...
 
     def delete(self, digest: str) -> bool:
-        """Remove the record; its blobs go with the next :meth:`sweep`."""
+        """Remove the record of ``digest`` (an entry's digest, or the key :meth:`listing`
+        gave a record that names no entry); its blobs go with the next :meth:`sweep`."""
         ...
 
     def sweep(self) -> int:
@@ -485,12 +531,13 @@ def refuse_readonly(config: RemoteConfig) -> None:
 
 class BlobRemote:
     """What every remote shares: its settings, trust, breaker, and the one upload and
-    download flow. A server's module (redis.py, s3.py) implements the half that differs,
-    the methods below that raise NotImplementedError, and the rest of :class:`Remote`
-    (ping, contains, records, delete, sweep, info, close).
+    download flow. A server's module (redis.py, s3.py, file.py, http.py) implements the
+    half that differs, the methods below that raise NotImplementedError, the rest of
+    :class:`Remote` (ping, contains, delete, sweep, info, close) and, if it holds a
+    client a forked child must not share, :meth:`reset_client`.
 
     ``tag`` is whatever the server compares a conditional write with: the record's bytes
-    on Redis, its ETag on S3.
+    on Redis, file:// and HTTP (which cannot compare: it reads again), its ETag on S3.
     """
 
     kind = ""  # the RemoteConfig.kind it serves
@@ -532,6 +579,9 @@ class BlobRemote:
         # Blobs this process downloaded and found damaged: an upload rewrites them instead
         # of trusting that they are stored (content addressing alone keeps bad bytes).
         self.bad_blobs: set[str] = set()
+        # The process whose client this is: a forked child makes its own (forked()).
+        self._pid = os.getpid()
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.display!r}, readonly={self.readonly})"
@@ -543,7 +593,35 @@ class BlobRemote:
     @property
     def available(self) -> bool:
         """False while the breaker is open and its backoff has not elapsed (no network)."""
+        self.forked()
         return self.breaker.allow()
+
+    # -- forks ---------------------------------------------------------------------------
+    def reset_client(self) -> None:
+        """The hook a server's class overrides: forget the client this process inherited
+        from the one that forked it, and any lock it is made under, so that the next call
+        makes a new one here. Never close or use the inherited client: its sockets (and an
+        S3 client's I/O runtime) are the parent's, still in use there. Runs in the child,
+        with one thread, right after the fork."""
+
+    def forked(self) -> None:
+        """Make this remote the current process's: in a forked child, a fresh breaker and
+        (:meth:`reset_client`) a client of its own on the next call. Nothing in the
+        process that made it. Run for every live remote by ``os.register_at_fork``, and by
+        :meth:`guard` should a fork have skipped Python's hooks."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self.breaker.reset_after_fork()
+        self.reset_client()
+        logger.debug("remote cache %s: a new client in forked process %d",
+                     self.config.display, self._pid)
+
+    def guard(self, what: str) -> None:
+        """What every remote call does first: make the remote this process's if it was
+        forked (:meth:`forked`), then raise the quick RemoteError of an open breaker."""
+        self.forked()
+        self.breaker.guard(what)
 
     # -- the half that differs by server -------------------------------------------------
     def replace_refused(self) -> str:
@@ -556,8 +634,22 @@ class BlobRemote:
         """The raw record and its tag, or None if absent."""
         raise NotImplementedError
 
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
-        """Write the record if it is still the one tagged ``tag`` (None: still absent)."""
+    def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
+        """(digest, raw record) of every record under the prefix; None for one that went
+        between the listing and its read. :meth:`records` and :meth:`listing` are built
+        on it. A server whose record names are not digests (HTTP's ``/ac/`` hashes) gives
+        a record whose bytes do not prove its digest under its own name."""
+        raise NotImplementedError
+
+    def write_record(self, digest: str, data: bytes, tag: object | None, *,
+                     blind: bool = False) -> bool:
+        """Write the record if it is still the one tagged ``tag`` (None: still absent).
+
+        ``blind``: the server cannot compare and set (:meth:`replace_refused`), and the
+        caller has proven the record tagged ``tag`` malformed: write over it if it is
+        still that record when read again just before (a window of one round trip in
+        which another node's record would be overwritten; docs/remote.md). A server that
+        compares and sets ignores it."""
         raise NotImplementedError
 
     def put_blobs(self, entry: Entry, sha: dict[str, str],
@@ -583,6 +675,20 @@ class BlobRemote:
         got = self.read_record(digest)
         return None if got is None else parse_record(got[0], digest)
 
+    def records(self) -> Iterator[Record]:
+        """Every parsable record (unverified); malformed ones are logged and skipped."""
+        return parse_records(self.raw_records())
+
+    def listing(self) -> Iterator[Listed]:
+        """Every record, malformed ones included, each parsed once (not yet trusted)."""
+        for digest, raw in self.raw_records():
+            if raw is None:
+                continue
+            try:
+                yield Listed(digest, len(raw), parse_record(raw, digest))
+            except errors.ManifestError as e:
+                yield Listed(digest, len(raw), None, str(e))
+
     def upload(self, entry: Entry, *, overwrite: bool = False, repair: bool = False,
                resign: bool = False,
                progress: Callable[[int], None] | None = None) -> Uploaded:
@@ -597,9 +703,12 @@ class BlobRemote:
         if not may_replace(self.trust, found, **judge):
             self._kept(digest, found)
             return Uploaded(False, found)
+        blind = False
         if tag is not None and (why := self.replace_refused()):
-            logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
-            return Uploaded(False, found, why)
+            if not self._may_write_blind(found, repair):
+                logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
+                return Uploaded(False, found, why)
+            blind = True
         names = sorted(entry.manifest["files"])
         sha = {n: sha256_file(entry.files[n]) for n in names}
         executable = [n for n in names if os.stat(entry.files[n]).st_mode & stat.S_IXUSR]
@@ -609,7 +718,7 @@ class BlobRemote:
                           executable)
         data = rec.to_bytes()
         for _ in range(CAS_TRIES):
-            if self.write_record(digest, data, tag):
+            if self.write_record(digest, data, tag, blind=blind):
                 self.recheck_blobs(entry, sha, chunks)
                 logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
                 return Uploaded(True, found)
@@ -620,9 +729,12 @@ class BlobRemote:
             if not may_replace(self.trust, found, **judge):
                 self._kept(digest, found)
                 return Uploaded(False, found)
+            blind = False
             if tag is not None and (why := self.replace_refused()):
-                logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
-                return Uploaded(False, found, why)
+                if not self._may_write_blind(found, repair):
+                    logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
+                    return Uploaded(False, found, why)
+                blind = True
         raise errors.RemoteError(f"remote cache {self.config.display}: the record of {digest} "
                                  f"changed {CAS_TRIES} times while we wrote it")
 
@@ -659,8 +771,13 @@ class BlobRemote:
         """The SHA-256 of every blob a parsable record references (what a sweep keeps)."""
         return {s for rec in self.records() for s in rec.sha256.values()}
 
-    def records(self) -> Iterator[Record]:
-        raise NotImplementedError
+    def _may_write_blind(self, found: RecordState, repair: bool) -> bool:
+        """Whether a server that cannot compare and set may have this record written
+        over all the same: only one no node can load (malformed), and only by a keyed
+        repair (``cachectl push`` with the fleet's key, an operator's act), never by a
+        serving node's background upload. The window it leaves is
+        :meth:`write_record`'s."""
+        return found == "malformed" and repair and self.trust.key is not None
 
     def _kept(self, digest: str, found: RecordState) -> None:
         if found == "foreign":
@@ -705,6 +822,20 @@ def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:
             yield parse_record(raw, digest)
         except errors.ManifestError as e:
             logger.warning("remote entry %s is malformed: %s", digest, e)
+
+
+# Every remote this process made (weakly: a closed store's remote goes): a forked child
+# makes each one its own before anything else runs in it.
+_LIVE: weakref.WeakSet[BlobRemote] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for remote in list(_LIVE):
+        remote.forked()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to survive
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def register(cls: type[R]) -> type[R]:

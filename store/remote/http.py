@@ -25,7 +25,13 @@ doubling to 60 s), as on every other tier.
 What HTTP cannot do: compare-and-set. A record is created (a HEAD, then a PUT with
 ``If-None-Match: *``, which a WebDAV server answers with 412 where one is there) and never
 replaced, so an unsigned or stale record stays until ``cachectl remote purge`` deletes it
-(a WebDAV ``DELETE``). Listing (``cachectl remote ls``, ``stats``, ``purge``, ``pull``
+(a WebDAV ``DELETE``). The one exception is a record no node can load (malformed), which
+a keyed ``cachectl push`` writes over (``write_record(blind=True)``): it GETs the record
+again just before a plain PUT and writes only if the bytes are still those it judged,
+which leaves a window of one round trip (docs/remote.md, "Repairing records"). A
+malformed record is listed under its entry's digest when the digest can be proven from
+its bytes (a 32-digit hex string in it whose ``/ac/`` name is the record's own), else
+under its ``/ac/`` name (64 digits), which ``delete`` also takes. Listing (``cachectl remote ls``, ``stats``, ``purge``, ``pull``
 without keys) uses WebDAV's ``PROPFIND``: nginx needs its dav-ext module for it, WsgiDAV
 has it, bazel-remote has none (it evicts by itself, LRU). There are no pins: the sweep
 deletes only blobs older than ``lease`` that no record references, and an upload checks
@@ -43,7 +49,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
-import json
 import logging
 import os
 import re
@@ -59,8 +64,8 @@ from typing import Any
 from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
-from ..signing import Record, Trust
-from .base import BlobRemote, RemoteConfig, parse_records, refuse_readonly, register
+from ..signing import Trust
+from .base import BlobRemote, RemoteConfig, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
 
@@ -140,17 +145,17 @@ class HttpRemote(BlobRemote):
                             if self.config.prefix else "")
         self._auth = _authorization(self.config.username, self.config.password)
         self._local = threading.local()
-        # Fork: the connections of the process that made them are not the child's (a
-        # socket shared by two processes interleaves their requests). A child sees
-        # another pid and starts with none.
-        self._pid = os.getpid()
         self._ssl: ssl.SSLContext | None = None
 
     # -- plumbing ----------------------------------------------------------------------
+    def reset_client(self) -> None:
+        # The connections of the process that made them are not the child's (a socket
+        # shared by two processes interleaves their requests): the child starts with
+        # none. Dropped, not closed: the forking thread's connection is still the
+        # parent's, and dropping it only closes this process's copy of the descriptor.
+        self._local = threading.local()
+
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
-        if self._pid != os.getpid():
-            self._local = threading.local()
-            self._pid = os.getpid()
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None and fresh:
             conn.close()
@@ -169,7 +174,7 @@ class HttpRemote(BlobRemote):
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
-        if conn is not None and self._pid == os.getpid():
+        if conn is not None:
             conn.close()
         self._local.conn = None
 
@@ -207,7 +212,7 @@ class HttpRemote(BlobRemote):
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` with the breaker: a transport error or an answer outside the rules
         (:class:`_Status`) trips it, with one warning, and is a RemoteError."""
-        self.breaker.guard(what)
+        self.guard(what)
         try:
             out = fn()
         except (errors.CorruptEntryError, errors.UntrustedEntryError):
@@ -369,21 +374,15 @@ class HttpRemote(BlobRemote):
 
         return list(self._call(f"list {kind}", go))
 
-    def records(self) -> Iterator[Record]:
-        names = [n for n, _, _ in self._listing("ac")]
-
-        def raws() -> Iterator[tuple[str, bytes | None]]:
-            for name in names:
-                raw = self._small("GET", "ac", name, "get record")
-                if raw is None:
-                    continue
-                digest = _digest_in(raw)
-                if digest is None or ac_name(digest) != name:
-                    logger.warning("remote record %s names no entry of its own: skipped", name)
-                    continue
-                yield digest, raw
-
-        return parse_records(raws())
+    def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
+        """(digest, raw) of every record; a record whose digest its bytes cannot prove
+        (garbage, a torn write that lost it, a record copied under another entry's name)
+        comes under its ``/ac/`` name: a row that ``cachectl remote ls`` shows as
+        malformed, and that :meth:`delete` removes."""
+        for name in [n for n, _, _ in self._listing("ac")]:
+            raw = self._small("GET", "ac", name, "get record")
+            if raw is not None:
+                yield _digest_in(raw, name) or name, raw
 
     def info(self) -> dict[str, Any]:
         blobs = self._listing("cas")
@@ -392,11 +391,25 @@ class HttpRemote(BlobRemote):
     # -- writes --------------------------------------------------------------------------
     def replace_refused(self) -> str:
         return ("an HTTP cache cannot compare and set, so a record on it is never replaced "
-                "(cachectl remote purge deletes it)")
+                "but a malformed one by a keyed `cachectl push` (cachectl remote purge "
+                "deletes it)")
 
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+    def write_record(self, digest: str, data: bytes, tag: object | None, *,
+                     blind: bool = False) -> bool:
         if tag is not None:
-            return False  # never replaced (replace_refused): judge again, and keep it
+            if not blind:
+                return False  # never replaced (replace_refused): judge again, and keep it
+            # A record the caller proved malformed: written over only if it is still those
+            # very bytes when read again just now (HTTP has no compare-and-set: a window of
+            # one round trip, docs/remote.md). Else judge again.
+            now = self.read_record(digest)
+            if now is None or now[0] != tag:
+                return False
+            status = self._put("ac", ac_name(digest), data, len(data), "replace record")
+            if status == 413:
+                raise errors.StoreError(f"remote cache {self.config.display}: the record of "
+                                        f"{digest} is too large for the server (413)")
+            return 200 <= status < 300
         if self.contains(digest):
             return False
         status = self._put("ac", ac_name(digest), data, len(data), "put record",
@@ -450,8 +463,11 @@ class HttpRemote(BlobRemote):
                 self._put_blob(entry.files[n], s, None)
 
     def delete(self, digest: str) -> bool:
+        """Remove the record of ``digest``, or the record stored under the ``/ac/`` name
+        ``digest`` (64 digits: a malformed record :meth:`raw_records` could not name)."""
         refuse_readonly(self.config)
-        return self._delete("ac", ac_name(digest), "delete record")
+        name = digest if _HEX64.fullmatch(digest) else ac_name(digest)
+        return self._delete("ac", name, "delete record")
 
     def _delete(self, kind: str, name: str, what: str) -> bool:
         def go() -> bool:
@@ -507,11 +523,22 @@ def _authorization(user: str | None, password: str | None) -> str:
     return f"Basic {token}"
 
 
-def _digest_in(raw: bytes) -> str | None:
-    """The entry digest a record names (read before it is parsed against that digest)."""
-    try:
-        key = json.loads(json.loads(raw)["body"]).get("key")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return key if isinstance(key, str) else None
+# An entry digest as a record's JSON writes it (its body's "key", the manifest's...).
+_DIGEST_TEXT = re.compile(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
+
+
+def _digest_in(raw: bytes, name: str) -> str | None:
+    """The digest of the entry whose record is stored as ``/ac/<name>``, proven from the
+    record's bytes: a 32-digit hex string in it whose ``/ac/`` name is ``name`` (a torn
+    record keeps its digest as long as one copy of it survived); None if none is."""
+    seen: set[bytes] = set()
+    for m in _DIGEST_TEXT.finditer(raw):
+        text = m.group()
+        if text in seen:
+            continue
+        seen.add(text)
+        digest = text.decode("ascii")
+        if ac_name(digest) == name:
+            return digest
+    return None
 

@@ -36,15 +36,32 @@ Client: obstore (Rust's object_store; an optional extra, ``pip install
 streamed downloads are built in, its import costs ~5 ms against boto3's ~150 ms, and
 it moves 80 MB at several hundred MB/s from Python (tools/bench_remote.py). It retries
 a failed request twice, quickly; beyond that the breaker decides when to try again.
+
+Forks: obstore runs every request on one tokio runtime per loaded copy of its native
+module, made on first use, and documents that runtime as not fork-safe. A forked child
+inherits it without its threads and with its epoll instance *shared* with the parent: a
+request there never completes (no thread drives its I/O), and the socket it registers
+on the shared epoll hands the parent's runtime events for memory the parent does not
+have (the parent's SIGSEGV). So a process forked from one that had obstore loaded never
+calls that copy, nor drops a client made with it (:func:`_native`,
+:meth:`S3Remote.reset_client`): it loads a private copy of the native module (its own
+runtime, its own epoll) from an in-memory file, since the dynamic loader hands back a
+library it has loaded already, by inode, whatever its path. ~0.1 s and ~15 MB once per
+forked process that uses the tier.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import re
+import shutil
+import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -58,15 +75,8 @@ from typing import Any
 from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
-from ..signing import Record, Trust
-from .base import (
-    BlobRemote,
-    RemoteConfig,
-    call_with_deadline,
-    parse_records,
-    refuse_readonly,
-    register,
-)
+from ..signing import Trust
+from .base import BlobRemote, RemoteConfig, call_with_deadline, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +100,85 @@ _CAS: dict[tuple[str, str], str] = {}
 _CAS_LOCK = threading.Lock()
 # A GET of this (never written) says whether the bucket exists, without a LIST.
 _CHECK_KEY = f"{_LAYOUT}/bucket-check"
+
+# obstore's native module as this process calls it (see the module docstring, "Forks").
+_NATIVE = "obstore._obstore"
+_native_lock = threading.Lock()
+_native_mod: Any = None
+_native_pid = 0
+# obstore was loaded in the process this one was forked from: never call that copy here.
+_inherited = False
+# Clients a forked child inherited, kept from the garbage collector: dropping one would
+# run obstore's destructors on the parent's runtime in this process.
+_INHERITED: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    global _CAS_LOCK, _native_lock, _native_mod, _inherited
+    # Locks another thread may have held at the fork: nothing would release them here.
+    _CAS_LOCK = threading.Lock()
+    _native_lock = threading.Lock()
+    _inherited = _inherited or _native_mod is not None or _NATIVE in sys.modules
+    if _native_mod is not None:
+        _INHERITED.append(_native_mod)
+    _native_mod = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _native() -> Any:
+    """obstore's native module for this process: the one ``import obstore`` loads, or,
+    in a process forked from one that had it loaded, a private copy (ImportError if the
+    extra is missing, OSError if no copy can be loaded). A pid check backs the fork hook."""
+    global _native_mod, _native_pid, _inherited
+    with _native_lock:
+        pid = os.getpid()
+        if _native_mod is not None and _native_pid == pid:
+            return _native_mod
+        if _native_mod is not None:  # forked without Python's hooks
+            _INHERITED.append(_native_mod)
+            _inherited = True
+        if _inherited:
+            mod = _private_copy()
+        else:
+            import obstore._obstore as mod
+        _native_mod, _native_pid = mod, pid
+        return mod
+
+
+def _private_copy() -> Any:
+    """A copy of obstore's native module of this process's own (its own runtime): the
+    library copied into an in-memory file (a file in the temp dir where there is no
+    memfd) and loaded from there."""
+    spec = importlib.util.find_spec(_NATIVE)
+    if spec is None or not spec.origin:
+        raise ImportError(f"{_NATIVE} is not installed")
+    memfd = getattr(os, "memfd_create", None)
+    path: str
+    if memfd is not None and os.path.isdir("/proc/self/fd"):
+        fd = memfd("cachecompile-obstore")
+        path = f"/proc/self/fd/{fd}"
+        temp = None
+    else:
+        fd, temp = tempfile.mkstemp(prefix="cachecompile-obstore-", suffix=".so")
+        path = temp
+    try:
+        with open(spec.origin, "rb") as src, os.fdopen(os.dup(fd), "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        loader = importlib.machinery.ExtensionFileLoader(_NATIVE, path)
+        copy = importlib.util.spec_from_file_location(_NATIVE, path, loader=loader)
+        assert copy is not None
+        mod = importlib.util.module_from_spec(copy)
+        loader.exec_module(mod)
+    finally:
+        os.close(fd)  # the loader keeps its own mapping
+        if temp is not None:
+            os.unlink(temp)
+    logger.debug("loaded a private copy of obstore's native module in forked process %d",
+                 os.getpid())
+    return mod
 
 
 class _Gone(Exception):
@@ -142,10 +231,18 @@ class S3Remote(BlobRemote):
     def _endpoint() -> str:
         return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
 
+    def reset_client(self) -> None:
+        # The inherited client is kept, not dropped (see _INHERITED); the next call makes
+        # one with this process's own copy of obstore (_native).
+        self._store_lock = threading.Lock()
+        if self._store is not None:
+            _INHERITED.append(self._store)
+        self._store = None
+
     def client(self) -> Any:
         with self._store_lock:
             if self._store is None:
-                from obstore.store import S3Store
+                S3Store = _native()._store.S3Store  # obstore's own class, not its Python subclass
 
                 endpoint = self._endpoint()
                 t = self.config.timeout
@@ -170,14 +267,19 @@ class S3Remote(BlobRemote):
         ``bounded``: give up after :meth:`deadline` even if the client has not (a server,
         or the credentials' metadata service, that accepts and never answers): the caller
         goes on local-only and the request finishes, or not, in the background."""
-        self.breaker.guard(what)
+        self.guard(what)
         try:
-            import obstore as ob
-            import obstore.exceptions as ox
+            ob = _native()
         except ImportError as e:  # the extra is missing: as good as unreachable
             missing = errors.RemoteError(f"the S3 tier needs obstore ({e}): {EXTRA}")
             self.breaker.failed(missing)
             raise missing from e
+        except OSError as e:  # a forked process could not load a copy of its own
+            err = errors.RemoteError(f"remote cache {self.config.display}: this forked "
+                                     f"process cannot load a copy of obstore of its own ({e})")
+            self.breaker.failed(err)
+            raise err from e
+        ox = ob.exceptions
         try:
             if not self._checked:
                 # Once per process: a missing bucket is named, not read as "every entry
@@ -247,7 +349,7 @@ class S3Remote(BlobRemote):
             return bytes(r.bytes()), str(r.meta.get("e_tag") or "")
 
         try:
-            return tuple(self._call(what, get))  # type: ignore[return-value]
+            return tuple(self._call(what, get))
         except _Gone:
             return None
 
@@ -297,10 +399,11 @@ class S3Remote(BlobRemote):
             logger.warning(
                 "remote cache %s: the server does not honour conditional puts (%s). Uploads "
                 "to it only create records and never replace one (a stale, unsigned or "
-                "re-signed record stays until it is deleted), and two nodes uploading the "
-                "same new entry at once may each write it, the last one staying. Use a "
-                "server that answers 412 to If-None-Match and If-Match (docs/remote.md)",
-                self.config.display, why)
+                "re-signed record stays until it is deleted; a malformed one, until a keyed "
+                "`cachectl push` or `cachectl remote purge --malformed`), and two nodes "
+                "uploading the same new entry at once may each write it, the last one "
+                "staying. Use a server that answers 412 to If-None-Match and If-Match "
+                "(docs/remote.md)", self.config.display, why)
         return why
 
     def contains(self, digest: str) -> bool:
@@ -339,33 +442,41 @@ class S3Remote(BlobRemote):
         write_new_file(target, chunks(), mode)
         return got, h.hexdigest()
 
-    def records(self) -> Iterator[Record]:
+    def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         metas = self._list("entry")
         names = [str(m["path"]).rsplit("/", 1)[-1] for m in metas]
-
-        def raws() -> Iterator[tuple[str, bytes | None]]:
-            # A few GETs in flight: one round trip per record otherwise.
-            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="cc-s3") as pool:
+        # A few GETs in flight: one round trip per record otherwise. A window at a time,
+        # so that a reader that stops early (build --check's explanation) stops the GETs.
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="cc-s3") as pool:
+            for i in range(0, len(names), 256):
+                part = names[i:i + 256]
                 got = pool.map(lambda d: self._get("get record", self._key("entry", d)),
-                               names)
-                for digest, one in zip(names, got, strict=True):
+                               part)
+                for digest, one in zip(part, got, strict=True):
                     yield digest, None if one is None else one[0]
-
-        return parse_records(raws())
 
     def info(self) -> dict[str, Any]:
         objs = self._list()
         return {"objects": len(objs), "stored_bytes": sum(int(m["size"]) for m in objs)}
 
     # -- writes --------------------------------------------------------------------------
-    def write_record(self, digest: str, data: bytes, tag: object | None) -> bool:
+    def write_record(self, digest: str, data: bytes, tag: object | None, *,
+                     blind: bool = False) -> bool:
         mode: Any = "create" if tag is None else {"e_tag": str(tag)}
         key = self._key("entry", digest)
         if self._conditional_puts():
-            # The put below would be blind: never over a record (judge again: the upload
-            # then keeps it), and a create only where a HEAD just found none, which
-            # narrows the race it cannot close.
-            if tag is not None or self._head("head record", key) is not None:
+            # The put below would be blind. Over a record only where the caller proved it
+            # malformed and it is still that very object (its ETag) when read just now;
+            # a create only where a HEAD just found none. Both narrow a race they cannot
+            # close (docs/remote.md). Otherwise judge again: the upload then keeps it.
+            if tag is not None:
+                if not (blind and tag):
+                    return False
+                now = self._head("head record", key)
+                if now is None or str(now.get("e_tag") or "") != str(tag):
+                    return False
+                mode = "overwrite"
+            elif self._head("head record", key) is not None:
                 return False
 
         def put(ob: Any, s: Any) -> bool:

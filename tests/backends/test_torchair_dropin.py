@@ -21,10 +21,10 @@ def test_unknown_keywords_warn_once_naming_them(tmp_path: Path) -> None:
     m = Small()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=1,
+        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=1,  # type: ignore[call-overload]
                       zz_other=True)
-        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=2)
-        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=2,
+        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=2)  # type: ignore[call-overload]
+        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path, zz_future_opt=2,  # type: ignore[call-overload]
                       zz_third=3)
     ignored = [str(w.message) for w in caught if issubclass(w.category, IgnoredArgumentWarning)]
     assert ignored == ["cache_compile() ignores unknown keyword arguments: zz_future_opt, zz_other",
@@ -37,7 +37,7 @@ def test_unknown_keywords_warn_once_naming_them(tmp_path: Path) -> None:
 def test_non_method_is_a_value_error_too() -> None:
     # (A lambda is a form of its own since issue 34; an int is still nothing to cache.)
     with pytest.raises(ValueError, match="bound method"):
-        cache_compile(42)
+        cache_compile(42)  # type: ignore[call-overload]
 
 
 def test_torchair_default_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

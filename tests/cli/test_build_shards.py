@@ -124,8 +124,38 @@ def test_a_build_sharded_by_torchrun_keys_no_rank(monkeypatch: pytest.MonkeyPatc
         for k, v in env.items():
             mp.setenv(k, v)
         assert ranks.detect().factors() == ranks.Ranks(1, 0, None, None, 0, None).factors()
-    # Given as I/N, the shard is the user's word and the launcher's variables stay.
+    # A shard that says nothing of torchrun leaves the variables as they are; one parsed
+    # under torchrun (given as I/N too: issue 50) hides them and splits among the ranks.
     assert _worker_env(1, None, Shard(2, 4))["RANK"] == "2"
+    given = parse("1/2", os.environ)
+    assert (given.rank, given.ranks) == (2, 4)
+    assert not {"RANK", "WORLD_SIZE"} & set(_worker_env(1, None, given))
+
+
+def test_an_empty_shard_or_rank_part_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard with no signatures (more shards than signatures, or torchrun's ranks
+    splitting a small shard) said nothing at all: it says so, and exits 0."""
+    from cachecompile.cli import build as build_cli
+    from cachecompile.procs.builders import BuildEvent
+
+    def prebuild(*_: Any, on_event: Any, **__: Any) -> list[Any]:
+        on_event(BuildEvent("planned", 0, declared=6))
+        return []
+
+    monkeypatch.setattr(build_cli, "prebuild_factory", prebuild)
+    monkeypatch.delenv("CACHECOMPILE_REMOTE", raising=False)
+    engines = {k: "" for k in ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "RANK",
+                               "WORLD_SIZE", "CACHECOMPILE_BUILD_SHARD")}
+    for args, env, words in [
+            (["--shard", "7/8"], {}, "shard 7/8 holds none of the 6 signature(s)"),
+            (["--shard", "auto"], {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4",
+                                   "RANK": "1", "WORLD_SIZE": "2"},
+             "shard 3/4 (rank 1 of 2 (torchrun)) holds none"),
+            ([], {"RANK": "1", "WORLD_SIZE": "8"},
+             "this part of the matrix (rank 1 of 8 (torchrun)) holds none")]:
+        r = CliRunner().invoke(cli, ["build", "grid:factory", *args], env={**engines, **env})
+        flat = " ".join(r.stderr.split())
+        assert r.exit_code == 0 and words in flat, r.output + r.stderr
 
 
 class Fleet:
@@ -144,7 +174,7 @@ class Fleet:
     def env(self, i: int | None) -> dict[str, str]:
         store = self.store(i) if i is not None else self.box.root / "gate"
         return self.box.env(CACHECOMPILE_DIR=str(store), CACHECOMPILE_COMPILE_SLOTS="1",
-                            **self.remote)
+                            environ=self.remote)
 
     def start(self, i: int, *extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(_cmd("build", "grid:factory", "--shard", f"{i}/{N}",
@@ -207,7 +237,7 @@ def test_three_shards_fill_the_remote_once_and_a_killed_one_is_rerun(tmp_path: P
         # Killed mid-compile, it left no torn entry (publishing is an atomic rename).
         from cachecompile.store import open_store
 
-        assert open_store(fleet.store(killed), remote="", create=False).verify().problems == []
+        assert open_store(fleet.store(killed), remote="", create=False).maintenance().verify().problems == []
 
         gate = fleet.run("build", "grid:factory", "--check")  # the gate: not yet
         assert gate.returncode == 1, gate.stdout + gate.stderr
@@ -319,3 +349,120 @@ def test_check_with_cpu_targets_checks_each_targets_keys_of_the_same_shard(
     # ... each with keys of its own (the workers were told the target).
     assert not set(by_target["x86-64-v2"].values()) & set(by_target["native"].values())
     assert all(by_target["x86-64-v2"].values())
+
+
+def _torchrun(box: Sandbox, nproc: int, args: list[str], logs: Path,
+              **env: str) -> list[tuple[int, str, str]]:
+    """``cachectl ARGS`` in each of ``nproc`` ranks of a real torchrun job; each rank's
+    (rank, stdout, stderr), read from torchrun's per-rank logs (it interleaves ranks'
+    output on its own)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", "--log-dir", str(logs),
+                           "--redirects", "3", "-m", "cachecompile.cli.main", *args],
+                          cwd=box.root, env=box.env(environ=env), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    out = []
+    for rank in range(nproc):
+        (d,) = logs.glob(f"*/attempt_0/{rank}")
+        out.append((rank, (d / "stdout.log").read_text(), (d / "stderr.log").read_text()))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["kubernetes", "slurm"])
+def test_torchrun_nested_in_an_array_task_builds_each_signature_once(
+        tmp_path: Path, engine: str) -> None:
+    """torchrun with two ranks inside a Kubernetes Indexed Job pod or a Slurm array task:
+    both ranks took the pod's shard, built it twice and keyed it as rank r of 2, which no
+    single-process server looks up. Now the ranks split the shard: each signature is
+    built once, by one rank, keyed as a single process."""
+    from cachecompile.store import open_store
+
+    # A shard of the 6 signatures over 2 that both ranks have a part of (the split is a
+    # pure function of the strings: the test picks it as a user could not, to see both).
+    count = 2
+    index = next(i for i in range(count) if all(
+        any(Shard(i, count, rank=r, ranks=2).holds("step", s) for s in SIGNATURES)
+        for r in range(2)))
+    mine = {s for s in SIGNATURES if Shard(index, count).holds("step", s)}
+    if engine == "kubernetes":
+        env, shard = {"JOB_COMPLETION_INDEX": str(index)}, f"auto/{count}"
+    else:
+        env, shard = {"SLURM_ARRAY_TASK_ID": str(index + 1), "SLURM_ARRAY_TASK_MIN": "1",
+                      "SLURM_ARRAY_TASK_COUNT": str(count)}, "auto"
+    box = Sandbox(tmp_path)
+    (box.root / "grid.py").write_text(GRID)
+    store = box.root / "node"  # one node: both ranks share its store, as a pod's do
+    ranks = _torchrun(box, 2, ["build", "grid:factory", "--shard", shard, "--jobs", "1",
+                               "--json"], tmp_path / "logs", CACHECOMPILE_DIR=str(store),
+                      CACHECOMPILE_COMPILE_SLOTS="1", **env)
+    done = {rank: json.loads(out) for rank, out, _ in ranks}
+    built = [r["signature"] for rank in done for r in done[rank]]
+    assert sorted(built) == sorted(mine), (done, [e for _, _, e in ranks])
+    assert all(r["status"] == "built" for rank in done for r in done[rank])
+    assert all(done[rank] for rank in done)  # both ranks had a part
+    infos = [i for i in open_store(store, remote="", create=False).entries()
+             if i.labels.get("kind") != "graph"]
+    assert sorted(i.labels["signature"] for i in infos) == sorted(mine)
+    # Keyed as the factory declares (no ranks), not as torchrun's rank r of 2.
+    assert {(i.labels["world_size"], i.labels["global_rank"]) for i in infos} == {("1", "0")}
+    # The gate, outside torchrun, sees the shard whole.
+    p = subprocess.run(_cmd("build", "grid:factory", "--check", "--json", "--shard",
+                            f"{index}/{count}"), cwd=box.root,
+                       env=box.env(CACHECOMPILE_DIR=str(store)), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout)["present"] == len(mine)
+
+
+# An Inductor method with two gears: its keys hold the thread count and the compiler.
+THREADED = GRID.replace(', backend="aot_eager"', "").replace("[1, 2, 3, 4, 5, 6]", "[1, 2]")
+
+
+@pytest.mark.slow
+def test_check_names_the_thread_count_or_compiler_that_sets_a_build_apart(
+        tmp_path: Path) -> None:
+    """A build under torchrun with two processes per node runs with OMP_NUM_THREADS=1
+    (torchrun's default), and the thread count is a key factor: the gate then said "lacks
+    2" and no more. It names the cause (the nearest entries' factors), as it does for a
+    compiler (CXX) that differs from the build's."""
+    box = Sandbox(tmp_path)
+    (box.root / "grid.py").write_text(THREADED)
+    store = box.root / "node"
+    ranks = _torchrun(box, 2, ["build", "grid:factory", "--jobs", "1", "--json"],
+                      tmp_path / "logs", CACHECOMPILE_DIR=str(store),
+                      CACHECOMPILE_COMPILE_SLOTS="1")
+    built = [r for _, out, _ in ranks for r in json.loads(out)]
+    # No --shard: the ranks split the whole matrix, each signature built once.
+    assert sorted(r["signature"] for r in built) == ["float32[1,8]@cpu", "float32[2,8]@cpu"]
+    assert any("OMP_NUM_THREADS=1" in err for _, _, err in ranks)  # the build's warning
+
+    def check(**env: str) -> tuple[int, dict[str, Any], str]:
+        p = subprocess.run(_cmd("build", "grid:factory", "--check", "--json"), cwd=box.root,
+                           env=box.env(environ=env, CACHECOMPILE_DIR=str(store)),
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode in (0, 1), p.stdout + p.stderr
+        return p.returncode, json.loads(p.stdout), p.stderr
+
+    rc, found, _ = check(OMP_NUM_THREADS="1")  # the build's own conditions: all there
+    assert rc == 0 and found["present"] == 2, json.dumps(found)
+    rc, found, _ = check(OMP_NUM_THREADS="2")
+    assert rc == 1 and len(found["missing"]) == 2, found
+    assert [c for c in found["likely_causes"] if c.startswith("the thread count")], found
+    assert "2 of the 2 missing" in found["likely_causes"][0], found
+    # The nearest entry's factors, this check's value and the tier's: {factor: [here, there]}.
+    assert all(m["nearest"]["differ"]["backend.num_threads"] == [2, 1]
+               for m in found["missing"]), found
+    plain = subprocess.run(_cmd("build", "grid:factory", "--check"), cwd=box.root,
+                           env=box.env(CACHECOMPILE_DIR=str(store), OMP_NUM_THREADS="2"),
+                           capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 1 and "likely cause: the thread count" in plain.stdout, \
+        plain.stdout + plain.stderr
+    # One formatter for both: each missing line and the cause give the values alike.
+    assert plain.stdout.count("backend.num_threads (2 here, 1 there)") >= 2, plain.stdout
+    # Another compiler than the build's (the plain g++, not the session's wrapper).
+    rc, found, _ = check(OMP_NUM_THREADS="1", CXX="g++")
+    assert rc == 1 and len(found["missing"]) == 2, found
+    assert [c for c in found["likely_causes"] if c.startswith("the C++ compiler")], found
+    assert not [c for c in found["likely_causes"] if c.startswith("the thread count")]

@@ -432,7 +432,7 @@ def test_import_refuses_a_symlinked_tmp_before_staging(cache: Store, tmp_path: P
     # Refused before the archive is staged: nothing was ever created (even briefly)
     # in the directory the link points at.
     assert list(outside.iterdir()) == [] and os.stat(outside).st_mtime_ns == before
-    assert list(dst.digests()) == []
+    assert list(dst.maintenance().digests()) == []
 
 
 def test_program_tree_shows_each_path_once_with_its_leaves(tmp_path: Path,

@@ -61,7 +61,7 @@ report({"decode": [e[0] for e in m.cached_decode.events],
 def _cachectl(box: Sandbox, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     # This checkout's cachectl: an installed script may belong to another checkout's install.
     cmd = [sys.executable, "-m", "cachecompile.cli.main"]
-    return subprocess.run([*cmd, *args], env=box.env(**env), cwd=box.root, capture_output=True,
+    return subprocess.run([*cmd, *args], env=box.env(environ=env), cwd=box.root, capture_output=True,
                           text=True, timeout=1200)
 
 

@@ -87,7 +87,7 @@ def test_demangled_names_and_folded_hooks() -> None:
     assert readable.ranges([3, 4, 5, 7, 9, 10]) == "3-5,7,9-10"
 
 
-class TwoLayers(__import__("torch").nn.Module):
+class TwoLayers(__import__("torch").nn.Module):  # type: ignore[misc]
     def __init__(self) -> None:
         import torch
 
@@ -96,7 +96,7 @@ class TwoLayers(__import__("torch").nn.Module):
         self.fc1 = torch.nn.Linear(16, 32)
         self.fc2 = torch.nn.Linear(32, 4)
 
-    def run(self, x):  # type: ignore[no-untyped-def]
+    def run(self, x):
         import torch
 
         return self.fc2(torch.relu(self.fc1(x)))
@@ -183,6 +183,33 @@ def test_check_names_the_nearest_entrys_factors() -> None:
     assert ('nearest entry bbbbbbbbbbbb differs in backend.compiler.cxx ("clang++" here, '
             '"g++" there), signature (float32[2,16]@cpu here, float32[4,16]@cpu there)') in line
     assert _missing_line({**t, "nearest": None}, "x86-64-v3").endswith("(x86-64-v3)")
+
+
+def test_check_explains_a_miss_through_one_path() -> None:
+    """``--check``'s nearest entry and its likely causes: one shape of data (``{factor:
+    [here, there]}``, made by the check) and one formatter, so the missing line and the
+    cause give a factor's values alike (a factor one side lacks is ``unset``)."""
+    from cachecompile.cli.build import _cause_text, _missing_line
+    from cachecompile.procs.builders import _nearest, likely_causes
+
+    fn = {"module": "m", "qualname": "Mlp.f"}
+    env = {"OMP_NUM_THREADS": "4"}
+    ours = {"function": fn, "signature": "s", "backend": {"num_threads": 2, "env": env}}
+    tier = [("b" * 32, {**ours, "signature": "t"}),
+            ("a" * 32, {**ours, "backend": {"num_threads": 1, "env": {**env, "CXX": "g++"}}})]
+    near = _nearest(ours, tier)  # the same signature first, though it differs in more
+    assert near == {"key": "a" * 32, "differ": {"backend.env.CXX": [None, "g++"],
+                                                "backend.num_threads": [2, 1]}}
+    t = {"name": "Mlp.f", "signature": "float32[2,16]@cpu", "key": "c" * 32, "nearest": near}
+    line = _missing_line(t, None)
+    causes = [_cause_text(c) for c in likely_causes([t, {**t, "nearest": None}])]
+    assert len(causes) == 2, causes
+    threads, cxx = causes
+    assert threads.startswith("the thread count") and "1 of the 2 missing" in threads
+    assert cxx.startswith("the C++ compiler")
+    for shown in ('backend.env.CXX (unset here, "g++" there)',
+                  "backend.num_threads (2 here, 1 there)"):
+        assert shown in line and shown in threads + cxx, (line, causes)
 
 
 def test_two_signatures_that_differ_print_apart() -> None:

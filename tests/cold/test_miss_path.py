@@ -87,10 +87,10 @@ class Scaled(torch.nn.Module):
 
 
 def _cached(module: torch.nn.Module, adapter: FakeAdapter, store: Path, **kw: Any) -> CachedFunction:
-    spec = CompileSpec(adapter=adapter, options={}, decompositions=None, dynamic=False,
+    spec = CompileSpec(adapter=adapter, options={}, decompositions=None, dynamic=False,  # type: ignore[arg-type]
                        guards=kw.pop("guards", GuardMode.ALWAYS), ranks=detect(),
                        cache_dir=str(store), max_signatures=8, **kw)
-    return CachedFunction(module.run, spec)
+    return CachedFunction(module.run, spec)  # type: ignore[arg-type]
 
 
 def _entries(store: Path) -> list[Any]:
@@ -283,11 +283,11 @@ def test_a_remote_hit_counts_one_hit(tmp_path: Path, model: Scaled,
 
     remote = MemoryRemote(Trust(key=b"k"))
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    a = wrap(open_store(a_dir, remote=""), remote)  # type: ignore[arg-type]
+    a = wrap(open_store(a_dir, remote=""), remote)  # type: ignore[type-var]
     monkeypatch.setattr(state, "_stores", {str(a_dir): a})
     _cached(model, FakeAdapter(), a_dir)(X)
     assert a.flush(5) and remote.records_
-    b = wrap(open_store(b_dir, remote=""), remote)  # type: ignore[arg-type]
+    b = wrap(open_store(b_dir, remote=""), remote)  # type: ignore[type-var]
     monkeypatch.setattr(state, "_stores", {str(b_dir): b})
     fresh = _cached(model, FakeAdapter(), b_dir)
     assert torch.equal(fresh(X), model.run(X)) and [e[0] for e in fresh.events] == ["hit"]

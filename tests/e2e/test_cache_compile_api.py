@@ -105,7 +105,7 @@ def test_double_wrapping_is_refused() -> None:
     m = Small()
     cached = cache_compile(m.run, backend="aot_eager")
     with pytest.raises(ContractError, match="already cached"):
-        cache_compile(cached)  # type: ignore[arg-type]
+        cache_compile(cached)
 
 
 def test_grad_mode_call_with_grad_input_is_refused(cache_dir: Path) -> None:
@@ -191,7 +191,7 @@ def test_an_argument_the_method_cannot_use_is_eagers_error(cache_dir: Path) -> N
     m = Small()
     cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
     with pytest.raises(TypeError, match="must be Tensor, not object") as info:
-        cached(object())
+        cached(object())  # type: ignore[arg-type]
     assert not isinstance(info.value, GraphBreakError)
 
 

@@ -81,7 +81,7 @@ def test_deploy_page_step_by_step(tmp_path: Path) -> None:
     _run(box, {**env, **signed}, *cachectl, "export", "--cache-dir", str(build_dir),
          str(tmp_path / "warm.tar.zst"), "--model", "Served")
     # 3. Into the image: import (verified, signatures required), verify, ls.
-    img = box.env(CACHECOMPILE_DIR=str(image), **signed)
+    img = box.env(CACHECOMPILE_DIR=str(image), environ=signed)
     _run(box, img, *cachectl, "import", str(tmp_path / "warm.tar.zst"))
     _run(box, img, *cachectl, "verify")
     ls = _run(box, img, *cachectl, "ls")

@@ -408,7 +408,7 @@ def test_forms_cached_twice_are_refused() -> None:
     ({"mode": "reduce-overhead"}, "CUDA graphs, whose capture is not cached"),
     ({"mode": "fast"}, "mode must be one of"),
     ({"mode": "max-autotune", "backend": "aot_eager"}, "selects Inductor options"),
-    ({"fullgraph": False}, "fullgraph=False is refused"),
+    ({"fullgraph": "no"}, "fullgraph must be True or False"),
     ({"options": {"a": 1}, "config": {"a": 2}}, "disagree on a"),
 ])
 def test_torch_compile_arguments_refused_with_the_reason(kwargs: dict[str, Any],
@@ -429,6 +429,10 @@ def test_mode_and_options_become_inductor_options() -> None:
     assert c.spec.options["max_autotune"] is False
     assert "triton.cudagraphs" not in cache_compile(Tiny().forward,
                                                     mode="max-autotune").spec.options
+    # fullgraph=False lets the graph break (docs/usage.md, "Graph breaks"), in every form.
+    assert cache_compile(Tiny().forward, fullgraph=False).spec.fullgraph is False
+    assert cache_compile(Tiny(), fullgraph=False).cached_forward.spec.fullgraph is False
+    assert cache_compile(Tiny().forward).spec.fullgraph is True
 
 
 # -- repeated blocks, in process: one group loads once --------------------------------------
@@ -475,7 +479,7 @@ def test_repeated_blocks_load_once_and_check_each(cache_dir: Path) -> None:
         assert torch.allclose(warm(x), want, atol=1e-6)
     assert (g1.loads, g1.reuses) == (1, 2)   # cold: block 1 loads what block 0 made
     assert (g2.loads, g2.reuses) == (2, 3)
-    assert [e for b in warm.blocks for e, _ in b.forward.events] == ["hit"] * 5
+    assert [e for b in warm.blocks for e, _ in b.forward.events] == ["hit"] * 5  # type: ignore[attr-defined]
 
 
 def test_repeated_blocks_refusals() -> None:

@@ -479,7 +479,7 @@ def _run(box: Sandbox, changed: bool, backend: str) -> dict[str, dict]:
     if changed:
         env["GM_SCALE"] = "3.0"
         env["GM_FLAG"] = "1"
-    return box.run(DRIVER, **env).value
+    return box.run(DRIVER, environ=env).value
 
 
 CASE_NAMES = [

@@ -418,7 +418,7 @@ def test_global_module_hooks_and_patched_torch_classes_are_guarded(tmp_path: Pat
     box = Sandbox(tmp_path)
 
     def run(**env: str) -> dict:
-        r = box.run(PATCH_CHILD, BACKEND=backend, **env).value
+        r = box.run(PATCH_CHILD, BACKEND=backend, environ=env).value
         assert all(r["ok"]), (env, r)
         return r
 

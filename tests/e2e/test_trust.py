@@ -80,7 +80,7 @@ def _shadow_k() -> Callable[[], None]:
 
 
 def _shadow_act() -> Callable[[], None]:
-    ActConfig.act = "tanh"  # type: ignore[attr-defined]
+    ActConfig.act = "tanh"
     return lambda: delattr(ActConfig, "act")
 
 
@@ -101,23 +101,23 @@ def test_absent_state_added_after_the_first_call_in_a_loaded_process(
     m = cls().eval()
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        cache_compile(m.run, backend=backend, cache_dir=tmp_path)(x)      # publish
-        warm = cache_compile(m.run, backend=backend, cache_dir=tmp_path)  # loads it
+        cache_compile(m.run, backend=backend, cache_dir=tmp_path)(x)  # type: ignore[arg-type]  # publish
+        warm = cache_compile(m.run, backend=backend, cache_dir=tmp_path)  # type: ignore[arg-type]  # loads it
         for _ in range(3):
-            assert torch.equal(warm(x), m.run(x))
+            assert torch.equal(warm(x), m.run(x))  # type: ignore[operator]
         assert [e for e, _ in warm.events] == ["hit"]
-        plain = m.run(x)
+        plain = m.run(x)  # type: ignore[operator]
         undo = change()
         try:
             for _ in range(3):
-                want = warm(x), m.run(x)
+                want = warm(x), m.run(x)  # type: ignore[operator]
                 assert torch.allclose(*want, atol=1e-6), case
             assert not torch.allclose(want[1], plain), "the change makes a difference"
             assert len(warm.events) > 1, warm.events    # the check saw it: a new lookup
         finally:
             undo()
         for _ in range(2):
-            assert torch.allclose(warm(x), m.run(x), atol=1e-6)
+            assert torch.allclose(warm(x), m.run(x), atol=1e-6)  # type: ignore[operator]
 
 
 # -- seeded random streams ---------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_an_entry_of_other_cachecompile_code_is_a_named_miss(tmp_path: Path) -> 
 
     def run(where: Path | None) -> Any:
         extra = {} if where is None else {"PYTHONPATH": os.pathsep.join([str(where), str(box.root)])}
-        return box.run(RUN, **extra)
+        return box.run(RUN, environ=extra)
 
     first = run(None)
     assert first["event"] == "miss" and first["ok"]

@@ -114,7 +114,7 @@ def test_a_str_where_a_tensor_goes_is_eagers_type_error(cache_dir: Path) -> None
     m = Mlp().eval()
     cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
     with pytest.raises(TypeError) as info:
-        cached("abc")
+        cached("abc")  # type: ignore[arg-type]
     assert not isinstance(info.value, GraphBreakError)
     assert "must be Tensor, not str" in str(info.value)
     notes = getattr(info.value, "__notes__", [])
@@ -149,7 +149,7 @@ def test_an_object_dynamo_cannot_trace_is_eagers_error(cache_dir: Path) -> None:
     m = Mlp().eval()
     cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
     with pytest.raises(TypeError, match="must be Tensor, not object"):
-        cached(object())
+        cached(object())  # type: ignore[arg-type]
 
 
 # -- 3. generators ------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_an_unknown_cpu_target_warns_by_name_and_caches_for_this_cpu(
 # -- 8. refusals that are ours, and torch.compile's own arguments -------------------------
 def test_what_torch_compile_returned_is_refused_at_once() -> None:
     m = Mlp()
-    for given in (torch.compile(m).forward, torch.compile(m.f)):
+    for given in (torch.compile(m).forward, torch.compile(m.f)):  # type: ignore[attr-defined]
         with pytest.raises(ContractError) as info:
             cache_compile(given)
         assert "what torch.compile returned" in str(info.value)

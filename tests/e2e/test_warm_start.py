@@ -114,6 +114,6 @@ report({"ok": bool(torch.allclose(out, m.forward_impl(models.make_mlp_input()), 
 """
     assert box.run(code)["ok"]
     stale = {"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140000000000000"}
-    res = box.run(code, check=False, **stale)
+    res = box.run(code, check=False, environ=stale)
     assert res.rc == 0, f"warm child crashed with an inherited pointer (rc={res.rc})"
     assert res["ok"]

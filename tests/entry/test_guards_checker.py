@@ -266,7 +266,7 @@ def test_a_stored_checker_loads_without_parsing_or_compiling(monkeypatch: pytest
     guards = _guards(m, x)[:-1]
     calls: list[int] = []
     real = g.guard_lines
-    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
     fewer = g.build_checker(M.run, guards, {}, every_call=True, lines=lines)  # type: ignore[arg-type]
     assert calls and fewer.full(m, x)
 
@@ -276,12 +276,12 @@ def test_miss_messages_say_what_was_read_in_the_users_terms() -> None:
     never shows a name Dynamo generated (issue 31)."""
     x = torch.randn(3, 4)
     m = M()
-    m.cfg.width = 2.5
+    m.cfg.width = 2.5  # type: ignore[assignment]
     guards = [_guard("type", "L['self'].cfg.width", {"qual": "builtins.float", "code": None}),
               _guard("expr", "not math.isnan(L['self'].cfg.width)", None)]
     c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
     assert c.full(m, x)
-    m.cfg.width = float("nan")
+    m.cfg.width = float("nan")  # type: ignore[assignment]
     why = c.explain(m, x) or ""
     assert "got nan" in why and "got False" not in why, why
     del m.cfg.width
@@ -308,8 +308,13 @@ def test_the_entry_meta_record_round_trips_and_names_another_format() -> None:
     graph = EntryMeta(adapter="inductor", program={}).to_json()
     assert set(graph) == {"format", "adapter", "program", "publisher"}
     assert not EntryMeta.from_json(graph).is_method
-    with pytest.raises(UnsupportedProgramError, match="entry format 2, not 3: written by another"):
+    with pytest.raises(UnsupportedProgramError,
+                       match=f"entry format 2, not {FORMAT_VERSION}: written by another"):
         EntryMeta.from_json({**raw, "format": 2})
+    # Format 3 (before graph breaks) would run a method's bytecode without the frames it
+    # calls: refused by name too.
+    with pytest.raises(UnsupportedProgramError, match="entry format 3, not 4"):
+        EntryMeta.from_json({**raw, "format": 3})
     with pytest.raises(UnsupportedProgramError, match="'guards' is a str"):
         EntryMeta.from_json({**raw, "guards": "x"})
     with pytest.raises(UnsupportedProgramError, match="no 'adapter'"):

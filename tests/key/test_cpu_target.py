@@ -135,7 +135,7 @@ class TargetedAdapter:
 
     def load(self, files: Mapping[str, Path], meta: Mapping[str, Any]) -> GraphCallable:
         self.loads += 1
-        return _graphs[meta["token"]]  # type: ignore[no-any-return]
+        return _graphs[meta["token"]]
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
@@ -156,12 +156,12 @@ def _cached(adapter: TargetedAdapter, store: Path, k: float = 2.0) -> CachedFunc
     """As ``cache_compile`` makes it, under this process's CACHECOMPILE_CPU_TARGET."""
     targets = _cpu_targets(adapter, {})
     options = targets.pop("options", {})
-    spec = CompileSpec(adapter=adapter, options=options, decompositions=None, dynamic=False,
+    spec = CompileSpec(adapter=adapter, options=options, decompositions=None, dynamic=False,  # type: ignore[arg-type]
                        guards=GuardMode.ALWAYS, ranks=detect(), cache_dir=str(store),
                        max_signatures=8, **targets)
     module = Scaled().eval()
     module.k = k
-    return CachedFunction(module.run, spec)
+    return CachedFunction(module.run, spec)  # type: ignore[arg-type]
 
 
 def _targets_stored(store: Path) -> list[str]:

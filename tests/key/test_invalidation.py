@@ -90,7 +90,7 @@ def _version(d: Path) -> str:
     try:
         return _call(d, seeded(), X)
     finally:
-        torch.__version__ = real  # type: ignore[assignment]
+        torch.__version__ = real
 
 
 def _deterministic(d: Path) -> str:
@@ -154,7 +154,7 @@ def test_static_shape_change_is_a_miss_dynamic_is_not(tmp_path: Path) -> None:
 
 
 def _key(m: nn.Module, **cc: Any) -> str:
-    cached = cache_compile(m.run, **cc)
+    cached = cache_compile(m.run, **cc)  # type: ignore[arg-type]
     return cached.key(signature((X,), {}, cc.get("dynamic", True))).digest
 
 

@@ -125,3 +125,75 @@ def test_torchrun_several_per_node_with_one_thread_is_warned(
         shards.parse("auto", {**env, "LOCAL_WORLD_SIZE": "1"})  # one per node: its own choice
         shards.parse("auto", {**env, "OMP_NUM_THREADS": "2"})
     assert not caplog.records
+
+
+ENGINES = [  # an outer engine's variables for shard i of n, and the --shard text it takes
+    ("kubernetes", lambda i, n: {"JOB_COMPLETION_INDEX": str(i)}, lambda n: f"auto/{n}"),
+    ("slurm", lambda i, n: {"SLURM_ARRAY_TASK_ID": str(10 + 2 * i), "SLURM_ARRAY_TASK_MIN": "10",
+                            "SLURM_ARRAY_TASK_STEP": "2", "SLURM_ARRAY_TASK_COUNT": str(n)},
+     lambda n: "auto"),
+    ("given", lambda i, n: {}, None),
+]
+
+
+@pytest.mark.parametrize("engine", [e[0] for e in ENGINES])
+def test_torchrun_nested_in_an_engine_splits_its_shard_among_the_ranks(engine: str) -> None:
+    """torchrun inside a Slurm array task, a Kubernetes Indexed Job pod or under a given
+    --shard I/N: the outer engine says the shard, torchrun's ranks split it. For every
+    shard count and world size: the ranks' parts are disjoint, their union is the outer
+    shard (so the shards' union is still the matrix, each signature once), the ranks'
+    variables are hidden from the factory, and a shard's signatures spread over its ranks."""
+    _, outer, text = next(e for e in ENGINES if e[0] == engine)
+    names = [(n, s) for n, s in MATRIX]
+    for count in (1, 2, 3, 8):
+        for world in (2, 3, 4):
+            seen: Counter[tuple[str, str]] = Counter()
+            for i in range(count):
+                mine = {x for x in names if Shard(i, count).holds(*x)}
+                parts = []
+                for rank in range(world):
+                    env = {**outer(i, count), "RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+                    shard = parse(text(count) if text else f"{i}/{count}", env)
+                    assert (shard.index, shard.count, shard.rank, shard.ranks) == \
+                        (i, count, rank, world)
+                    assert shard.hides_launcher() and f"rank {rank} of {world}" in shard.part
+                    parts.append({x for x in names if shard.holds(*x)})
+                assert set().union(*parts) == mine
+                assert sum(len(p) for p in parts) == len(mine)  # disjoint
+                if len(mine) >= 4 * world:  # spread: no rank idle, none with it all
+                    assert all(0 < len(p) < len(mine) for p in parts), [len(p) for p in parts]
+                seen.update(x for p in parts for x in p)
+            assert set(seen) == set(names) and set(seen.values()) == {1}
+
+
+def test_torchrun_alone_or_with_one_process_splits_nothing_and_hides_its_variables() -> None:
+    # torchrun as the engine itself: its rank is the shard, as before (no second split).
+    got = parse("auto", {"RANK": "1", "WORLD_SIZE": "2"})
+    assert (got.index, got.count, got.ranks, got.source) == (1, 2, 1, TORCHRUN)
+    # One process under torchrun in a Slurm task: the task's shard, the variables hidden.
+    one = parse("auto", {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2",
+                         "RANK": "0", "WORLD_SIZE": "1"})
+    assert (one.index, one.count, one.ranks) == (1, 2, 1) and one.hides_launcher()
+    # No torchrun: the engine's shard as it always was; the factory sees everything.
+    plain = parse("auto", {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    assert plain == Shard(1, 2, SLURM) and not plain.hides_launcher() and plain.part == ""
+    # A build given no --shard under torchrun: its ranks split the whole matrix.
+    assert shards.within_launcher(None, {}) is None
+    whole = shards.within_launcher(None, {"RANK": "1", "WORLD_SIZE": "3"})
+    assert whole is not None and (whole.count, whole.rank, whole.ranks) == (1, 1, 3)
+    assert sum(whole.holds(*x) for x in MATRIX) < len(MATRIX)
+    for env, words in [({"WORLD_SIZE": "2"}, "RANK is not"),
+                       ({"WORLD_SIZE": "2", "RANK": "2"}, "not in 0..1"),
+                       ({"WORLD_SIZE": "two", "RANK": "0"}, "not an integer")]:
+        with pytest.raises(ValueError, match=words):
+            parse("0/4", env)
+
+
+def test_a_nested_torchrun_with_one_thread_per_process_is_warned(
+        caplog: pytest.LogCaptureFixture) -> None:
+    env = {"JOB_COMPLETION_INDEX": "0", "RANK": "1", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    with caplog.at_level(logging.WARNING, logger="cachecompile.key.shards"):
+        parse("auto/4", env)
+    assert any("OMP_NUM_THREADS=1" in r.getMessage() for r in caplog.records)

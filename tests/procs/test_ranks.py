@@ -87,7 +87,7 @@ def torchrun(box: Sandbox, nproc: int, *, fresh_inductor: bool = False,
     out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={nproc}", str(script)],
-                          env=box.env(fresh_inductor=fresh_inductor, RESULT_DIR=str(out), **env),
+                          env=box.env(fresh_inductor=fresh_inductor, RESULT_DIR=str(out), environ=env),
                           capture_output=True, text=True, timeout=600, cwd=box.root)
     results = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
     assert proc.returncode == 0 and len(results) == nproc, proc.stdout + proc.stderr[-5000:]
@@ -153,7 +153,7 @@ def _assert_one_complete_group(box: Sandbox, world: int) -> None:
     assert status.endswith(f" {world}/{world}"), status
     # Eviction under a cap that fits one rank's entry takes the whole group, not one rank.
     one = max(i.size_bytes for i in ranks)
-    st.gc(max_size=one + 1)
+    st.maintenance().gc(max_size=one + 1)
     left = [i for i in st.entries() if i.labels.get("kind") != "graph"]
     assert left == [], [i.labels["global_rank"] for i in left]
 
@@ -250,4 +250,4 @@ def test_sigkilled_compiler_does_not_strand_waiters(tmp_path: Path) -> None:
     assert res == {"events": ["miss"], "ok": True}, res  # B compiled it itself
     from cachecompile import store
 
-    assert store.open_store(box.store).verify().ok
+    assert store.open_store(box.store).maintenance().verify().ok

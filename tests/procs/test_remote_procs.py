@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 from ccutil import Sandbox
-from fs_util import shared_dir
-from http_util import NginxServer
 from redis_util import RedisServer, free_port
+from tier_util import remote_tier
 
 from cachecompile.store import Hit, make_key, open_store
 from cachecompile.store.remote import RedisRemote
 from cachecompile.store.signing import Trust
+from cachecompile.store.tiered import TieredStore
 
 pytestmark = pytest.mark.slow
 
@@ -74,27 +74,11 @@ def remote_lines(stderr: str) -> list[str]:
 @contextlib.contextmanager
 def remote_server(tmp_path: Path, tier: str) -> Iterator[dict[str, str]]:
     """A real server of the tier on loopback; the environment a node uses to reach it."""
-    if tier == "redis":
-        srv: Any = RedisServer(tmp_path / "redis").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url()}
-    elif tier == "file":
-        with shared_dir(tmp_path / "share") as share:
+    with remote_tier(tmp_path, tier) as (srv, env):
+        if tier == "file":
             # Node A writes through one mount point; the others read through the other.
-            yield {"CACHECOMPILE_REMOTE": share.url("a"), "NODE_B_REMOTE": share.url("b"),
-                   "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-        return
-    elif tier == "http":
-        srv = NginxServer(tmp_path / "nginx").start()
-        env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
-    else:
-        from s3_util import MotoServer
-
-        srv = MotoServer(tmp_path / "moto").start()
-        env = {**srv.env(), "CACHECOMPILE_REMOTE": f"s3://{srv.bucket()}/fleet"}
-    try:
+            env["NODE_B_REMOTE"] = srv.url("b")
         yield {**env, "CACHECOMPILE_SIGNING_KEY": FLEET_KEY}
-    finally:
-        srv.stop()
 
 
 def node_env(env: dict[str, str]) -> dict[str, str]:
@@ -110,7 +94,7 @@ def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str)
     with remote_server(tmp_path, tier) as both:
         env = node_env({**both, "NODE_B_REMOTE": both["CACHECOMPILE_REMOTE"]})
         box = Sandbox(tmp_path / "box", fresh_inductor=True)  # g++ calls are counted
-        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
+        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), environ=env)
         assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
         assert box.compiler_calls() > 0
         # The shared graph (the compiled program) names its model: purge --model finds it.
@@ -119,7 +103,7 @@ def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str)
         assert graphs and all(g.labels.get("model") == "MLP" for g in graphs), graphs
         box.reset_compiler_log()
         # Node B: its own empty store, empty Inductor dirs; the entry comes from the tier.
-        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), **node_env(both))
+        b = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "b"), environ=node_env(both))
         assert (b["event"], b["ok"], b["warnings"]) == ("hit", True, []), b.value
         assert box.compiler_calls() == 0, box.gxx_log.read_text()
         assert b["dynamo"] is False, "a remote hit must not import torch._dynamo"
@@ -132,7 +116,7 @@ def test_killed_server_mid_download_and_mid_upload(tmp_path: Path) -> None:
     try:
         box = Sandbox(tmp_path / "box")
         env = {"CACHECOMPILE_REMOTE": srv.url(chunk="512"), "CACHECOMPILE_TRUST_REMOTE": "1"}
-        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), **env)
+        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), environ=env)
         assert (a["event"], a["ok"]) == ("miss", True)
         n = len(manifests(tmp_path / "a"))  # the method's entry (and any it shares)
         client = srv.client()
@@ -140,20 +124,20 @@ def test_killed_server_mid_download_and_mid_upload(tmp_path: Path) -> None:
 
         assert srv.proc is not None
         b = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "b"),
-                    TEST_KILL_REDIS=f"{srv.proc.pid}:get chunk:2", **env)
+                    TEST_KILL_REDIS=f"{srv.proc.pid}:get chunk:2", environ=env)
         # The download died midway: B compiled for itself, right result, one warning.
         assert (b["event"], b["ok"]) == ("miss", True), b.value
         assert len(remote_lines(b.stderr)) == 1, b.stderr
         # Only complete entries (its own compile's), no download leftovers.
         assert len(manifests(tmp_path / "b")) == n
-        assert open_store(tmp_path / "b", remote="").verify().ok
+        assert open_store(tmp_path / "b", remote="").maintenance().verify().ok
         assert list((tmp_path / "b" / "v1" / "tmp").iterdir()) == []
 
         srv.start()  # the append-only file brings A's entry back
         srv.client().flushall()  # type: ignore[attr-defined]
         assert srv.proc is not None
         c = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "c"),
-                    TEST_KILL_REDIS=f"{srv.proc.pid}:set chunk:2", **env)
+                    TEST_KILL_REDIS=f"{srv.proc.pid}:set chunk:2", environ=env)
         assert (c["event"], c["ok"], c.rc) == ("miss", True, 0), c.value
         assert len(remote_lines(c.stderr)) == 1, c.stderr
         srv.start()
@@ -192,17 +176,17 @@ def test_nodes_without_the_fleet_key_cannot_spoil_signed_entries(tmp_path: Path)
         box = Sandbox(tmp_path / "box")
         # A loaded machine must not cut an exiting node's upload short (default 5 s).
         env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_REMOTE_FLUSH_TIMEOUT": "60"}
-        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), **env,
+        a = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "a"), environ=env,
                     CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
         assert (a["event"], a["ok"]) == ("miss", True), a.value
         assert _all_verify(srv, FLEET_KEY)
         # A node with no key and one with the wrong key refuse the entries, compile,
         # publish locally and try to upload: the signed records must stay.
         for name, extra in (("u", {}), ("w", {"CACHECOMPILE_SIGNING_KEY": "wrong-key"})):
-            r = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / name), **env, **extra)
+            r = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / name), environ={**env, **extra})
             assert (r["event"], r["ok"], r.rc) == ("miss", True, 0), r.value
             assert _all_verify(srv, FLEET_KEY), name
-        b = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "b"), **env,
+        b = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "b"), environ=env,
                     CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
         assert (b["event"], b["ok"]) == ("hit", True), b.value
         assert remote_lines(b.stderr) == [], b.stderr
@@ -215,11 +199,11 @@ def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: P
     try:
         box = Sandbox(tmp_path / "box")
         env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_REMOTE_FLUSH_TIMEOUT": "60"}
-        p = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "p"), **env,
+        p = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "p"), environ=env,
                     CACHECOMPILE_TRUST_REMOTE="1")
         assert (p["event"], p["ok"]) == ("miss", True), p.value
         assert not _all_verify(srv, FLEET_KEY)
-        k = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k"), **env,
+        k = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k"), environ=env,
                     CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
         assert (k["event"], k["ok"]) == ("miss", True), k.value
         refused = [ln for ln in remote_lines(k.stderr) if "not signed" in ln]
@@ -227,7 +211,7 @@ def test_unsigned_entry_is_refused_once_and_replaced_by_a_keyed_node(tmp_path: P
         n = len(manifests(tmp_path / "p"))
         assert len(refused) == len(set(refused)) == n, k.stderr
         assert _all_verify(srv, FLEET_KEY)  # the keyed node's upload signed them
-        k2 = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k2"), **env,
+        k2 = box.run(AOT, CACHECOMPILE_DIR=str(tmp_path / "k2"), environ=env,
                      CACHECOMPILE_SIGNING_KEY=FLEET_KEY)
         assert (k2["event"], k2["ok"]) == ("hit", True), k2.value
         assert remote_lines(k2.stderr) == [], k2.stderr
@@ -256,7 +240,7 @@ def test_two_nodes_serve_byte_exact_under_a_concurrent_gc_and_purge(tmp_path: Pa
     byte for byte."""
     with remote_server(tmp_path, tier) as both:
         box = Sandbox(tmp_path / "box", fresh_inductor=True)
-        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), **node_env(
+        a = box.run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / "a"), environ=node_env(
             {k: v for k, v in both.items() if k != "NODE_B_REMOTE"}))
         assert (a["event"], a["ok"], a["warnings"]) == ("miss", True, []), a.value
         env = node_env(both)
@@ -265,7 +249,7 @@ def test_two_nodes_serve_byte_exact_under_a_concurrent_gc_and_purge(tmp_path: Pa
         for i in range(12):
             junk.put(make_key({"junk": i}), {"blob.bin": os.urandom(20_000)},
                      labels={"model": "Junk"})
-        assert junk.flush(60)
+        assert isinstance(junk, TieredStore) and junk.flush(60)
         junk.close()
         stop = tmp_path / "stop"
         cli = [sys.executable, "-m", "cachecompile.cli.main"]
@@ -281,7 +265,7 @@ def test_two_nodes_serve_byte_exact_under_a_concurrent_gc_and_purge(tmp_path: Pa
             results: dict[str, Any] = {}
 
             def node(n: str) -> None:
-                results[n] = boxes[n].run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / n), **env)
+                results[n] = boxes[n].run(INDUCTOR, CACHECOMPILE_DIR=str(tmp_path / n), environ=env)
 
             threads = [threading.Thread(target=node, args=(n,)) for n in "bc"]
             for t in threads:

@@ -357,7 +357,7 @@ def test_cachectl_push_pull_remote_verbs_and_stats(tmp_path: Path, srv: RedisSer
     p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"), "--model", "llama")
     assert p.returncode == 0 and "1 entry: pushed 1 to" in p.stdout, p.stderr
     p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"))
-    assert p.returncode == 0 and "pushed 1 to" in p.stdout and "1 were there" in p.stdout
+    assert p.returncode == 0 and "pushed 1 to" in p.stdout and "1 was there" in p.stdout
     p = cachectl(env, "remote", "ls", "--json")
     rows = json.loads(p.stdout)
     assert sorted(r["labels"]["model"] for r in rows) == ["llama", "mlp"]
@@ -404,7 +404,7 @@ def test_cachectl_pull_is_counted_as_a_pull_not_a_hit(tmp_path: Path, srv: Redis
     assert "pulled" in p.stdout and "not hits" in p.stdout, p.stdout
     # A second pull finds it here: nothing downloaded, nothing counted.
     p = cachectl(env, "pull", "--cache-dir", str(tmp_path / "b"))
-    assert "pulled 0 entries" in p.stdout and "1 were here already" in p.stdout, p.stdout
+    assert "pulled 0 entries" in p.stdout and "1 was here already" in p.stdout, p.stdout
     # The first real lookup is a local hit.
     assert isinstance(b.get(key), Hit)
     s = json.loads(cachectl(env, "stats", "--cache-dir", str(tmp_path / "b"), "--json").stdout)
@@ -660,7 +660,7 @@ def test_push_repairs_with_the_right_key_only(tmp_path: Path, srv: RedisServer,
     env = dict(child_env, CACHECOMPILE_REMOTE=srv.url())
     # Without the key, even --force leaves signed records alone.
     p = cachectl(env, "push", "--cache-dir", str(tmp_path / "a"), "--force")
-    assert p.returncode == 0 and "2 signed records kept" in p.stdout, (p.stdout, p.stderr)
+    assert p.returncode == 0 and "kept 2 signed records" in p.stdout, (p.stdout, p.stderr)
     assert _verifies(srv, wrong, "not-the-fleet-key") and _record_bytes(srv, good) == kept
     # With the key, push repairs what does not verify under it, without --force.
     p = cachectl(dict(env, CACHECOMPILE_SIGNING_KEY=KEY_A), "push", "--cache-dir",
@@ -668,7 +668,7 @@ def test_push_repairs_with_the_right_key_only(tmp_path: Path, srv: RedisServer,
     assert p.returncode == 0, p.stderr
     assert all(_verifies(srv, k, KEY_A) for k in (unsigned, wrong, good))
     assert _record_bytes(srv, good) == kept
-    assert "pushed 2 to" in p.stdout and "2 replaced records" in p.stdout, p.stdout
+    assert "pushed 2 to" in p.stdout and "replaced 2 records" in p.stdout, p.stdout
 
 
 def test_record_states_and_who_may_replace_them(tmp_path: Path, srv: RedisServer) -> None:
@@ -728,7 +728,7 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
     assert isinstance(node("step1", old, new).get(key), Hit)
     switched = node("step2", new, old)
     assert isinstance(switched.get(key), Hit)          # OLD's record, verified by OLD
-    raw = switched.remote.read_record(key.digest)
+    raw = switched.remote.read_record(key.digest)  # type: ignore[attr-defined]
     assert raw is not None and record_state(switched.remote.trust, key.digest, raw[0]) \
         == "trusted"
     # Without the old key a node on NEW alone misses: what the rotation must avoid.
@@ -738,7 +738,7 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
                CACHECOMPILE_REMOTE=srv.url(), CACHECOMPILE_DIR=str(tmp_path / "step2"))
     p = subprocess.run([sys.executable, "-m", "cachecompile.cli.main", "push", "--resign"],
                        env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "1 re-signed" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "re-signed 1 record" in p.stdout, p.stdout + p.stderr
     # Step 4: OLD retired everywhere; a fresh node on NEW alone hits.
     assert isinstance(node("step4", new).get(key), Hit)
     # A node that still has only OLD now refuses the record: retire OLD everywhere first.

@@ -173,7 +173,7 @@ def test_open_store_and_a_serving_process_never_show_it(
         monkeypatch.setenv("CACHECOMPILE_REMOTE", url)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            st = state.store_for(str(root))
+            st = state.store_for(str(root))  # type: ignore[assignment]
             st.get(make_key({"k": i}))
         for w in caught:
             assert leaks(str(w.message)) == [], (url, str(w.message))

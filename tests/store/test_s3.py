@@ -276,8 +276,11 @@ def test_cachectl_push_pull_ls_stats_and_purge(tmp_path: Path, server: MotoServe
 def test_without_the_client_library_the_extra_is_named(
         tmp_path: Path, bucket: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    for mod in ("obstore", "obstore.store", "obstore.exceptions"):
+    for mod in ("obstore", "obstore.store", "obstore.exceptions", "obstore._obstore"):
         monkeypatch.setitem(sys.modules, mod, None)
+    from cachecompile.store.remote import s3
+
+    monkeypatch.setattr(s3, "_native_mod", None)  # as in a process that never loaded it
     r = S3Remote(f"s3://{bucket}/x")
     with pytest.raises(RemoteError, match=r"pip install 'cachecompile\[s3\]'"):
         r.ping()

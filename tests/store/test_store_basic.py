@@ -277,7 +277,7 @@ def test_group_writable_root_needs_opt_in(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.delenv("CACHECOMPILE_SHARED_GROUP")
     os.chown(team, os.geteuid(), os.getegid())
     st = open_store(team)
-    assert st.shared_group
+    assert isinstance(st, Store) and st.shared_group
     e = st.put(make_key({"shared": 1}), {"a": b"x"})
     assert isinstance(st.get(e.key), Hit)
     assert oct(e.path.stat().st_mode & 0o7777) == "0o2770"
@@ -463,7 +463,7 @@ def test_lookup_through_a_symlinked_parent_is_refused(
     outside.parent.mkdir()
     _swap_for_link(link, outside)
     # verify first (a fresh handle, as cachectl would be): a lookup quarantines a bad entry.
-    report = open_store(st.root).verify()
+    report = open_store(st.root).maintenance().verify()
     assert not report.ok and any("symlink" in why for _, why in report.problems)
     _forget_verification()
     with caplog.at_level(logging.WARNING, logger="cachecompile.store"):

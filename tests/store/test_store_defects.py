@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecompile.store import errors, make_key, open_store, pins
+from cachecompile.store import Store, errors, make_key, open_store, pins
 from cachecompile.store.remote import RemoteConfig
 
 SECRET = "s3cret-pa55"
@@ -28,6 +28,7 @@ def _fds() -> int:
 def test_a_pin_survives_gc_removing_its_empty_pins_dir(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     st = open_store(tmp_path / "s")
+    assert isinstance(st, Store)  # the disk store: its pins and layout
     entry = st.put(make_key({"k": 1}), {"a.bin": b"x"})
     real_rename = os.rename
     raced: list[str] = []
@@ -52,6 +53,7 @@ def test_a_pin_survives_gc_removing_its_empty_pins_dir(tmp_path: Path,
 
 def test_pinning_an_entry_gc_took_is_key_not_found_and_leaves_nothing(tmp_path: Path) -> None:
     st = open_store(tmp_path / "s")
+    assert isinstance(st, Store)  # the disk store: its pins and layout
     entry = st.put(make_key({"k": 2}), {"a.bin": b"y"})
     assert st.delete(entry.key)
     before = _fds()

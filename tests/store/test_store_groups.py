@@ -64,7 +64,7 @@ def test_purge_by_label_takes_the_whole_group(tmp_path: Path) -> None:
         st.put(store.make_key({"f": "x", "rank": rank}), {"k.bin": b"same bytes"},
                labels={"group": "G" * 16, "group_size": "2", "global_rank": rank})
     st.put(store.make_key({"f": "y"}), {"k.bin": b"other"}, labels={"model": "other"})
-    gone = st.purge(labels={"global_rank": "1"})
+    gone = st.maintenance().purge(labels={"global_rank": "1"})
     assert sorted(i.labels.get("global_rank", "") for i in gone) == ["0", "1"]
     assert [i.labels.get("model") for i in st.entries()] == ["other"]
 

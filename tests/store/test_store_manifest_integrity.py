@@ -362,7 +362,7 @@ def test_bundles_keep_the_digest_valid(tmp_path: Path, child_env: dict[str, str]
     dst = open_store(tmp_path / "dst")
     assert sorted(import_bundle(dst, out, trust=Trust(accept_unsigned=True)).entries) == \
         sorted([e.key, other.key])
-    assert dst.verify().ok
+    assert dst.maintenance().verify().ok
     hit = dst.get(make_key(KEY))
     assert isinstance(hit, Hit) and hit.entry.meta == META and hit.entry.labels == LABELS
     m = dst.manifest(e.key)
@@ -385,7 +385,7 @@ def test_a_bundle_with_edited_meta_is_refused_whole(tmp_path: Path, signed: bool
     dst = open_store(tmp_path / "dst")
     with pytest.raises(UnsafeArchiveError, match="integrity digest"):
         import_bundle(dst, bad, trust=trust)
-    assert list(dst.digests()) == [], "nothing is imported, not even the good entry"
+    assert list(dst.maintenance().digests()) == [], "nothing is imported, not even the good entry"
 
 
 # -- the remote tier on a real redis-server (skips without one).
@@ -415,7 +415,7 @@ def test_a_remote_record_with_edited_meta_is_refused(
     assert isinstance(a, TieredStore)
     e = a.put(make_key(KEY), FILES, labels=LABELS, meta=META)
     assert a.flush(10)
-    rkey = a.remote.key_of(e.key)
+    rkey = a.remote.key_of(e.key)  # type: ignore[attr-defined]
 
     # Untouched, another node gets the same meta, verified.
     b = open_store(tmp_path / "b", remote=url)

@@ -48,12 +48,12 @@ def test_eight_writers_same_key_one_winner(tmp_path: Path, child_env: dict[str, 
     outs = {_finish(p) for p in procs}
     assert len(outs) == 1  # every writer got the same (winner's) bytes
     st = open_store(root)
-    assert len(list(st.digests())) == 1
+    assert len(list(st.maintenance().digests())) == 1
     assert list((root / "v1" / "tmp").iterdir()) == []
     verification._VERIFIED.clear()
     r = st.get(make_key({"race": 1}))
     assert isinstance(r, Hit)
-    assert st.verify().ok
+    assert st.maintenance().verify().ok
 
 
 PUBLISH_MANY = """
@@ -89,12 +89,12 @@ def test_writers_with_concurrent_gc(tmp_path: Path, child_env: dict[str, str]) -
     assert int(_finish(gc)) >= 1
     st = open_store(root)
     verification._VERIFIED.clear()
-    rep = st.verify()
+    rep = st.maintenance().verify()
     assert rep.problems == [], rep.problems  # gc never left a half entry behind
     # Whatever survived is whole and loadable.
-    for d in st.digests():
+    for d in st.maintenance().digests():
         assert isinstance(st.get(d), Hit)
-    st.gc(max_size=300_000)
+    st.maintenance().gc(max_size=300_000)
     assert st.stats()["bytes"] <= 300_000
     assert list((root / "v1" / "tmp").iterdir()) == []
 
@@ -130,13 +130,13 @@ def test_sigkilled_writers_leave_nothing_loadable_broken(tmp_path: Path, child_e
     assert list((root / "v1" / "tmp").iterdir()) == []
     verification._VERIFIED.clear()
     n = 0
-    for d in st.digests():
+    for d in st.maintenance().digests():
         r = st.get(d)
         assert isinstance(r, Hit), r  # everything visible is whole
         assert r.entry.files["big.bin"].stat().st_size == (4 << 20) + 4
         n += 1
-    st.gc()
-    rep = st.verify()
+    st.maintenance().gc()
+    rep = st.maintenance().verify()
     assert rep.ok, rep
     assert rep.checked == n
 
@@ -183,7 +183,7 @@ def test_evicted_entry_stays_readable_for_open_reader(tmp_path: Path) -> None:
     e = st.put(make_key({"e": 1}), {"a": b"payload" * 1000})
     with open(e.files["a"], "rb") as f:
         head = f.read(7)
-        rep = st.gc(max_size=0)
+        rep = st.maintenance().gc(max_size=0)
         assert [x.key for x in rep.evicted] == [e.key]
         assert not e.path.exists()
         assert head + f.read() == b"payload" * 1000
@@ -218,13 +218,79 @@ def test_purge_by_label_age_and_all(tmp_path: Path) -> None:
     a = st.put(make_key({"i": 1}), {"a": b"1"}, labels={"model": "m1"})
     b = st.put(make_key({"i": 2}), {"a": b"2"}, labels={"model": "m2"})
     c = st.put(make_key({"i": 3}), {"a": b"3"}, labels={"model": "m2"})
-    assert st.purge() == []
-    assert [i.key for i in st.purge(labels={"model": "m1"}, dry_run=True)] == [a.key]
+    assert st.maintenance().purge() == []
+    assert [i.key for i in st.maintenance().purge(labels={"model": "m1"}, dry_run=True)] == [a.key]
     assert st.contains(a.key)
-    assert [i.key for i in st.purge(labels={"model": "m1"})] == [a.key]
-    assert st.purge(older_than=3600) == []
+    assert [i.key for i in st.maintenance().purge(labels={"model": "m1"})] == [a.key]
+    assert st.maintenance().purge(older_than=3600) == []
     time.sleep(0.05)
     st.get(c.key)
-    assert [i.key for i in st.purge(older_than=0.04)] == [b.key]
-    assert [i.key for i in st.purge(all=True)] == [c.key]
-    assert list(st.digests()) == []
+    assert [i.key for i in st.maintenance().purge(older_than=0.04)] == [b.key]
+    assert [i.key for i in st.maintenance().purge(all=True)] == [c.key]
+    assert list(st.maintenance().digests()) == []
+
+
+FORK_WHILE_WRITING = """
+import os, sys, threading, time
+from cachecompile.store import Hit, make_key, open_store
+st = open_store(sys.argv[1], hits_later=sys.argv[3] == "later")
+key = make_key({"fork": "index"})
+st.put(key, {"f": b"x"})
+other = make_key({"fork": "other"})
+st.put(other, {"g": b"y"})
+stop = False
+
+
+def writer():
+    # Another thread of the serving process inside SQLite most of the time: its hits
+    # (as the hits timer, gc's deleters and a garbage-collected store's close are).
+    while not stop:
+        st.get(other)
+        st.index.flush_hits()
+
+
+threading.Thread(target=writer, daemon=True).start()
+hung = bad = 0
+for i in range(int(sys.argv[2])):
+    time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:  # a forked worker's first lookup, and a publish of its own
+        code = 1
+        try:
+            ok = isinstance(st.get(key), Hit)
+            st.put(make_key({"fork": "child", "n": i}), {"c": b"child"})
+            st.index.flush_hits()
+            code = 0 if ok else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            bad += os.waitstatus_to_exitcode(status) != 0
+            break
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+stop = True
+print(hung, bad, sum(1 for i in st.entries() if i.key))
+"""
+
+
+@pytest.mark.parametrize("hits", ["now", "later"])
+def test_a_fork_while_another_thread_writes_the_index(tmp_path: Path,
+                                                      child_env: dict[str, str],
+                                                      hits: str) -> None:
+    """A pre-forking server whose other threads use the index (the hits timer, gc's
+    deleters...): every forked child's first lookup hits and its publish lands, and none
+    waits on a lock a thread of its parent held at the fork (11 of 20 children hung
+    before: the index's lock and SQLite's mutexes, held by no thread in the child)."""
+    forks = 20
+    out = _finish(_spawn(FORK_WHILE_WRITING, child_env, str(tmp_path / "cc"), str(forks),
+                         hits), timeout=600)
+    hung, bad, entries = map(int, out.split())
+    assert (hung, bad) == (0, 0), out
+    assert entries == 2 + forks

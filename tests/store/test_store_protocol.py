@@ -54,13 +54,14 @@ def test_every_store_implements_the_protocols(tmp_path: Path, down: str) -> None
     ro_tiered = open_store(tmp_path / "b", readonly=True, remote=down)
     assert (type(plain), type(ro), type(tiered), type(ro_tiered)) == (
         Store, ReadOnlyStore, TieredStore, TieredStore)
-    assert isinstance(ro_tiered.local, ReadOnlyStore)  # a tier over the read-only view
+    assert isinstance(ro_tiered, TieredStore) and isinstance(ro_tiered.local, ReadOnlyStore)  # a tier over the read-only view
     for st in (plain, ro, tiered, ro_tiered):
         for proto in (Storage, Catalog, Locking, LocalStorage, DiskStorage, OpenStore):
             assert isinstance(st, proto), (st, proto)
         # Maintenance is the local store's, one protocol for all four.
         assert isinstance(st.maintenance(), Maintenance), st
         assert st.maintenance().maintenance() is st.maintenance()
+    assert isinstance(tiered, TieredStore)
     assert tiered.maintenance() is tiered.local and ro_tiered.maintenance() is ro_tiered.local
     assert not isinstance(tiered, Maintenance)  # a tier has no gc of its own
     # Writable is a capability, not a class to test for: the protocol's default on a

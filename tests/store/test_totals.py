@@ -103,7 +103,7 @@ def test_stats_reads_no_record_and_ls_no_manifest(tmp_path: Path,
     reads: list[str] = []
     real = maintenance.read_manifest
     monkeypatch.setattr(maintenance, "read_manifest",
-                        lambda layout, d, **kw: reads.append(d) or real(layout, d, **kw))
+                        lambda layout, d, **kw: reads.append(d) or real(layout, d, **kw))  # type: ignore[func-returns-value]
     assert len(list(st.entries())) == 30 and reads == []
     with sqlite3.connect(st.index.db) as con:  # unindexed: its manifest says
         con.execute("DELETE FROM entries WHERE digest = ?", (make_key({"i": 7}).digest,))
@@ -173,6 +173,6 @@ def test_gc_in_batches_leaves_nothing_behind(tmp_path: Path,
     assert all(p.stat().st_nlink >= 2 for p in after), "a blob nobody links was left"
     assert report.blobs_removed == len(before - after) == 2 * len(gone)
     hit = st.get(newest)
-    assert hit and hit.entry.files["shared.bin"].read_bytes() == shared
+    assert isinstance(hit, store.Hit) and hit.entry.files["shared.bin"].read_bytes() == shared
     kept, full = _kept_and_recounted(st)
     assert kept == full and full["bytes"] == report.bytes_after

@@ -224,7 +224,7 @@ class UNetRunner(_Served):
         # a Stable Diffusion UNet's parts, less its down- and upsampling convolutions. With
         # a second, plain resolution it built 44 kernels against 26, and its compile cost
         # ~40% more (issue 36); what the zoo holds it to is the DDIM loop's guards.
-        self.unet = UNet2DConditionModel(
+        self.unet = UNet2DConditionModel(  # type: ignore[attr-defined]
             sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
             block_out_channels=(32,), down_block_types=("CrossAttnDownBlock2D",),
             up_block_types=("CrossAttnUpBlock2D",), cross_attention_dim=32,
@@ -251,11 +251,11 @@ def unet_loop(runner: UNetRunner, step: Any, batch: int, steps: int = 10) -> tor
     from diffusers import DDIMScheduler
 
     sched = DDIMScheduler(num_train_timesteps=1000)
-    sched.set_timesteps(steps)
+    sched.set_timesteps(steps)  # type: ignore[attr-defined]
     latents, _, context = unet_inputs(batch)
-    for t in sched.timesteps:
+    for t in sched.timesteps:  # type: ignore[attr-defined]
         noise = step(latents, t, context)
-        latents = sched.step(noise, t, latents).prev_sample
+        latents = sched.step(noise, t, latents).prev_sample  # type: ignore[attr-defined]
     return latents
 
 
@@ -272,7 +272,7 @@ class DiTRunner(_Served):
         from diffusers import DiTTransformer2DModel
 
         torch.manual_seed(seed)
-        self.dit = DiTTransformer2DModel(
+        self.dit = DiTTransformer2DModel(  # type: ignore[attr-defined]
             num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
             num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
             norm_num_groups=8).eval()
@@ -290,6 +290,71 @@ def dit_inputs(batch: int, t: int = 500) -> tuple[torch.Tensor, torch.Tensor, to
 
 def build_dit(seed: int = 0) -> tuple[DiTRunner, Callable[..., Any]]:
     return DiTRunner(seed), dit_inputs
+
+
+# ------------------------------------------------------------- graph breaks in their code
+# Models whose own code breaks Dynamo's graph (cached with fullgraph=False). Each builder
+# returns the module and its calls' arguments, a list of tuples.
+
+def build_qwen2_vl_vision(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
+    """Qwen2-VL's vision tower: it splits the patches by ``lengths.tolist()`` (a break in
+    its attention), and transformers' decorators put its forward in a try block, so
+    Dynamo compiles the frames forward calls rather than forward's own."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    torch.manual_seed(seed)
+    cfg = Qwen2VLVisionConfig(depth=1, embed_dim=32, hidden_size=32, num_heads=2,
+                              mlp_ratio=2, in_channels=3, patch_size=2, spatial_merge_size=2,
+                              temporal_patch_size=2)
+    cfg._attn_implementation = "sdpa"
+    model = Qwen2VisionTransformerPretrainedModel(cfg).eval()
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])   # two images: two lengths to split by
+    patches = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2 * 2,
+                          generator=torch.Generator().manual_seed(seed + 1))
+    return model, [(patches, grid)]
+
+
+def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
+    """Longformer: its sliding-window attention breaks in four helpers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LongformerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, attention_window=[4], max_position_embeddings=64,
+        pad_token_id=1)
+    model = transformers.LongformerModel(cfg).eval()
+    ids = torch.randint(2, 100, (1, 16), generator=torch.Generator().manual_seed(seed + 1))
+    return model, [(ids,)]
+
+
+class DenoiseStep(nn.Module):
+    """A diffusion pipeline's step as its users write one: the DiT, then the DDIM
+    scheduler's update, whose step reads the timestep as a Python number (a break)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        from diffusers import DDIMScheduler
+
+        self.runner, _ = build_dit(seed)
+        sched: Any = DDIMScheduler(num_train_timesteps=100)  # diffusers' stubs lack its API
+        sched.set_timesteps(3)
+        self.scheduler = sched
+
+    def step(self, latents: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        noise = self.runner.dit(latents, timestep=t, class_labels=labels).sample
+        return self.scheduler.step(noise, t, latents).prev_sample
+
+
+def denoise(step: Callable[..., torch.Tensor], module: DenoiseStep) -> torch.Tensor:
+    """The scheduler's loop over its timesteps with ``step`` (cached or eager)."""
+    latents, _, labels = dit_inputs(1)
+    for t in module.scheduler.timesteps:
+        latents = step(latents, t.reshape(1), labels)
+    return latents
 
 
 BUILDERS: dict[str, Callable[..., tuple[Any, Callable[..., Any]]]] = {

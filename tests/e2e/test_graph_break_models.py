@@ -1,0 +1,72 @@
+"""Graph breaks in code we did not write, cached with ``fullgraph=False`` and served in a
+fresh process that traces no frame: Qwen2-VL's vision tower (``lengths.tolist()``; its
+decorated forward is a frame Dynamo skips, so every frame it calls is a callee),
+Longformer (breaks in four attention helpers) and a diffusion pipeline's step (the DiT,
+then DDIM's update, which breaks on the timestep, a frame variant per timestep).
+
+aot_eager: what is under test is the frames, their guards and their bytecode, which
+Inductor's programs do not change (tests/e2e/test_graph_breaks.py runs Inductor).
+transformers imports Dynamo itself, so "no frame traced" is Dynamo's own frame counter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ccutil import Sandbox
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.slow
+
+DRIVER = r'''
+import sys, torch
+sys.path.insert(0, {tests!r})
+from zoo import models as zm
+from cachecompile import cache_compile
+
+def first(o):
+    return o[0] if isinstance(o, (tuple, list)) else getattr(o, "last_hidden_state", o)
+
+name = {name!r}
+with torch.no_grad():
+    if name == "denoise":
+        step = zm.DenoiseStep()
+        cached = cache_compile(step.step, fullgraph=False, backend="aot_eager", dynamic=False)
+        ok = [bool(torch.equal(zm.denoise(cached, step), zm.denoise(step.step, step)))]
+    else:
+        model, calls = getattr(zm, "build_" + name)()
+        module = cache_compile(model, fullgraph=False, backend="aot_eager")
+        cached = module.cached_forward
+        ok = [bool(torch.equal(first(module(*a)), first(model(*a)))) for a in calls]
+served = []
+for vs in cached._runners.values():
+    for v in vs:
+        if v.frames is not None:
+            served = list(map(list, v.frames.served().values()))
+from torch._dynamo.utils import counters
+report({{"ok": ok, "events": [e[0] for e in cached.events], "served": served,
+        "frames": dict(counters["frames"])}})
+'''
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("qwen2_vl_vision", marks=pytest.mark.longest),
+    pytest.param("longformer", marks=pytest.mark.longest),
+    "denoise",
+])
+def test_a_model_that_breaks_in_its_own_code_is_served_with_nothing_traced(
+        tmp_path: Path, name: str) -> None:
+    box = Sandbox(tmp_path)
+    driver = DRIVER.format(tests=str(Path(__file__).resolve().parent.parent), name=name)
+    cold = box.run(driver)
+    assert all(cold["ok"]) and cold["events"] == ["miss"], cold.value
+    warm = box.run(driver)
+    assert all(warm["ok"]) and warm["events"] == ["hit"], warm.value
+    # Every frame's stored code, or as written where Dynamo skips it too; none compiled
+    # here, and Dynamo converted no frame.
+    assert all(n[1] == 0 for n in warm["served"]), warm["served"]
+    assert sum(n[0] for n in warm["served"]) > 0, warm["served"]
+    assert warm["frames"].get("total", 0) == 0, warm["frames"]
