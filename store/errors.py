@@ -37,6 +37,8 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
                                     failure of the remote; control flow inside s3.py
     _NoDatabase (index.py)          a read-only view's index file does not exist yet: an
                                     empty index, not a fault; control flow inside index.py
+    _Status (remote/http.py)        an HTTP answer outside the tier's rules; caught in
+                                    http.py's bounded call, which raises the tier's error
 """
 
 from __future__ import annotations
