@@ -342,6 +342,15 @@ class MissPath:
         same one is there already, or the store is read-only)."""
         if st.readonly:
             return
+        changed = self._keys.changed_since(frame)
+        if changed:
+            # Compiled under settings the signature's key does not name: a process with the
+            # key's settings must not be served it (it compiles its own, as torch.compile).
+            logger.info("cachecompile %s [%s]: frame %s is not published (this process "
+                        "changed %s since the signature's entry was looked up)",
+                        self._qualname, labels.get("signature", ""),
+                        assembled.records[0].name, ", ".join(changed))
+            return
         who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
         signature = str(labels.get("signature", ""))
         head = assembled.records[0]

@@ -49,6 +49,16 @@ class FrameKeys:
     def frame(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))
 
+    def changed_since(self, frame: Key) -> list[str]:
+        """The live factors (:func:`~cachecompile.key.factors.live_factors`) whose value now
+        differs from the one ``frame`` was made with: what this process changed since it
+        looked the signature up (``torch._inductor.config.fallback_random = True`` after
+        the first call). A frame compiled now is compiled under the new values, so it
+        belongs to no entry of ``frame``."""
+        now = make_key(factors_mod.live_factors(self._method, self._spec,
+                                                self._frozen_digest)).factors
+        return sorted(k for k, v in now.items() if frame.factors.get(k) != v)
+
     def graph_factors(self, sig: Signature) -> dict[str, Any]:
         """What a shared graph's program depends on beyond the graph (coop.GRAPH_FACTORS)."""
         f = self.factors(sig)

@@ -369,3 +369,59 @@ def test_code_digest_covers_every_module_that_decides_an_entry(tmp_path: Path) -
     store = {rel for rel, _ in _version._sources(str(REPO / "store"), "store/")}
     assert "store/manifest.py" in store
     assert sys.modules["cachecompile._version"].code_digest() == _version.code_digest()
+
+
+# -- a graph break's frame compiled after a setting changed, in a process that loaded -------
+BRANCHY = '''
+import torch
+def rand_branch(x):
+    s = x.sum().item()        # a graph break: the branch picks the resume frame's path
+    if s > 0:
+        return x + torch.rand_like(x)
+    return x - torch.rand_like(x)
+'''
+
+FRAME_STEPS = """
+import os, torch
+import torch._inductor.config as inductor_config
+import branchy
+from cachecompile import cache_compile
+cached = cache_compile(branchy.rand_branch, fullgraph=False)
+plain = torch.compile(branchy.rand_branch, fullgraph=False)
+out = []
+with torch.no_grad():
+    for fn in (cached, plain, branchy.rand_branch):
+        inductor_config.fallback_random = False
+        got = []
+        for step in os.environ["FS_STEPS"].split(","):
+            if step == "set":
+                inductor_config.fallback_random = True
+                continue
+            torch.manual_seed(0)
+            got.append(fn(torch.ones(6) * (1 if step == "pos" else -1)))
+        out.append(got)
+report([{"as_torch_compile": bool(torch.equal(c, t)), "eager": bool(torch.equal(c, e))}
+        for c, t, e in zip(*out)])
+"""
+
+
+def test_a_frame_compiled_after_a_setting_changed_is_not_served_to_the_defaults(
+        tmp_path: Path) -> None:
+    """A process loads a graph-breaking function's entry, sets fallback_random and takes a
+    branch never taken before: that frame is compiled live under the setting (as
+    torch.compile compiles it there) and is not published under the signature's key, which
+    names the defaults; a later process with the defaults gets torch.compile's numbers.
+    (Found by a new user: the variant was published and served, giving eager's numbers.)"""
+    box = Sandbox(tmp_path)
+    (box.root / "branchy.py").write_text(BRANCHY)
+
+    def run(steps: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = box.run(FRAME_STEPS, FS_STEPS=steps).value
+        assert all(s["as_torch_compile"] for s in out), (steps, out)
+        return out
+
+    run("pos")                                 # cold: the positive branch's frames
+    changed = run("pos,set,neg")               # loaded, then the setting, then a new branch
+    assert changed[1]["eager"], changed        # compiled under fallback_random: eager's
+    later = run("pos,neg")                     # the defaults: torch.compile's own numbers
+    assert not later[1]["eager"], later
