@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import gc
 import importlib
 import inspect
 import sys
@@ -193,8 +194,21 @@ def code_qualname(code: types.CodeType) -> str:
 
 
 def callee_where(code: types.CodeType, digest: str) -> dict[str, JSON]:
-    return {"qualname": code_qualname(code), "name": code.co_name,
+    return {"qualname": _qualname_of_live(code), "name": code.co_name,
             "line": code.co_firstlineno, "digest": digest}
+
+
+def _qualname_of_live(code: types.CodeType) -> str:
+    """``code``'s qualified name. Python 3.10's code objects carry none (``co_qualname``
+    is 3.11's): there it is the name of a function made from ``code`` that is still alive
+    (a callee that just ran: a class's method, a decorator's wrapped function), else the
+    bare name, which :func:`find_callee` does not find (the callee then runs as written)."""
+    if hasattr(code, "co_qualname"):
+        return code_qualname(code)
+    for ref in gc.get_referrers(code):
+        if isinstance(ref, types.FunctionType) and ref.__code__ is code:
+            return ref.__qualname__
+    return code.co_name
 
 
 def _candidates(obj: Any, depth: int = 0) -> list[types.CodeType]:
@@ -253,7 +267,9 @@ def find_callee(module: str, where: Mapping[str, JSON],
         if found is None:
             return None
         for code in _nested(found, where.get("name"), where.get("line")):
-            if code_qualname(code) == qualname and digest_of(code) == where.get("digest"):
+            # 3.10 (no co_qualname): the name, line and digest _nested and this compare.
+            same_name = code_qualname(code) == qualname or not hasattr(code, "co_qualname")
+            if same_name and digest_of(code) == where.get("digest"):
                 return code
         return None
     for code in _candidates(_module_attr(module, qualname)):
