@@ -4,7 +4,15 @@
 # unpack, several GB for the CUDA builds) and a test half (the cores). Item k+1 installs
 # in the background while item k's tests run, and item 0 installs while the README command
 # runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At most two
-# tier venvs exist at once (the one under test, the next one), as the disk allows.
+# tier venvs exist at once (the one under test, the next one), and only while the disk has
+# room: a CUDA build's venv is about 5.5 GB and its install needs about 3 GB more while pip
+# unpacks, so the next item installs beside this one's tests only with
+# CACHECOMPILE_TIER_PREFETCH_GB (default 16) free; with less it installs after them, when
+# this item's venv is gone (slower, but a CI machine with a small disk passes). A CI run
+# ran out of disk here (the Python 3.12 install, beside 3.10's venv and pip's cache of
+# every CUDA wheel so far): pip's cache is off for the tiers (each wheel is installed once,
+# so a cache only fills the disk), and each item's tests run with a TMPDIR of their own,
+# removed after them (pytest's directories, Inductor's precompiled headers: 150 MB each).
 # Every background install logs to a file that is printed when the item's turn comes.
 
 TIERS_PATH=$PATH                      # before .ci/run activates the README's .venv
@@ -14,7 +22,25 @@ TIERS_PIDS=()
 
 # Run a tier script outside any activated venv (its own venvs come from the system python3).
 _tier_script() {
-  PATH=$TIERS_PATH VIRTUAL_ENV='' bash ".ci/$1.sh" "${@:2}"
+  PATH=$TIERS_PATH VIRTUAL_ENV='' PIP_NO_CACHE_DIR=1 bash ".ci/$1.sh" "${@:2}"
+}
+
+# Free space where the venvs go, in whole GB.
+_tiers_free_gb() {
+  df -P -k . | awk 'NR == 2 { print int($4 / 1048576) }'
+}
+
+# Start item K's install now if the disk has room for it beside what exists, else say
+# that it waits for the tests before it.
+_tiers_prefetch() {
+  local k=$1 free need=${CACHECOMPILE_TIER_PREFETCH_GB:-16}
+  free=$(_tiers_free_gb)
+  if [ "$free" -ge "$need" ]; then
+    _tiers_start "$k"
+  else
+    echo "== disk: ${free} GB free, under ${need} GB (CACHECOMPILE_TIER_PREFETCH_GB): the next" \
+         "tier item installs after these tests, not beside them"
+  fi
 }
 
 _tiers_start() {
@@ -61,14 +87,21 @@ tiers_run() {
       tiers_abort
       return 1
     fi
-    [ $((k + 1)) -lt "$n" ] && _tiers_start $((k + 1))
-    _tier_script "$script" test "$item"
+    echo "== disk: $(_tiers_free_gb) GB free"
+    [ $((k + 1)) -lt "$n" ] && _tiers_prefetch $((k + 1))
+    mkdir -p "$TIERS_LOGS/tmp-$k"
+    TMPDIR=$TIERS_LOGS/tmp-$k _tier_script "$script" test "$item"
     rc=$?
+    rm -rf "$TIERS_LOGS/tmp-$k"
     if [ "$rc" -ne 0 ]; then
       tiers_abort
       return "$rc"
     fi
     echo "== through $script $item: ${SECONDS} s"
+    # Deferred for want of disk: install it now that this item's venv is gone.
+    if [ $((k + 1)) -lt "$n" ] && [ -z "${TIERS_PIDS[$((k + 1))]:-}" ]; then
+      _tiers_start $((k + 1))
+    fi
   done
   rm -rf "$TIERS_LOGS"
 }
