@@ -31,6 +31,14 @@ not within the two calls a size gets here, so 0).
 
     python tools/bench_entries.py --entries 8 --runs 5
     python tools/bench_entries.py --entries 8 32 --runs 5 --others ''
+    python tools/bench_entries.py --entries 8 --runs 5 --others '' --workers 2 4
+
+``--workers N``: N workers start at once on this node, as a server starts its workers after
+a restart (each a fresh process of the mechanism, all reading one store; each its own
+Inductor and temporary dirs). Measured from the launch (the parent's clock) to the moment
+the last worker has served its last first output, per round, eager's N workers and
+cache_compile's N workers in turn, so contention is measured rather than guessed: whatever a
+warm start does beyond eager's work, N workers on fewer cores pay it N times over.
 
 cachecompile's own modules are byte-compiled first (``compileall``, as ``pip install``
 does for a wheel; with the code digest's cache beside them), so that a warm process reads them as an installed package's: an
@@ -105,6 +113,7 @@ with torch.no_grad():
         x = inputs(b)
         out = fn(x)
         first[b] = time.perf_counter() - t0
+    served = time.time()   # wall clock: --workers compares it with the launch
     for b in range(1, n + 1):     # second calls: cache_compile builds each entry's C++ tree
         fn(inputs(b))
     second = time.perf_counter() - t0
@@ -114,6 +123,7 @@ if mode == "mega_save":
 events = [e for e, _ in getattr(fn, "events", [])]
 import json
 print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
+                              "served": served,
                               "misses": sum(e != "hit" for e in events) if events else None}))
 """
 
@@ -145,6 +155,32 @@ def report(rows: dict[str, list[dict[str, float]]]) -> list[str]:
                 line += f"; misses {rs[-1]['misses']}"
         lines.append(line)
     return lines
+
+
+def run_workers(mode: str, n: int, envs: list[dict[str, str]]) -> float:
+    """Start one worker per environment at once; seconds from the launch until every worker
+    has served its last first output (the slowest worker's)."""
+    launch = time.time()
+    procs = [subprocess.Popen([sys.executable, _child_file(), mode, str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for env in envs]
+    served = []
+    for p in procs:
+        out, err = p.communicate(timeout=3600)
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode != 0 or not line:
+            raise SystemExit(f"{mode} worker failed:\n{err[-3000:]}")
+        served.append(json.loads(line[-1][7:])["served"] - launch)
+    return max(served)
+
+
+def workers_report(n_workers: int, rows: dict[str, list[float]]) -> str:
+    eager, cc = rows["eager"], rows["cc_warm"]
+    diff = [c - e for c, e in zip(cc, eager, strict=True)]
+    return (f"  {n_workers} workers at once: every worker's first output, eager median "
+            f"{statistics.median(eager):.3f} s (min {min(eager):.3f}), cache_compile median "
+            f"{statistics.median(cc):.3f} s (min {min(cc):.3f}); minus eager, paired: median "
+            f"{statistics.median(diff):+.3f} s (min {min(diff):+.3f}, max {max(diff):+.3f})")
 
 
 def run(mode: str, n: int, env: dict[str, str], profile: Path | None = None) -> dict[str, float]:
@@ -205,6 +241,9 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
                     help="torch's own mechanisms to compare too (comma list of tc, mega, "
                          "aot; '' for none: eager and cache_compile only. Each recompiles or "
                          "retraces every entry, minutes at 32 entries)")
+    ap.add_argument("--workers", type=int, nargs="*", default=[],
+                    help="also start N workers at once (each N given), eager's and "
+                         "cache_compile's in turn, and time the last one's first output")
     ap.add_argument("--source-only", action="store_true",
                     help="do not byte-compile cachecompile first: measure an editable "
                          "checkout under PYTHONDONTWRITEBYTECODE=1, which compiles its "
@@ -219,6 +258,7 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
     print(f"torch {__import__('torch').__version__}; {os.cpu_count()} cores; work {work}")
     try:
         for n in a.entries:
+            summary_workers: dict[int, float] = {}
             store = work / f"store-{n}"
 
             def env(name: str, warm_tc: bool = False, n: int = n,
@@ -253,13 +293,23 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
             print(f"\n{n} entries, {a.runs} interleaved rounds (fresh processes each)")
             for line in report(rows):
                 print(line)
+            for k in a.workers:
+                wrows: dict[str, list[float]] = {"eager": [], "cc_warm": []}
+                for _ in range(a.runs):                # interleaved, as above
+                    for mode in wrows:
+                        wrows[mode].append(run_workers(mode, n, [env(f"{mode}-w{i}")
+                                                                 for i in range(k)]))
+                print(workers_report(k, wrows))
+                summary_workers[k] = statistics.median(
+                    c - e for c, e in zip(wrows["cc_warm"], wrows["eager"], strict=True))
             prof = work / f"profile-{n}.out"
             run("cc_warm", n, env("prof"), profile=prof)
             print("  per entry, cc_warm under cProfile (inflated): " + ", ".join(
                 f"{k} {v:.1f} ms" for k, v in phases(prof, n).items()))
             print(json.dumps({"entries": n, "eager": eager, "cc_minus_eager": statistics.median(
                 c["last_first"] - e["last_first"]
-                for c, e in zip(rows["cc_warm"], rows["eager"], strict=True))}))
+                for c, e in zip(rows["cc_warm"], rows["eager"], strict=True)),
+                "workers_cc_minus_eager": summary_workers}))
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

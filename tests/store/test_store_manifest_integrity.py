@@ -83,7 +83,8 @@ ONE_CHAR = {_edit_meta, _edit_meta_guard, _edit_factors, _edit_files, _edit_labe
 
 
 def _dump(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=1, sort_keys=True)  # as manifest.dump_manifest
+    # As manifest.dump_manifest: canonical JSON.
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def _tamper(mpath: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -445,3 +446,45 @@ def test_copying_an_entry_keeps_it_valid(tmp_path: Path) -> None:
     shutil.copytree(e.path, target)
     hit = dst.get(e.key)
     assert isinstance(hit, Hit) and hit.entry.manifest == doc
+
+
+# -- the digest is checked over the bytes read (issue 53: no second serialization of a
+# -- 200 KB manifest per entry of a warm start), and means what it always meant.
+def _doc(meta: dict[str, Any] | None = None) -> bytes:
+    from cachecompile.store.manifest import dump_manifest
+
+    files = {"program.py": {"size": 5, "xxh3_128": "0" * 32}}
+    return dump_manifest(key="k" * 32, factors=KEY, labels=LABELS, meta=meta or META,
+                         created=1.0, files=files)
+
+
+def test_a_written_manifest_is_checked_over_its_own_bytes(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from cachecompile.store import manifest
+
+    raw = _doc()
+    monkeypatch.setattr(manifest, "manifest_digest", lambda doc: pytest.fail("serialized"))
+    assert parse_manifest(raw)["meta"] == META
+
+
+@pytest.mark.parametrize("form", ["indented", "unsorted", "nested integrity key"])
+def test_a_manifest_in_another_form_is_checked_as_before(form: str) -> None:
+    raw = _doc({**META, "integrity": "x"} if form == "nested integrity key" else None)
+    doc = json.loads(raw)
+    if form == "indented":      # what earlier releases wrote
+        raw = json.dumps(doc, indent=1, sort_keys=True).encode()
+    elif form == "unsorted":
+        raw = json.dumps(dict(reversed(list(doc.items())))).encode()
+    assert parse_manifest(raw) == doc
+    edited = raw.replace(b"forward", b"forwarc")
+    with pytest.raises(ManifestError, match="integrity digest"):
+        parse_manifest(edited)
+
+
+def test_an_integrity_field_moved_into_the_body_is_refused() -> None:
+    doc = json.loads(_doc())
+    given = doc.pop("integrity")
+    doc["labels"]["integrity"] = given     # the same bytes, nested: not the digest's field
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(ManifestError):
+        parse_manifest(raw)
