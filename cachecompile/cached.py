@@ -53,7 +53,7 @@ from cachecompile.warm.state import cache_off, store_for
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from cachecompile.cold.capture import TraceSession
+    from cachecompile.cold.capture import LiveSession
     from cachecompile.cold.miss import MissPath
     from cachecompile.warm.frames import Continuation, Frames
 
@@ -146,7 +146,7 @@ class CachedFunction(Generic[_P, _R]):
         self._lookup = Lookup(method, spec)
         self._lookup.live_frames = _LiveFrames(self)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
-        self._fallback: TraceSession | None = None
+        self._fallback: LiveSession | None = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._training_warned = False   # InferenceOnlyWarning given (or not needed)
         # dynamic=None: each static signature's sizes-blind form -> the signature, until a
@@ -430,17 +430,17 @@ class CachedFunction(Generic[_P, _R]):
 
     def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                   why: str) -> Any:
-        from cachecompile.cold.capture import TraceSession
+        from cachecompile.cold.capture import LiveSession
 
         if self._fallback is None:
-            self._fallback = TraceSession(self._method, self.spec, capture=False)
+            self._fallback = LiveSession(self._method, self.spec)
             self._fallback.on_recompile_limit = self._recompile_limit_hit
         self._add(sig, Variant(run=self._fallback, check=None, name="live"), "live")
         logger.info("cachecompile live %s [%s]: %s", self.__qualname__, describe(sig), why)
         return self._fallback(*args, **kwargs)
 
     def _recompile_limit_hit(self, reason: str) -> None:
-        """A live compile of this method passed Dynamo's recompile limit (capture.TraceSession
+        """A live compile of this method passed Dynamo's recompile limit (capture.LiveSession
         then runs the call eagerly): say so once, naming the guard that keeps failing."""
         if self._limit_hit_warned:
             return

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,29 @@ from cachecompile.store.signing import Trust
 class MemoryRemote(BlobRemote):
     kind = "memory"
 
-    def __init__(self, trust: Trust, *, readonly: bool = False) -> None:
-        super().__init__(RemoteConfig(url="memory://", target="memory", kind="memory",
-                                      readonly=readonly, backoff=0.05, max_backoff=0.05),
+    def __init__(self, trust: Trust, *, readonly: bool = False,
+                 config: RemoteConfig | None = None) -> None:
+        super().__init__(config or RemoteConfig(url="memory://", target="memory",
+                                                kind=self.kind, readonly=readonly,
+                                                backoff=0.05, max_backoff=0.05),
                          trust)
         self.records_: dict[str, bytes] = {}
         self.blobs: dict[str, bytes] = {}
         self.down = False
         self.calls = 0
         self._lock = threading.Lock()
+
+    # -- its URL (made by the tests, not parsed; a subclass that registers a scheme is) ----
+    @classmethod
+    def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
+                  rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
+        if rest:
+            raise ValueError(f"{cls.kind}:// takes no parameters")
+        return parts.netloc or cls.kind, parts.path.strip("/") or cls.default_prefix
+
+    @classmethod
+    def display_of(cls, target: str, prefix: str) -> str:
+        return f"{cls.kind}://{target}/{prefix}"
 
     # -- plumbing ----------------------------------------------------------------------
     def _io(self, what: str) -> None:

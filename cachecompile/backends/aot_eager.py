@@ -18,7 +18,8 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
-from cachecompile.backends.base import JSON, Adapter, Compiled, GraphCallable, Program
+from cachecompile._types import JSON
+from cachecompile.backends.base import Adapter, Compiled, GraphCallable, Program
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import passes

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cachecompile.backends.base import JSON
+from cachecompile._types import JSON
 from cachecompile.backends.torchair_machine import import_torchair
 from cachecompile.errors import TorchairUnavailableError
 from cachecompile.key.factors import canonical

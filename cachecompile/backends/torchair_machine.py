@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from cachecompile.backends.base import JSON, package_version
+from cachecompile._types import JSON
+from cachecompile.backends.base import package_version
 from cachecompile.errors import TorchairUnavailableError, UnsupportedProgramError
 from cachecompile.key.factors import canonical
 

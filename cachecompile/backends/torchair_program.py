@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from cachecompile.backends.base import JSON, GraphCallable
+from cachecompile._types import JSON
+from cachecompile.backends.base import GraphCallable
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import GearMismatchError, UnsupportedProgramError
 

@@ -173,33 +173,16 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any],
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
 
 
-class _FrameCapture:
-    """What every compiling session shares: the adapter's compile of a graph, its
-    verification on the graph's first run, and, for a graph break, the capture of each
-    frame Dynamo compiles other than a session's own root (its graphs, then its guards,
-    made portable and checked against the frame's own arguments: :class:`FrameCompile`)."""
+class _Compiling:
+    """What every session shares: the adapter's compile of a graph, timed in its phases."""
 
-    def __init__(self, spec: CompileSpec, capture: bool, phases: Phases | None) -> None:
+    def __init__(self, spec: CompileSpec, phases: Phases | None) -> None:
         self.phases = phases if phases is not None else Phases()
         self._adapter = spec.adapter
         self._options = dict(spec.options)
         self._decompositions = spec.decompositions
-        self._capture = capture
+        self._dynamic = spec.dynamic
         self._compile_seconds = 0.0
-        # Frames compiled during a session's first call (its entry's) and later (each
-        # published as a frame variant: cold.frames.publish_frames).
-        self._in_first_call = False
-        self._compiles: list[FrameCompile] = []
-        self._late: list[FrameCompile] = []
-        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
-        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
-        self._pending_traced: dict[types.CodeType, list[str]] = {}
-        self._strings: set[str] = set()  # string constants of the traced code
-
-    def take_late(self) -> list[FrameCompile]:
-        """The frames compiled since the last time asked, outside a first call."""
-        out, self._late = self._late, []
-        return out
 
     def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
         # In a copy of the context: Dynamo builds the guards after the backend returns,
@@ -209,37 +192,74 @@ class _FrameCapture:
         return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
                                               self._options, self._decompositions)
 
-    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
-                     example_inputs: list[Any]) -> Callable[..., Any]:
-        """A graph of a frame other than the root (a resume function's, a callee's):
-        compiled, verified on its first run, kept with its frame's compile."""
+    def _compile_live(self, gm: torch.fx.GraphModule,
+                      example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph compiled and run as the adapter built it: nothing kept."""
         t0 = time.perf_counter()
-        if self._capture:
-            self._pending_dims.setdefault(code, {}).update(
-                guard_capture.tensor_dims_from_graph(gm))
-            self._pending_traced.setdefault(code, []).extend(dynamo.traced_code_files())
-            self._strings |= dynamo.traced_code_strings()
         compiled = self._compile_here(gm, example_inputs)
         self.phases.add("backend", time.perf_counter() - t0)
         self._compile_seconds += time.perf_counter() - t0
-        if not self._capture:
-            return compiled.live
+        return compiled.live
+
+    def _public_backend(self) -> tuple[Any, dict[str, Any] | None] | None:
+        """A live session's backend and options when torch's internals are not what
+        :mod:`cachecompile._torch` expects: the adapter's public one, which needs none of
+        them (None while they are)."""
+        if _torch.probe(self._adapter.torch_parts) is None:
+            return None
+        return self._adapter.plain_backend(self._options, self._decompositions)
+
+
+class FrameCapture:
+    """A graph break's capture (fullgraph=False), for a session that stores what it
+    compiles: each frame Dynamo compiles other than the session's own root (its graphs,
+    then its guards, made portable and checked against the frame's own arguments:
+    :class:`FrameCompile`), kept for the session's entry (during its first call) or for
+    publishing as a frame variant (later: :meth:`take_late`)."""
+
+    def __init__(self, phases: Phases,
+                 compile_graph: Callable[[torch.fx.GraphModule, list[Any]], Compiled]) -> None:
+        self.phases = phases
+        self._compile_graph = compile_graph
+        self.seconds = 0.0  # compiling the frames' graphs
+        self.in_first_call = False
+        self.compiles: list[FrameCompile] = []
+        self._late: list[FrameCompile] = []
+        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
+        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
+        self._pending_traced: dict[types.CodeType, list[str]] = {}
+        self.strings: set[str] = set()  # string constants of the traced code
+
+    def take_late(self) -> list[FrameCompile]:
+        """The frames compiled since the last time asked, outside a first call."""
+        out, self._late = self._late, []
+        return out
+
+    def graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+              example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph of a frame other than the root (a resume function's, a callee's):
+        compiled, verified on its first run, kept with its frame's compile."""
+        t0 = time.perf_counter()
+        self._pending_dims.setdefault(code, {}).update(guard_capture.tensor_dims_from_graph(gm))
+        self._pending_traced.setdefault(code, []).extend(dynamo.traced_code_files())
+        self.strings |= dynamo.traced_code_strings()
+        compiled = self._compile_graph(gm, example_inputs)
+        self.phases.add("backend", time.perf_counter() - t0)
+        self.seconds += time.perf_counter() - t0
         graph = GraphCapture(compiled, compiled.live)
-        run = self._verifying_stored(compiled, graph)
+        run = _verifying_stored(self.phases, compiled, graph)
         graph.run = run
         self._pending.setdefault(code, []).append(graph)
         return run
 
-    def _frame_guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
+    def guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
         """A frame other than the root finished compiling: its guards, portable, checked
         against its own arguments now, and its compile kept."""
-        if not self._capture:
-            return
         code, g = frame.code, frame.f_globals
         compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
                                 graphs=self._pending.pop(code, []),
                                 traced=self._pending_traced.pop(code, []))
-        (self._compiles if self._in_first_call else self._late).append(compile_)
+        (self.compiles if self.in_first_call else self._late).append(compile_)
         dims = self._pending_dims.pop(code, {})
         if frame.out_code is None:
             compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
@@ -250,7 +270,7 @@ class _FrameCapture:
                 portable, classes = guard_capture.translate(
                     entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
                     module_name=str(g.get("__name__", "")),
-                    state=guard_capture.frame_state(), strings=self._strings,
+                    state=guard_capture.frame_state(), strings=self.strings,
                     resolved=dynamo.recorded_lookups())
                 fn = entry_frames.frame_function(code, g)
                 local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
@@ -268,109 +288,110 @@ class _FrameCapture:
             logger.debug("guard capture failed", exc_info=True)
             compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
 
-    def _verifying_stored(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
-        """A graph break's graph: like :meth:`_verifying`, but once verified, the program
-        itself serves, on the real arguments (the live graph verifies it on copies of the
-        inputs it mutates), this call and every later one. The frames after it take its
-        outputs as arguments, and Dynamo guards what it sees of them (a view's base, its
-        strides): the very tensors a warm process will hand them, rather than what
-        AOTAutograd's runtime wrappers make of the live graph's (the stored program does
-        without them)."""
-        first = True
-        runner = compiled.live
 
-        def run(*args: Any) -> Any:
-            nonlocal first, runner
-            if not first:
-                return runner(*args)
-            first = False
-            program: Program | None = None
-            try:
-                with self.phases.timed("capture"):
-                    program = out.program = compiled.program()
+def _verifying_stored(phases: Phases, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+    """A graph break's graph: like :func:`_verifying`, but once verified, the program
+    itself serves, on the real arguments (the live graph verifies it on copies of the
+    inputs it mutates), this call and every later one. The frames after it take its
+    outputs as arguments, and Dynamo guards what it sees of them (a view's base, its
+    strides): the very tensors a warm process will hand them, rather than what
+    AOTAutograd's runtime wrappers make of the live graph's (the stored program does
+    without them)."""
+    first = True
+    runner = compiled.live
+
+    def run(*args: Any) -> Any:
+        nonlocal first, runner
+        if not first:
+            return runner(*args)
+        first = False
+        program: Program | None = None
+        try:
+            with phases.timed("capture"):
+                program = out.program = compiled.program()
+            if program.light is None:
+                raise UnsupportedProgramError("the adapter built no replayable program")
+        except UnsupportedProgramError as e:
+            out.verdict = str(e)
+        except Exception as e:  # any capture failure means "do not cache"
+            logger.debug("program capture failed", exc_info=True)
+            out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+        if out.verdict is not None or program is None or program.light is None:
+            with phases.timed("run"):
+                return compiled.live(*args)
+        live_args = list(args)
+        for i in program.mutated_inputs:
+            live_args[i] = args[i].clone()
+        # Both draw the same numbers from the generators; the call draws them once.
+        restore_rng = _rng_snapshot()
+        with phases.timed("run"):
+            live_out = compiled.live(*live_args)
+        restore_rng()
+        try:
+            with phases.timed("verify"):
+                light_out = program.light(*args)
+                mismatch = _compare(light_out, live_out)
+                for i in program.mutated_inputs:
+                    mismatch = mismatch or _compare(args[i], live_args[i],
+                                                    f"mutated input {i}")
+        except Exception as e:  # the program failed: the live graph's result stands
+            logger.debug("the program failed on the call's arguments", exc_info=True)
+            mismatch = f"it raised {type(e).__name__}: {e}"
+        if mismatch:
+            out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+            for i in program.mutated_inputs:
+                args[i].copy_(live_args[i])
+            return live_out
+        runner = program.light
+        return light_out
+
+    return run
+
+def _verifying(phases: Phases, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
+    """The live callable; its first call also runs the replayable program and compares
+    (the program and the verdict go to ``out``)."""
+    first = True
+
+    def run(*args: Any) -> Any:
+        nonlocal first
+        if not first:
+            return compiled.live(*args)
+        first = False
+        light_out: Any = None
+        light_args: list[Any] = list(args)
+        # The program and the live graph each draw from the generators: both must draw
+        # the same numbers (to compare), and the call must draw them once, as
+        # torch.compile's one call does.
+        restore_rng = _rng_snapshot()
+        try:
+            with phases.timed("capture"):
+                program = compiled.program()
+            out.program = program
+            with phases.timed("verify"):
+                for i in program.mutated_inputs:
+                    light_args[i] = args[i].clone()
                 if program.light is None:
                     raise UnsupportedProgramError("the adapter built no replayable program")
-            except UnsupportedProgramError as e:
-                out.verdict = str(e)
-            except Exception as e:  # any capture failure means "do not cache"
-                logger.debug("program capture failed", exc_info=True)
-                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            if out.verdict is not None or program is None or program.light is None:
-                with self.phases.timed("run"):
-                    return compiled.live(*args)
-            live_args = list(args)
-            for i in program.mutated_inputs:
-                live_args[i] = args[i].clone()
-            # Both draw the same numbers from the generators; the call draws them once.
-            restore_rng = _rng_snapshot()
-            with self.phases.timed("run"):
-                live_out = compiled.live(*live_args)
-            restore_rng()
-            try:
-                with self.phases.timed("verify"):
-                    light_out = program.light(*args)
-                    mismatch = _compare(light_out, live_out)
-                    for i in program.mutated_inputs:
-                        mismatch = mismatch or _compare(args[i], live_args[i],
-                                                        f"mutated input {i}")
-            except Exception as e:  # the program failed: the live graph's result stands
-                logger.debug("the program failed on the call's arguments", exc_info=True)
-                mismatch = f"it raised {type(e).__name__}: {e}"
+                light_out = program.light(*light_args)
+        except UnsupportedProgramError as e:
+            out.verdict = str(e)
+        except Exception as e:  # any capture failure means "do not cache"
+            logger.debug("program capture failed", exc_info=True)
+            out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
+        restore_rng()
+        with phases.timed("run"):
+            live_out = compiled.live(*args)
+        if out.verdict is None and out.program is not None:
+            with phases.timed("verify"):
+                mismatch = _compare(light_out, live_out)
+                for i in out.program.mutated_inputs:
+                    mismatch = mismatch or _compare(light_args[i], args[i],
+                                                    f"mutated input {i}")
             if mismatch:
                 out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
-                for i in program.mutated_inputs:
-                    args[i].copy_(live_args[i])
-                return live_out
-            runner = program.light
-            return light_out
+        return live_out
 
-        return run
-
-    def _verifying(self, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
-        """The live callable; its first call also runs the replayable program and compares
-        (the program and the verdict go to ``out``)."""
-        first = True
-
-        def run(*args: Any) -> Any:
-            nonlocal first
-            if not first:
-                return compiled.live(*args)
-            first = False
-            light_out: Any = None
-            light_args: list[Any] = list(args)
-            # The program and the live graph each draw from the generators: both must draw
-            # the same numbers (to compare), and the call must draw them once, as
-            # torch.compile's one call does.
-            restore_rng = _rng_snapshot()
-            try:
-                with self.phases.timed("capture"):
-                    program = compiled.program()
-                out.program = program
-                with self.phases.timed("verify"):
-                    for i in program.mutated_inputs:
-                        light_args[i] = args[i].clone()
-                    if program.light is None:
-                        raise UnsupportedProgramError("the adapter built no replayable program")
-                    light_out = program.light(*light_args)
-            except UnsupportedProgramError as e:
-                out.verdict = str(e)
-            except Exception as e:  # any capture failure means "do not cache"
-                logger.debug("program capture failed", exc_info=True)
-                out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            restore_rng()
-            with self.phases.timed("run"):
-                live_out = compiled.live(*args)
-            if out.verdict is None and out.program is not None:
-                with self.phases.timed("verify"):
-                    mismatch = _compare(light_out, live_out)
-                    for i in out.program.mutated_inputs:
-                        mismatch = mismatch or _compare(light_args[i], args[i],
-                                                        f"mutated input {i}")
-                if mismatch:
-                    out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
-            return live_out
-
-        return run
+    return run
 
 
 def _with_note(exc: BaseException, note: str) -> BaseException:
@@ -384,70 +405,217 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-class TraceSession(_FrameCapture):
-    """One signature of one cached method, compiled live by Dynamo.
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    """While Dynamo may trace: the names it looks up recorded, and the reads 2.11 leaves
+    unguarded."""
+    with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
+        yield
 
-    With ``capture=False`` it is the method under plain ``torch.compile`` (caching off,
-    or this call not cached): through the adapter's compile while torch's internals are
-    what :mod:`cachecompile._torch` expects, else through the adapter's public backend,
-    which needs none of them.
+
+class LiveSession(_Compiling):
+    """One signature of one cached method under plain ``torch.compile``: caching is off,
+    or this call is not cached, so nothing is kept (:class:`TraceSession` keeps it).
+
+    It compiles through the adapter's compile while torch's internals are what
+    :mod:`cachecompile._torch` expects, else through the adapter's public backend, which
+    needs none of them. What a capturing session adds, it adds by overriding the hooks
+    below (the compile's arguments, the guard filter, a frame's graph, the first trace's
+    compile and runner, a call's beginning, reads and end).
     """
 
-    def __init__(self, method: types.MethodType, spec: CompileSpec, *, capture: bool = True,
-                 share: GraphShare | None = None, phases: Phases | None = None) -> None:
-        super().__init__(spec, capture, phases)
+    def __init__(self, method: types.MethodType, spec: CompileSpec, *,
+                 phases: Phases | None = None) -> None:
+        super().__init__(spec, phases)
         self._orig = method
         self._fn = clone_function(method.__func__)  # type: ignore[arg-type]
-        adapter = self._adapter
-        decompositions = self._decompositions
-        dynamic = spec.dynamic
-        self.share = share
-        # Told the frames compiled in a later call (a branch first taken, a frame whose
-        # guards failed), once the call is over: the miss path publishes each one.
-        self.on_frames: Callable[[list[FrameCompile]], None] | None = None
         self.traces = 0
         self.recompile_reason: str | None = None
         self.on_recompile: Callable[[str], None] | None = None
         # Told (with the guard that failed last) when a call passes Dynamo's recompile limit.
         self.on_recompile_limit: Callable[[str], None] | None = None
         self._compiled: Compiled | None = None
+        self._called = False
+        # fullgraph=False: Dynamo compiles other frames too (:meth:`_frame_graph`).
+        self._fullgraph = spec.fullgraph
+        backend, compile_options = self._compile_args()
+        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
+                                   backend=backend, fullgraph=self._fullgraph,
+                                   dynamic=self._dynamic, options=compile_options)
+
+    # -- the hooks a capturing session overrides ---------------------------------------
+    def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
+        """torch.compile's backend and options."""
+        public = self._public_backend()
+        return public if public is not None else (self._backend,
+                                                  {"guard_filter_fn": self._on_guards})
+
+    def _on_guards(self, entries: Any) -> list[bool]:
+        """guard_filter_fn: keep every guard."""
+        return [True] * len(entries)
+
+    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+                     example_inputs: list[Any]) -> Callable[..., Any]:
+        """A graph of a frame other than the method's own (a graph break's)."""
+        return self._compile_live(gm, example_inputs)
+
+    def _first_compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                       collective: bool) -> Compiled:
+        """The method's own frame's first trace, compiled."""
+        return self._compile_here(gm, example_inputs)
+
+    def _first_runner(self, compiled: Compiled, collective: bool) -> Callable[..., Any]:
+        """What the method's own frame's first graph runs as."""
+        return compiled.live
+
+    def _call_begins(self, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before a call reaches Dynamo (``first``: this session's first call)."""
+
+    def _call_reads(self, first: bool) -> contextlib.AbstractContextManager[Any]:
+        """What a call runs under, besides what every call does."""
+        return contextlib.nullcontext()
+
+    def _call_ends(self, first: bool) -> None:
+        """After a call, its result or error given."""
+
+    # -- Dynamo backend -------------------------------------------------------------
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        # A trace counts once the backend returns: Dynamo may restart analysis by raising
+        # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
+        # recompile.
+        if not self._fullgraph:
+            frame = dynamo.compiling_frame()
+            if frame is not None and frame.code is not self._fn.__code__:
+                return self._frame_graph(frame.code, gm, example_inputs)
+        if self._compiled is not None:
+            compiled = self._adapter.compile(gm, example_inputs, self._options,
+                                             self._decompositions)
+            self.traces += 1
+            self._on_second_trace()
+            return compiled.live
+        t0 = time.perf_counter()
+        collective = has_collectives(gm)
+        compiled = self._first_compile(gm, example_inputs, collective)
+        self.traces += 1
+        self._compile_seconds = time.perf_counter() - t0
+        self.phases.add("backend", self._compile_seconds)
+        self._compiled = compiled
+        return self._first_runner(compiled, collective)
+
+    def _on_second_trace(self) -> None:
+        reason = dynamo.last_guard_failure(self._fn.__code__) or "unknown guard failure"
+        self.recompile_reason = reason
+        if self.on_recompile is not None:
+            self.on_recompile(reason)
+
+    # -- calls ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first = not self._called
+        self._called = True
+        # Only the first call is timed: later calls of a live variant are the hot path.
+        t0 = time.perf_counter() if first else 0.0
+        before = sum(self.phases.seconds.values()) if first else 0.0
+        self._call_begins(first, args, kwargs)
+        try:
+            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked(), \
+                    self._call_reads(first):
+                return self._live(*args, **kwargs)
+        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
+            note = ""
+            if dynamo.is_input_error(e):
+                self._raise_eager_error(args, kwargs)
+                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
+                        "cannot trace, not an error in them; it ran once to check.)\n")
+            raise graph_break_error(e, self._orig, note) from None
+        except dynamo.data_dependent_errors() as e:
+            raise graph_break_error(e, self._orig) from None
+        except dynamo.recompile_limit_errors():
+            # A value Dynamo guards changed on every call, each a new compile, up to its
+            # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
+            # it traces anything (the call has had no effect yet): run the method itself,
+            # eager's result. Calls that fit a program Dynamo already has keep running it.
+            if self.on_recompile_limit is not None:
+                self.on_recompile_limit(self.last_guard_failure() or "not recorded by Dynamo")
+            return self._orig(*args, **kwargs)
+        finally:
+            if first:
+                others = sum(self.phases.seconds.values()) - before
+                self.phases.add("dynamo", time.perf_counter() - t0 - others)
+            self._call_ends(first)
+
+    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An operator failed on the call's fake tensors: run the method uncompiled on the
+        same inputs (under no_grad, as the cached call) and raise what it raises, the
+        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
+        the call's argument types noted. Dynamo failed while tracing, before anything
+        ran, so this run is the one the call makes: its effects are what an uncompiled
+        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
+        try:
+            with torch.no_grad():
+                self._orig(*args, **kwargs)
+        except Exception as eager:
+            qualname = getattr(self._orig, "__qualname__", "the method")
+            names = [p.name for p in inspect.signature(self._orig).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            call = describe_types(args, kwargs, names)
+            raise _with_note(eager, (
+                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
+                "do not fit the method. Nothing was compiled or cached.")) from None
+
+    def last_guard_failure(self) -> str | None:
+        """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
+        return dynamo.last_guard_failure(self._fn.__code__)
+
+
+
+class TraceSession(LiveSession):
+    """One signature of one cached method, compiled live by Dynamo and captured: its first
+    trace records Dynamo's guards in portable form and the adapter's replayable program
+    (run beside the live graph and compared), a graph break's other frames each with its
+    own (:class:`FrameCapture`), and the files it depends on; :meth:`trace` then gives
+    what a warm process needs.
+    """
+
+    def __init__(self, method: types.MethodType, spec: CompileSpec, *,
+                 share: GraphShare | None = None, phases: Phases | None = None) -> None:
+        super().__init__(method, spec, phases=phases)
+        self.share = share
+        # fullgraph=False: the frames Dynamo compiles other than the method's own.
+        self._frames = FrameCapture(self.phases, self._compile_here)
+        # Told the frames compiled in a later call (a branch first taken, a frame whose
+        # guards failed), once the call is over: the miss path publishes each one.
+        self.on_frames: Callable[[list[FrameCompile]], None] | None = None
         self._deps: dict[str, str] = {}
         self._traced: list[str] = []
         self._verdict: str | None = None     # None: verified; else why not cacheable
         self._program: Program | None = None
-        self._called = False
         self._call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._state: dict[str, Any] = {}
         self._tensor_dims: dict[str, Any] = {}
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
         self.checker: guards_mod.Checker | None = None
-        # fullgraph=False: Dynamo compiles other frames too (_FrameCapture); the method's
-        # own frame's graph (its outcome: program, verdict).
-        self._fullgraph = spec.fullgraph
+        # The method's own frame's graph (its outcome: program, verdict).
         self._root_graph: GraphCapture | None = None
-        backend: Any = self._backend
-        compile_options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
-        if not capture and _torch.probe(adapter.torch_parts) is not None:
-            backend, compile_options = adapter.plain_backend(self._options, decompositions)
-        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=backend, fullgraph=self._fullgraph,
-                                   dynamic=dynamic, options=compile_options)
+
+    def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
+        # Capturing needs the adapter's compile and Dynamo's guards, whatever the probe says.
+        return self._backend, {"guard_filter_fn": self._on_guards}
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:
         """guard_filter_fn: keep every guard; record the first trace's in portable form."""
         keep = [True] * len(entries)
-        if not self._fullgraph and self._capture:
+        if not self._fullgraph:
             frame = dynamo.compiling_frame()
-            if frame is None and self._in_first_call:
+            if frame is None and self._frames.in_first_call:
                 self._verdict = ("this torch's Dynamo does not say which frame it compiles, "
                                  "so a graph break's frames cannot be told apart")
                 return keep
             if frame is not None and frame.code is not self._fn.__code__:
-                self._frame_guards(frame, entries)
+                self._frames.guards(frame, entries)
                 return keep
-        if not self._capture or self._guards is not None or self._verdict is not None:
+        if self._guards is not None or self._verdict is not None:
             return keep
         try:
             with self.phases.timed("guards"):
@@ -468,7 +636,7 @@ class TraceSession(_FrameCapture):
         portable, classes = guard_capture.translate(
             entries, arg_names=arg_names, tensor_dims=self._tensor_dims,
             module_name=getattr(func, "__module__", "") or "", state=self._state,
-            strings=self._strings, resolved=dynamo.recorded_lookups())
+            strings=self._frames.strings, resolved=dynamo.recorded_lookups())
         # The guards are checked here, before the graph runs, against the very call being
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
@@ -484,47 +652,28 @@ class TraceSession(_FrameCapture):
         self.checker = guards_mod.build_checker(self._fn, portable, self._fn.__globals__)
 
     # -- Dynamo backend -------------------------------------------------------------
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        # A trace counts once the backend returns: Dynamo may restart analysis by raising
-        # from inside the backend (e.g. TensorifyScalarRestartAnalysis), which is not a
-        # recompile.
-        if not self._fullgraph:
-            frame = dynamo.compiling_frame()
-            if frame is not None and frame.code is not self._fn.__code__:
-                return self._frame_graph(frame.code, gm, example_inputs)
-        if self._compiled is not None:
-            compiled = self._adapter.compile(gm, example_inputs, self._options,
-                                             self._decompositions)
-            self.traces += 1
-            self._on_second_trace()
-            return compiled.live
-        t0 = time.perf_counter()
+    def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
+                     example_inputs: list[Any]) -> Callable[..., Any]:
+        return self._frames.graph(code, gm, example_inputs)
+
+    def _first_compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                       collective: bool) -> Compiled:
         self._tensor_dims = guard_capture.tensor_dims_from_graph(gm)
-        self._traced = dynamo.traced_code_files() if self._capture else []
-        self._strings = dynamo.traced_code_strings() if self._capture else set()
-
-        def compile_here() -> Compiled:
+        self._traced = dynamo.traced_code_files()
+        self._frames.strings = dynamo.traced_code_strings()
+        if self.share is None:
             return self._compile_here(gm, example_inputs)
+        return self.share.compile(gm, example_inputs,
+                                  lambda: self._compile_here(gm, example_inputs),
+                                  publish_now=collective, state=self._state)
 
-        collective = has_collectives(gm)
-        if self.share is not None:
-            compiled = self.share.compile(gm, example_inputs, compile_here,
-                                          publish_now=collective and self._capture,
-                                          state=self._state)
-        else:
-            compiled = compile_here()
-        self.traces += 1
-        self._compile_seconds = time.perf_counter() - t0
-        self.phases.add("backend", self._compile_seconds)
-        self._compiled = compiled
-        if not self._capture:
-            return compiled.live
+    def _first_runner(self, compiled: Compiled, collective: bool) -> Callable[..., Any]:
         if collective:
             return self._run_once(compiled)
         self._root_graph = GraphCapture(compiled, compiled.live)
         if self._fullgraph:
-            return self._verifying(compiled, self._root_graph)
-        return self._verifying_stored(compiled, self._root_graph)
+            return _verifying(self.phases, compiled, self._root_graph)
+        return _verifying_stored(self.phases, compiled, self._root_graph)
 
     def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
         """Graphs with collectives run exactly once per call on every rank.
@@ -557,100 +706,49 @@ class TraceSession(_FrameCapture):
 
         return run
 
-    def _on_second_trace(self) -> None:
-        reason = dynamo.last_guard_failure(self._fn.__code__) or "unknown guard failure"
-        self.recompile_reason = reason
-        if self.on_recompile is not None:
-            self.on_recompile(reason)
 
     # -- calls ------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = not self._called
-        self._called = True
-        # Only the first call is timed: later calls of a live variant are the hot path.
-        t0 = time.perf_counter() if first else 0.0
-        before = sum(self.phases.seconds.values()) if first else 0.0
-        if first and self._capture:
+    def _call_begins(self, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if first:
             # Dynamo's guards are built during this call; they are checked against it.
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
-            self._in_first_call = True
-        try:
-            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
-                # A graph break's later calls may compile frames too (a branch first
-                # taken), each published as a frame variant: the names Dynamo looks up are
-                # recorded (absent state), and the reads 2.11 leaves unguarded.
-                if self._capture and (first or not self._fullgraph):
-                    with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
-                        return self._live(*args, **kwargs)
-                return self._live(*args, **kwargs)
-        except dynamo.graph_break_errors() + dynamo.input_errors() as e:
-            note = ""
-            if dynamo.is_input_error(e):
-                self._raise_eager_error(args, kwargs)
-                note = ("(The method runs uncompiled on these inputs, so this is what Dynamo "
-                        "cannot trace, not an error in them; it ran once to check.)\n")
-            raise graph_break_error(e, self._orig, note) from None
-        except dynamo.data_dependent_errors() as e:
-            raise graph_break_error(e, self._orig) from None
-        except dynamo.recompile_limit_errors():
-            # A value Dynamo guards changed on every call, each a new compile, up to its
-            # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
-            # it traces anything (the call has had no effect yet): run the method itself,
-            # eager's result. Calls that fit a program Dynamo already has keep running it.
-            if self.on_recompile_limit is not None:
-                self.on_recompile_limit(self.last_guard_failure() or "not recorded by Dynamo")
-            return self._orig(*args, **kwargs)
-        finally:
-            if first:
-                others = sum(self.phases.seconds.values()) - before
-                self.phases.add("dynamo", time.perf_counter() - t0 - others)
-            if first and self._capture:
-                self._call_args = None  # do not keep the first call's tensors alive
-                self._in_first_call = False
-                if self._compiled is not None or self._compiles:
-                    with self.phases.timed("deps"):
-                        self._deps = frame_deps(self._compiles, self._traced,
-                                                self._guard_classes)
-            elif self._late and self.on_frames is not None:
-                self.on_frames(self.take_late())
+            self._frames.in_first_call = True
 
-    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """An operator failed on the call's fake tensors: run the method uncompiled on the
-        same inputs (under no_grad, as the cached call) and raise what it raises, the
-        error eager gives (``linear(): argument 'input' must be Tensor, not str``), with
-        the call's argument types noted. Dynamo failed while tracing, before anything
-        ran, so this run is the one the call makes: its effects are what an uncompiled
-        call would have had. Returns only if eager succeeds (Dynamo's limit, then)."""
-        try:
-            with torch.no_grad():
-                self._orig(*args, **kwargs)
-        except Exception as eager:
-            qualname = getattr(self._orig, "__qualname__", "the method")
-            names = [p.name for p in inspect.signature(self._orig).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            call = describe_types(args, kwargs, names)
-            raise _with_note(eager, (
-                f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
-                "do not fit the method. Nothing was compiled or cached.")) from None
+    def _call_reads(self, first: bool) -> contextlib.AbstractContextManager[Any]:
+        # A graph break's later calls may compile frames too (a branch first taken), each
+        # published as a frame variant: the names Dynamo looks up are recorded (absent
+        # state), and the reads 2.11 leaves unguarded.
+        if first or not self._fullgraph:
+            return _recording()
+        return contextlib.nullcontext()
 
-    def last_guard_failure(self) -> str | None:
-        """Why Dynamo last recompiled this session's code (the guard that failed), if known."""
-        return dynamo.last_guard_failure(self._fn.__code__)
+    def _call_ends(self, first: bool) -> None:
+        if first:
+            self._call_args = None  # do not keep the first call's tensors alive
+            self._frames.in_first_call = False
+            if self._compiled is not None or self._frames.compiles:
+                with self.phases.timed("deps"):
+                    self._deps = frame_deps(self._frames.compiles, self._traced,
+                                            self._guard_classes)
+        elif self.on_frames is not None:
+            late = self._frames.take_late()
+            if late:
+                self.on_frames(late)
 
     def trace(self) -> Trace:
         """After the first call: everything a warm process needs, or UnsupportedProgramError."""
         if self._root_graph is not None:
             self._verdict = self._verdict or self._root_graph.verdict
             self._program = self._program or self._root_graph.program
-        if self._compiled is None and not self._compiles:
+        if self._compiled is None and not self._frames.compiles:
             raise UnsupportedProgramError("Dynamo produced no graph for this call")
         if self._verdict is not None:
             raise UnsupportedProgramError(self._verdict)
         if self._compiled is not None and self._program is None:
             raise UnsupportedProgramError("the program was never run")
         codes = dynamo.transformed_code(self._fn.__code__)
-        if (not codes and not self._fullgraph and self._compiles and self._guards is None
+        if (not codes and not self._fullgraph and self._frames.compiles and self._guards is None
                 and self._compiled is None):
             # Dynamo skipped the method's own frame (a graph break it cannot resume from,
             # inside a try block: transformers' decorators), so it runs as written, with no
@@ -677,17 +775,18 @@ class TraceSession(_FrameCapture):
                 f"bytecode, found {len(compiled_fn_names)}")
         assembled = None
         if not self._fullgraph:
-            assembled = frames_mod.assemble(self._fn.__code__, code, g, self._compiles)
+            assembled = frames_mod.assemble(self._fn.__code__, code, g, self._frames.compiles)
             if not assembled.records and self._compiled is None:
                 raise UnsupportedProgramError("Dynamo produced no graph for this call")
         bytecode, consts = codeobj.dumps(code)
         return Trace(bytecode=bytecode, imports=imports,
                      compiled_fn_name=compiled_fn_names[0] if compiled_fn_names else "",
                      program=self._program, deps=self._deps,
-                     compile_seconds=self._compile_seconds, consts=consts,
+                     compile_seconds=self._compile_seconds + self._frames.seconds, consts=consts,
                      guards=self._guards,
                      checker_lines=self.checker.lines() if self.checker is not None else {},
                      frames=assembled if assembled is not None and assembled.records else None)
+
 
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
@@ -742,46 +841,59 @@ def _compare(a: Any, b: Any, where: str = "output") -> str | None:
     return None if a == b else f"{where}: {a!r} vs {b!r}"
 
 
-class FrameSession(_FrameCapture):
+class FrameSession(_Compiling):
     """A resume function compiled live in a process whose stored variants of it did not
     serve a call (a branch the compiling process never took, state that changed since):
     ``torch.compile`` of the continuation, with every frame Dynamo compiles for its calls
-    captured (``capture``) so that each can be published as a frame variant
-    (:meth:`take_late`). With ``capture=False`` it is plain torch.compile: a frame whose
-    guards cannot be stored is compiled live in each process."""
+    captured (:class:`FrameCapture`) so that each can be published as a frame variant
+    (:meth:`take_late`). :class:`LiveFrameSession` is the one that keeps nothing."""
 
-    def __init__(self, fn: types.FunctionType, spec: CompileSpec, *, capture: bool) -> None:
-        super().__init__(spec, capture, None)
-        backend: Any = self._backend
-        options: dict[str, Any] | None = {"guard_filter_fn": self._on_guards}
-        if not capture:
-            if _torch.probe(self._adapter.torch_parts) is not None:
-                backend, options = self._adapter.plain_backend(self._options,
-                                                               self._decompositions)
-            else:
-                backend, options = self._plain, None
-        self._live = torch.compile(fn, backend=backend, fullgraph=False,
-                                   dynamic=spec.dynamic, options=options)
+    def __init__(self, fn: types.FunctionType, spec: CompileSpec) -> None:
+        super().__init__(spec, None)
+        self._frames = FrameCapture(self.phases, self._compile_here)
+        self._live = torch.compile(fn, backend=self._backend, fullgraph=False,
+                                   dynamic=self._dynamic,
+                                   options={"guard_filter_fn": self._on_guards})
 
-    def _plain(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        return self._compile_here(gm, example_inputs).live
+    def take_late(self) -> list[FrameCompile]:
+        """The frames compiled since the last time asked."""
+        return self._frames.take_late()
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         frame = dynamo.compiling_frame()
         if frame is None:
-            return self._plain(gm, example_inputs)   # not attributable: not captured
-        return self._frame_graph(frame.code, gm, example_inputs)
+            return self._compile_here(gm, example_inputs).live  # not attributable: not kept
+        return self._frames.graph(frame.code, gm, example_inputs)
 
     def _on_guards(self, entries: Any) -> list[bool]:
         frame = dynamo.compiling_frame()
         if frame is not None:
-            self._frame_guards(frame, entries)
+            self._frames.guards(frame, entries)
         return [True] * len(entries)
 
     def __call__(self, *args: Any) -> Any:
         # As TraceSession's calls: what it compiles is published, with every guard.
+        with dynamo.outputs_left_unmarked(), dynamo.unguarded_reads_recorded():
+            return self._live(*args)
+
+
+class LiveFrameSession(_Compiling):
+    """A resume function under plain ``torch.compile``, kept nowhere: a frame whose guards
+    cannot be stored is compiled live in each process (as is any frame of a process that
+    may not write the store). As :class:`LiveSession`, through the adapter's public
+    backend when torch's internals are not what :mod:`cachecompile._torch` expects."""
+
+    def __init__(self, fn: types.FunctionType, spec: CompileSpec) -> None:
+        super().__init__(spec, None)
+        public = self._public_backend()
+        backend, options = public if public is not None else (self._compile_live, None)
+        self._live = torch.compile(fn, backend=backend, fullgraph=False,
+                                   dynamic=self._dynamic, options=options)
+
+    def take_late(self) -> list[FrameCompile]:
+        """Nothing: a live frame's compiles are not published."""
+        return []
+
+    def __call__(self, *args: Any) -> Any:
         with dynamo.outputs_left_unmarked():
-            if self._capture:
-                with dynamo.unguarded_reads_recorded():
-                    return self._live(*args)
             return self._live(*args)

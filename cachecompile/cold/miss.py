@@ -411,7 +411,8 @@ class MissPath:
                 short = cont.record.name.split(" (", 1)[0]
                 record_miss(frames.st, "frame", f"{short}: "
                             f"{'live in every process' if cont.record.live else 'compiled'}")
-            session = cont.live = capture_mod.FrameSession(fn, self._spec, capture=capture)
+            session = cont.live = (capture_mod.FrameSession(fn, self._spec) if capture
+                                   else capture_mod.LiveFrameSession(fn, self._spec))
         # Dynamo compiles every frame it meets in there itself: the frames this process
         # installed (callees) stay out, so no stored code runs under Dynamo's tracing.
         with frame_hook.not_serving():

@@ -41,9 +41,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachecompile._types import JSON
 from cachecompile.errors import UnsupportedProgramError
-
-JSON = Any
 
 RESUME = "resume"
 CALLEE = "callee"

@@ -26,6 +26,8 @@ The rules, the same on every remote:
 
 from __future__ import annotations
 
+import abc
+import inspect
 import json
 import logging
 import os
@@ -529,12 +531,15 @@ def refuse_readonly(config: RemoteConfig) -> None:
         raise errors.ReadOnlyStoreError(f"remote cache {config.display} is read-only (mode=ro)")
 
 
-class BlobRemote:
+class BlobRemote(abc.ABC):
     """What every remote shares: its settings, trust, breaker, and the one upload and
     download flow. A server's module (redis.py, s3.py, file.py, http.py) implements the
-    half that differs, the methods below that raise NotImplementedError, the rest of
-    :class:`Remote` (ping, contains, delete, sweep, info, close) and, if it holds a
-    client a forked child must not share, :meth:`reset_client`.
+    half that differs: the abstract methods below (its URL, its records and blobs, and
+    the rest of :class:`Remote`: ping, contains, delete, sweep, info, close), so that a
+    class that lacks one is refused when it is registered (:func:`register`), cannot be
+    made, and fails mypy, rather than failing at its first call; and, if it holds a
+    client a forked child must not share, :meth:`reset_client` (optional: nothing by
+    default), and :meth:`replace_refused` where it cannot compare and set.
 
     ``tag`` is whatever the server compares a conditional write with: the record's bytes
     on Redis, file:// and HTTP (which cannot compare: it reads again), its ETag on S3.
@@ -555,6 +560,7 @@ class BlobRemote:
         return cls(RemoteConfig.parse(url), trust)
 
     @classmethod
+    @abc.abstractmethod
     def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
                   rest: list[tuple[str, str]], *, credentials: bool) -> tuple[str, str]:
         """This server's half of parsing its URL: (the target its client is given, the
@@ -562,13 +568,12 @@ class BlobRemote:
         already checked; ``rest``: the others; ``credentials``: whether a user or
         password was given. ValueError says what is wrong (without the password: it
         was taken out before)."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def display_of(cls, target: str, prefix: str) -> str:
         """The URL for logs, from what :meth:`parse_url` made of it (no parameters;
         :func:`redact` masks a password after)."""
-        raise NotImplementedError
 
     def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
         self.config = RemoteConfig.parse(config) if isinstance(config, str) else config
@@ -603,6 +608,7 @@ class BlobRemote:
         makes a new one here. Never close or use the inherited client: its sockets (and an
         S3 client's I/O runtime) are the parent's, still in use there. Runs in the child,
         with one thread, right after the fork."""
+        return None  # optional: a server that holds no client has nothing to forget
 
     def forked(self) -> None:
         """Make this remote the current process's: in a forked child, a fresh breaker and
@@ -630,17 +636,18 @@ class BlobRemote:
         a replacement, so nodes that never replace never pay for finding out."""
         return ""
 
+    @abc.abstractmethod
     def read_record(self, digest: str) -> tuple[bytes, object] | None:
         """The raw record and its tag, or None if absent."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         """(digest, raw record) of every record under the prefix; None for one that went
         between the listing and its read. :meth:`records` and :meth:`listing` are built
         on it. A server whose record names are not digests (HTTP's ``/ac/`` hashes) gives
         a record whose bytes do not prove its digest under its own name."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write_record(self, digest: str, data: bytes, tag: object | None, *,
                      blind: bool = False) -> bool:
         """Write the record if it is still the one tagged ``tag`` (None: still absent).
@@ -650,24 +657,45 @@ class BlobRemote:
         still that record when read again just before (a window of one round trip in
         which another node's record would be overwritten; docs/remote.md). A server that
         compares and sets ignores it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def put_blobs(self, entry: Entry, sha: dict[str, str],
                   progress: Callable[[int], None] | None) -> dict[str, int]:
         """Pin, then store every blob of ``entry`` the remote lacks (``sha``: file ->
         SHA-256); each blob's chunk size for the record."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def recheck_blobs(self, entry: Entry, sha: dict[str, str],
                       chunks: dict[str, int]) -> None:
         """After the record is written: store again any blob a purge took meanwhile."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
         """Stream one blob into ``target`` (a new file); (bytes, SHA-256 hex)."""
-        raise NotImplementedError
+
+    # -- the rest of Remote, by server ----------------------------------------------------
+    @abc.abstractmethod
+    def ping(self) -> bool: ...
+
+    @abc.abstractmethod
+    def contains(self, digest: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, digest: str) -> bool:
+        """Remove the record of ``digest`` (:meth:`Remote.delete`)."""
+
+    @abc.abstractmethod
+    def sweep(self) -> int:
+        """Delete blobs no record references and no upload has pinned; how many."""
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """What the server says about its space, for ``cachectl remote stats``."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
     # -- the shared flow -----------------------------------------------------------------
     def record(self, digest: str) -> Record | None:
@@ -839,7 +867,12 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to surv
 
 
 def register(cls: type[R]) -> type[R]:
-    """Register a remote class for its :attr:`~BlobRemote.schemes` (a class decorator)."""
+    """Register a remote class for its :attr:`~BlobRemote.schemes` (a class decorator).
+    A class that leaves a hook of :class:`BlobRemote` abstract is refused here, when its
+    module is imported, rather than at its first call."""
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise TypeError(f"{cls.__name__} does not implement {missing} (BlobRemote's hooks)")
     for scheme in cls.schemes:
         if _REMOTES.get(scheme, cls) is not cls:
             raise ValueError(f"{scheme}:// is served by {_REMOTES[scheme].__name__} already")
@@ -879,5 +912,4 @@ def open_remote(url: str | RemoteConfig, trust: Trust | None = None) -> Remote:
             f"remote {redact(url)} is a chain of {len(split_levels(url))} levels; name one "
             "level here (--remote URL)")
     config = RemoteConfig.parse(url) if isinstance(url, str) else url
-    # A registered class is a server's: BlobRemote plus the rest of Remote (ping...).
-    return cast(Remote, config.remote(config, trust))
+    return config.remote(config, trust)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import pytest
+from memory_remote import MemoryRemote
 
 from cachecompile.store import errors
 from cachecompile.store.remote import (
@@ -20,6 +22,7 @@ from cachecompile.store.remote import (
     open_remote,
 )
 from cachecompile.store.remote.base import BlobRemote, RemoteConfig, register
+from cachecompile.store.signing import Trust
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,9 +57,15 @@ def test_a_registered_server_is_parsed_and_opened_without_base_knowing_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "_REMOTES", dict(base._REMOTES))  # undone after the test
 
-    class Echo(BlobRemote):
+    # The server's records and blobs are the in-memory remote's: its URL is its own.
+    class Echo(MemoryRemote):
         kind = "echo"
         schemes = ("echo",)
+
+        def __init__(self, config: RemoteConfig | str, trust: Trust | None = None) -> None:
+            super().__init__(trust or Trust.from_env(),
+                             config=RemoteConfig.parse(config) if isinstance(config, str)
+                             else config)
 
         @classmethod
         def parse_url(cls, parts: urllib.parse.SplitResult, ours: Mapping[str, str],
@@ -89,3 +98,28 @@ def test_no_server_is_named_outside_its_own_module() -> None:
         text = path.read_text()
         for needle in ('kind == "s3"', 'kind == "redis"', '"s3": ', '"rediss"'):
             assert needle not in text, f"{path.relative_to(REPO)} names a server: {needle}"
+
+
+def test_a_server_that_lacks_a_hook_is_refused_before_its_first_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # BlobRemote's hooks are abstract: a server class missing one is refused when it is
+    # registered (its module imported), and cannot be made, instead of raising
+    # NotImplementedError at the first upload or download.
+    monkeypatch.setattr(base, "_REMOTES", dict(base._REMOTES))  # undone after the test
+    hooks = {"parse_url", "display_of", "read_record", "raw_records", "write_record",
+             "put_blobs", "recheck_blobs", "fetch_blob", "ping", "contains", "delete",
+             "sweep", "info", "close"}
+    assert BlobRemote.__abstractmethods__ == hooks
+    assert not MemoryRemote.__abstractmethods__  # the fake implements every one
+
+    # A server written from the in-memory one, all but one hook.
+    namespace = {k: v for k, v in vars(MemoryRemote).items() if k in hooks - {"fetch_blob"}}
+    forgetful = cast("type[BlobRemote]", type("Forgetful", (BlobRemote,),
+                                               {**namespace, "kind": "forgetful",
+                                                "schemes": ("forgetful",)}))
+    with pytest.raises(TypeError, match=r"Forgetful does not implement fetch_blob "):
+        register(forgetful)
+    assert "forgetful" not in base._REMOTES
+    with pytest.raises(TypeError, match="fetch_blob"):
+        forgetful(RemoteConfig(url="forgetful://x", target="x", kind="forgetful"),
+                  Trust.from_env())
