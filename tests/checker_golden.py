@@ -31,7 +31,7 @@ from typing import Any
 import guard_gen
 import torch
 
-from cachecompile.entry import guards as guards_mod
+from cachecompile.entry import checker as checker_mod
 from cachecompile.warm import replay
 
 HERE = Path(__file__).resolve().parent
@@ -185,12 +185,12 @@ def observe(case: Case, guards: list[dict[str, Any]], imports: dict[str, str]
     m, _ = case.make(False)
     func = type(m).run
     g = replay.replay_globals(func, imports)
-    out["lines"] = guards_mod.build_checker(func, guards, g).lines()
+    out["lines"] = checker_mod.build_checker(func, guards, g).lines()
     for what, m, args, ctx in calls(case):
         func = getattr(type(m), "run", func)
         g = replay.replay_globals(func, imports)
         with torch.no_grad(), ctx:
-            out[what] = says(functools.partial(guards_mod.build_checker, func, guards, g),
+            out[what] = says(functools.partial(checker_mod.build_checker, func, guards, g),
                              m, args)
     return _plain(out)
 

@@ -38,6 +38,7 @@ import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile.entry import guard_paths
+from cachecompile.entry.checker import Parts
 from cachecompile.entry.guard_kinds import (
     TABLE,
     config_map_read,
@@ -46,7 +47,7 @@ from cachecompile.entry.guard_kinds import (
     reads_instance_dict,
 )
 from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
-from cachecompile.entry.guards import Parts, guard_lines, indent
+from cachecompile.entry.guards import guard_lines, indent
 
 logger = logging.getLogger(__name__)
 
