@@ -131,7 +131,7 @@ PHASES = {
     "manifest": "_variant_meta", "checker": "build_checker", "verify (store get)": "get",
     "program load": "load", "rebuild": "rebuild", "tree (if built)": "build",
 }
-PHASE_FILES = {"_variant_meta": "lookup.py", "build_checker": "guards.py", "get": "disk.py",
+PHASE_FILES = {"_variant_meta": "lookup.py", "build_checker": "checker.py", "get": "disk.py",
                "load": "backends", "rebuild": "replay.py", "build": "entry/guard_tree.py"}
 
 

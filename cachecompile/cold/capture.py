@@ -38,9 +38,9 @@ from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import frames as frames_mod
 from cachecompile.cold import guard_capture
 from cachecompile.cold.frames import FrameCompile, GraphCapture
+from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import codeobj, guard_kinds
 from cachecompile.entry import frames as entry_frames
-from cachecompile.entry import guards as guards_mod
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
@@ -66,7 +66,7 @@ class Trace:
     compile_seconds: float
     consts: list[Any]                # constants rebuilt on load (codeobj)
     guards: list[dict[str, Any]]     # Dynamo's guards, portable (guards.py)
-    # The checker's bodies derived from them (guards.Checker.lines): stored so that a warm
+    # The checker's bodies derived from them (checker.Checker.lines): stored so that a warm
     # process compiles its checker without parsing a guard.
     checker_lines: dict[str, str] = dataclasses.field(default_factory=dict)
     # A graph break (fullgraph=False): every other frame Dynamo compiled for the call
@@ -275,12 +275,12 @@ class FrameCapture:
                 fn = entry_frames.frame_function(code, g)
                 local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
                 values = entry_frames.frame_values(code, frame.f_locals)
-                probe = guards_mod.build_checker(fn, local, g)
+                probe = checker_mod.build_checker(fn, local, g)
                 if not probe.full(*values):
                     raise UnsupportedProgramError("a carried guard does not hold at trace "
                                                   f"time: {probe.explain(*values)}")
                 compile_.guards = portable
-                compile_.checker_lines = guards_mod.build_checker(fn, portable, g).lines()
+                compile_.checker_lines = checker_mod.build_checker(fn, portable, g).lines()
                 compile_.classes = classes
         except UnsupportedProgramError as e:
             compile_.verdict = str(e)
@@ -594,7 +594,7 @@ class TraceSession(LiveSession):
         self._tensor_dims: dict[str, Any] = {}
         self._guards: list[dict[str, Any]] | None = None
         self._guard_classes: set[type] = set()
-        self.checker: guards_mod.Checker | None = None
+        self.checker: checker_mod.Checker | None = None
         # The method's own frame's graph (its outcome: program, verdict).
         self._root_graph: GraphCapture | None = None
 
@@ -641,7 +641,7 @@ class TraceSession(LiveSession):
         # traced: a guard that does not hold now was translated wrongly. (Global state is
         # left out: Dynamo changes it while it builds guards; it was snapshotted before.)
         local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
-        probe = guards_mod.build_checker(self._fn, local, self._fn.__globals__)
+        probe = checker_mod.build_checker(self._fn, local, self._fn.__globals__)
         args, kwargs = self._call_args
         call = (self._orig.__self__, *args)
         if not probe.full(*call, **kwargs):
@@ -649,7 +649,7 @@ class TraceSession(LiveSession):
             raise UnsupportedProgramError(f"a carried guard does not hold at trace time: {why}")
         self._guards = portable
         self._guard_classes = classes
-        self.checker = guards_mod.build_checker(self._fn, portable, self._fn.__globals__)
+        self.checker = checker_mod.build_checker(self._fn, portable, self._fn.__globals__)
 
     # -- Dynamo backend -------------------------------------------------------------
     def _frame_graph(self, code: types.CodeType, gm: torch.fx.GraphModule,

@@ -255,7 +255,7 @@ class MissPath:
             graphs=[p.meta for p in frames.programs] if frames is not None else [],
             deps=trace.deps, guards=trace.guards,
             # The checker's bodies, derived once here: a warm process loads them without
-            # parsing a guard (entry.guards.build_checker's ``lines``).
+            # parsing a guard (entry.checker.build_checker's ``lines``).
             checker=trace.checker_lines,
             signature=describe(sig), compile_seconds=round(trace.compile_seconds, 3),
             first_call_seconds=round(elapsed, 3),

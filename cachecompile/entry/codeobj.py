@@ -319,6 +319,23 @@ def _check_spec(spec: JSON, depth: int = 0, kinds: dict[str, frozenset[str]] = _
     Nested specs (inside a tuple, slice, ...) are rebuilt by values alone, so only its
     kinds are allowed there. Raises ValueError.
     """
+    kind = _spec_kind(spec, depth, kinds)
+    v = spec.get("v")
+    if kind in _PAYLOADS:
+        ok = _PAYLOADS[kind](v)
+    elif kind in ("slice", "tuple", "list", "frozenset", "set", "dict"):
+        ok = _check_nested(kind, v, depth)
+    elif kind == "enum":
+        ok = _check_enum(spec)
+    else:  # ellipsis, notimplemented: no payload
+        ok = True
+    if not ok:
+        raise ValueError(f"bad {kind} spec {values.short(spec)}")
+    return kind
+
+
+def _spec_kind(spec: JSON, depth: int, kinds: dict[str, frozenset[str]]) -> str:
+    """The envelope of a spec: an object of a known kind with exactly that kind's keys."""
     if depth > _MAX_DEPTH:
         raise ValueError("constant spec nested too deeply")
     if not isinstance(spec, dict):
@@ -328,54 +345,56 @@ def _check_spec(spec: JSON, depth: int = 0, kinds: dict[str, frozenset[str]] = _
         raise ValueError(f"unknown constant kind {kind!r}")
     if set(spec) != kinds[kind]:
         raise ValueError(f"constant spec of kind {kind!r} has keys {sorted(spec)}")
-    v = spec.get("v")
-
-    def nested(items: Any, n: int | None = None) -> None:
-        if not isinstance(items, list) or (n is not None and len(items) != n):
-            raise ValueError(f"bad {kind} payload {values.short(items)}")
-        for x in items:
-            if not _plain(x):
-                _check_spec(x, depth + 1, _VALUE_KINDS)
-
-    if kind in ("torch", "finfo", "iinfo", "sdpbackend"):
-        ok = isinstance(v, str) and _NAME.fullmatch(v) is not None
-    elif kind == "globals":
-        ok = isinstance(v, str) and _DOTTED.fullmatch(v) is not None
-    elif kind == "device":
-        ok = isinstance(v, str) and _DEVICE.fullmatch(v) is not None
-    elif kind == "float":
-        ok = v in ("inf", "-inf", "nan")
-    elif kind == "size":
-        ok = isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
-    elif kind == "range":
-        ok = isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v)
-    elif kind == "bytes":
-        ok = isinstance(v, str) and _HEX.fullmatch(v) is not None
-    elif kind == "complex":
-        ok = (isinstance(v, list) and len(v) == 2
-              and all(type(x) in (int, float) for x in v))
-    elif kind == "slice":
-        nested(v, 3)
-        ok = True
-    elif kind in ("tuple", "list", "frozenset", "set"):
-        nested(v)
-        ok = True
-    elif kind == "dict":
-        ok = isinstance(v, list)
-        for pair in v if isinstance(v, list) else []:
-            nested(pair, 2)
-    elif kind == "enum":
-        module, qualname, name = spec["module"], spec["qualname"], spec["name"]
-        if not (isinstance(module, str) and _DOTTED.fullmatch(module)):
-            raise ValueError(f"bad enum module {module!r}")
-        if not (isinstance(qualname, str) and _DOTTED.fullmatch(qualname)):
-            raise ValueError(f"bad enum class {qualname!r} (classes in functions are refused)")
-        ok = isinstance(name, str)
-    else:  # ellipsis, notimplemented: no payload
-        ok = True
-    if not ok:
-        raise ValueError(f"bad {kind} spec {values.short(spec)}")
     return kind
+
+
+def _name(pattern: re.Pattern[str]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, str) and pattern.fullmatch(v) is not None
+
+
+# The payload ``v`` of each kind that holds no other spec: its JSON type and form.
+_PAYLOADS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("torch", "finfo", "iinfo", "sdpbackend"), _name(_NAME)),
+    "globals": _name(_DOTTED),
+    "device": _name(_DEVICE),
+    "float": lambda v: v in ("inf", "-inf", "nan"),
+    "size": lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v),
+    "range": lambda v: isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v),
+    "bytes": _name(_HEX),
+    "complex": lambda v: (isinstance(v, list) and len(v) == 2
+                          and all(type(x) in (int, float) for x in v)),
+}
+
+
+def _check_nested(kind: str, v: Any, depth: int) -> bool:
+    """A container's payload: a slice's three items, a dict's pairs, a sequence's items,
+    each a plain value or a nested spec of values' kinds (checked in turn)."""
+    if kind == "dict":
+        if not isinstance(v, list):
+            return False
+        for pair in v:
+            _check_items(kind, pair, depth, 2)
+        return True
+    _check_items(kind, v, depth, 3 if kind == "slice" else None)
+    return True
+
+
+def _check_items(kind: str, items: Any, depth: int, n: int | None) -> None:
+    if not isinstance(items, list) or (n is not None and len(items) != n):
+        raise ValueError(f"bad {kind} payload {values.short(items)}")
+    for x in items:
+        if not _plain(x):
+            _check_spec(x, depth + 1, _VALUE_KINDS)
+
+
+def _check_enum(spec: dict[str, Any]) -> bool:
+    """An enum member by module and class, both dotted names (no class in a function)."""
+    module, qualname, name = spec["module"], spec["qualname"], spec["name"]
+    if not (isinstance(module, str) and _DOTTED.fullmatch(module)):
+        raise ValueError(f"bad enum module {module!r}")
+    if not (isinstance(qualname, str) and _DOTTED.fullmatch(qualname)):
+        raise ValueError(f"bad enum class {qualname!r} (classes in functions are refused)")
+    return isinstance(name, str)
 
 
 def _decode(spec: JSON) -> Any:

@@ -38,6 +38,7 @@ import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile.entry import guard_paths
+from cachecompile.entry.checker import Parts
 from cachecompile.entry.guard_kinds import (
     TABLE,
     config_map_read,
@@ -46,7 +47,7 @@ from cachecompile.entry.guard_kinds import (
     reads_instance_dict,
 )
 from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
-from cachecompile.entry.guards import Parts, guard_lines, indent
+from cachecompile.entry.guards import guard_lines, indent
 
 logger = logging.getLogger(__name__)
 
@@ -421,29 +422,9 @@ def _is_anchor(obj: Any) -> bool:
 def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
     """``step`` from a pinned ``obj`` as steps that keep the result pinned, with what each
     needs checked on every call of the object it starts from; None if it does not."""
-    how, name = step
+    how, _ = step
     if how == "attr":
-        if name == "__dict__" and isinstance(obj, type):
-            return [("type_dict", None)], [""]
-        if name == "__mro__" and _plain_class(obj):
-            # A class's MRO is a tuple that changes only with its bases: the same tuple
-            # (checked on every call), then its items and their dicts stay pinned.
-            return [step], ["mro"]
-        if name in ("__func__", "__self__") and type(obj) is types.MethodType:
-            return [step], [""]            # read-only
-        if name in ("__closure__", "__globals__") and type(obj) is types.FunctionType:
-            return [step], [""]            # read-only
-        # A Python module's __dict__ cannot be reassigned; any other object's is checked.
-        dict_need = "" if isinstance(obj, types.ModuleType) else "dict"
-        if name == "__dict__" and instance_dict(obj) is not None:
-            return [("__dict__", None)], [dict_need]
-        if reads_instance_dict(obj, name):
-            return [("__dict__", None), ("item", name)], [dict_need, ""]
-        if config_map_read(obj, name) is not None:
-            # transformers' config: the same read, while the class's attribute_map and its
-            # __getattribute__ are what they were (checked on every call: need "mapped").
-            return [("__dict__", None), ("item", name)], [f"{dict_need},mapped:{name}", ""]
-        return None
+        return _pin_attr(step, obj)
     if how == "item":
         if native.plain_dict(obj) or type(obj) is tuple:
             return [step], [""]
@@ -462,6 +443,31 @@ def _pin(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
     return None
 
 
+def _pin_attr(step: Step, obj: Any) -> tuple[list[Step], list[str]] | None:
+    """:func:`_pin` for an attribute read (``obj.name``): kept pinned where the attribute
+    cannot change unseen (read-only, or read through a dict whose version is checked)."""
+    name = step[1]
+    if name == "__dict__" and isinstance(obj, type):
+        return [("type_dict", None)], [""]
+    if name == "__mro__" and _plain_class(obj):
+        # A class's MRO is a tuple that changes only with its bases: the same tuple
+        # (checked on every call), then its items and their dicts stay pinned.
+        return [step], ["mro"]
+    if name in ("__func__", "__self__") and type(obj) is types.MethodType:
+        return [step], [""]            # read-only
+    if name in ("__closure__", "__globals__") and type(obj) is types.FunctionType:
+        return [step], [""]            # read-only
+    # A Python module's __dict__ cannot be reassigned; any other object's is checked.
+    dict_need = "" if isinstance(obj, types.ModuleType) else "dict"
+    if name == "__dict__" and instance_dict(obj) is not None:
+        return [("__dict__", None)], [dict_need]
+    if reads_instance_dict(obj, name):
+        return [("__dict__", None), ("item", name)], [dict_need, ""]
+    if config_map_read(obj, name) is not None:
+        # transformers' config: the same read, while the class's attribute_map and its
+        # __getattribute__ are what they were (checked on every call: need "mapped").
+        return [("__dict__", None), ("item", name)], [f"{dict_need},mapped:{name}", ""]
+    return None
 
 
 def _frame_source(parts: Parts) -> str:

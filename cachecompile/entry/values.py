@@ -35,19 +35,23 @@ def encode_value(v: Any, depth: int = 0) -> JSON:
         raise UnsupportedProgramError("value nested too deeply")
     if v is None or isinstance(v, (bool, str)) or type(v) is int:
         return v
-    if type(v) is float:
-        if math.isfinite(v):
-            return v
-        return {"$": "float", "v": repr(v)}
-    if isinstance(v, _TORCH_SINGLETONS):
-        return {"$": "torch", "v": _torch_name(v)}
-    if isinstance(v, torch.device):
-        return {"$": "device", "v": str(v)}
-    if isinstance(v, torch.Size):
-        return {"$": "size", "v": [int(x) for x in v]}
-    if type(v) in (tuple, list, frozenset, set):
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return {"$": type(v).__name__, "v": [encode_value(x, depth + 1) for x in items]}
+    if type(v) in _CONTAINERS:
+        return _encode_container(v, depth)
+    if isinstance(v, enum.Enum):
+        cls = type(v)
+        if "<locals>" in cls.__qualname__:
+            raise UnsupportedProgramError(f"enum {cls.__qualname__} is defined in a function")
+        return {"$": "enum", "module": cls.__module__, "qualname": cls.__qualname__,
+                "name": v.name}
+    return _encode_scalar(v)
+
+
+# The kinds that hold other values (each item encoded in turn), by exact type: a subclass
+# (a NamedTuple, an OrderedDict) has no portable form here.
+_CONTAINERS = (tuple, list, frozenset, set, dict, slice)
+
+
+def _encode_container(v: Any, depth: int) -> JSON:
     if type(v) is dict:
         return {"$": "dict", "v": [[encode_value(k, depth + 1), encode_value(x, depth + 1)]
                                    for k, x in v.items()]}
@@ -55,6 +59,20 @@ def encode_value(v: Any, depth: int = 0) -> JSON:
         return {"$": "slice", "v": [encode_value(v.start, depth + 1),
                                     encode_value(v.stop, depth + 1),
                                     encode_value(v.step, depth + 1)]}
+    items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+    return {"$": type(v).__name__, "v": [encode_value(x, depth + 1) for x in items]}
+
+
+def _encode_scalar(v: Any) -> JSON:
+    """A value that holds no other: a non-finite float, torch's singletons, a size, ..."""
+    if type(v) is float:
+        return v if math.isfinite(v) else {"$": "float", "v": repr(v)}
+    if isinstance(v, _TORCH_SINGLETONS):
+        return {"$": "torch", "v": _torch_name(v)}
+    if isinstance(v, torch.device):
+        return {"$": "device", "v": str(v)}
+    if isinstance(v, torch.Size):
+        return {"$": "size", "v": [int(x) for x in v]}
     if type(v) is range:
         return {"$": "range", "v": [v.start, v.stop, v.step]}
     if type(v) is bytes:
@@ -63,12 +81,6 @@ def encode_value(v: Any, depth: int = 0) -> JSON:
         return {"$": "complex", "v": [v.real, v.imag]}
     if v is Ellipsis:
         return {"$": "ellipsis"}
-    if isinstance(v, enum.Enum):
-        cls = type(v)
-        if "<locals>" in cls.__qualname__:
-            raise UnsupportedProgramError(f"enum {cls.__qualname__} is defined in a function")
-        return {"$": "enum", "module": cls.__module__, "qualname": cls.__qualname__,
-                "name": v.name}
     raise UnsupportedProgramError(f"no portable form for a {type(v).__module__}."
                                   f"{type(v).__qualname__} ({short(v)})")
 
@@ -83,6 +95,22 @@ def decode_value(j: JSON) -> Any:
         raise ValueError(f"not a value spec: {j!r}")
     kind = j["$"]
     v: Any = j.get("v")
+    if kind in ("tuple", "list", "frozenset", "set"):  # by ==: a kind may be any JSON
+        return _SEQUENCES[kind]([decode_value(x) for x in v])
+    if kind == "dict":
+        return {decode_value(k): decode_value(x) for k, x in v}
+    if kind == "slice":
+        return slice(*(decode_value(x) for x in v))
+    if kind == "enum":
+        return _enum_member(str(j["module"]), str(j["qualname"]), str(j["name"]))
+    return _decode_scalar(kind, v)
+
+
+_SEQUENCES: dict[str, Any] = {"tuple": tuple, "list": list, "frozenset": frozenset, "set": set}
+
+
+def _decode_scalar(kind: Any, v: Any) -> Any:
+    """:func:`_encode_scalar`'s inverse."""
     if kind == "float":
         if v not in ("inf", "-inf", "nan"):
             raise ValueError(f"bad float {v!r}")
@@ -96,13 +124,6 @@ def decode_value(j: JSON) -> Any:
         return torch.device(str(v))
     if kind == "size":
         return torch.Size([int(x) for x in v])
-    if kind in ("tuple", "list", "frozenset", "set"):
-        items = [decode_value(x) for x in v]
-        return {"tuple": tuple, "list": list, "frozenset": frozenset, "set": set}[kind](items)
-    if kind == "dict":
-        return {decode_value(k): decode_value(x) for k, x in v}
-    if kind == "slice":
-        return slice(*(decode_value(x) for x in v))
     if kind == "range":
         return range(*(int(x) for x in v))
     if kind == "bytes":
@@ -111,8 +132,6 @@ def decode_value(j: JSON) -> Any:
         return complex(float(v[0]), float(v[1]))
     if kind == "ellipsis":
         return Ellipsis
-    if kind == "enum":
-        return _enum_member(str(j["module"]), str(j["qualname"]), str(j["name"]))
     raise ValueError(f"unknown value kind {kind!r}")
 
 

@@ -41,9 +41,9 @@ from typing import Any, Protocol
 
 from cachecompile._torch import frames as hook
 from cachecompile.backends.base import Adapter
+from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import codeobj, guard_tree
 from cachecompile.entry import frames as ef
-from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.frames import FrameRecord, FrameVariant
 from cachecompile.entry.guards import GuardMode
 from cachecompile.entry.meta import EntryMeta
@@ -66,7 +66,7 @@ def frame_variant_key(frame: Key, frame_id: str, i: int) -> Key:
     return make_key({**frame.factors, "dynamo_frame": frame_id, "variant": i})
 
 
-def variant_check(checker: guards_mod.Checker, mode: GuardMode,
+def variant_check(checker: checker_mod.Checker, mode: GuardMode,
                   cost: guard_tree.BuildCost | None) -> Callable[..., bool]:
     """What runs on every call of a loaded variant, before it runs: every guard
     (ALWAYS: the C++ tree once worth building, the Python check until then and whenever
@@ -99,7 +99,7 @@ class _Loaded:
 
     __slots__ = ("check", "checker", "code", "fn", "globals", "name")
 
-    def __init__(self, check: Callable[..., bool], checker: guards_mod.Checker,
+    def __init__(self, check: Callable[..., bool], checker: checker_mod.Checker,
                  code: types.CodeType, g: replay.ReplayGlobals, name: str) -> None:
         self.check = check
         self.checker = checker
@@ -307,7 +307,7 @@ class Frames:
 
     # -- a variant, loaded ----------------------------------------------------------------
     def _guards(self, record: FrameRecord, code: types.CodeType, var: FrameVariant
-                ) -> tuple[replay.ReplayGlobals, guards_mod.Checker]:
+                ) -> tuple[replay.ReplayGlobals, checker_mod.Checker]:
         """A variant's private globals (its module references) and its guard checker."""
         g = replay.ReplayGlobals(self.globals_of(record), {})
         for gname, modname in var.imports.items():
@@ -315,14 +315,14 @@ class Frames:
                 raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
             g[gname] = replay.resolve_module(modname)
         fn = ef.frame_function(code, g)
-        checker = guards_mod.build_checker(fn, [dict(gd) for gd in var.guards], g,
+        checker = checker_mod.build_checker(fn, [dict(gd) for gd in var.guards], g,
                                            every_call=self._mode is GuardMode.ALWAYS,
                                            lines=var.checker)
         return g, checker
 
     def load_variant(self, record: FrameRecord, code: types.CodeType, var: FrameVariant,
                      source: _Source,
-                     guards: tuple[replay.ReplayGlobals, guards_mod.Checker] | None = None
+                     guards: tuple[replay.ReplayGlobals, checker_mod.Checker] | None = None
                      ) -> _Loaded:
         """A variant ready to run: its guards (``guards`` if already built), its bytecode,
         its graphs and the continuations it calls, bound in its private globals."""

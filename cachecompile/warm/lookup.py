@@ -19,8 +19,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import guard_tree
-from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.files import BYTECODE_FILE
 from cachecompile.entry.guards import GuardMode
 from cachecompile.entry.meta import EntryMeta
@@ -74,7 +74,7 @@ class Variant:
     # signature has several variants, every variant's is tried before any full check.
     fast: Callable[..., bool] | None = None
     # A loaded entry's guard checker (free of any instance): repeated blocks reuse it.
-    checker: guards_mod.Checker | None = None
+    checker: checker_mod.Checker | None = None
     # A graph break: the entry's other frames, loaded (warm.frames).
     frames: warm_frames.Frames | None = None
 
@@ -256,7 +256,7 @@ class Lookup:
             return None
         func = self._method.__func__
         g = replay.replay_globals(func, meta.imports)  # type: ignore[arg-type]
-        checker = guards_mod.build_checker(
+        checker = checker_mod.build_checker(
             func, meta.guards, g,  # type: ignore[arg-type]
             every_call=self._spec.guards is GuardMode.ALWAYS, lines=meta.checker)
         if not checker.full(self._module, *args, **kwargs):
@@ -298,7 +298,7 @@ class Lookup:
         return Variant(run=run, check=check, name=name, fast=fast, checker=checker,
                        frames=frames)
 
-    def check_of(self, checker: guards_mod.Checker
+    def check_of(self, checker: checker_mod.Checker
                  ) -> tuple[Callable[..., bool], Callable[..., bool] | None]:
         """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
         or the argument guards, with the state guards once more on the next call (FIRST);

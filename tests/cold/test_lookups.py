@@ -15,7 +15,7 @@ from torch import nn
 
 from cachecompile._torch.dynamo import Resolved
 from cachecompile.cold import guard_capture, lookups
-from cachecompile.entry.guards import build_checker
+from cachecompile.entry.checker import build_checker
 from cachecompile.errors import UnsupportedProgramError
 
 

@@ -26,6 +26,7 @@ from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
 from cachecompile.entry import guard_tree, values
 from cachecompile.entry import guards as g
+from cachecompile.entry.checker import Checker, build_checker
 from cachecompile.key.identity import identity, type_value
 
 
@@ -92,13 +93,13 @@ def _guards(m: M, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
     ]
 
 
-def _checker(m: M, x: torch.Tensor, y: torch.Tensor) -> g.Checker:
+def _checker(m: M, x: torch.Tensor, y: torch.Tensor) -> Checker:
     guards = _guards(m, x, y)
     guards[0]["value"] = runtime.global_state()
-    return g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    return build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
 
 
-def _tree(c: g.Checker, m: M, x: torch.Tensor, y: torch.Tensor) -> guard_tree.Tree:
+def _tree(c: Checker, m: M, x: torch.Tensor, y: torch.Tensor) -> guard_tree.Tree:
     assert c.parts is not None and c.full(m, x, y)
     tree = guard_tree.build(c.parts, (m, x, y), {})
     assert tree is not None
@@ -205,7 +206,7 @@ def test_module_globals_read_through_a_dict_with_missing() -> None:
     m = M()
     guards = [_guard("eq", "G['ACT']", values.encode_value("relu")),
               _guard("ident", "G['F'].relu", identity(F.relu))]
-    c = g.build_checker(M.run, guards, Globals(), every_call=True)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, Globals(), every_call=True)  # type: ignore[arg-type]
     tree = _tree(c, m, x, y)
     assert tree.n_native == 2 and tree.check(m, x, y)
     try:
@@ -293,6 +294,7 @@ def test_building_imports_no_dynamo_and_dynamo_still_works_after() -> None:
         from torch import nn
         from cachecompile._torch import guard_tree as native
         from cachecompile.entry import guard_tree, guards as g
+        from cachecompile.entry.checker import build_checker
         class N(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -304,7 +306,7 @@ def test_building_imports_no_dynamo_and_dynamo_still_works_after() -> None:
                    "value": 0, "text": "hooks", "args": False},
                   {"kind": "tensor", "expr": "L['x']", "value": g.tensor_facts(x), "text": "x",
                    "args": True}]
-        c = g.build_checker(N.run, guards, {}, every_call=True)
+        c = build_checker(N.run, guards, {}, every_call=True)
         tree = guard_tree.build(c.parts, (m, x), {})
         assert native.available() and tree is not None and tree.n_native == 2
         assert tree.check(m, x) and not tree.check(m, torch.randn(3, 3))
@@ -378,7 +380,7 @@ def test_a_small_changed_anchor_is_not_worth_a_new_tree() -> None:
     env = Globals(mod=mod)
     guards = [_guard("eq", "G['mod'].ACT", values.encode_value("relu")),
               _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
-    c = g.build_checker(M.run, guards, env, every_call=True)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, env, every_call=True)  # type: ignore[arg-type]
     assert c.parts is not None
     every = guard_tree.EveryCall(c.parts, c.full)
     assert every(m, x, y) and every(m, x, y)
@@ -402,7 +404,7 @@ def test_process_state_guards_are_native() -> None:
     guards = [_guard("modes", "", []), _guard("default_device", "", None),
               _guard("expr", f"not ___environ_has({name!r})", None),
               _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
-    c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
     tree = _tree(c, m, x, y)
     assert tree.n_python == 0 and tree.n_native == 4 and tree.check(m, x, y)
     with torch.overrides.TorchFunctionMode():
@@ -451,7 +453,7 @@ def test_absence_guards_are_native_and_fail_when_the_name_is_added(
               _guard("not_in_dict", "G['mod']", "NAME"),
               _guard("expr", f"not ___module_has({mod.__name__!r}, 'abs')", None)]
     try:
-        c = g.build_checker(_MetaLeaf.run, guards, Globals(mod=mod),  # type: ignore[arg-type]
+        c = build_checker(_MetaLeaf.run, guards, Globals(mod=mod),  # type: ignore[arg-type]
                             every_call=True)
         lambdas: list[str] = []
         predicate = native.predicate
@@ -498,7 +500,7 @@ def test_a_dict_read_by_position() -> None:
               _guard("len", f"dict.__getitem__({reg}, list(dict.keys({reg}))[1])", 1),
               _guard("eq", f"dict.__getitem__({reg}, list(dict.keys({reg}))[1])['k']",
                      values.encode_value(2))]
-    c = g.build_checker(M.run, guards, Globals(mod=mod), every_call=True)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, Globals(mod=mod), every_call=True)  # type: ignore[arg-type]
     tree = _tree(c, m, x, y)
     assert tree.n_python == 0 and tree.skipped >= 4 and tree.check(m, x, y)
     mod.REG["b"]["k"] = 3
@@ -594,7 +596,7 @@ def test_a_transformers_config_read_is_pinned_by_its_dicts(change: str) -> None:
     amap = dict(type(m.config).attribute_map)
     guards = [_guard("type", "L['self'].config", type_value(type(m.config))),
               _guard("eq", "L['self'].config.rms_norm_eps", values.encode_value(1e-6))]
-    c = g.build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    c = build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
     tree = guard_tree.build(c.parts, (m, x), {})
     assert tree is not None and tree.n_python == 0
     assert tree.check(m, x) and tree.check(m, x)
@@ -625,7 +627,7 @@ def test_a_transformers_config_read_is_skipped_while_unchanged(monkeypatch: pyte
               _guard("eq", "L['self'].config.rms_norm_eps", values.encode_value(1e-6))]
 
     def skipped() -> int:
-        c = g.build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+        c = build_checker(_UsesHFConfig.run, guards, {}, every_call=True)  # type: ignore[arg-type]
         tree = guard_tree.build(c.parts, (m, x), {})
         assert tree is not None and tree.check(m, x)
         return tree.skipped

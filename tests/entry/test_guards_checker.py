@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import guards as g
 from cachecompile.entry import values
+from cachecompile.entry.checker import Checker, build_checker
 from cachecompile.key.identity import identity
 
 
@@ -66,14 +68,14 @@ def _guards(m: M, x: torch.Tensor) -> list[dict[str, Any]]:
     ]
 
 
-def _checker(m: M, x: torch.Tensor, every_call: bool = True) -> g.Checker:
-    return g.build_checker(M.run, _guards(m, x), {},  # type: ignore[arg-type]
+def _checker(m: M, x: torch.Tensor, every_call: bool = True) -> Checker:
+    return build_checker(M.run, _guards(m, x), {},  # type: ignore[arg-type]
                            every_call=every_call)
 
 
 def _one_by_one(m: M, x: torch.Tensor) -> bool:
     """The reference: each guard compiled alone, no shared paths, no memo."""
-    return all(g.build_checker(M.run, [gd], {}).full(m, x)  # type: ignore[arg-type]
+    return all(build_checker(M.run, [gd], {}).full(m, x)  # type: ignore[arg-type]
                for gd in _guards(M(), x))
 
 
@@ -138,7 +140,7 @@ def test_shared_paths_keep_guard_order(every_call: bool) -> None:
     m = M()
     guards = [_guard("hasattr", "L['self']", {"attr": "cfg", "present": True}),
               _guard("eq", "L['self'].cfg.act", values.encode_value("relu"))]
-    c = g.build_checker(M.run, guards, {}, every_call=every_call)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, {}, every_call=every_call)  # type: ignore[arg-type]
     assert c.full(m, x)
     del m.cfg
     assert c.full(m, x) is False
@@ -252,9 +254,9 @@ def test_a_stored_checker_loads_without_parsing_or_compiling(monkeypatch: pytest
         raise AssertionError("a warm checker parsed or compiled")
 
     with monkeypatch.context() as mp:
-        mp.setattr(g, "guard_lines", forbidden)
-        mp.setattr(g, "compile", forbidden, raising=False)
-        warm = g.build_checker(M.run, _guards(m, x), {}, every_call=True,  # type: ignore[arg-type]
+        mp.setattr(checker_mod, "guard_lines", forbidden)
+        mp.setattr(checker_mod, "compile", forbidden, raising=False)
+        warm = build_checker(M.run, _guards(m, x), {}, every_call=True,  # type: ignore[arg-type]
                                lines=lines)
     other, changed = M(), M()
     changed.cfg.act = "tanh"
@@ -265,9 +267,9 @@ def test_a_stored_checker_loads_without_parsing_or_compiling(monkeypatch: pytest
     # Bodies made for other guards are never used: the digest differs, so they compile.
     guards = _guards(m, x)[:-1]
     calls: list[int] = []
-    real = g.guard_lines
-    monkeypatch.setattr(g, "guard_lines", lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
-    fewer = g.build_checker(M.run, guards, {}, every_call=True, lines=lines)  # type: ignore[arg-type]
+    real = checker_mod.guard_lines
+    monkeypatch.setattr(checker_mod, "guard_lines", lambda *a: calls.append(1) or real(*a))  # type: ignore[func-returns-value]
+    fewer = build_checker(M.run, guards, {}, every_call=True, lines=lines)  # type: ignore[arg-type]
     assert calls and fewer.full(m, x)
 
 
@@ -279,7 +281,7 @@ def test_miss_messages_say_what_was_read_in_the_users_terms() -> None:
     m.cfg.width = 2.5  # type: ignore[assignment]
     guards = [_guard("type", "L['self'].cfg.width", {"qual": "builtins.float", "code": None}),
               _guard("expr", "not math.isnan(L['self'].cfg.width)", None)]
-    c = g.build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
+    c = build_checker(M.run, guards, {}, every_call=True)  # type: ignore[arg-type]
     assert c.full(m, x)
     m.cfg.width = float("nan")  # type: ignore[assignment]
     why = c.explain(m, x) or ""
