@@ -135,16 +135,19 @@ def generated_cases(root: Path) -> list[Case]:
 
 # -- what a checker says ----------------------------------------------------------------------
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
-# A file path in a repr (a module's, a code object's): the scratch directory or the venv,
-# cut where ``values.short`` cuts the repr.
-_PATH = re.compile(r"""(['"])/[^'"]*?(\.\.\.|['"])""")
+# A file path in a repr (a module's, a code object's): the scratch directory or the venv.
+# Where ``values.short`` cut the repr, where it cuts depends on the path's length (in the
+# path, or after it, at ``", line 2100``), so all from the path to the cut is one mark.
+_CUT_PATH = re.compile(r"""(['"])/[^)]*?\.{3,}""")
+_PATH = re.compile(r"""(['"])/[^'"]*?(['"])""")
 
 
 def _plain(v: Any) -> Any:
     """A result as JSON holds it, with memory addresses and file paths (object reprs)
     made equal."""
     if isinstance(v, str):
-        return _PATH.sub(r"\1<path>\2", _ADDRESS.sub("0x?", v))
+        v = _CUT_PATH.sub(r"\1<path>...", _ADDRESS.sub("0x?", v))
+        return _PATH.sub(r"\1<path>\2", v)
     if isinstance(v, (tuple, list)):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
