@@ -158,5 +158,5 @@ def dump_manifest(
     }
     doc["integrity"] = manifest_digest(doc)
     # Canonical JSON (no indentation): a reader checks the digest over these bytes without
-    # serializing the manifest again (_digest_holds). `cachectl show` prints it readably.
+    # serializing the manifest again (_digest_holds). `cachectl show KEY --json` indents it.
     return _canonical(doc).encode("ascii")
