@@ -16,7 +16,8 @@
 # Every background install logs to a file that is printed when the item's turn comes.
 
 TIERS_PATH=$PATH                      # before .ci/run activates the README's .venv
-TIERS_LOGS=$(mktemp -d "${TMPDIR:-/tmp}/cachecompile-ci-tiers.XXXXXX")
+# Short: each item's tests get a TMPDIR under it, and paths there reach cachectl's tables.
+TIERS_LOGS=$(mktemp -d "${TMPDIR:-/tmp}/cct.XXXXXX")
 TIERS_ITEMS=()
 TIERS_PIDS=()
 
@@ -89,10 +90,10 @@ tiers_run() {
     fi
     echo "== disk: $(_tiers_free_gb) GB free"
     [ $((k + 1)) -lt "$n" ] && _tiers_prefetch $((k + 1))
-    mkdir -p "$TIERS_LOGS/tmp-$k"
-    TMPDIR=$TIERS_LOGS/tmp-$k _tier_script "$script" test "$item"
+    mkdir -p "$TIERS_LOGS/t$k"
+    TMPDIR=$TIERS_LOGS/t$k _tier_script "$script" test "$item"
     rc=$?
-    rm -rf "$TIERS_LOGS/tmp-$k"
+    rm -rf "$TIERS_LOGS/t$k"
     if [ "$rc" -ne 0 ]; then
       tiers_abort
       return "$rc"
