@@ -167,11 +167,16 @@ def run_workers(mode: str, n: int, envs: list[dict[str, str]]) -> float:
     served = []
     for p in procs:
         out, err = p.communicate(timeout=3600)
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode != 0 or not line:
-            raise SystemExit(f"{mode} worker failed:\n{err[-3000:]}")
-        served.append(json.loads(line[-1][7:])["served"] - launch)
+        served.append(_result(f"{mode} worker", p.returncode, out, err)["served"] - launch)
     return max(served)
+
+
+def _result(what: str, returncode: int, stdout: str, stderr: str) -> dict[str, float]:
+    """A child's RESULT line, parsed; a failed child stops the benchmark with its stderr."""
+    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if returncode != 0 or not line:
+        raise SystemExit(f"{what} failed:\n{stderr[-3000:]}")
+    return dict(json.loads(line[-1][7:]))
 
 
 def workers_report(n_workers: int, rows: dict[str, list[float]]) -> str:
@@ -189,10 +194,7 @@ def run(mode: str, n: int, env: dict[str, str], profile: Path | None = None) -> 
         cmd += ["-m", "cProfile", "-o", str(profile)]
     out = subprocess.run([*cmd, _child_file(), mode, str(n)], env=env, capture_output=True,
                          text=True, timeout=3600)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode != 0 or not line:
-        raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
-    return dict(json.loads(line[-1][7:]))
+    return _result(mode, out.returncode, out.stdout, out.stderr)
 
 
 def _child_file() -> str:
