@@ -391,9 +391,7 @@ def _params(func: types.FunctionType) -> tuple[str, list[str]]:
                 parts.append("*")
                 star_done = True
             parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
-        elif p.kind is p.POSITIONAL_ONLY:
-            parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
-        else:
+        else:  # positional-only or positional-or-keyword ("/" is placed below)
             parts.append(f"{p.name}=None" if p.default is not p.empty else p.name)
     if any(p.kind is p.POSITIONAL_ONLY for p in sig.parameters.values()):
         last = max(i for i, p in enumerate(sig.parameters.values()) if p.kind is p.POSITIONAL_ONLY)
