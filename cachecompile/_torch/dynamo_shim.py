@@ -1,9 +1,10 @@
-"""A stand-in for ``torch._dynamo.utils`` inside replayed Dynamo bytecode.
+"""Stand-ins for ``torch._dynamo.utils`` and ``torch`` inside replayed Dynamo bytecode.
 
 Dynamo's transformed bytecode calls a few helpers from ``torch._dynamo.utils`` (sizes,
 strides, profiler markers). Importing that module imports all of Dynamo (~1.5 s), so a
 warm process gets these copies instead; any other attribute falls back to the real
-module, which is slower but correct.
+module, which is slower but correct. ``torch`` itself is torch's but for the helper that
+turns a traced float into the tensor the graph takes (made once per float, not per call).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import types
 from typing import Any
 
 import torch
+
+from . import runtime
 
 # (module, attribute path) for every private name below: checked by cachecompile._torch.probe.
 NEEDS: tuple[tuple[str, str], ...] = (
@@ -70,6 +73,20 @@ utils = _LazyShim(DYNAMO_UTILS)
 for _name in ("call_size", "call_stride", "call_storage_offset",
               "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"):
     setattr(utils, _name, globals()[_name])
+
+
+
+class _TorchStandin(types.ModuleType):
+    """``torch`` as replayed bytecode reads it: :func:`runtime.as_tensor_fullprec` (one
+    tensor per float, not one per call) for ``_as_tensor_fullprec``; any other name is
+    torch's, read on each use."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+torch_standin = _TorchStandin("torch")
+torch_standin._as_tensor_fullprec = runtime.as_tensor_fullprec  # type: ignore[attr-defined]
 
 DYNAMO_FUNCTIONS = "torch._dynamo.variables.functions"
 

@@ -163,10 +163,34 @@ def compiler_config_changes() -> dict[str, dict[str, Any]]:
 
 # -- objects Dynamo bakes into bytecode or guards ----------------------------------------
 def as_tensor_fullprec(value: Any) -> Any:
-    """What a shape guard's ``___as_tensor(x)`` calls (a float or int attribute Dynamo traced
-    as a symbol: 2.11 and 2.12 do so for module attributes under ``dynamic=True``): the
-    Python number as a 0-d float64 / int64 tensor on the CPU."""
-    return torch._as_tensor_fullprec(value)
+    """``torch._as_tensor_fullprec``: the Python number as a 0-d float64 / int64 tensor on
+    the CPU, one per number object. Replayed bytecode calls it on every call for each float
+    Dynamo traced as a symbol under ``dynamic=True`` (a norm's eps, a scale: the graph takes
+    it as a tensor), and a shape guard's ``___as_tensor(x)`` on 2.11 and 2.12. torch makes
+    a new tensor each time (2.6 us here; five per call of the demo decoder). The same object
+    gets the same tensor while it lives (held here, so its id is not reused) and while no
+    one has written to the tensor (its version counter): the graph only reads it."""
+    held = _FULLPREC.get(id(value))
+    if held is not None and held[0] is value and held[1]._version == held[2]:
+        return held[1]
+    return _new_fullprec(value)
+
+
+_FULLPREC: dict[int, tuple[Any, Any, int]] = {}
+_FULLPREC_MAX = 4096
+
+
+def _new_fullprec(value: Any) -> Any:
+    if type(value) is not float and type(value) is not int:
+        return torch._as_tensor_fullprec(value)
+    # Outside inference mode: a tensor with a version counter, that serves calls in and
+    # out of inference mode alike (an inference tensor has none).
+    with torch.inference_mode(False):
+        t = torch._as_tensor_fullprec(value)
+    if len(_FULLPREC) >= _FULLPREC_MAX:
+        _FULLPREC.clear()
+    _FULLPREC[id(value)] = (value, t, t._version)
+    return t
 
 
 def sdp_backend_name(v: Any) -> str | None:

@@ -22,6 +22,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from cachecompile._torch import dynamo_shim
 from cachecompile.entry import codeobj
 from cachecompile.errors import UnsupportedProgramError
@@ -43,6 +45,18 @@ class ReplayGlobals(dict[str, Any]):
 
     def __missing__(self, key: str) -> Any:
         return self.module_globals[key]
+
+    def for_code(self, code: types.CodeType) -> ReplayGlobals:
+        """The globals a function of ``code`` runs in: these, with ``torch`` bound to the
+        stand-in (:data:`dynamo_shim.torch_standin`) where the code reads the module's
+        ``torch`` global and that is the torch module. The guards keep reading these,
+        where ``torch`` is the module's own."""
+        if ("torch" not in code.co_names or dict.__contains__(self, "torch")
+                or self.module_globals.get("torch") is not torch):
+            return self
+        out = ReplayGlobals(self.module_globals, self)
+        out["torch"] = dynamo_shim.torch_standin
+        return out
 
 
 def resolve_module(name: str) -> Any:
@@ -132,7 +146,7 @@ def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
             raise UnsupportedProgramError(
                 f"unexpected compiled function name {compiled_fn_name!r}")
         g[compiled_fn_name] = compiled_fn
-    fn = types.FunctionType(code, g, func.__name__, func.__defaults__,
+    fn = types.FunctionType(code, g.for_code(code), func.__name__, func.__defaults__,
                             func.__closure__)
     fn.__kwdefaults__ = func.__kwdefaults__
     fn.__qualname__ = func.__qualname__

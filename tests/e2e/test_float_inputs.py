@@ -1,0 +1,114 @@
+"""Floats the graph takes as tensors, on a warm call (issue 53).
+
+Under ``dynamic=True`` Dynamo traces a module's float attribute used in arithmetic (a
+norm's eps, a scale) as a symbol: its bytecode turns the float into a 0-d tensor on every
+call (``torch._as_tensor_fullprec``) and passes it to the graph. A warm call makes that
+tensor once per float object (cachecompile._torch.runtime.as_tensor_fullprec). What must
+hold, against torch.compile beside it on the same steps: a new value, set after the first
+call in the process that loaded the entry, reaches the graph; two attributes holding the
+same float object; a tensor someone wrote to is not served again; inference mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from cachecompile import cache_compile
+from cachecompile._torch import dynamo_shim, runtime
+
+
+class Scaled(nn.Module):
+    """RMSNorm-like arithmetic on three float attributes (two may be one object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.eps = 1e-6
+        self.scale = 0.5
+        self.shift = 0.125
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h * self.scale + self.shift
+
+
+def _steps(m: Scaled) -> list[tuple[str, Any]]:
+    """Changes made between calls: new values, one object in two attributes, undone."""
+    shared = 0.75
+    return [("scale", 2.0), ("eps", 0.5), ("scale", shared), ("shift", shared),
+            ("scale", 0.5), ("eps", 1e-6), ("shift", 0.125)]
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_float_attributes_changed_after_the_first_call(tmp_path: Path, backend: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    m, ref = Scaled().eval(), Scaled().eval()
+    x = torch.randn(3, 8)
+    made: list[Any] = []
+    real = torch._as_tensor_fullprec
+
+    def counting(v: Any) -> Any:
+        made.append(v)
+        return real(v)
+
+    with torch.no_grad():
+        cache_compile(m.run, dynamic=True, backend=backend, cache_dir=tmp_path)(x)  # publish
+        warm = cache_compile(m.run, dynamic=True, backend=backend, cache_dir=tmp_path)
+        compiled = torch.compile(ref.run, dynamic=True, backend=backend, fullgraph=True)
+        assert torch.allclose(warm(x), compiled(x), atol=1e-6)
+        assert [e for e, _ in warm.events] == ["hit"]
+        run: Any = next(v for vs in warm._runners.values() for v in vs).run
+        # The test means the stand-in: the replayed code reads torch through it.
+        assert run.__func__.__globals__["torch"] is dynamo_shim.torch_standin
+        want = compiled(x)
+        monkeypatch.setattr(torch, "_as_tensor_fullprec", counting)
+        for _ in range(4):
+            assert torch.allclose(warm(x), want, atol=1e-6)
+        monkeypatch.undo()
+        assert made == [], "a float's tensor was made again for an unchanged float"
+        for name, value in _steps(m):
+            setattr(m, name, value)
+            setattr(ref, name, value)
+            for i in range(3):
+                got, want = warm(x), compiled(x)
+                assert torch.allclose(got, want, atol=1e-6), (name, value, i)
+                assert torch.allclose(got, m.run(x), atol=1e-6), (name, value, i)
+        with torch.inference_mode():
+            assert torch.allclose(warm(x), compiled(x), atol=1e-6)
+    # Dynamo traced them as symbols: no value of theirs is a guard, one variant served all.
+    assert [e for e, _ in warm.events] == ["hit"]
+
+
+def test_one_tensor_per_float_while_unwritten() -> None:
+    v = 0.1 + 0.2                    # a float object of its own
+    t = runtime.as_tensor_fullprec(v)
+    assert t.dtype == torch.float64 and t.dim() == 0 and t.item() == v
+    assert runtime.as_tensor_fullprec(v) is t
+    t.add_(1.0)                      # written to: not served again
+    again = runtime.as_tensor_fullprec(v)
+    assert again is not t and again.item() == v
+    other = float(str(v))            # an equal value, another object: its own tensor
+    assert runtime.as_tensor_fullprec(other).item() == v
+    with torch.inference_mode():
+        inside = runtime.as_tensor_fullprec(v)
+        assert inside is again and not inside.is_inference()
+        fresh = runtime.as_tensor_fullprec(12345.5)
+        assert not fresh.is_inference() and fresh._version == 0
+    n = 2**40 + 3
+    assert runtime.as_tensor_fullprec(n).dtype == torch.int64
+    assert runtime.as_tensor_fullprec(n).item() == n
+    # Anything but a plain float or int is made each time, as torch makes it.
+    assert runtime.as_tensor_fullprec(True) is not runtime.as_tensor_fullprec(True)
+
+
+def test_the_torch_standin_is_torch_for_any_other_name() -> None:
+    s = dynamo_shim.torch_standin
+    assert s.nn is torch.nn and s.float64 is torch.float64 and s.rsqrt is torch.rsqrt
+    assert s._as_tensor_fullprec is runtime.as_tensor_fullprec
