@@ -66,6 +66,17 @@ from pathlib import Path
 CHILD = r"""
 import os, sys, time
 t0 = time.perf_counter()
+gc_stats = None
+if os.environ.get("BENCH_GC"):   # the garbage collector's time, by generation
+    import gc
+    gc_stats = {"n": [0, 0, 0], "ms": [0.0, 0.0, 0.0]}
+    def _collected(phase, info, _start=[0.0]):
+        if phase == "start":
+            _start[0] = time.perf_counter()
+        else:
+            gc_stats["n"][info["generation"]] += 1
+            gc_stats["ms"][info["generation"]] += (time.perf_counter() - _start[0]) * 1e3
+    gc.callbacks.append(_collected)
 import torch
 from cachecompile.demo.models import build_decoder
 mode, n = sys.argv[1], int(sys.argv[2])
@@ -124,7 +135,8 @@ events = [e for e, _ in getattr(fn, "events", [])]
 import json
 print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
                               "served": served,
-                              "misses": sum(e != "hit" for e in events) if events else None}))
+                              "misses": sum(e != "hit" for e in events) if events else None,
+                              "gc": gc_stats}))
 """
 
 PHASES = {

@@ -9,6 +9,7 @@ slows every mechanism alike. Besides the whole call, the guard check alone: Dyna
 guard tree for torch.compile's entry against cache_compile's per-call check.
 
     python tools/bench_guards.py [--models gpt2,llama,decoder8,add] [--rounds 15] [--calls 200]
+                                 [--dynamic]
 
 "program alone" is the compiled graph by itself (Inductor's program, the same kernels both
 mechanisms run), so that the last column compares what each call costs beyond it.
@@ -119,12 +120,13 @@ def model(name: str) -> tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]:
         m = AddOne()
         x = torch.zeros(4)
         return m, "add", (x,), {"self": m, "x": x}, lambda: None
-    if name == "decoder8":
-        # A decoder of our own (cachecompile.demo), 8 layers: its decode step on one token.
+    if name.startswith("decoder"):
+        # A decoder of our own (cachecompile.demo), decoderN: N layers (decoder2: the
+        # demo's size); its decode step on one token.
         from cachecompile.demo.models import DecoderConfig, build_decoder
 
-        d = build_decoder(DecoderConfig(vocab=512, hidden=128, layers=8, heads=4, seq=64,
-                                        batch=1)).eval()
+        d = build_decoder(DecoderConfig(vocab=512, hidden=128, layers=int(name[7:]), heads=4,
+                                        seq=64, batch=1)).eval()
         t = torch.randint(0, 512, (1, 1), generator=torch.Generator().manual_seed(0))
         return d, "decode", (t,), {"self": d, "tokens": t}, lambda: None
     r = LlmRunner(name).eval()
@@ -148,17 +150,18 @@ def _tree_facts(fn: Any) -> dict[str, Any]:
             "build ms": round(tree.build_ms, 1)}
 
 
-def bench(name: str, rounds: int, calls: int, store: Path
+def bench(name: str, rounds: int, calls: int, store: Path, dynamic: bool = False
           ) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """Medians per mechanism (us), and the facts of cache_compile's guard tree."""
+    """Medians per mechanism (us), and the facts of cache_compile's guard tree. Both
+    mechanisms compile with the same ``dynamic``."""
     m, meth, args, frame_locals, reset = model(name)
     method = getattr(m, meth)
     with torch.no_grad():
-        compiled = torch.compile(method, fullgraph=True, dynamic=False)
+        compiled = torch.compile(method, fullgraph=True, dynamic=dynamic)
         compiled(*args)
-        cache_compile(method, dynamic=False, cache_dir=store)(*args)  # cold: publishes
-        first = cache_compile(method, dynamic=False, cache_dir=store, guards="first")
-        always = cache_compile(method, dynamic=False, cache_dir=store, guards="always")
+        cache_compile(method, dynamic=dynamic, cache_dir=store)(*args)  # cold: publishes
+        first = cache_compile(method, dynamic=dynamic, cache_dir=store, guards="first")
+        always = cache_compile(method, dynamic=dynamic, cache_dir=store, guards="always")
         first(*args)
         always(*args)
         assert [e for e, _ in first.events] == ["hit"] == [e for e, _ in always.events]
@@ -187,6 +190,9 @@ def main() -> None:
     p.add_argument("--models", default="gpt2,llama,decoder8,add")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile both with dynamic=True (as a prefill is cached): Dynamo then "
+                        "passes a module's float attributes to the graph as tensors")
     p.add_argument("--config-reads-exact", action="store_true",
                    help="as before issue 33's decision: transformers' config reads are "
                         "checked by calling PretrainedConfig.__getattribute__ on every call, "
@@ -200,12 +206,12 @@ def main() -> None:
     trees: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-guards-") as d:
         for name in a.models.split(","):
-            times, facts = bench(name, a.rounds, a.calls, Path(d) / name)
+            times, facts = bench(name, a.rounds, a.calls, Path(d) / name, a.dynamic)
             rows.append((name, times))
             trees.append((name, facts))
     cols = list(rows[0][1])
-    print(f"torch {torch.__version__}; medians of {a.rounds} interleaved rounds of "
-          f"{a.calls} calls, us")
+    print(f"torch {torch.__version__}; dynamic={a.dynamic}; medians of {a.rounds} "
+          f"interleaved rounds of {a.calls} calls, us")
     print("| model | " + " | ".join(cols) + " | cc always / torch.compile | "
           "cc guards / Dynamo's | beyond the program: cc always / torch.compile |")
     print("|---" * (len(cols) + 4) + "|")
