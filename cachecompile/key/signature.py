@@ -43,10 +43,11 @@ _VALUE_SCALARS = (bool, str, type(None), torch.dtype, torch.device)
 _Tensor = torch.Tensor
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _MAX_DEPTH = 6
+_dim_marks = runtime.dim_marks
 
 
 def _size_class(n: int) -> int:
-    return n if n < 2 else -1
+    return n if n < 2 else -1  # (written out in _tensor_sig, which runs on every call)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -60,23 +61,22 @@ def _standard_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _layout(t: torch.Tensor, dynamic: bool) -> bool | tuple[int, ...]:
+def _layout(t: torch.Tensor, shape: torch.Size, dynamic: bool) -> bool | tuple[int, ...]:
     """True for a fresh tensor's strides; else the strides (static) or contiguity."""
     contiguous = t.is_contiguous()
-    shape = t.shape
     if contiguous and 1 not in shape and 0 not in shape:
         return True  # contiguous with no size-1 dim: the strides are the standard ones
     if dynamic and any(n > 1 for n in shape):
         return contiguous  # symbolic dims: Dynamo's stride guards are symbolic too
-    strides = tuple(t.stride())
+    strides = t.stride()
     return True if strides == _standard_strides(shape) else strides
 
 
 def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
     shape = t.shape
-    marks = runtime.dim_marks(t)
+    marks = _dim_marks(t)
     if marks is None:
-        sizes = tuple(_size_class(s) for s in shape) if dynamic else tuple(shape)
+        sizes = tuple([n if n < 2 else -1 for n in shape]) if dynamic else tuple(shape)
     else:
         # Dynamo honours the marks over dynamic=: a dim marked dynamic is symbolic even
         # with dynamic=False (one entry for its sizes), one marked static is specialised
@@ -87,7 +87,7 @@ def _tensor_sig(t: torch.Tensor, dynamic: bool) -> tuple[Any, ...]:
         sizes = tuple(_size_class(s) if i in dyn or (dynamic and i not in static) else s
                       for i, s in enumerate(shape))
     cls = type(t)
-    sig = ("T", t.dtype, t.device, sizes, _layout(t, dynamic), t.is_inference(),
+    sig = ("T", t.dtype, t.device, sizes, _layout(t, shape, dynamic), t.is_inference(),
            None if cls in _PLAIN_TENSORS else f"{cls.__module__}.{cls.__qualname__}")
     # The marks are an 8th item only when present: unmarked tensors keep their keys.
     return sig if marks is None else (*sig, marks)
@@ -137,7 +137,10 @@ _MAX_PLAIN = 1024
 
 
 def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) -> Signature:
-    pos = tuple(_value_sig(a, dynamic) for a in args)
+    # Every warm call computes it: a plain tensor goes straight to its signature, and a
+    # list (not a generator) builds the tuple (1.4 against 2.0 us for a decode's token).
+    pos = tuple([_tensor_sig(a, dynamic) if type(a) is _Tensor else _value_sig(a, dynamic)
+                 for a in args])
     if not kwargs:
         return pos
     return pos + (("kw",) + tuple((k, _value_sig(kwargs[k], dynamic)) for k in sorted(kwargs)),)
