@@ -147,7 +147,9 @@ def _tree_facts(fn: Any) -> dict[str, Any]:
         return {}
     return {"guards": tree.n_native + tree.n_python, "native": tree.n_native,
             "skipped managers": tree.skipped, "frontier": tree.frontier,
-            "build ms": round(tree.build_ms, 1)}
+            "build ms": round(tree.build_ms, 1),
+            # More than one: state changed under the tree during the run (a re-arm).
+            "builds": getattr(every, "_builds", "n/a")}
 
 
 def bench(name: str, rounds: int, calls: int, store: Path, dynamic: bool = False
