@@ -32,6 +32,7 @@ not within the two calls a size gets here, so 0).
     python tools/bench_entries.py --entries 8 --runs 5
     python tools/bench_entries.py --entries 8 32 --runs 5 --others ''
     python tools/bench_entries.py --entries 8 --runs 5 --others '' --workers 2 4
+    python tools/bench_entries.py --entries 8 32 --runs 5 --others '' --gc-freeze
 
 ``--workers N``: N workers start at once on this node, as a server starts its workers after
 a restart (each a fresh process of the mechanism, all reading one store; each its own
@@ -88,6 +89,11 @@ if mode != "eager" and (mode != "cc_warm" or os.environ.get("BENCH_BUILD")):
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 64
 m = build_decoder().eval()
+if os.environ.get("BENCH_GC_FREEZE"):
+    # What Python advises a server: what is alive after start-up (torch, the model) is
+    # moved out of the collector's sight, so no full collection walks it again.
+    import gc
+    gc.freeze()
 fn = m.forward
 art = os.environ.get("BENCH_ARTIFACTS", "")
 def inputs(b):
@@ -258,6 +264,9 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
     ap.add_argument("--workers", type=int, nargs="*", default=[],
                     help="also start N workers at once (each N given), eager's and "
                          "cache_compile's in turn, and time the last one's first output")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="every child calls gc.freeze() once its model is built, as Python "
+                         "advises servers (both mechanisms alike)")
     ap.add_argument("--source-only", action="store_true",
                     help="do not byte-compile cachecompile first: measure an editable "
                          "checkout under PYTHONDONTWRITEBYTECODE=1, which compiles its "
@@ -269,7 +278,10 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
     work = Path(tempfile.mkdtemp(prefix="cc-bench-entries-"))
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_"))}
-    print(f"torch {__import__('torch').__version__}; {os.cpu_count()} cores; work {work}")
+    if a.gc_freeze:
+        base["BENCH_GC_FREEZE"] = "1"
+    print(f"torch {__import__('torch').__version__}; {os.cpu_count()} cores; work {work}"
+          + ("; gc.freeze() after the model is built" if a.gc_freeze else ""))
     try:
         for n in a.entries:
             summary_workers: dict[int, float] = {}
