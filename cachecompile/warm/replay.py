@@ -47,15 +47,20 @@ class ReplayGlobals(dict[str, Any]):
         return self.module_globals[key]
 
     def for_code(self, code: types.CodeType) -> ReplayGlobals:
-        """The globals a function of ``code`` runs in: these, with ``torch`` bound to the
-        stand-in (:data:`dynamo_shim.torch_standin`) where the code reads the module's
-        ``torch`` global and that is the torch module. The guards keep reading these,
-        where ``torch`` is the module's own."""
-        if ("torch" not in code.co_names or dict.__contains__(self, "torch")
-                or self.module_globals.get("torch") is not torch):
+        """The globals a function of ``code`` runs in: these, with the torch module bound to
+        the stand-in (:data:`dynamo_shim.torch_standin`) under each name the code reads it
+        by: the module's ``torch`` global, or the name Dynamo gave it where the module has
+        none (``import torch as th``: ``___module_torch_<id>_c0``). The guards keep reading
+        these, where each is torch itself."""
+        swap = [n for n in code.co_names
+                if (dict.get(self, n) if dict.__contains__(self, n)
+                    else self.module_globals.get(n) if n == "torch" else None) is torch
+                and (n == "torch" or is_dynamo_global(n))]
+        if not swap:
             return self
         out = ReplayGlobals(self.module_globals, self)
-        out["torch"] = dynamo_shim.torch_standin
+        for n in swap:
+            out[n] = dynamo_shim.torch_standin
         return out
 
 

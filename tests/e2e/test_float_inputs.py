@@ -15,21 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import th_alias
 import torch
-from torch import nn
 
 from cachecompile import cache_compile
 from cachecompile._torch import dynamo_shim, runtime
 
 
-class Scaled(nn.Module):
-    """RMSNorm-like arithmetic on three float attributes (two may be one object)."""
+class Scaled(th_alias.AliasScaled):
+    """RMSNorm-like arithmetic on three float attributes (two may be one object); its
+    ``run`` is this module's, which reads ``torch`` by that name."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(8, 8)
-        self.eps = 1e-6
         self.scale = 0.5
         self.shift = 0.125
 
@@ -112,3 +110,22 @@ def test_the_torch_standin_is_torch_for_any_other_name() -> None:
     s = dynamo_shim.torch_standin
     assert s.nn is torch.nn and s.float64 is torch.float64 and s.rsqrt is torch.rsqrt
     assert s._as_tensor_fullprec is runtime.as_tensor_fullprec
+
+
+def test_torch_under_another_name(tmp_path: Path) -> None:
+    """``import torch as th`` in the model's module: the stand-in under Dynamo's name."""
+    m = th_alias.AliasScaled().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        cache_compile(m.run, dynamic=True, backend="aot_eager", cache_dir=tmp_path)(x)
+        warm = cache_compile(m.run, dynamic=True, backend="aot_eager", cache_dir=tmp_path)
+        assert torch.allclose(warm(x), m.run(x), atol=1e-6)
+        run: Any = next(v for vs in warm._runners.values() for v in vs).run
+        g = run.__func__.__globals__
+        standins = [n for n in run.__func__.__code__.co_names
+                    if dict.get(g, n) is dynamo_shim.torch_standin]
+        assert standins and all(n.startswith("___module_torch_") for n in standins)
+        assert "th" not in dict.keys(g)       # the module's own names are read live
+        m.eps = 0.25
+        assert torch.allclose(warm(x), m.run(x), atol=1e-6)
+    assert [e for e, _ in warm.events] == ["hit"]
