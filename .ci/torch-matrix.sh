@@ -24,8 +24,9 @@ export PIP_CONSTRAINT=/dev/null
 # the lookups Dynamo resolves are read through its private names) and the C++ guard tree,
 # the private-torch layer and its probe, the API contract, ranks sharing one compile,
 # bundles, the remote tier end to end, a real HF model with its decorated forward, and a
-# bare backend callable's Dynamo half rebuilt from data. (The diffusers UNet and DiT, and
-# the other LLM families, run on 2.13.)
+# bare backend callable's Dynamo half rebuilt from data, and the traced floats' tensors made
+# once (torch._as_tensor_fullprec, which 2.11 and 2.12 also call in shape guards). (The
+# diffusers UNet and DiT, and the other LLM families, run on 2.13.)
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/e2e/test_guard_matrix.py
         tests/e2e/test_guard_sweep.py
@@ -37,7 +38,8 @@ SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/procs/test_remote_procs.py::test_node_b_loads_node_a_entry_with_zero_compiles
         "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]"
         tests/backends/test_plugins.py::test_a_bare_backend_callable_skips_the_trace_in_a_warm_process
-        tests/e2e/test_cross_release.py)
+        tests/e2e/test_cross_release.py
+        tests/e2e/test_float_inputs.py)
 
 # 2.11.0: the release the lent GPU machines run (torch 2.11.0+cu130); 2.12.1: the last of
 # 2.12. Both differ from 2.13 in private names and guards (cachecompile/_torch/).
