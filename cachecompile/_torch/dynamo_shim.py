@@ -75,7 +75,6 @@ for _name in ("call_size", "call_stride", "call_storage_offset",
     setattr(utils, _name, globals()[_name])
 
 
-
 class _TorchStandin(types.ModuleType):
     """``torch`` as replayed bytecode reads it: :func:`runtime.as_tensor_fullprec` (one
     tensor per float, not one per call) for ``_as_tensor_fullprec``; any other name is

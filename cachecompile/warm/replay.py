@@ -52,16 +52,18 @@ class ReplayGlobals(dict[str, Any]):
         by: the module's ``torch`` global, or the name Dynamo gave it where the module has
         none (``import torch as th``: ``___module_torch_<id>_c0``). The guards keep reading
         these, where each is torch itself."""
-        swap = [n for n in code.co_names
-                if (dict.get(self, n) if dict.__contains__(self, n)
-                    else self.module_globals.get(n) if n == "torch" else None) is torch
-                and (n == "torch" or is_dynamo_global(n))]
+        swap = [n for n in code.co_names if self._reads_torch(n)]
         if not swap:
             return self
         out = ReplayGlobals(self.module_globals, self)
         for n in swap:
             out[n] = dynamo_shim.torch_standin
         return out
+
+    def _reads_torch(self, name: str) -> bool:
+        if dict.__contains__(self, name):     # one of Dynamo's names, bound at load
+            return is_dynamo_global(name) and dict.get(self, name) is torch
+        return name == "torch" and self.module_globals.get(name) is torch
 
 
 def resolve_module(name: str) -> Any:
