@@ -97,7 +97,7 @@ class LiveFrames(Protocol):
 class _Loaded:
     """One variant of a frame, loaded: its check over the frame's names and its code."""
 
-    __slots__ = ("check", "checker", "code", "fn", "globals", "name")
+    __slots__ = ("check", "checker", "code", "fn", "globals", "name", "run_globals")
 
     def __init__(self, check: Callable[..., bool], checker: checker_mod.Checker,
                  code: types.CodeType, g: replay.ReplayGlobals, name: str) -> None:
@@ -105,9 +105,13 @@ class _Loaded:
         self.checker = checker
         self.code = code
         self.globals = g
+        # What its function runs in: ``g`` with the torch stand-in, as the method's
+        # (replay.rebuild); the guards and a callee's bound names keep ``g``.
+        self.run_globals = g.for_code(code)
         self.name = name
         # Built once where no closure comes with each call.
-        self.fn = (types.FunctionType(code, g, name) if not code.co_freevars else None)
+        self.fn = (types.FunctionType(code, self.run_globals, name)
+                   if not code.co_freevars else None)
 
 
 class _Source:
@@ -193,7 +197,8 @@ class Continuation:
             for v in self.variants():
                 if v.check(*values):
                     self.served += 1
-                    return types.FunctionType(v.code, v.globals, v.name, None, closure)(*args)
+                    return types.FunctionType(v.code, v.run_globals, v.name, None,
+                                              closure)(*args)
             return self._unserved(args, closure)
         return run
 

@@ -44,11 +44,8 @@ def _steps(m: Scaled) -> list[tuple[str, Any]]:
             ("scale", 0.5), ("eps", 1e-6), ("shift", 0.125)]
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_float_attributes_changed_after_the_first_call(tmp_path: Path, backend: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    m, ref = Scaled().eval(), Scaled().eval()
-    x = torch.randn(3, 8)
+def _made_during(monkeypatch: pytest.MonkeyPatch, calls: Any) -> list[Any]:
+    """The numbers torch was asked to make a tensor of while ``calls()`` ran."""
     made: list[Any] = []
     real = torch._as_tensor_fullprec
 
@@ -56,6 +53,41 @@ def test_float_attributes_changed_after_the_first_call(tmp_path: Path, backend: 
         made.append(v)
         return real(v)
 
+    monkeypatch.setattr(torch, "_as_tensor_fullprec", counting)
+    try:
+        calls()
+    finally:
+        monkeypatch.undo()
+    return made
+
+
+def _same_as(warm: Any, x: torch.Tensor, want: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        assert torch.allclose(warm(x), want, atol=1e-6)
+
+
+def _steps_against(warm: Any, compiled: Any, m: Scaled, ref: Scaled, x: torch.Tensor,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tensor made again for unchanged floats; then each change of :func:`_steps`, on
+    the loaded method's module and on torch.compile's, three calls each against both
+    torch.compile and eager."""
+    want = compiled(x)
+    made = _made_during(monkeypatch, lambda: _same_as(warm, x, want, 4))
+    assert made == [], "a float's tensor was made again for an unchanged float"
+    for name, value in _steps(m):
+        setattr(m, name, value)
+        setattr(ref, name, value)
+        for i in range(3):
+            got, want = warm(x), compiled(x)
+            assert torch.allclose(got, want, atol=1e-6), (name, value, i)
+            assert torch.allclose(got, m.run(x), atol=1e-6), (name, value, i)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_float_attributes_changed_after_the_first_call(tmp_path: Path, backend: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    m, ref = Scaled().eval(), Scaled().eval()
+    x = torch.randn(3, 8)
     with torch.no_grad():
         cache_compile(m.run, dynamic=True, backend=backend, cache_dir=tmp_path)(x)  # publish
         warm = cache_compile(m.run, dynamic=True, backend=backend, cache_dir=tmp_path)
@@ -65,19 +97,7 @@ def test_float_attributes_changed_after_the_first_call(tmp_path: Path, backend: 
         run: Any = next(v for vs in warm._runners.values() for v in vs).run
         # The test means the stand-in: the replayed code reads torch through it.
         assert run.__func__.__globals__["torch"] is dynamo_shim.torch_standin
-        want = compiled(x)
-        monkeypatch.setattr(torch, "_as_tensor_fullprec", counting)
-        for _ in range(4):
-            assert torch.allclose(warm(x), want, atol=1e-6)
-        monkeypatch.undo()
-        assert made == [], "a float's tensor was made again for an unchanged float"
-        for name, value in _steps(m):
-            setattr(m, name, value)
-            setattr(ref, name, value)
-            for i in range(3):
-                got, want = warm(x), compiled(x)
-                assert torch.allclose(got, want, atol=1e-6), (name, value, i)
-                assert torch.allclose(got, m.run(x), atol=1e-6), (name, value, i)
+        _steps_against(warm, compiled, m, ref, x, monkeypatch)
         with torch.inference_mode():
             assert torch.allclose(warm(x), compiled(x), atol=1e-6)
     # Dynamo traced them as symbols: no value of theirs is a guard, one variant served all.
@@ -129,3 +149,26 @@ def test_torch_under_another_name(tmp_path: Path) -> None:
         m.eps = 0.25
         assert torch.allclose(warm(x), m.run(x), atol=1e-6)
     assert [e for e, _ in warm.events] == ["hit"]
+
+
+class Broken(Scaled):
+    """The same arithmetic on both sides of a graph break: the frame after it (Dynamo's
+    resume function) takes the floats as tensors too."""
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().run(x)
+        if h.sum().item() > -1e9:          # data-dependent: the graph breaks here
+            h = h + 0.0
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
+
+
+def test_floats_after_a_graph_break(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, ref = Broken().eval(), Broken().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        cache_compile(m.run, dynamic=True, fullgraph=False, cache_dir=tmp_path)(x)  # publish
+        warm = cache_compile(m.run, dynamic=True, fullgraph=False, cache_dir=tmp_path)
+        compiled = torch.compile(ref.run, dynamic=True)
+        assert torch.allclose(warm(x), compiled(x), atol=1e-6)
+        _steps_against(warm, compiled, m, ref, x, monkeypatch)
+    assert [e for e, _ in warm.events][0] == "hit"
