@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import threading
@@ -45,9 +46,10 @@ from cachecompile.key.frame import FrameKeys
 from cachecompile.key.gears import Gears
 from cachecompile.key.signature import Signature, describe, requires_grad, signature, varying
 from cachecompile.spec import CompileSpec
-from cachecompile.store import Key
+from cachecompile.store import Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm.lookup import Lookup, Variant, record_miss
+from cachecompile.warm import collector
+from cachecompile.warm.lookup import Lookup, Probe, Variant, record_miss
 from cachecompile.warm.state import cache_off, store_for
 
 if TYPE_CHECKING:
@@ -289,15 +291,27 @@ class CachedFunction(Generic[_P, _R]):
         return sum(len(v) for v in self._runners.values())
 
     # -- first call of a signature (or of a variant whose guards failed) --------------
-    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],  # noqa: C901 (today's exception: the first call's outcomes (hit, miss, refusal, fault))
+    def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                     off_gear: bool = False) -> Any:
+        # Decided in the collector's window (the full collection importing torch left due
+        # is not paid inside a load: warm.collector); what it decided runs after it, so a
+        # compile or the program's first run is outside.
+        with collector.loading():
+            act = self._decide(sig, args, kwargs, off_gear)
+        return act()
+
+    def _decide(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],  # noqa: C901 (today's exception: the first call's outcomes (hit, miss, refusal, fault))
+                off_gear: bool) -> Callable[[], Any]:
+        """What the first call of a signature does: load a stored variant (a hit), run
+        live, or compile (a miss); as a call to make once the lookup is over."""
         if self._shapes is not None:
             sig = self._automatic(sig, args, kwargs)
         spec = self.spec
+        live = functools.partial(self._run_live, sig, args, kwargs)
         if not spec.enabled:
-            return self._run_live(sig, args, kwargs, "disabled")
+            return functools.partial(live, "disabled")
         if cache_off() is not None:
-            return self._run_live(sig, args, kwargs, "cache off for this torch")
+            return functools.partial(live, "cache off for this torch")
         if not spec.dynamic and self._n_variants() >= spec.max_signatures:
             if not self._limit_warned:
                 self._limit_warned = True
@@ -309,7 +323,7 @@ class CachedFunction(Generic[_P, _R]):
                     "not cached. Make that argument dynamic "
                     "(dynamic=True), pad it to a few sizes, or raise max_signatures.",
                     SignatureLimitWarning, stacklevel=user_stacklevel())
-            return self._run_live(sig, args, kwargs, "over signature limit")
+            return functools.partial(live, "over signature limit")
         t0 = time.perf_counter()
         early: dict[str, float] = {}  # the cold path's first phases (capture.Phases)
         try:
@@ -317,7 +331,7 @@ class CachedFunction(Generic[_P, _R]):
         except Exception as e:  # an unkeyable call is a fault, not a crash
             logger.debug("computing the key failed", exc_info=True)
             fault(f"computing the cache key failed ({type(e).__name__}: {e})")
-            return self._run_live(sig, args, kwargs, "no key")
+            return functools.partial(live, "no key")
         early["key"] = time.perf_counter() - t0
         if self._shared is not None:
             reused = self._shared.reuse(frame, self._lookup, self._module, args, kwargs)
@@ -326,12 +340,12 @@ class CachedFunction(Generic[_P, _R]):
                 logger.info("cachecompile hit %s %s [%s] shared with a repeated block, "
                             "checked in %.1f ms", self.__qualname__, reused.name,
                             describe(sig), (time.perf_counter() - t0) * 1e3)
-                return reused.run(*args, **kwargs)
+                return functools.partial(reused.run, *args, **kwargs)
         try:
             st = store_for(spec.cache_dir)
         except (StoreError, OSError) as e:
             fault(f"the cache store is unusable: {e}")
-            return self._run_live(sig, args, kwargs, "store unusable")
+            return functools.partial(live, "store unusable")
         if spec.cpu_unserved is not None:
             # Never a lookup of kernels this CPU cannot run, nor a compile for them.
             record_miss(st, "cpu", "no CPU target this CPU supports")
@@ -340,7 +354,7 @@ class CachedFunction(Generic[_P, _R]):
             fault(f"{self.__qualname__} [{describe(sig)}]: no CPU target of "
                   f"CACHECOMPILE_CPU_TARGET fits this CPU ({spec.cpu_unserved}); it runs "
                   "with a live native compile, neither loaded nor published")
-            return self._run_live(sig, args, kwargs, "no CPU target fits this CPU")
+            return functools.partial(live, "no CPU target fits this CPU")
         probe = self._lookup.probe(st, frame, args, kwargs)
         for alt in self._alt_keys if probe.runner is None and not probe.missing_ops else ():
             found = self._lookup.probe(st, alt.frame(sig), args, kwargs)
@@ -355,7 +369,7 @@ class CachedFunction(Generic[_P, _R]):
                 self._shared.add(frame, probe.runner)
             logger.info("cachecompile hit %s %s [%s] loaded in %.1f ms", self.__qualname__,
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
-            return probe.runner.run(*args, **kwargs)
+            return functools.partial(probe.runner.run, *args, **kwargs)
         if probe.missing_ops:
             record_miss(st, probe.kind, None)
             # The entry is there; this process lacks what its program calls. Compiling
@@ -364,7 +378,7 @@ class CachedFunction(Generic[_P, _R]):
                   f"{', '.join(probe.missing_ops)}, which this process has not "
                   "registered (import the module that defines it, or load its library, "
                   "before the first call); it runs with a live compile")
-            return self._run_live(sig, args, kwargs, "custom operator not registered")
+            return functools.partial(live, "custom operator not registered")
         early["lookup"] = time.perf_counter() - t0 - early["key"]
         if probe.kind is not None:
             # An entry was there and did not serve (a guard, stale, unloadable, corrupt...).
@@ -380,10 +394,15 @@ class CachedFunction(Generic[_P, _R]):
         # the digest here is the one `cachectl ls` shows once it is published.
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__,
                     probe.publish_key(frame).digest[:12], describe(sig), why)
+        return functools.partial(self._compile, sig, args, kwargs, st, frame, probe, early)
+
+    def _compile(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 st: LocalStorage, frame: Key, probe: Probe, early: dict[str, float]) -> Any:
+        """A miss: compile the signature (publishing it where that is worth it) and run it."""
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
         # (it imports them: most of what torch.compile itself imports before tracing).
         t1 = time.perf_counter()
-        if cache_off(spec.adapter.torch_parts) is not None:
+        if cache_off(self.spec.adapter.torch_parts) is not None:
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         early["torch_imports"] = time.perf_counter() - t1
         miss = self._miss_path()
