@@ -323,7 +323,8 @@ def write(root: Path, batch: list[Case]) -> None:
 
 
 # The child's driver: PHASE "cold" publishes every case, "changed" changes each case's
-# state before its first call, "loaded" changes it after a first call that loaded the entry.
+# state before its first call, "loaded" changes it after a first call that loaded the entry,
+# "armed" after the calls that built its guard tree and made it the first one tried.
 DRIVER = textwrap.dedent('''
     import importlib, json, os, torch, warnings
     from cachecompile import cache_compile
@@ -352,8 +353,16 @@ DRIVER = textwrap.dedent('''
                     # The spec: a fresh torch.compile of the method in this state.
                     r["torch_compile"] = same(got, torch.compile(m.run, backend=backend,
                                                                  fullgraph=True)(x))
-                if phase == "loaded":
+                if phase in ("loaded", "armed"):
                     before = m.run(x)
+                    if phase == "armed":
+                        # Until the guard tree is built and the call goes straight to it
+                        # (the variant that served the last calls, by its tree alone).
+                        for _ in range(2000):
+                            if cached._last is not None:
+                                break
+                            cached(x)
+                        r["armed"] = cached._last is not None
                     mod.change(m)
                     n = len(cached.events)
                     got = cached(x)
