@@ -40,23 +40,21 @@ def call_storage_offset(x: Any) -> int:
     return x.storage_offset()
 
 
-# Stateless, so one serves every call: replayed bytecode enters it on each call while no
-# profiler runs (torch's own helper makes a new one each time).
-_NO_PROFILER = contextlib.nullcontext()
-
-
-def record_pregraph_bytecode_enter() -> contextlib.AbstractContextManager[None]:
-    cm: contextlib.AbstractContextManager[None] = (
-        torch._C._profiler._RecordFunctionFast("Pregraph bytecode")
-        if torch.autograd.profiler._is_profiler_enabled
-        else _NO_PROFILER
-    )
+def record_pregraph_bytecode_enter() -> contextlib.AbstractContextManager[None] | None:
+    """The profiler's marker while one runs; else None, entered and left by nothing
+    (torch's helper enters and exits a new nullcontext: two Python calls more on every
+    replayed call)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return None
+    cm: contextlib.AbstractContextManager[None] = torch._C._profiler._RecordFunctionFast(
+        "Pregraph bytecode")
     cm.__enter__()
     return cm
 
 
-def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None]) -> None:
-    cm.__exit__(None, None, None)
+def record_pregraph_bytecode_exit(cm: contextlib.AbstractContextManager[None] | None) -> None:
+    if cm is not None:
+        cm.__exit__(None, None, None)
 
 
 class _LazyShim(types.ModuleType):

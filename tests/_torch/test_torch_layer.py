@@ -188,3 +188,36 @@ def test_warm_probe_imports_neither_dynamo_nor_inductor() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_a_warm_call_under_the_profiler_is_marked(tmp_path: Path) -> None:
+    """Replayed bytecode enters Dynamo's "Pregraph bytecode" marker through the stand-in
+    (dynamo_shim): while a profiler runs the marker is there, and a call outside one
+    enters nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cachecompile import cache_compile
+    from cachecompile._torch import dynamo_shim
+
+    m = _Twice().eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path)(x)   # publish
+        warm = cache_compile(m.run, backend="aot_eager", cache_dir=tmp_path)
+        assert torch.allclose(warm(x), m.run(x))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = warm(x)
+        assert torch.allclose(got, m.run(x))
+    assert [e for e, _ in warm.events] == ["hit"]
+    assert any(e.name == "Pregraph bytecode" for e in prof.events())
+    assert dynamo_shim.record_pregraph_bytecode_enter() is None
+    dynamo_shim.record_pregraph_bytecode_exit(None)
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
