@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The guard sweep (issue 47): tests/e2e/test_guard_sweep.py with CACHECOMPILE_GUARD_SWEEP
-# generated cases (default 384, in batches of 64, each batch three fresh processes over one
+# generated cases (default 384, in batches of 64, each batch four fresh processes over one
 # store; most on aot_eager, every eighth on Inductor), zero wrong hits. The README command
 # runs the fixed seed's 21 (one per kind); this tier runs many more, on the README's venv
 # (.venv, made by the README command: no install of its own), on every logical core. About
