@@ -19,6 +19,9 @@ Mechanisms, each a fresh process over the same N batch sizes:
               --others ("tc"), as it takes 25 s a process at 32 entries
   mega        torch.compiler.load_cache_artifacts of what an earlier torch.compile process
               saved (save_cache_artifacts, every batch size), empty dirs, then torch.compile
+  cc_nowindow cc_warm with the collector's window off (cachecompile.warm.collector): the full
+              collection ``import torch`` leaves due is paid inside the first load, as before
+              issue 53; one of --others ("nowindow")
   aot         AOT precompile: one aot_compile + save_compiled_function per batch size by an
               earlier process; here load_compiled_function of each, empty dirs (a caller
               dispatches by batch size itself: AOT precompile keeps one artifact per shape)
@@ -81,7 +84,7 @@ if os.environ.get("BENCH_GC"):   # the garbage collector's time, by generation
 import torch
 from cachecompile.demo.models import build_decoder
 mode, n = sys.argv[1], int(sys.argv[2])
-if mode != "eager" and (mode != "cc_warm" or os.environ.get("BENCH_BUILD")):
+if mode not in ("eager", "cc_warm", "cc_nowindow") or os.environ.get("BENCH_BUILD"):
     # N static batch sizes are N compiles, past Dynamo's recompile limit (8) at 32: a
     # server that serves them raises it (the limit is no key factor). Left at 8, the build
     # ran 24 of 32 sizes eagerly and cached none. A warm cache_compile process that only
@@ -98,8 +101,12 @@ fn = m.forward
 art = os.environ.get("BENCH_ARTIFACTS", "")
 def inputs(b):
     return torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
-if mode == "cc_warm":
+if mode in ("cc_warm", "cc_nowindow"):
     from cachecompile import cache_compile
+    if mode == "cc_nowindow":
+        # As before the collector's window (issue 53): the process's one window spent.
+        from cachecompile.warm import collector
+        collector._used = True
     # N static sizes: past cache_compile's default of 8 cached signatures per method
     # (max_signatures, a SignatureLimitWarning), as a server declaring them would raise it.
     fn = cache_compile(m.forward, dynamic=False, max_signatures=max(n, 8))
@@ -260,7 +267,8 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
     ap.add_argument("--others", default="tc,mega,aot",
                     help="torch's own mechanisms to compare too (comma list of tc, mega, "
                          "aot; '' for none: eager and cache_compile only. Each recompiles or "
-                         "retraces every entry, minutes at 32 entries)")
+                         "retraces every entry, minutes at 32 entries); and nowindow: "
+                         "cache_compile with the collector's window off (warm.collector)")
     ap.add_argument("--workers", type=int, nargs="*", default=[],
                     help="also start N workers at once (each N given), eager's and "
                          "cache_compile's in turn, and time the last one's first output")
@@ -298,7 +306,7 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
             art = work / f"artifacts-{n}"
             art.mkdir()
             run("cc_warm", n, {**env("build"), "BENCH_BUILD": "1"})  # cold: builds N entries
-            modes = ["eager", "cc_warm"]
+            modes = ["eager", "cc_warm"] + (["cc_nowindow"] if "nowindow" in others else [])
             if "tc" in others:
                 run("tc_warm", n, env("tc", warm_tc=True))  # fills torch.compile's caches
                 modes.append("tc_warm")
