@@ -14,6 +14,9 @@ a callback notes every full collection and how many objects were frozen while it
 * once per process: a second due load runs without the window;
 * a user who froze objects themselves keeps them frozen (their freeze is not undone);
 * a child forked inside a window starts with nothing frozen.
+
+Python 3.12 freezes a few hundred of its own objects at start; there the window never opens
+(an unfreeze would release those too), and the tests check that instead.
 """
 
 from __future__ import annotations
@@ -34,15 +37,18 @@ warnings.simplefilter("ignore")
 m = build_decoder().eval()
 cc = cache_compile(m.forward, backend="aot_eager", dynamic=False)
 x = {b: torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b)) for b in (1, 2)}
-fulls = []       # each full collection: how many objects were frozen while it ran
+# What the interpreter froze itself (Python 3.12 freezes a few hundred of its own tuples at
+# start); the window never opens over it (collector._due).
+BASE = gc.get_freeze_count()
+fulls = []       # each full collection: how many objects were frozen (beyond BASE) while it ran
 seen = []        # each collection of any generation: the same
 
 
 def noted(phase, info):
     if phase == "start":
-        seen.append(gc.get_freeze_count())
+        seen.append(gc.get_freeze_count() - BASE)
         if info["generation"] == 2:
-            fulls.append(gc.get_freeze_count())
+            fulls.append(gc.get_freeze_count() - BASE)
 
 
 def make_due():
@@ -94,7 +100,7 @@ collector._used = True                 # as if this process had used its window
 keep = make_due()
 with torch.no_grad():
     y = cc(x[1])
-report({"fulls": fulls, "events": [e for e, _ in cc.events]})
+report({"base": BASE, "fulls": fulls, "events": [e for e, _ in cc.events]})
 ''')
     assert out["events"] == ["hit"]
     assert 0 in out["fulls"], out     # a full collection with nothing frozen: the whole heap
@@ -106,13 +112,17 @@ keep = make_due()
 with torch.no_grad():
     y = cc(x[1])
     ok = bool(torch.equal(y, m.forward(x[1])))
-report({"fulls": fulls, "seen": seen, "frozen_after": gc.get_freeze_count(), "ok": ok,
+report({"base": BASE, "fulls": fulls, "seen": seen,
+        "frozen_after": gc.get_freeze_count() - BASE, "ok": ok,
         "events": [e for e, _ in cc.events]})
 ''')
     assert out["events"] == ["hit"] and out["ok"]
+    assert out["frozen_after"] == 0
+    if out["base"]:                    # the interpreter froze objects itself: no window
+        assert not any(out["seen"]), out
+        return
     assert any(out["seen"]), out       # collections ran inside the window
     assert 0 not in out["fulls"], out  # none walked the old objects
-    assert out["frozen_after"] == 0
 
 
 def test_once_per_process(box: Sandbox) -> None:
@@ -124,11 +134,11 @@ first = list(seen)
 keep2 = make_due()
 with torch.no_grad():
     cc(x[2])
-report({"first": first, "second": list(seen), "events": [e for e, _ in cc.events],
-        "frozen_after": gc.get_freeze_count()})
+report({"base": BASE, "first": first, "second": list(seen),
+        "events": [e for e, _ in cc.events], "frozen_after": gc.get_freeze_count() - BASE})
 ''')
     assert out["events"] == ["hit", "hit"]
-    assert any(out["first"]), out      # the first due load ran in the window
+    assert bool(any(out["first"])) != bool(out["base"]), out  # the first due load's window
     assert out["second"] and not any(out["second"]), out  # the second did not
     assert out["frozen_after"] == 0
 
@@ -140,7 +150,8 @@ gc.freeze()
 frozen = gc.get_freeze_count()
 with torch.no_grad():
     cc(x[1])
-report({"before": frozen, "after": gc.get_freeze_count(), "used": collector._used})
+report({"base": BASE, "before": frozen, "after": gc.get_freeze_count(),
+        "used": collector._used})
 ''')
     assert out["before"] > 0 and out["after"] >= out["before"]
     assert out["used"] is False        # the window was not opened at all
@@ -150,14 +161,16 @@ def test_a_child_forked_inside_a_window_has_nothing_frozen(box: Sandbox) -> None
     out = _load(box, '''
 keep = make_due()
 with collector.loading():
-    inside = gc.get_freeze_count()
+    inside = gc.get_freeze_count() - BASE
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if gc.get_freeze_count() == 0 else 1)
+        os._exit(0 if gc.get_freeze_count() == BASE else 1)
     _, status = os.waitpid(pid, 0)
-report({"inside": inside, "child": os.waitstatus_to_exitcode(status),
-        "after": gc.get_freeze_count()})
+report({"base": BASE, "inside": inside, "child": os.waitstatus_to_exitcode(status),
+        "after": gc.get_freeze_count() - BASE})
 ''')
+    if out["base"]:
+        pytest.skip("this Python freezes objects of its own at start: the window never opens")
     assert out["inside"] > 0           # the window was open when the child was forked
     assert out["child"] == 0, "the forked child still had objects frozen"
     assert out["after"] == 0
