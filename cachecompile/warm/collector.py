@@ -63,7 +63,7 @@ def loading() -> Iterator[None]:
     global _depth, _frozen, _used
     with _lock:
         _depth += 1
-        if not _used and not _frozen and _due():
+        if not _used and _due():   # _frozen implies _used
             _used = _frozen = True
             gc.freeze()
             logger.debug("a full collection is due: the load runs with %d objects frozen",
