@@ -174,3 +174,28 @@ report({"base": BASE, "inside": inside, "child": os.waitstatus_to_exitcode(statu
     assert out["inside"] > 0           # the window was open when the child was forked
     assert out["child"] == 0, "the forked child still had objects frozen"
     assert out["after"] == 0
+
+
+def test_a_load_that_finds_nothing_due_does_not_count_the_frozen(monkeypatch: Any) -> None:
+    """``gc.get_freeze_count()`` walks every frozen object (~20 ms over torch's on Python
+    3.11): a load asks it only when a full collection is due, and never while its window is
+    open (issue 53: a debug line counted them inside every window)."""
+    import gc
+
+    from cachecompile.warm import collector
+
+    asked: list[int] = []
+    real = gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or real())
+    monkeypatch.setattr(collector, "_used", False)
+    monkeypatch.setattr(gc, "get_count", lambda: (0, 0, 0))        # nothing due
+    with collector.loading():
+        pass
+    assert asked == [] and not collector._used
+    monkeypatch.setattr(gc, "get_count", lambda: (0, 0, gc.get_threshold()[2]))   # due
+    frozen_before = real()
+    with collector.loading():
+        inside = len(asked)
+    assert collector._used and real() == frozen_before
+    if frozen_before == 0 and gc.isenabled() and gc.get_threshold()[2] > 0:
+        assert inside == 1, "the window counted the frozen objects again"
