@@ -98,7 +98,12 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    # The import runs with the collector paused: what it drops must not look long-lived
+    # (warm.collector; issue 53).
+    from cachecompile.warm import collector
+
+    with collector.paused():
+        value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups are plain module attributes: no hook per call
     return value
 

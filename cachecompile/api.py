@@ -29,6 +29,7 @@ from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
 from cachecompile.store import settings
+from cachecompile.warm import collector
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -302,14 +303,17 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
         tp_rank=tp_rank, pp_rank=pp_rank, custom_decompositions=custom_decompositions,
         ge_cache=ge_cache, max_signatures=max_signatures, guards=guards, passes=passes,
         gears=gears, gear_policy=gear_policy, pad=pad, fullgraph=fullgraph)
-    if func is None:
-        _checked(settings)  # a bad option fails where the decorator is written
+    # With the collector paused: resolving the backend imports it (warm.collector).
+    with collector.paused():
+        if func is None:
+            _checked(settings)  # a bad option fails where the decorator is written
 
-        def decorate(target: Any) -> Any:
-            return _form(target, settings)
+            def decorate(target: Any) -> Any:
+                with collector.paused():
+                    return _form(target, settings)
 
-        return decorate
-    return _form(func, settings)
+            return decorate
+        return _form(func, settings)
 
 
 @dataclasses.dataclass(frozen=True)

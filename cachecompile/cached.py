@@ -311,10 +311,10 @@ class CachedFunction(Generic[_P, _R]):
     # -- first call of a signature (or of a variant whose guards failed) --------------
     def _first_call(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                     off_gear: bool = False) -> Any:
-        # Decided in the collector's window (the full collection importing torch left due
-        # is not paid inside a load: warm.collector); what it decided runs after it, so a
-        # compile or the program's first run is outside.
-        with collector.loading():
+        # Decided with the collector paused (what a load drops must not look long-lived
+        # to it: warm.collector); what it decided runs after, so a compile or the
+        # program's first run is outside.
+        with collector.paused():
             act = self._decide(sig, args, kwargs, off_gear)
         return act()
 

@@ -19,8 +19,9 @@ Mechanisms, each a fresh process over the same N batch sizes:
               --others ("tc"), as it takes 25 s a process at 32 entries
   mega        torch.compiler.load_cache_artifacts of what an earlier torch.compile process
               saved (save_cache_artifacts, every batch size), empty dirs, then torch.compile
-  cc_nowindow cc_warm with the collector's window off (cachecompile.warm.collector): the full
-              collection ``import torch`` leaves due is paid inside the first load, as before
+  cc_nowindow cc_warm with the collector's pause off (cachecompile.warm.collector): young
+              collections inside cachecompile's import and loads promote their temporaries,
+              which can set off a full collection before the first outputs, as before
               issue 53; one of --others ("nowindow")
   aot         AOT precompile: one aot_compile + save_compiled_function per batch size by an
               earlier process; here load_compiled_function of each, empty dirs (a caller
@@ -102,11 +103,12 @@ art = os.environ.get("BENCH_ARTIFACTS", "")
 def inputs(b):
     return torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b))
 if mode in ("cc_warm", "cc_nowindow"):
-    from cachecompile import cache_compile
     if mode == "cc_nowindow":
-        # As before the collector's window (issue 53): the process's one window spent.
+        # As before issue 53: the collector runs inside cachecompile's import and loads.
+        import contextlib
         from cachecompile.warm import collector
-        collector._used = True
+        collector.paused = contextlib.nullcontext
+    from cachecompile import cache_compile
     # N static sizes: past cache_compile's default of 8 cached signatures per method
     # (max_signatures, a SignatureLimitWarning), as a server declaring them would raise it.
     fn = cache_compile(m.forward, dynamic=False, max_signatures=max(n, 8))
@@ -268,7 +270,7 @@ def main() -> None:  # noqa: C901 (today's exception: the benchmark's options an
                     help="torch's own mechanisms to compare too (comma list of tc, mega, "
                          "aot; '' for none: eager and cache_compile only. Each recompiles or "
                          "retraces every entry, minutes at 32 entries); and nowindow: "
-                         "cache_compile with the collector's window off (warm.collector)")
+                         "cache_compile with the collector's pause off (warm.collector)")
     ap.add_argument("--workers", type=int, nargs="*", default=[],
                     help="also start N workers at once (each N given), eager's and "
                          "cache_compile's in turn, and time the last one's first output")

@@ -1,95 +1,86 @@
-"""The garbage collector around a warm load: the full collection that ``import torch``
-leaves due is not paid inside one.
+"""The garbage collector around cachecompile's own warm-start work: it collects nothing
+while that work runs, so the work's short-lived objects never look long-lived to it.
 
-Importing torch leaves the collector's oldest generation about to be collected
-(``gc.get_count()`` is ``(_, 11, 10)`` just after it, 2.13 on Python 3.11): the next
-~1,400 objects a process keeps set off a full collection, which walks every object torch
-made, about 170,000 of them, 75-85 ms on a 2-core machine. An eager process that only
-calls its model allocates almost nothing and does not reach it before its first outputs;
-a warm process does, inside its first load (a manifest's guards, a checker), and its
-first output waits for it (issue 53: most of what 8 entries' warm start spent beyond
-eager's).
+Each young collection promotes whatever is alive at that moment. Inside an import, a
+manifest's parse or a checker's build, most of what is alive is about to be dropped (the
+import machinery's, the parser's and the builder's temporaries), yet a collection there
+promotes it to the oldest generation, and CPython runs a full collection once the objects
+promoted since the last one pass a quarter of those it kept then. After ``import torch``
+that full collection walks every object torch made, about 170,000, 60-85 ms on a 2-core
+machine. An eager process that only calls its model promotes almost nothing and serves its
+first outputs before it; a warm process importing cachecompile and loading 8 entries
+promoted its temporaries, reached it inside ``cache_compile()`` or its first loads, and its
+first output waited for it (issue 53: most of what its warm start spent beyond eager's).
 
-So the first load that finds that collection due runs with the older objects frozen
-(``gc.freeze()``, then ``gc.unfreeze()`` as it ends): a collection the load sets off walks
-only what was made since, and ``gc.freeze`` starts the collector's counts again, so the
-full collection comes ~11 younger collections later, while the process serves, as it does
-in any process that allocates as much. Nothing is collected less: a frozen object that
-became garbage during the load is collected by that later full collection.
+So cachecompile's warm-start work runs in a window with automatic collection paused
+(``gc.disable()``, then ``gc.enable()`` as the window ends): importing the package's names,
+``cache_compile()`` itself, and each signature's first-call decision (key, lookup, load).
+What the work drops is freed by reference counting as usual; what it keeps is promoted by
+the collections that follow, as anything a process keeps is; cyclic garbage made inside a
+window is collected by the first collection after it. Nothing is collected less, and only
+what cachecompile really keeps counts toward the next full collection.
 
-Bounds: once per process (a process that loads entries all the time still gets its full
-collections); never where the user froze objects themselves (``gc.freeze()`` after start-up,
-as docs/deploy.md advises: unfreezing would undo theirs) or turned the collector off; one
-window at a time across threads; and a child forked inside a window starts with nothing
-frozen. A ``gc.freeze()`` another thread calls inside the window is undone when it ends:
-the one case this cannot tell apart. Where the collector is incremental (Python
-3.14.0-3.14.4), no collection walks the whole heap at once, and the window never opens. Nor
-does it where the interpreter froze objects of its own at start (Python 3.12 freezes a few
-hundred tuples of its deep-frozen code: 375 on 3.12.1): they cannot be told from a user's,
-and the unfreeze would release them too.
+Bounds:
+- Never around the user's code: a compile and the program's first run are outside (the
+  decision runs in the window, the call after it), and so is a remote tier's download
+  (:func:`release` ends the pause for the rest of a window that waits on the network).
+- Never where the collector was off already: the window leaves it off.
+- One pause across threads (a depth count under a lock): the last window to end resumes.
+- A child forked inside a window starts with the collector on.
+- A ``gc.disable()`` another thread calls inside a window is undone when the window ends:
+  the one case this cannot tell apart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 import threading
 from collections.abc import Iterator
 
-logger = logging.getLogger(__name__)
-
 _lock = threading.Lock()
-_depth = 0            # loads inside a window now, across threads
-_frozen = False       # this module froze the objects; it unfreezes them
-_used = False         # this process's one window has been opened
-
-
-def _due() -> bool:
-    """Whether a full collection may come within the next younger collection or two."""
-    if not gc.isenabled():
-        return False
-    # 0: an incremental collector (Python 3.14.0-3.14.4), where no collection walks the
-    # whole heap at once.
-    oldest = gc.get_threshold()[2]
-    # The freeze count last: it walks the frozen objects (Python 3.11: ~20 ms for the
-    # ~170,000 a user's gc.freeze() after start-up leaves there), so it is asked only
-    # when a collection is due, which is rare.
-    return oldest > 0 and gc.get_count()[2] >= oldest - 1 and not gc.get_freeze_count()
+_depth = 0            # windows open now, across threads
+_paused = False       # this module turned the collector off; it turns it on again
 
 
 @contextlib.contextmanager
-def loading() -> Iterator[None]:
-    """Around a load: the process's first one that finds a full collection due runs with
-    the objects made before it frozen (see the module doc)."""
-    global _depth, _frozen, _used
+def paused() -> Iterator[None]:
+    """Around cachecompile's own warm-start work: no automatic collection inside."""
+    global _depth, _paused
     with _lock:
         _depth += 1
-        if not _used and _due():   # _frozen implies _used
-            _used = _frozen = True
-            gc.freeze()
-            # Not the frozen count: counting walks them all (~20 ms; issue 53).
-            logger.debug("a full collection is due: the load runs with the older objects "
-                         "frozen")
+        if _depth == 1 and gc.isenabled():
+            gc.disable()
+            _paused = True
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _frozen:
-                _frozen = False
-                gc.unfreeze()
+            if _depth == 0 and _paused:
+                _paused = False
+                gc.enable()
+
+
+def release() -> None:
+    """The rest of the open windows runs with the collector on: their work waits on
+    something else (a remote tier's download), for longer than a pause should last."""
+    global _paused
+    with _lock:
+        if _paused:
+            _paused = False
+            gc.enable()
 
 
 def _after_fork_in_child() -> None:
     """A child forked inside a window has no thread left to end it."""
-    global _depth, _frozen, _lock
+    global _depth, _paused, _lock
     _lock = threading.Lock()
     _depth = 0
-    if _frozen:
-        _frozen = False
-        gc.unfreeze()
+    if _paused:
+        _paused = False
+        gc.enable()
 
 
 if hasattr(os, "register_at_fork"):

@@ -33,8 +33,8 @@ from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
 from cachecompile.store.errors import KeyNotFound, StoreError
 from cachecompile.store.explain import nearest as nearest_entry
+from cachecompile.warm import collector, replay
 from cachecompile.warm import frames as warm_frames
-from cachecompile.warm import replay
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,9 @@ class Lookup:
             # A manifest that fails its digest: ``get`` verifies it again and
             # quarantines it, so it is warned about once, not on every run.
             pass
+        # Not here: a remote tier's download (or a miss), which waits on the network
+        # with the collector on.
+        collector.release()
         outcome = st.get(key)
         if isinstance(outcome, Hit):
             # Fetched (a remote tier downloaded it): the variant's load uses this outcome,

@@ -1,26 +1,29 @@
-"""The garbage collector around a warm load (cachecompile.warm.collector, issue 53).
+"""The garbage collector around cachecompile's warm-start work (cachecompile.warm.collector,
+issue 53).
 
-``import torch`` leaves a full collection due; a warm process's first load set it off and
-its first output waited for it (75-85 ms: it walks every object torch made). Each scenario
-is a fresh process that loads entries a cold process published (the demo decoder on
-aot_eager, several hundred guards). It first drives the collector's counts to where
-``import torch`` leaves them, a full collection due at the next young one, then loads;
-a callback notes every full collection and how many objects were frozen while it ran:
+A young collection inside that work promoted its temporaries (the import machinery's, a
+manifest's parse, a checker's build) as if they were long-lived, and enough of them set
+off a full collection that walks every object torch made (60-85 ms): a warm process of 8
+entries paid one more than eager did before its first outputs. So the work runs with
+automatic collection paused. Each scenario is a fresh process. It first drives the
+collector's counts to just below a young collection's threshold, so that any work that
+allocates sets one off; a callback notes every collection that starts inside the work:
 
-* control, the window turned off: a full collection walks everything inside the load
-  (the test can fail, and the situation is real);
-* the window: no full collection walks the old objects during the load, nothing stays
-  frozen after it, and the call's result is eager's;
-* once per process: a second due load runs without the window;
-* a user who froze objects themselves keeps them frozen (their freeze is not undone);
-* a child forked inside a window starts with nothing frozen.
-
-Python 3.12 freezes a few hundred of its own objects at start; there the window never opens
-(an unfreeze would release those too), and the tests check that instead.
+* control, the pause turned off: a load sets collections off (the test can fail, and the
+  situation is real);
+* a load, the package's import and ``cache_compile()`` itself set none off, and the
+  collector is on again after each, with the call's result eager's;
+* cyclic garbage made inside a window is collected by the first collection after it;
+* a user who turned the collector off keeps it off;
+* a child forked inside a window starts with the collector on;
+* a window that waits on the network (``release``) runs the rest with the collector on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -28,44 +31,72 @@ from ccutil import Sandbox
 
 pytestmark = pytest.mark.slow
 
-SETUP = '''
-import gc, os, torch, warnings
-from cachecompile.demo.models import build_decoder
-from cachecompile import cache_compile
-from cachecompile.warm import collector
+# Before anything of cachecompile is imported: the import itself is a subject.
+NOTE = '''
+import gc, os, sys, warnings
+import torch
 warnings.simplefilter("ignore")
-m = build_decoder().eval()
-cc = cache_compile(m.forward, backend="aot_eager", dynamic=False)
-x = {b: torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b)) for b in (1, 2)}
-# What the interpreter froze itself (Python 3.12 freezes a few hundred of its own tuples at
-# start); the window never opens over it (collector._due).
-BASE = gc.get_freeze_count()
-fulls = []       # each full collection: how many objects were frozen (beyond BASE) while it ran
-seen = []        # each collection of any generation: the same
+started = []     # each collection that started inside the work watched: its generation
+in_window = []   # each that started while one of cachecompile's windows was open
+watching = [False]
 
 
 def noted(phase, info):
-    if phase == "start":
-        seen.append(gc.get_freeze_count() - BASE)
-        if info["generation"] == 2:
-            fulls.append(gc.get_freeze_count() - BASE)
+    if phase != "start":
+        return
+    if watching[0]:
+        started.append(info["generation"])
+    collector = sys.modules.get("cachecompile.warm.collector")
+    if collector is not None and collector._depth > 0:
+        in_window.append(info["generation"])
 
 
-def make_due():
-    """The counts ``import torch`` leaves: the next young collection is a middle one that
-    makes a full one due, and the young count is near its threshold."""
+def near_threshold():
+    """The young count just below its threshold: the next ~20 tracked objects any work
+    keeps set off a collection."""
     keep = []
-    t0, t1, t2 = gc.get_threshold()
+    t0 = gc.get_threshold()[0]
     for _ in range(3_000_000):
-        c = gc.get_count()
-        if c[1] == t1 and c[2] >= t2 and c[0] >= t0 - 30:
-            del fulls[:], seen[:]
+        if gc.get_count()[0] >= t0 - 20:
             return keep
         keep.append([None])
-    raise AssertionError(f"the collector's counts never came due: {gc.get_count()}")
+    raise AssertionError(f"the young count never neared its threshold: {gc.get_count()}")
+
+
+@__import__("contextlib").contextmanager
+def watched():
+    keep = near_threshold()
+    del started[:]
+    watching[0] = True
+    try:
+        yield
+    finally:
+        watching[0] = False
+        del keep
 
 
 gc.callbacks.append(noted)
+pauses = []      # each gc.disable() call
+_disable = gc.disable
+gc.disable = lambda: (pauses.append(1), _disable())[1]
+'''
+
+SETUP = NOTE + '''
+from cachecompile.demo.models import build_decoder
+from cachecompile import cache_compile
+from cachecompile.warm import collector
+m = build_decoder().eval()
+cc = cache_compile(m.forward, backend="aot_eager", dynamic=False)
+x = {b: torch.randint(0, 100, (b, 4), generator=torch.Generator().manual_seed(b)) for b in (1, 2)}
+decide = cc._decide
+
+
+def decide_watched(*args):
+    with watched():
+        return decide(*args)
+
+
+cc._decide = decide_watched   # the load (key, lookup, load), not the call it decides
 '''
 
 PUBLISH = '''
@@ -88,114 +119,173 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Sandbox:
     return b
 
 
-def _load(box: Sandbox, body: str) -> dict[str, Any]:
-    out = box.run(SETUP + body, compiles=False).value
+def _run(box: Sandbox, body: str, setup: str = SETUP) -> dict[str, Any]:
+    out = box.run(setup + body, compiles=False).value
     assert isinstance(out, dict)
     return out
 
 
-def test_control_without_the_window_a_full_collection_walks_everything(box: Sandbox) -> None:
-    out = _load(box, '''
-collector._used = True                 # as if this process had used its window
-keep = make_due()
+def test_control_without_the_pause_a_load_sets_collections_off(box: Sandbox) -> None:
+    out = _run(box, '''
+import contextlib
+collector.paused = contextlib.nullcontext      # as before issue 53
 with torch.no_grad():
     y = cc(x[1])
-report({"base": BASE, "fulls": fulls, "events": [e for e, _ in cc.events]})
+report({"started": started, "events": [e for e, _ in cc.events]})
 ''')
     assert out["events"] == ["hit"]
-    assert 0 in out["fulls"], out     # a full collection with nothing frozen: the whole heap
+    assert out["started"], out
 
 
-def test_the_first_due_load_walks_only_what_it_made(box: Sandbox) -> None:
-    out = _load(box, '''
-keep = make_due()
+def test_a_load_sets_no_collection_off_and_leaves_the_collector_on(box: Sandbox) -> None:
+    out = _run(box, '''
 with torch.no_grad():
     y = cc(x[1])
     ok = bool(torch.equal(y, m.forward(x[1])))
-report({"base": BASE, "fulls": fulls, "seen": seen,
-        "frozen_after": gc.get_freeze_count() - BASE, "ok": ok,
+inside = list(started)
+enabled = gc.isenabled()
+with watched():
+    keep = [[None] for _ in range(100)]      # what any code keeps: collected as before
+report({"inside": inside, "enabled": enabled, "after": started, "ok": ok,
         "events": [e for e, _ in cc.events]})
 ''')
     assert out["events"] == ["hit"] and out["ok"]
-    assert out["frozen_after"] == 0
-    if out["base"]:                    # the interpreter froze objects itself: no window
-        assert not any(out["seen"]), out
-        return
-    assert any(out["seen"]), out       # collections ran inside the window
-    assert 0 not in out["fulls"], out  # none walked the old objects
+    assert out["inside"] == [], out
+    assert out["enabled"] is True
+    assert out["after"], "the collector did not run again after the load"
 
 
-def test_once_per_process(box: Sandbox) -> None:
-    out = _load(box, '''
-keep = make_due()
+def test_the_import_and_cache_compile_set_no_collection_off(box: Sandbox) -> None:
+    out = _run(box, '''
+with watched():
+    from cachecompile import cache_compile     # the package's names, in a window
+by_name = "cachecompile.api" in sys.modules and len(pauses)
+from cachecompile.demo.models import build_decoder
+m = build_decoder().eval()
+with watched():
+    cc = cache_compile(m.forward, dynamic=False)  # resolves (imports) its backend
+constructed = "cachecompile.backends.inductor" in sys.modules and len(pauses)
+windows = list(in_window)
+with watched():
+    import cachecompile.cli.main                   # a submodule, as such: no window
+report({"windows": windows, "plain": started, "by_name": by_name,
+        "constructed": constructed, "enabled": gc.isenabled()})
+''', setup=NOTE)
+    assert out["by_name"] == 1 and out["constructed"] == 2, out  # each in a window
+    assert out["windows"] == [], out   # nothing collected while the windows were open
+    assert out["plain"], out           # the control: an import that large does collect
+    assert out["enabled"] is True
+
+
+def test_a_users_disabled_collector_stays_off(box: Sandbox) -> None:
+    out = _run(box, '''
+gc.disable()
 with torch.no_grad():
     cc(x[1])
-first = list(seen)
-keep2 = make_due()
-with torch.no_grad():
-    cc(x[2])
-report({"base": BASE, "first": first, "second": list(seen),
-        "events": [e for e, _ in cc.events], "frozen_after": gc.get_freeze_count() - BASE})
+report({"enabled": gc.isenabled(), "events": [e for e, _ in cc.events]})
 ''')
-    assert out["events"] == ["hit", "hit"]
-    assert bool(any(out["first"])) != bool(out["base"]), out  # the first due load's window
-    assert out["second"] and not any(out["second"]), out  # the second did not
-    assert out["frozen_after"] == 0
+    assert out == {"enabled": False, "events": ["hit"]}
 
 
-def test_a_users_freeze_is_left_as_it_is(box: Sandbox) -> None:
-    out = _load(box, '''
-keep = make_due()
-gc.freeze()
-frozen = gc.get_freeze_count()
-with torch.no_grad():
-    cc(x[1])
-report({"base": BASE, "before": frozen, "after": gc.get_freeze_count(),
-        "used": collector._used})
-''')
-    assert out["before"] > 0 and out["after"] >= out["before"]
-    assert out["used"] is False        # the window was not opened at all
-
-
-def test_a_child_forked_inside_a_window_has_nothing_frozen(box: Sandbox) -> None:
-    out = _load(box, '''
-keep = make_due()
-with collector.loading():
-    inside = gc.get_freeze_count() - BASE
+def test_a_child_forked_inside_a_window_has_the_collector_on(box: Sandbox) -> None:
+    out = _run(box, '''
+with collector.paused():
+    inside = gc.isenabled()
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if gc.get_freeze_count() == BASE else 1)
+        os._exit(0 if gc.isenabled() else 1)
     _, status = os.waitpid(pid, 0)
-report({"base": BASE, "inside": inside, "child": os.waitstatus_to_exitcode(status),
-        "after": gc.get_freeze_count() - BASE})
+report({"inside": inside, "child": os.waitstatus_to_exitcode(status),
+        "after": gc.isenabled()})
 ''')
-    if out["base"]:
-        pytest.skip("this Python freezes objects of its own at start: the window never opens")
-    assert out["inside"] > 0           # the window was open when the child was forked
-    assert out["child"] == 0, "the forked child still had objects frozen"
-    assert out["after"] == 0
+    assert out == {"inside": False, "child": 0, "after": True}
 
 
-def test_a_load_that_finds_nothing_due_does_not_count_the_frozen(monkeypatch: Any) -> None:
-    """``gc.get_freeze_count()`` walks every frozen object (~20 ms over torch's on Python
-    3.11): a load asks it only when a full collection is due, and never while its window is
-    open (issue 53: a debug line counted them inside every window)."""
-    import gc
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+@contextlib.contextmanager
+def _collector_on() -> Any:
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            gc.disable()
+
+
+def test_cyclic_garbage_made_in_a_window_is_collected_after_it() -> None:
+    from cachecompile.warm import collector
+
+    with _collector_on():
+        with collector.paused():
+            assert not gc.isenabled()
+            a, b = _Node(), _Node()
+            a.other, b.other = b, a
+            dead = weakref.ref(a)
+            del a, b
+            kept: list[list[None]] = [[] for _ in range(5 * gc.get_threshold()[0])]
+            assert dead() is not None
+        assert gc.isenabled()
+        kept += [[] for _ in range(5 * gc.get_threshold()[0])]  # the collections after it
+        assert dead() is None, "a cycle made inside the window outlived it"
+
+
+def test_windows_nest_across_threads_and_release_ends_the_pause() -> None:
+    import threading
 
     from cachecompile.warm import collector
 
-    asked: list[int] = []
-    real = gc.get_freeze_count
-    monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or real())
-    monkeypatch.setattr(collector, "_used", False)
-    monkeypatch.setattr(gc, "get_count", lambda: (0, 0, 0))        # nothing due
-    with collector.loading():
-        pass
-    assert asked == [] and not collector._used
-    monkeypatch.setattr(gc, "get_count", lambda: (0, 0, gc.get_threshold()[2]))   # due
-    frozen_before = real()
-    with collector.loading():
-        inside = len(asked)
-    assert collector._used and real() == frozen_before
-    if frozen_before == 0 and gc.isenabled() and gc.get_threshold()[2] > 0:
-        assert inside == 1, "the window counted the frozen objects again"
+    with _collector_on():
+        inner = threading.Event()
+        done = threading.Event()
+
+        def other() -> None:
+            with collector.paused():
+                inner.set()
+                done.wait(10)
+
+        t = threading.Thread(target=other)
+        with collector.paused():
+            t.start()
+            assert inner.wait(10)
+        assert not gc.isenabled(), "the first window to end resumed under an open one"
+        done.set()
+        t.join(10)
+        assert gc.isenabled()
+        with collector.paused():
+            collector.release()           # a remote tier's download: the collector is on
+            assert gc.isenabled()
+        assert gc.isenabled()
+
+
+def test_a_remote_download_runs_with_the_collector_on(tmp_path: Any) -> None:
+    """A lookup that goes to the network (here a shared filesystem tier) ends the pause:
+    a pause must not last as long as a download may."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    remote = {"CACHECOMPILE_REMOTE": f"file://{shared}", "CACHECOMPILE_TRUST_REMOTE": "1"}
+    assert Sandbox(tmp_path / "a").run(PUBLISH, environ=remote).value == ["miss", "miss"]
+    out = Sandbox(tmp_path / "b").run(SETUP + '''
+from cachecompile.warm.state import store_for
+st = store_for(None)
+real_get, during_get = st.get, []
+
+
+def get(key, *args, **kwargs):
+    during_get.append(gc.isenabled())
+    return real_get(key, *args, **kwargs)
+
+
+st.get = get
+with torch.no_grad():
+    ok = bool(torch.equal(cc(x[1]), m.forward(x[1])))
+report({"events": [e for e, _ in cc.events], "during_get": during_get, "ok": ok,
+        "enabled": gc.isenabled()})
+''', compiles=False, environ=remote).value
+    assert out["events"] == ["hit"] and out["ok"], out
+    assert out["during_get"][:1] == [True], out   # the download: the collector on
+    assert out["enabled"] is True
