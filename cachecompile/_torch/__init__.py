@@ -32,16 +32,7 @@ import importlib.util
 import logging
 from collections.abc import Iterable
 
-from cachecompile._torch import (
-    dynamo,
-    dynamo_shim,
-    frames,
-    inductor,
-    inductor_runtime,
-    passes,
-    runtime,
-    versions,
-)
+from cachecompile._torch import versions
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +40,19 @@ logger = logging.getLogger(__name__)
 DYNAMO = "dynamo"
 INDUCTOR = "inductor"
 
-_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "warm": runtime.NEEDS + dynamo_shim.NEEDS + inductor_runtime.NEEDS + frames.NEEDS,
-    DYNAMO: dynamo.NEEDS,
-    INDUCTOR: inductor.NEEDS + passes.NEEDS,
+# Each part's modules, whose NEEDS it checks. They are imported when their part is first
+# probed, not with this package: a warm process never imports the cold ones (~5 ms of its
+# start, issue 53).
+_PARTS: dict[str, tuple[str, ...]] = {
+    "warm": ("runtime", "dynamo_shim", "inductor_runtime", "frames"),
+    DYNAMO: ("dynamo",),
+    INDUCTOR: ("inductor", "passes"),
 }
+
+
+def _needs(part: str) -> tuple[tuple[str, str], ...]:
+    return tuple(need for name in _PARTS[part]
+                 for need in importlib.import_module(f"{__name__}.{name}").NEEDS)
 
 
 def probe(parts: Iterable[str] = ()) -> str | None:
@@ -76,7 +75,7 @@ def probe(parts: Iterable[str] = ()) -> str | None:
 @functools.cache
 def _missing(part: str) -> str | None:
     """The first name of ``part`` this torch lacks (checked once per process)."""
-    for module, attr in _NEEDS[part]:
+    for module, attr in _needs(part):
         missing = _lacks(module, attr)
         if missing is not None:
             logger.debug("torch lacks %s (%s part of cachecompile._torch)", missing, part)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from cachecompile import _torch
-from cachecompile._torch import inductor, inductor_runtime
+from cachecompile._torch import inductor_runtime
 from cachecompile.backends.base import (
     JSON,
     Adapter,
@@ -98,6 +98,8 @@ def _level(options: Mapping[str, Any]) -> str | None:
 def _building_for(level: cpu.Level | None) -> contextlib.AbstractContextManager[None]:
     """Inductor's vector ISA choice held to the level, so that the compiler's flags and
     the kernels' vector code agree (-march alone leaves Inductor's ISA flags in)."""
+    from cachecompile._torch import inductor  # cold only: imported when used
+
     if level is None:
         return contextlib.nullcontext()
     return inductor.vec_isa_limited(level.name, level.vec)
@@ -151,7 +153,8 @@ class InductorAdapter(Adapter):
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
-        from cachecompile._torch import dynamo  # cold only: the warm path never needs it
+        # Cold only: the warm path never imports them.
+        from cachecompile._torch import dynamo, inductor
 
         n_inputs = len(example_inputs)
         sources = [dynamo.placeholder_source(n) or "" for n in gm.graph.nodes
@@ -174,6 +177,8 @@ class InductorAdapter(Adapter):
         if meta.get("async_compile") == "light":
             async_compile: Callable[[], Any] = inductor_runtime.light_async_compile_factory(kernels)
         else:
+            from cachecompile._torch import inductor  # Inductor's own machinery
+
             async_compile = inductor.async_compile_class()
         constants: dict[str, torch.Tensor] = {}
         if CONSTANTS_FILE in files:
@@ -188,6 +193,8 @@ class InductorAdapter(Adapter):
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
+        from cachecompile._torch import inductor
+
         # torch.compile's Inductor takes no decompositions: custom ones are not applied.
         return "inductor", inductor.config_patches(options) or None
 
@@ -254,6 +261,8 @@ class _RecordingAsyncCompile:
         self._real: Any = None
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str) -> Callable[..., Any]:
+        from cachecompile._torch import inductor  # cold only: imported when used
+
         fn, path = inductor.load_cpp_kernel(argtypes, source_code)
         if not path or not os.path.isfile(path):
             raise UnsupportedProgramError("could not locate a built C++ kernel library")
@@ -266,6 +275,8 @@ class _RecordingAsyncCompile:
 
     def __getattr__(self, attr: str) -> Any:
         # triton, cuda, halide...: keep Inductor's own machinery for these.
+        from cachecompile._torch import inductor  # cold only: imported when used
+
         if self._real is None:
             self._real = inductor.async_compile_class()()
         self.needs_real = True
@@ -274,6 +285,8 @@ class _RecordingAsyncCompile:
 
 def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, Any],  # noqa: C901 (today's exception: one branch per form of Inductor's output)
                      sources: Sequence[str]) -> Program:
+    from cachecompile._torch import inductor  # cold only: imported when used
+
     for opt in _UNSUPPORTED_OPTIONS:
         value = options.get(opt, inductor.config_value(opt))
         if value:

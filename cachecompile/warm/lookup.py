@@ -32,7 +32,6 @@ from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage, make_key
 from cachecompile.store.errors import KeyNotFound, StoreError
-from cachecompile.store.explain import nearest as nearest_entry
 from cachecompile.warm import collector, replay
 from cachecompile.warm import frames as warm_frames
 
@@ -315,6 +314,9 @@ class Lookup:
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:
         """' (nearest entry differs in: a, b)' for the miss log line, and those factors.
         Where the signature differs, both are shown: a stride, a size, an int's value."""
+        # A miss's only: a warm process that hits never imports it.
+        from cachecompile.store.explain import nearest as nearest_entry
+
         try:
             near = nearest_entry(st, key.factors,
                                  {"model": model_label(self._module),
