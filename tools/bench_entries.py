@@ -140,6 +140,10 @@ with torch.no_grad():
         out = fn(x)
         first[b] = time.perf_counter() - t0
     served = time.time()   # wall clock: --workers compares it with the launch
+    # Full collections so far, read once here (gc.callbacks, BENCH_GC, allocate inside
+    # every collection and move the next full one: a count they give can differ).
+    import gc
+    full_by_first = gc.get_stats()[2]["collections"]
     for b in range(1, n + 1):     # second calls: cache_compile builds each entry's C++ tree
         fn(inputs(b))
     second = time.perf_counter() - t0
@@ -151,7 +155,7 @@ import json
 print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
                               "served": served,
                               "misses": sum(e != "hit" for e in events) if events else None,
-                              "gc": gc_stats}))
+                              "gc": gc_stats, "full_by_first": full_by_first}))
 """
 
 PHASES = {
@@ -171,9 +175,11 @@ def report(rows: dict[str, list[dict[str, float]]]) -> list[str]:
     for mode, rs in rows.items():
         first = [r["last_first"] for r in rs]
         second = [r["second_round"] * 1e3 for r in rs]
+        full = sorted({int(r.get("full_by_first", -1)) for r in rs})
         line = (f"  {mode:8s} first output min {min(first):6.3f} s, median "
                 f"{statistics.median(first):6.3f} s; second round min {min(second):7.1f} ms, "
-                f"median {statistics.median(second):7.1f} ms")
+                f"median {statistics.median(second):7.1f} ms; full collections by the last "
+                f"first output {'/'.join(map(str, full))}")
         if mode != "eager":
             diff = [f - e for f, e in zip(first, eager, strict=True)]
             line += (f"; minus eager, paired: median {statistics.median(diff):+.3f} s "

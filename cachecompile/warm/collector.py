@@ -57,7 +57,9 @@ def paused() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _depth -= 1
+            # Never below 0: in a child forked inside a window the count starts at 0 and
+            # the forking thread's window still ends.
+            _depth = max(0, _depth - 1)
             if _depth == 0 and _paused:
                 _paused = False
                 gc.enable()

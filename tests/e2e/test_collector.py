@@ -193,8 +193,13 @@ with collector.paused():
     inside = gc.isenabled()
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if gc.isenabled() else 1)
-    _, status = os.waitpid(pid, 0)
+        ok = gc.isenabled()
+    else:
+        _, status = os.waitpid(pid, 0)
+if pid == 0:           # the child's window ended too: a later one pauses and resumes
+    with collector.paused():
+        ok = ok and not gc.isenabled()
+    os._exit(0 if ok and gc.isenabled() else 1)
 report({"inside": inside, "child": os.waitstatus_to_exitcode(status),
         "after": gc.isenabled()})
 ''')
