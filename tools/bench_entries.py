@@ -8,7 +8,11 @@ turn, so a round's eager and cache_compile processes share that moment's load; t
 prints, per mechanism, the min and median of its first output and of its second round,
 and the median (and min, max) of its per-round difference to eager (cc minus eager in the
 same round), which is what the budgets compare. On a loaded machine eager's own median
-moves by more than the effect measured; the paired difference moves much less.
+moves by more than the effect measured; the paired difference moves much less. Most of what
+still moves it is ``import torch`` (about 1 s, the same work in both, spread by ±0.2 s on a
+shared VM), so the same difference is also given from the end of each process's own
+``import torch`` ("after import torch"), and how many full collections had run by the last
+first output (``gc.get_stats()``, read once there).
 
 Mechanisms, each a fresh process over the same N batch sizes:
   eager       the model as it is
@@ -83,6 +87,7 @@ if os.environ.get("BENCH_GC"):   # the garbage collector's time, by generation
             gc_stats["ms"][info["generation"]] += (time.perf_counter() - _start[0]) * 1e3
     gc.callbacks.append(_collected)
 import torch
+t_torch = time.perf_counter() - t0
 from cachecompile.demo.models import build_decoder
 mode, n = sys.argv[1], int(sys.argv[2])
 if mode not in ("eager", "cc_warm", "cc_nowindow") or os.environ.get("BENCH_BUILD"):
@@ -155,7 +160,8 @@ import json
 print("RESULT " + json.dumps({"last_first": first[n], "second_round": second - first[n],
                               "served": served,
                               "misses": sum(e != "hit" for e in events) if events else None,
-                              "gc": gc_stats, "full_by_first": full_by_first}))
+                              "gc": gc_stats, "full_by_first": full_by_first,
+                              "after_torch": first[n] - t_torch}))
 """
 
 PHASES = {
@@ -184,6 +190,10 @@ def report(rows: dict[str, list[dict[str, float]]]) -> list[str]:
             diff = [f - e for f, e in zip(first, eager, strict=True)]
             line += (f"; minus eager, paired: median {statistics.median(diff):+.3f} s "
                      f"(min {min(diff):+.3f}, max {max(diff):+.3f})")
+            beyond = [r["after_torch"] - e["after_torch"]
+                      for r, e in zip(rs, rows["eager"], strict=True)]
+            line += (f"; after import torch, paired: median {statistics.median(beyond):+.3f} s "
+                     f"(min {min(beyond):+.3f}, max {max(beyond):+.3f})")
             if rs[-1].get("misses") is not None:
                 line += f"; misses {rs[-1]['misses']}"
         lines.append(line)
