@@ -502,12 +502,13 @@ def recording_lookups() -> Iterator[None]:
         _recording.sink = previous
 
 
-def recorded_lookups() -> list[Resolved]:
+def recorded_lookups() -> list[Resolved] | None:
     """The lookups recorded since the last call (one frame's, when its guards are being
-    built); [] outside :func:`recording_lookups`."""
+    built); None outside :func:`recording_lookups`: not recorded, which is not "none made"
+    (a frame whose lookups were not recorded is not stored)."""
     sink: list[Resolved] | None = getattr(_recording, "sink", None)
     if sink is None:
-        return []
+        return None
     out = list(sink)
     sink.clear()
     return out

@@ -184,6 +184,24 @@ class _Compiling:
         self._dynamic = spec.dynamic
         self._compile_seconds = 0.0
 
+    @staticmethod
+    @contextlib.contextmanager
+    def dynamo_call(record: bool) -> Iterator[None]:
+        """What every call of a session into Dynamo runs under (the one place it is said):
+        torch's meta-kernel errors kept quiet, compiled graphs' outputs left unmarked
+        (:func:`dynamo.outputs_left_unmarked`), and, with ``record`` (a session that stores
+        what Dynamo compiles), the names Dynamo looks up and the reads torch 2.11 leaves
+        unguarded recorded. Without ``record``, :func:`dynamo.recorded_lookups` says "not
+        recorded", and a frame's guards captured then are refused
+        (:func:`guard_capture.translate`): a call that forgets to record costs a miss,
+        never a frame stored without its absence guards."""
+        with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
+            if not record:
+                yield
+                return
+            with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
+                yield
+
     def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
         # In a copy of the context: Dynamo builds the guards after the backend returns,
         # and a context variable the compiler sets and leaves set (torch 2.15's compiler
@@ -405,14 +423,6 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-@contextlib.contextmanager
-def _recording() -> Iterator[None]:
-    """While Dynamo may trace: the names it looks up recorded, and the reads 2.11 leaves
-    unguarded."""
-    with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
-        yield
-
-
 class LiveSession(_Compiling):
     """One signature of one cached method under plain ``torch.compile``: caching is off,
     or this call is not cached, so nothing is kept (:class:`TraceSession` keeps it).
@@ -471,9 +481,9 @@ class LiveSession(_Compiling):
     def _call_begins(self, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before a call reaches Dynamo (``first``: this session's first call)."""
 
-    def _call_reads(self, first: bool) -> contextlib.AbstractContextManager[Any]:
-        """What a call runs under, besides what every call does."""
-        return contextlib.nullcontext()
+    def _records(self, first: bool) -> bool:
+        """Whether a call records what Dynamo looks up (:meth:`dynamo_call`)."""
+        return False
 
     def _call_ends(self, first: bool) -> None:
         """After a call, its result or error given."""
@@ -517,8 +527,7 @@ class LiveSession(_Compiling):
         before = sum(self.phases.seconds.values()) if first else 0.0
         self._call_begins(first, args, kwargs)
         try:
-            with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked(), \
-                    self._call_reads(first):
+            with self.dynamo_call(self._records(first)):
                 return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() + dynamo.input_errors() as e:
             note = ""
@@ -715,13 +724,10 @@ class TraceSession(LiveSession):
             self._state = guard_capture.state_snapshot()
             self._frames.in_first_call = True
 
-    def _call_reads(self, first: bool) -> contextlib.AbstractContextManager[Any]:
+    def _records(self, first: bool) -> bool:
         # A graph break's later calls may compile frames too (a branch first taken), each
-        # published as a frame variant: the names Dynamo looks up are recorded (absent
-        # state), and the reads 2.11 leaves unguarded.
-        if first or not self._fullgraph:
-            return _recording()
-        return contextlib.nullcontext()
+        # published as a frame variant: they record as the first call does.
+        return first or not self._fullgraph
 
     def _call_ends(self, first: bool) -> None:
         if first:
@@ -873,7 +879,7 @@ class FrameSession(_Compiling):
 
     def __call__(self, *args: Any) -> Any:
         # As TraceSession's calls: what it compiles is published, with every guard.
-        with dynamo.outputs_left_unmarked(), dynamo.unguarded_reads_recorded():
+        with self.dynamo_call(record=True):
             return self._live(*args)
 
 
@@ -895,5 +901,5 @@ class LiveFrameSession(_Compiling):
         return []
 
     def __call__(self, *args: Any) -> Any:
-        with dynamo.outputs_left_unmarked():
+        with self.dynamo_call(record=False):
             return self._live(*args)

@@ -253,8 +253,16 @@ def concrete(dims: Sequence[Any]) -> list[int | None]:
 def translate(entries: Sequence[Any], *, arg_names: set[str],
               tensor_dims: Mapping[str, tuple[list[Any], list[Any]]], module_name: str,
               state: Mapping[str, JSON], strings: Iterable[str] = (),
-              resolved: Sequence[dynamo.Resolved] = ()
+              resolved: Sequence[dynamo.Resolved] | None
               ) -> tuple[list[g.GuardDict], set[type]]:
+    """Dynamo's guard entries for one frame, portable, with the absent state its lookups
+    (``resolved``) found. ``resolved`` None: the lookups were not recorded (the frame was
+    compiled outside the session's Dynamo call), so what was absent is not known and the
+    frame is not stored (UnsupportedProgramError)."""
+    if resolved is None:
+        raise UnsupportedProgramError("the names Dynamo looked up while tracing the frame "
+                                      "were not recorded, so the state it found absent "
+                                      "cannot be guarded")
     b = _Builder(arg_names, tensor_dims, module_name, state)
     for e in dynamo.guard_entries(entries):
         b.entry(e)

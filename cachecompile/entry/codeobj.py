@@ -34,7 +34,7 @@ import math
 import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -470,4 +470,85 @@ def loads(data: bytes, consts: list[JSON]) -> types.CodeType:
     return out
 
 
-__all__ = ["JSON", "describe_unmarshallable", "dumps", "loads"]
+__all__ = ["JSON", "bind_names", "describe_unmarshallable", "dumps", "loads"]
+
+
+# -- transformed code bound to objects instead of generated globals --------------------------
+def _cache_units(op: int) -> int:
+    entries = getattr(dis, "_inline_cache_entries", None)
+    if entries is None:
+        return 0                                         # 3.10: no inline caches
+    if isinstance(entries, Mapping):                     # 3.13: by name
+        return int(entries.get(dis.opname[op], 0))
+    return int(entries[op])                              # 3.11, 3.12: by opcode
+
+
+def _load_const(k: int, null: bool, units: int) -> list[tuple[int, int]] | None:
+    """``LOAD_CONST k`` (with the NULL a ``LOAD_GLOBAL`` pushed, where it pushed one) in
+    exactly ``units`` code units, NOPs after; None where it does not fit."""
+    ext, nop = dis.opmap["EXTENDED_ARG"], dis.opmap["NOP"]
+    seq: list[tuple[int, int]] = []
+    if k > 255:
+        seq.append((ext, k >> 8))
+    seq.append((dis.opmap["LOAD_CONST"], k & 0xFF))
+    if null:
+        push_null = (dis.opmap["PUSH_NULL"], 0)
+        # 3.13: the callable, then NULL; 3.11 and 3.12: NULL first.
+        seq = [*seq, push_null] if sys.version_info >= (3, 13) else [push_null, *seq]
+    if len(seq) > units or k > 0xFFFF:
+        return None
+    return seq + [(nop, 0)] * (units - len(seq))
+
+
+def bind_names(code: types.CodeType, values: Mapping[str, Any]) -> types.CodeType:
+    """``code`` with each ``LOAD_GLOBAL`` of a name in ``values`` made a ``LOAD_CONST`` of
+    its value (nested code objects too).
+
+    Replayed bytecode (a method's, a resume function's, a callee's) runs in its module's
+    own globals, as under ``torch.compile``, so that a global it writes or deletes lands
+    in the module; the names Dynamo generated for it (``__compiled_fn_*``,
+    ``__resume_at_*``, ``__import_*``) are bound this way instead of being written into
+    that module. Same length, same offsets: jumps, the exception table and the line table
+    stay valid. UnsupportedProgramError where an instruction has no room (3.10, a
+    constant index past 255 without an ``EXTENDED_ARG`` already there), or where the code
+    writes a name it binds (the write would not reach what the reads see)."""
+    consts = list(code.co_consts)
+    for i, c in enumerate(consts):
+        if isinstance(c, types.CodeType):
+            consts[i] = bind_names(c, values)
+    raw = bytearray(code.co_code)
+    load_global, ext = dis.opmap["LOAD_GLOBAL"], dis.opmap["EXTENDED_ARG"]
+    writes = {dis.opmap["STORE_GLOBAL"], dis.opmap["DELETE_GLOBAL"]}
+    null_bit = sys.version_info >= (3, 11)
+    added: dict[str, int] = {}
+    start = i = 0
+    arg = 0
+    while i < len(raw):
+        op, oparg = raw[i], raw[i + 1]
+        arg = (arg << 8) | oparg
+        if op == ext:
+            i += 2
+            continue
+        if op in writes and code.co_names[arg] in values:
+            raise UnsupportedProgramError(
+                f"{code.co_name}'s bytecode writes {code.co_names[arg]}, a name it reads bound")
+        if op == load_global:
+            namei, null = (arg >> 1, arg & 1) if null_bit else (arg, 0)
+            name = code.co_names[namei]
+            if name in values:
+                if name not in added:
+                    added[name] = len(consts)
+                    consts.append(values[name])
+                units = (i - start) // 2 + 1 + _cache_units(op)
+                seq = _load_const(added[name], bool(null), units)
+                if seq is None:
+                    raise UnsupportedProgramError(
+                        f"no room to bind {name} in {code.co_name}'s bytecode")
+                for j, (o, a) in enumerate(seq):
+                    raw[start + 2 * j], raw[start + 2 * j + 1] = o, a
+                i = start + 2 * units
+                start, arg = i, 0
+                continue
+        i += 2 + 2 * _cache_units(op)
+        start, arg = i, 0
+    return code.replace(co_code=bytes(raw), co_consts=tuple(consts))

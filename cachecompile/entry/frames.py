@@ -31,7 +31,6 @@ by ``cachectl``.
 from __future__ import annotations
 
 import dataclasses
-import dis
 import gc
 import importlib
 import inspect
@@ -339,70 +338,3 @@ def frame_values(code: types.CodeType, f_locals: Mapping[str, Any],
         else:
             out.extend(f_locals[n] for n in code.co_freevars)
     return out
-
-
-# -- a callee's transformed code, bound to objects instead of generated globals -------------
-def _cache_units(op: int) -> int:
-    entries = getattr(dis, "_inline_cache_entries", None)
-    if entries is None:
-        return 0                                         # 3.10: no inline caches
-    if isinstance(entries, Mapping):                     # 3.13: by name
-        return int(entries.get(dis.opname[op], 0))
-    return int(entries[op])                              # 3.11, 3.12: by opcode
-
-
-def bind_globals(code: types.CodeType, values: Mapping[str, Any]) -> types.CodeType:
-    """``code`` with each ``LOAD_GLOBAL`` of a name in ``values`` made a ``LOAD_CONST`` of
-    its value (nested code objects too). A callee's transformed code runs in the callee's
-    own module globals (the C hook gives it that frame); its generated names
-    (``__compiled_fn_*``, ``__resume_at_*``, ``__import_*``) are bound this way instead of
-    being written into that module. Same length, same offsets: jumps, the exception table
-    and the line table stay valid. UnsupportedProgramError where an instruction has no room
-    (3.10, a constant index past 255 without an ``EXTENDED_ARG`` already there)."""
-    consts = list(code.co_consts)
-    for i, c in enumerate(consts):
-        if isinstance(c, types.CodeType):
-            consts[i] = bind_globals(c, values)
-    raw = bytearray(code.co_code)
-    load_global, load_const = dis.opmap["LOAD_GLOBAL"], dis.opmap["LOAD_CONST"]
-    ext, nop = dis.opmap["EXTENDED_ARG"], dis.opmap["NOP"]
-    push_null = dis.opmap.get("PUSH_NULL")
-    null_bit = sys.version_info >= (3, 11)
-    null_after = sys.version_info >= (3, 13)   # 3.13: the callable, then NULL
-    added: dict[str, int] = {}
-    start = i = 0
-    arg = 0
-    while i < len(raw):
-        op, oparg = raw[i], raw[i + 1]
-        arg = (arg << 8) | oparg
-        if op == ext:
-            i += 2
-            continue
-        if op == load_global:
-            namei, null = (arg >> 1, arg & 1) if null_bit else (arg, 0)
-            name = code.co_names[namei]
-            if name in values:
-                if name not in added:
-                    added[name] = len(consts)
-                    consts.append(values[name])
-                k = added[name]
-                units = (i - start) // 2 + 1 + _cache_units(op)
-                seq: list[tuple[int, int]] = []
-                if k > 255:
-                    seq.append((ext, k >> 8))
-                seq.append((load_const, k & 0xFF))
-                if null:
-                    assert push_null is not None
-                    seq = [*seq, (push_null, 0)] if null_after else [(push_null, 0), *seq]
-                if len(seq) > units or (k > 0xFFFF):
-                    raise UnsupportedProgramError(
-                        f"no room to bind {name} in {code.co_name}'s bytecode")
-                seq += [(nop, 0)] * (units - len(seq))
-                for j, (o, a) in enumerate(seq):
-                    raw[start + 2 * j], raw[start + 2 * j + 1] = o, a
-                i = start + 2 * units
-                start, arg = i, 0
-                continue
-        i += 2 + 2 * _cache_units(op)
-        start, arg = i, 0
-    return code.replace(co_code=bytes(raw), co_consts=tuple(consts))

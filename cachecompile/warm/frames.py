@@ -1,11 +1,11 @@
 """A graph-breaking method's other frames, served in a warm process without Dynamo.
 
 A loaded entry's method bytecode (warm.replay) calls resume functions by generated global
-names (``__resume_at_118_3``). Here each name is bound, in the private globals of the
-bytecode that calls it, to a :class:`Continuation`: it checks the guards of each stored
-variant of that frame on every call, as Dynamo checks its cache entries, and runs the
-first variant whose guards hold (its transformed bytecode, rebuilt over private globals
-in turn, whose graphs are the adapter's loaded programs).
+names (``__resume_at_118_3``). Here each name is bound, in the bytecode that calls it
+(:func:`replay.bound_code`), to a :class:`Continuation`: it checks the guards of each
+stored variant of that frame on every call, as Dynamo checks its cache entries, and runs
+the first variant whose guards hold (its transformed bytecode, bound in turn and run in
+its module's own globals, whose graphs are the adapter's loaded programs).
 
 Where does a frame's variant come from? The signature's entry holds the variants Dynamo
 compiled during the call that made it; a frame compiled later, in any process (a branch
@@ -95,22 +95,21 @@ class LiveFrames(Protocol):
 
 
 class _Loaded:
-    """One variant of a frame, loaded: its check over the frame's names and its code."""
+    """One variant of a frame, loaded: its check over the frame's names, and its code with
+    its generated names bound (:func:`replay.bound_code`), run in the frame's module's own
+    globals, where its writes land."""
 
-    __slots__ = ("check", "checker", "code", "fn", "globals", "name", "run_globals")
+    __slots__ = ("check", "checker", "code", "fn", "globals", "name")
 
     def __init__(self, check: Callable[..., bool], checker: checker_mod.Checker,
                  code: types.CodeType, g: replay.ReplayGlobals, name: str) -> None:
         self.check = check
         self.checker = checker
-        self.code = code
-        self.globals = g
-        # What its function runs in: ``g`` with the torch stand-in, as the method's
-        # (replay.rebuild); the guards and a callee's bound names keep ``g``.
-        self.run_globals = g.for_code(code)
+        self.code = replay.bound_code(code, g)
+        self.globals = g.module_globals
         self.name = name
         # Built once where no closure comes with each call.
-        self.fn = (types.FunctionType(code, self.run_globals, name)
+        self.fn = (types.FunctionType(self.code, self.globals, name)
                    if not code.co_freevars else None)
 
 
@@ -166,14 +165,23 @@ class Continuation:
         self.unserved = 0
 
     def variants(self) -> list[_Loaded]:
-        """The stored variants, loaded on the frame's first call (checker, bytecode)."""
+        """The stored variants, loaded on the frame's first call (checker, bytecode). One
+        that does not load is left out (logged): the call goes on to the frame's chain, a
+        live compile or the code as written, never to a raw error in the user's call."""
         v = self._variants
         if v is None:
             with self._lock:
                 if self._variants is None:
-                    self._variants = [self._frames.load_variant(self.record, self.code, var,
-                                                                self._source)
-                                      for var in self.record.variants]
+                    loaded = []
+                    for i, var in enumerate(self.record.variants):
+                        try:
+                            loaded.append(self._frames.load_variant(self.record, self.code,
+                                                                    var, self._source))
+                        except Exception as e:  # a cache fault is a miss
+                            logger.info("cachecompile %s: variant %d of frame %s did not "
+                                        "load (%s: %s)", self._frames.qualname, i,
+                                        self.record.name, type(e).__name__, e)
+                    self._variants = loaded
                 v = self._variants
         return v
 
@@ -197,7 +205,7 @@ class Continuation:
             for v in self.variants():
                 if v.check(*values):
                     self.served += 1
-                    return types.FunctionType(v.code, v.run_globals, v.name, None,
+                    return types.FunctionType(v.code, v.globals, v.name, None,
                                               closure)(*args)
             return self._unserved(args, closure)
         return run
@@ -330,7 +338,7 @@ class Frames:
                      guards: tuple[replay.ReplayGlobals, checker_mod.Checker] | None = None
                      ) -> _Loaded:
         """A variant ready to run: its guards (``guards`` if already built), its bytecode,
-        its graphs and the continuations it calls, bound in its private globals."""
+        its graphs and the continuations it calls, bound into its code."""
         g, checker = guards if guards is not None else self._guards(record, code, var)
         for gname, i in var.graphs.items():
             if not gname.startswith("__compiled_fn"):
@@ -456,11 +464,8 @@ class Frames:
         installed = 0
         for i, (var, src) in enumerate(variants):
             try:
+                # Its code, bound (replay.bound_code), runs in the callee's own frame.
                 loaded = self.load_variant(record, code, var, src)
-                # The generated names of its bytecode, bound to their objects: the callee
-                # runs in its own module's globals, which are not written to.
-                bound = ef.bind_globals(loaded.code, {k: v for k, v in loaded.globals.items()
-                                                      if k != "__builtins__"})
             except UnsupportedProgramError as e:
                 # This variant does not install (3.10: no room to bind a name): where no
                 # other one holds, the callee runs as written, eager's result.
@@ -476,7 +481,7 @@ class Frames:
                 self.callee_served[fid] = self.callee_served.get(fid, 0) + 1
                 return True
 
-            hook.install(code, frame_check, bound, f"cachecompile {record.name} variant {i}")
+            hook.install(code, frame_check, loaded.code, f"cachecompile {record.name} variant {i}")
             installed += 1
         if installed:
             self.callees.append(record.id)

@@ -1,13 +1,16 @@
 """Warm path: rebuild a cached method from an entry, without Dynamo.
 
 Dynamo's transformed bytecode is turned back into a function over the method's closure
-and a *private* globals mapping: the names Dynamo generated (``__compiled_fn_*``,
-``__import_*``, the builtins dict) live there, and every other name falls through to the
-module's live globals. Nothing is written into the module's globals, so a later
+and the module's own globals, as ``torch.compile`` runs it: a global the method writes or
+deletes (``global STEP; STEP += 1``) lands in the module, and every later read, in the
+method, in a resume frame or in any function it calls, sees it. The names Dynamo generated
+(``__compiled_fn_*``, ``__import_*``, ``__resume_at_*``) are not written into the module:
+they are bound into the code itself as constants (:func:`bound_code`), so a later
 ``torch.compile`` of the same module (a new signature compiled live in this process) never
-meets our stand-ins where Dynamo expects its own objects. The function reads the module's
-parameters and the call's inputs from the live frame on every call, exactly as in the
-compiling process.
+meets our stand-ins where Dynamo expects its own objects. :class:`ReplayGlobals` holds
+those names for the guards, which read them with the module's live globals behind them.
+The function reads the module's parameters and the call's inputs from the live frame on
+every call, exactly as in the compiling process.
 
 Only ``torch`` is imported here; Dynamo's helper module is served by a light stand-in
 (:mod:`cachecompile._torch.dynamo_shim`).
@@ -32,7 +35,9 @@ BUILTINS_DICT = "builtins.__dict__"
 
 
 class ReplayGlobals(dict[str, Any]):
-    """Dynamo's generated names over the module's live globals (read through, never written)."""
+    """Dynamo's generated names over the module's live globals (read through, never
+    written): the namespace an entry's guards are checked in, and the names
+    :func:`bound_code` binds into its bytecode."""
 
     __slots__ = ("module_globals",)
 
@@ -46,24 +51,34 @@ class ReplayGlobals(dict[str, Any]):
     def __missing__(self, key: str) -> Any:
         return self.module_globals[key]
 
-    def for_code(self, code: types.CodeType) -> ReplayGlobals:
-        """The globals a function of ``code`` runs in: these, with the torch module bound to
-        the stand-in (:data:`dynamo_shim.torch_standin`) under each name the code reads it
-        by: the module's ``torch`` global, or the name Dynamo gave it where the module has
-        none (``import torch as th``: ``___module_torch_<id>_c0``). The guards keep reading
-        these, where each is torch itself."""
-        swap = [n for n in code.co_names if self._reads_torch(n)]
-        if not swap:
-            return self
-        out = ReplayGlobals(self.module_globals, self)
-        for n in swap:
-            out[n] = dynamo_shim.torch_standin
-        return out
-
-    def _reads_torch(self, name: str) -> bool:
+    def reads_torch(self, name: str) -> bool:
         if dict.__contains__(self, name):     # one of Dynamo's names, bound at load
             return is_dynamo_global(name) and dict.get(self, name) is torch
         return name == "torch" and self.module_globals.get(name) is torch
+
+
+def _all_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _all_names(c)
+    return names
+
+
+def bound_code(code: types.CodeType, g: ReplayGlobals) -> types.CodeType:
+    """``code`` ready to run in its module's own globals: each of Dynamo's generated names
+    of ``g`` loaded as the object it stands for, and the torch module read as the stand-in
+    (:data:`dynamo_shim.torch_standin`) under each name the code reads it by: the module's
+    ``torch`` global, or the name Dynamo gave it where the module has none (``import torch
+    as th``: ``___module_torch_<id>_c0``). The guards keep reading ``g``, where each is
+    torch itself. UnsupportedProgramError where a name cannot be bound
+    (:func:`codeobj.bind_names`): the entry does not serve, never a program whose writes go
+    astray."""
+    values = {n: v for n, v in dict.items(g) if n != "__builtins__"}
+    for n in _all_names(code):
+        if g.reads_torch(n):
+            values[n] = dynamo_shim.torch_standin
+    return codeobj.bind_names(code, values)
 
 
 def resolve_module(name: str) -> Any:
@@ -136,7 +151,7 @@ def replay_globals(func: types.FunctionType, imports: Mapping[str, str],
 def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
             g: ReplayGlobals, compiled_fn_name: str,
             compiled_fn: Callable[..., Any] | None) -> types.MethodType:
-    """The method over its stored bytecode and the private globals ``g``; its graph
+    """The method over its stored bytecode, its generated names bound from ``g``; its graph
     (``compiled_fn``) under ``compiled_fn_name``, unless the method's graph breaks before
     any graph (no name, no program: its frames hold them)."""
     func = method.__func__
@@ -153,8 +168,8 @@ def rebuild(method: types.MethodType, bytecode: bytes, consts: list[Any],
             raise UnsupportedProgramError(
                 f"unexpected compiled function name {compiled_fn_name!r}")
         g[compiled_fn_name] = compiled_fn
-    fn = types.FunctionType(code, g.for_code(code), func.__name__, func.__defaults__,
-                            func.__closure__)
+    fn = types.FunctionType(bound_code(code, g), g.module_globals, func.__name__,
+                            func.__defaults__, func.__closure__)
     fn.__kwdefaults__ = func.__kwdefaults__
     fn.__qualname__ = func.__qualname__
     return types.MethodType(fn, method.__self__)

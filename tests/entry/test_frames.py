@@ -112,7 +112,7 @@ def test_bind_globals_keeps_offsets_and_calls_the_bound_object() -> None:
         calls.append(v)
         return v * 2
 
-    code = ef.bind_globals(_uses_globals.__code__, {"GENERATED": generated})
+    code = codeobj.bind_names(_uses_globals.__code__, {"GENERATED": generated})
     assert len(code.co_code) == len(_uses_globals.__code__.co_code)
     fn = types.FunctionType(code, {"__builtins__": __builtins__})   # no GENERATED there
     assert fn(3, 2) == (-12, 2, 3)
@@ -128,9 +128,9 @@ def test_bind_globals_past_255_constants() -> None:
     if sys.version_info < (3, 11):
         # 3.10: LOAD_GLOBAL has no inline caches to make room for EXTENDED_ARG.
         with pytest.raises(UnsupportedProgramError, match="no room"):
-            ef.bind_globals(code, {"GENERATED": abs})
+            codeobj.bind_names(code, {"GENERATED": abs})
         return
-    bound = ef.bind_globals(code, {"GENERATED": lambda v: -v})
+    bound = codeobj.bind_names(code, {"GENERATED": lambda v: -v})
     assert types.FunctionType(bound, {"__builtins__": __builtins__})(0.0) == -45000.0
 
 
