@@ -39,7 +39,10 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
 
     CliError (click.ClickException)        cachectl's one line and exit code, made from the
                                            errors above (cachecompile.cli.common)
-    _Absent, _Vacated                      control flow inside warm/lookup.py; never escape it
+    _Vacated                               control flow inside warm/lookup.py; never escapes it
+    ChainEnd, Vacated, Unusable            a variant chain's read (warm/chain.py): its end, an
+                                           entry quarantined, an entry refused; caught by the
+                                           two walkers (warm/lookup.py, warm/frames.py)
     _NotAPath                              control flow inside entry/guard_tree.py
     _Unstorable                            control flow inside backends/bare.py
 

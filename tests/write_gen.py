@@ -265,7 +265,7 @@ def _sources(name: str, form: str, breaks: int,
     out += ["    return out", "", "def set_state(m, which):", "    mod = sys.modules[__name__]",
             "    for m in (list(m.blocks) if isinstance(m, Outer) else [m]):"]
     for w, _, _ in ws:
-        out += [f"        if which == 'A':", *("            " + x for x in w.set_a),
+        out += ["        if which == 'A':", *("            " + x for x in w.set_a),
                 "        else:", *("            " + x for x in w.set_b)]
     out += ["", "def _plain(v):", "    if isinstance(v, torch.Tensor):",
             "        return {'tensor': [float(t) for t in v.flatten()]}",

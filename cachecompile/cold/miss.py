@@ -42,23 +42,21 @@ from cachecompile.errors import (
     fault,
     user_stacklevel,
 )
-from cachecompile.key import deps as deps_mod
 from cachecompile.key.frame import FrameKeys
 from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
-from cachecompile.store import Hit, Key, LocalStorage
+from cachecompile.store import Entry, Key, LocalStorage
 from cachecompile.store.errors import StoreError
 from cachecompile.warm import frames as warm_frames
-from cachecompile.warm.frames import MAX_FRAME_VARIANTS, frame_variant_key
+from cachecompile.warm.chain import VariantChain
 from cachecompile.warm.lookup import (
     MAX_VARIANTS,
     Lookup,
     Probe,
     Variant,
     record_miss,
-    variant_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,6 +159,7 @@ class MissPath:
         self._on_recompile_limit = on_recompile_limit
         self._qualname = method.__qualname__
         self.churn = Churn(self._qualname)
+        self._full_frames: set[str] = set()   # frames whose chain was full (said once)
 
     def run(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
             kwargs: dict[str, Any], early: Mapping[str, float], *, publish: bool) -> Served:
@@ -265,25 +264,25 @@ class MissPath:
         if meta.frames:
             labels["frames"] = str(meta.n_frames)   # cachectl ls: how many frames
         t0 = time.perf_counter()
+
+        def write_at(key: Key, index: int) -> Entry:
+            labels["variant"] = str(index)
+            return writer.write(st, key, files, meta=meta, who=who,
+                                function=self._method.__name__, labels=labels)
+
         try:
             # Under the frame lock: the first free variant index. Another node (through a
             # remote tier) may take the same index at once; the loser moves on.
-            for _ in range(MAX_VARIANTS):
-                index = self._free_variant(st, frame)
-                if index is None:
-                    fault(f"{self._qualname} already has {MAX_VARIANTS} variants "
-                          f"for [{describe(sig)}]; this one is not cached. "
-                          "`cachectl explain` shows which guards differ")
-                    return
-                key = variant_key(frame, index)
-                labels["variant"] = str(index)
-                entry = writer.write(st, key, files, meta=meta, who=who,
-                                     function=self._method.__name__, labels=labels)
-                if _guards_of(entry.meta) == list(meta.guards):
-                    break   # ours, or an identical one another process put there first
+            key = VariantChain(st, frame).publish(
+                write_at, lambda theirs: _guards_of(theirs) == list(meta.guards))
         except (StoreError, OSError) as e:
             fault(f"publishing {frame.digest[:12]} failed ({e}); this process keeps its "
                   "live compile and the next one compiles again")
+            return
+        if key is None:
+            fault(f"{self._qualname} already has {MAX_VARIANTS} variants "
+                  f"for [{describe(sig)}]; this one is not cached. "
+                  "`cachectl explain` shows which guards differ")
             return
         logger.info("cachecompile publish %s %s [%s]: compiled in %.1f s, stored in %.1f ms "
                     "(%d guards, %d frames)", self._qualname, key.digest[:12], describe(sig),
@@ -365,28 +364,41 @@ class MissPath:
         frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
                         "dynamo_frame": head.name[:200], "frames": "+1"}
         mine = [list(v.guards) for v in head.variants]
+
+        def same(theirs_meta: Mapping[str, Any]) -> bool:
+            try:
+                theirs = read_frames(EntryMeta.from_json(theirs_meta).frames)[0]
+            except (KeyError, IndexError, UnsupportedProgramError):
+                return False
+            return ([list(v.guards) for v in theirs.variants] == mine
+                    and theirs.as_written == head.as_written)
+
+        def write_at(key: Key, index: int) -> Entry:
+            entry = writer.write(st, key, files, meta=meta, who=who,
+                                 function=self._method.__name__, labels=frame_labels)
+            logger.info("cachecompile publish %s [%s]: frame %s, variant %d%s",
+                        self._qualname, signature, head.name, index,
+                        " (runs as written)" if head.as_written else "")
+            return entry
+
         try:
-            for i in range(MAX_FRAME_VARIANTS):
-                key = frame_variant_key(frame, head.id, i)
-                if st.contains(key) or isinstance(st.get(key), Hit):
-                    try:
-                        theirs = read_frames(EntryMeta.from_json(
-                            st.manifest(key)["meta"]).frames)[0]
-                        if [list(v.guards) for v in theirs.variants] == mine and \
-                                theirs.as_written == head.as_written:
-                            return   # the same variant, published by another process
-                    except (StoreError, OSError, KeyError, IndexError,
-                            UnsupportedProgramError):
-                        pass
-                    continue
-                writer.write(st, key, files, meta=meta, who=who,
-                             function=self._method.__name__, labels=frame_labels)
-                logger.info("cachecompile publish %s [%s]: frame %s, variant %d%s",
-                            self._qualname, signature, head.name, i,
-                            " (runs as written)" if head.as_written else "")
-                return
+            key = VariantChain(st, frame, head.id).publish(write_at, same)
         except (StoreError, OSError) as e:
             fault(f"publishing a variant of frame {head.name} failed ({e})")
+            return
+        if key is None:
+            self._chain_full(head.name, signature)
+
+    def _chain_full(self, name: str, signature: str) -> None:
+        """Said once per frame and process: its chain holds MAX_VARIANTS variants whose
+        sources are current, so a new one is compiled live in every process."""
+        if name in self._full_frames:
+            return
+        self._full_frames.add(name)
+        fault(f"{self._qualname} [{signature}]: frame {name} already has {MAX_VARIANTS} "
+              "published variants; this one is not stored, and each process that needs it "
+              "compiles it live. A value it reads changes from call to call (`cachectl "
+              "explain` shows which guards differ): pass it as a tensor, or make it fixed.")
 
     def run_frame(self, frames: warm_frames.Frames, cont: warm_frames.Continuation,
                   args: tuple[Any, ...]) -> Any:
@@ -434,27 +446,6 @@ class MissPath:
                     logger.debug("publishing a frame that runs as written failed",
                                  exc_info=True)
         return result
-
-    def _free_variant(self, st: LocalStorage, frame: Key) -> int | None:
-        """The lowest variant index with no entry (locally or in a remote tier); when
-        every index is taken, the first one whose source files changed (it is removed)."""
-        stale: Key | None = None
-        for i in range(MAX_VARIANTS):
-            key = variant_key(frame, i)
-            if not st.contains(key) and not isinstance(st.get(key), Hit):
-                return i
-            if stale is None:
-                try:
-                    # Any format: a variant another release wrote is as reusable a slot.
-                    meta = EntryMeta.from_json(st.manifest(key)["meta"], any_format=True)
-                    if deps_mod.changed(dict(meta.deps)):
-                        stale = key
-                except (StoreError, OSError, KeyError, UnsupportedProgramError):
-                    continue
-        if stale is not None and st.delete(stale):
-            return int(stale.factors["variant"])
-        return None
-
 
 def _guards_of(meta: Mapping[str, Any]) -> list[Any] | None:
     """The guards of a published entry's meta; None if it is not a record this code reads."""

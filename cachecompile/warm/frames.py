@@ -10,9 +10,9 @@ its module's own globals, whose graphs are the adapter's loaded programs).
 Where does a frame's variant come from? The signature's entry holds the variants Dynamo
 compiled during the call that made it; a frame compiled later, in any process (a branch
 first taken there, a frame whose guards failed), is published as a *frame variant*: an
-entry of its own under the signature's key plus the frame's id (:func:`frame_variant_key`),
-a chain 0, 1, ... like a signature's variants. A call that no loaded variant serves walks
-that chain (:meth:`Frames.from_chain`); if nothing there serves it either, the frame is
+entry of its own under the signature's key plus the frame's id, a chain 0, 1, ... like a
+signature's variants (:class:`~cachecompile.warm.chain.VariantChain`). A call that no
+loaded variant serves walks that chain (:meth:`Frames.from_chain`); if nothing there serves it either, the frame is
 compiled live and published (:class:`LiveFrames`, the cold side), or, where nothing may be
 compiled, the continuation's own code runs as written: what Dynamo generated for the rest
 of the method, in its module, so the result is eager's, never a program run on guards
@@ -50,21 +50,11 @@ from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import deps as deps_mod
 from cachecompile.key.identity import code_digest
-from cachecompile.store import Hit, Key, LocalStorage, make_key
-from cachecompile.store.errors import KeyNotFound, StoreError
+from cachecompile.store import Hit, Key, LocalStorage
 from cachecompile.warm import replay
+from cachecompile.warm.chain import LIMIT, ChainEnd, Unusable, Vacated, VariantChain
 
 logger = logging.getLogger(__name__)
-
-# A frame's chain of variant entries holds up to this many (as a signature's does).
-MAX_FRAME_VARIANTS = 16
-
-
-def frame_variant_key(frame: Key, frame_id: str, i: int) -> Key:
-    """The key of the ``i``-th published variant of frame ``frame_id`` under the
-    signature's key ``frame``."""
-    return make_key({**frame.factors, "dynamo_frame": frame_id, "variant": i})
-
 
 def variant_check(checker: checker_mod.Checker, mode: GuardMode,
                   cost: guard_tree.BuildCost | None) -> Callable[..., bool]:
@@ -354,22 +344,25 @@ class Frames:
 
     # -- frame variants published later ---------------------------------------------------
     def _chain(self, fid: str, start: int
-               ) -> Iterator[tuple[int, Key, EntryMeta | None, tuple[FrameRecord, ...]]]:
-        """(index, key, meta, head record) of frame ``fid``'s published variants from
-        ``start``, up to the first free index (the end of the chain)."""
+               ) -> Iterator[tuple[int, Key, EntryMeta | None, tuple[FrameRecord, ...],
+                                   Hit | None]]:
+        """(index, key, meta, head record, the Hit a remote download gave) of frame
+        ``fid``'s published variants from ``start``, up to the first free index (the end of
+        the chain); meta None for a variant that does not fit (another adapter, changed
+        sources, not this frame's), and for one the store quarantined."""
         if self.st is None or self.key is None:
             return
-        for i in range(start, MAX_FRAME_VARIANTS):
-            k = frame_variant_key(self.key, fid, i)
+        chain = VariantChain(self.st, self.key, fid)
+        for i in range(start, LIMIT):
+            k = chain.key(i)
             try:
-                raw = dict(self.st.manifest(k)["meta"])
-            except KeyNotFound:
-                outcome = self.st.get(k)
-                if not isinstance(outcome, Hit):
-                    return
-                raw = dict(outcome.entry.meta)
-            except (StoreError, OSError):
+                raw, fetched = chain.read(i)
+            except ChainEnd:
                 return
+            except (Vacated, Unusable) as e:
+                logger.info("cachecompile %s: frame variant %d: %s", self.qualname, i, e)
+                yield i, k, None, (), None
+                continue
             try:
                 meta = EntryMeta.from_json(raw)
                 records = ef.read_frames(meta.frames)
@@ -378,17 +371,17 @@ class Frames:
                         or records[0].id != fid
                         or not (one or (records[0].as_written and not records[0].variants))
                         or deps_mod.changed(dict(meta.deps))):
-                    yield i, k, None, ()
+                    yield i, k, None, (), None
                     continue
             except UnsupportedProgramError:
-                yield i, k, None, ()
+                yield i, k, None, (), None
                 continue
-            yield i, k, meta, records
+            yield i, k, meta, records, fetched
 
-    def _fetch(self, k: Key, meta: EntryMeta, records: Sequence[FrameRecord]
-               ) -> _Source | None:
+    def _fetch(self, k: Key, meta: EntryMeta, records: Sequence[FrameRecord],
+               fetched: Hit | None) -> _Source | None:
         assert self.st is not None
-        outcome = self.st.get(k)
+        outcome = fetched or self.st.get(k)
         if not isinstance(outcome, Hit):
             return None
         try:
@@ -405,7 +398,7 @@ class Frames:
         """The first published variant of ``cont``'s frame (past those walked already)
         whose guards hold for ``values``, loaded and added to it; None if none does."""
         try:
-            for i, k, meta, records in self._chain(cont.record.id, cont.probed):
+            for i, k, meta, records, fetched in self._chain(cont.record.id, cont.probed):
                 cont.probed = i + 1
                 if meta is None:
                     continue
@@ -417,7 +410,7 @@ class Frames:
                 guards = self._guards(records[0], cont.code, var)
                 if not guards[1].full(*values):
                     continue
-                source = self._fetch(k, meta, records)
+                source = self._fetch(k, meta, records, fetched)
                 if source is None:
                     continue
                 loaded = self.load_variant(records[0], cont.code, var, source, guards)
@@ -436,9 +429,9 @@ class Frames:
         the source it loads from."""
         found: list[tuple[FrameVariant, _Source]] = []
         try:
-            for _, k, meta, records in self._chain(record.id, 0):
+            for _, k, meta, records, fetched in self._chain(record.id, 0):
                 if meta is not None and records[0].variants:
-                    chained = self._fetch(k, meta, records)
+                    chained = self._fetch(k, meta, records, fetched)
                     if chained is not None:
                         found.append((records[0].variants[0], chained))
         except Exception:  # the chain is extra: the entry's own variants still install

@@ -30,16 +30,17 @@ from cachecompile.key import passes as passes_mod
 from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
-from cachecompile.store import Hit, Key, LocalStorage, make_key
-from cachecompile.store.errors import KeyNotFound, StoreError
-from cachecompile.warm import collector, replay
+from cachecompile.store import Hit, Key, LocalStorage
+from cachecompile.store.errors import StoreError
 from cachecompile.warm import frames as warm_frames
+from cachecompile.warm import replay
+from cachecompile.warm.chain import LIMIT, ChainEnd, Unusable, Vacated, VariantChain
 
 logger = logging.getLogger(__name__)
 
 # A frame key holds up to this many entries, each with its own guards; past it, new
 # variants run with live torch.compile.
-MAX_VARIANTS = 16
+MAX_VARIANTS = LIMIT
 # The miss log line compares with at most this many entries of the method (manifests
 # only), and names at most this many of the factors the nearest one differs in.
 NEAREST_CANDIDATES = 50
@@ -52,10 +53,6 @@ _FACTOR_WORDS = {
                                   "the entry was written by another release or a local edit)",
     "versions.cachecompile": "versions.cachecompile (another cachecompile release)",
 }
-
-
-class _Absent(Exception):
-    """No entry under a variant key: the end of the chain."""
 
 
 class _Vacated(Exception):
@@ -114,7 +111,8 @@ class Probe:
 
 
 def variant_key(frame: Key, i: int) -> Key:
-    return make_key({**frame.factors, "variant": i})
+    """The key of variant ``i`` of a signature (:meth:`VariantChain.key_of`)."""
+    return VariantChain.key_of(frame, i)
 
 
 def safely(fn: Callable[[], Any]) -> None:
@@ -153,25 +151,31 @@ class Lookup:
         """Walk the frame's variants in order; load the first whose guards hold."""
         out = Probe()
         self._fetched.clear()  # only this walk's fetches
-        for i in range(MAX_VARIANTS):
-            key = variant_key(frame, i)
+        chain = VariantChain(st, frame)
+        for i in range(LIMIT):
+            key = chain.key(i)
             try:
-                meta = self._variant_meta(st, key)
-            except _Absent:
-                # Variants are published at the lowest free index, so the chain ends at the
-                # first gap (a gap left by eviction is refilled by the next publish).
+                meta, fetched = chain.read(i)
+            except ChainEnd:
                 out.free = i if out.free is None else out.free
                 return out
-            except _Vacated as v:
-                # Quarantined by the store just now (warned above): refill this index.
+            except Vacated as v:
+                # Quarantined by the store just now: the user hears of it once, as
+                # promised, and the next publish refills this index.
+                fault(f"{v}; it is quarantined and compiled again")
                 out.free = i if out.free is None else out.free
-                out.first(str(v))
+                out.first(v.kind)
+                continue
+            except Unusable as u:
+                fault(str(u))
                 continue
             except (StoreError, OSError) as e:
                 fault(f"looking up {key.digest[:12]} failed ({e})")
                 return out
-            if meta is None:
-                continue  # unusable (corrupt, insecure): the store said why
+            if fetched is not None:
+                # Fetched (a remote tier downloaded it): the variant's load uses this
+                # outcome, so one lookup is one hit, not two.
+                self._fetched[key.digest] = fetched
             try:
                 runner = self._try_variant(st, key, meta, args, kwargs, out)
             except _Vacated as v:
@@ -191,36 +195,6 @@ class Lookup:
                 out.runner = runner
                 return out
         return out
-
-    def _variant_meta(self, st: LocalStorage, key: Key) -> dict[str, Any] | None:
-        """An entry's meta, from its manifest when the local store has it (no file hashing,
-        no hit counted); else through ``get`` (a remote tier downloads and backfills)."""
-        try:
-            return dict(st.manifest(key)["meta"])
-        except KeyNotFound:
-            pass
-        except StoreError:
-            # A manifest that fails its digest: ``get`` verifies it again and
-            # quarantines it, so it is warned about once, not on every run.
-            pass
-        # Not here: a remote tier's download (or a miss), which waits on the network
-        # with the collector on.
-        collector.release()
-        outcome = st.get(key)
-        if isinstance(outcome, Hit):
-            # Fetched (a remote tier downloaded it): the variant's load uses this outcome,
-            # so one lookup is one hit, not two.
-            self._fetched[key.digest] = outcome
-            return dict(outcome.entry.meta)
-        if outcome.kind == "absent":
-            raise _Absent()
-        if outcome.kind in ("corrupt", "insecure"):
-            # Quarantined by the store just now: the user hears of it once, as promised.
-            fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}; it is quarantined "
-                  "and compiled again")
-            raise _Vacated(outcome.kind)
-        fault(f"entry {key.digest[:12]} is unusable: {outcome.reason}")
-        return None
 
     def _try_variant(self, st: LocalStorage, key: Key, raw: dict[str, Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any], out: Probe) -> Variant | None:
@@ -284,7 +258,7 @@ class Lookup:
         if loaded.frames:
             # A graph break: the resume functions the bytecode calls and the callees it
             # reaches, each with its own guards (warm.frames).
-            signature_key = make_key({k: v for k, v in key.factors.items() if k != "variant"})
+            signature_key = VariantChain.signature_of(key)
             frames = warm_frames.Frames(loaded, entry.files, adapter, self._spec.guards,
                                         self._tree_cost, qualname, st=st, key=signature_key,
                                         live=self.live_frames, labels=entry.labels)
