@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # 3: Inductor programs import their stand-ins from cachecompile._torch.inductor_runtime.
 #    Later additions are optional fields a format-3 reader does without (``checker``).
 # 4: graph breaks (fullgraph=False): every frame Dynamo compiled for the call (``frames``,
-#    ``graphs``, ``resumes``; entry.frames). A format-3 reader would run the method's
+#    ``graphs``, ``resumes``; entry.frame_records). A format-3 reader would run the method's
 #    bytecode without the frames it calls, so it must refuse these entries by name.
 ENTRY_FORMAT = 4
 

@@ -135,10 +135,10 @@ class Task:
         try:
             st = store_for(self.fn.spec.cache_dir)
             local = getattr(st, "local", st)  # the tier's local store, not the remote
-            frame = self.fn.key(self.sig)
+            sig_key = self.fn.key(self.sig)
             found: list[str] = []
             for i in range(MAX_VARIANTS):
-                digest = variant_key(frame, i).digest
+                digest = variant_key(sig_key, i).digest
                 if not local.contains(digest):
                     break  # variants fill from 0: the first gap ends the chain
                 found.append(digest)

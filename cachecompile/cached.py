@@ -2,7 +2,7 @@
 
 First call of a signature:
 
-1. key = the method's base factors (computed once) + the signature (``key.frame``);
+1. key = the method's base factors (computed once) + the signature (``key.signature_key``);
 2. store hit -> rebuild the method from the entry (no Dynamo, no compiler) and run it
    (``warm.lookup``);
 3. miss -> ``cold.miss``: under the key's file lock (other processes wait, then load),
@@ -42,9 +42,9 @@ from cachecompile.errors import (
     fault,
     user_stacklevel,
 )
-from cachecompile.key.frame import FrameKeys
 from cachecompile.key.gears import Gears
 from cachecompile.key.signature import Signature, describe, requires_grad, signature, varying
+from cachecompile.key.signature_key import SignatureKeys
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Key, LocalStorage
 from cachecompile.store.errors import StoreError
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from cachecompile.cold.capture import LiveSession
     from cachecompile.cold.miss import MissPath
-    from cachecompile.warm.frames import Continuation, Frames
+    from cachecompile.warm.frame_serving import Continuation, Frames
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ OFF_GEAR = "outside the declared gears"
 class SharedEntries:
     """Entries loaded once for the instances of repeated blocks (``compile_repeated_blocks``).
 
-    N identical blocks have one frame key per signature. The first block to load an entry
+    N identical blocks have one signature key per signature. The first block to load an entry
     registers it here; every other block's first call of that signature checks the
     entry's guards against itself (its own parameters, its own attributes: a block whose
     ``layer_idx`` the program read fails them) and, if they hold, runs the same program
@@ -84,23 +84,23 @@ class SharedEntries:
     """
 
     def __init__(self) -> None:
-        self._loaded: dict[str, list[Variant]] = {}   # frame digest -> loaded variants
+        self._loaded: dict[str, list[Variant]] = {}   # signature key digest -> loaded variants
         self._lock = threading.Lock()
         self.loads = 0      # entries loaded from the store for the group
         self.reuses = 0     # block instances served by an entry another one loaded
 
-    def add(self, frame: Key, variant: Variant) -> None:
+    def add(self, sig_key: Key, variant: Variant) -> None:
         if variant.checker is None or not isinstance(variant.run, types.MethodType):
             return  # a live compile: bound to its own instance, nothing to share
         with self._lock:
-            self._loaded.setdefault(frame.digest, []).append(variant)
+            self._loaded.setdefault(sig_key.digest, []).append(variant)
             self.loads += 1
 
-    def reuse(self, frame: Key, lookup: Lookup, module: Any, args: tuple[Any, ...],
+    def reuse(self, sig_key: Key, lookup: Lookup, module: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Variant | None:
         """A variant another block loaded whose guards hold for ``module``, rebound to it."""
         with self._lock:
-            variants = list(self._loaded.get(frame.digest, ()))
+            variants = list(self._loaded.get(sig_key.digest, ()))
         for v in variants:
             assert v.checker is not None and isinstance(v.run, types.MethodType)
             if v.checker.full(module, *args, **kwargs):
@@ -113,7 +113,7 @@ class SharedEntries:
 
 
 class _LiveFrames:
-    """warm.frames.LiveFrames for one cached method: a frame of a graph break that no
+    """warm.frame_serving.LiveFrames for one cached method: a frame of a graph break that no
     stored variant serves is compiled by the cold side, imported on first use."""
 
     def __init__(self, cached: CachedFunction) -> None:
@@ -144,10 +144,10 @@ class CachedFunction(Generic[_P, _R]):
         # the signature is computed (__call__); the one that served the last call.
         self._last: Variant | None = None
         self._prev: Variant | None = None
-        self._keys = FrameKeys(method, spec)
+        self._keys = SignatureKeys(method, spec)
         # The other CPU targets this CPU supports (CACHECOMPILE_CPU_TARGET), best first:
         # looked up when the best one misses; a miss compiles for the best.
-        self._alt_keys = [FrameKeys(method, spec.for_alternate(i))
+        self._alt_keys = [SignatureKeys(method, spec.for_alternate(i))
                           for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
         self._lookup.live_frames = _LiveFrames(self)
@@ -345,14 +345,14 @@ class CachedFunction(Generic[_P, _R]):
         t0 = time.perf_counter()
         early: dict[str, float] = {}  # the cold path's first phases (capture.Phases)
         try:
-            frame = self.key(sig)
+            sig_key = self.key(sig)
         except Exception as e:  # an unkeyable call is a fault, not a crash
             logger.debug("computing the key failed", exc_info=True)
             fault(f"computing the cache key failed ({type(e).__name__}: {e})")
             return functools.partial(live, "no key")
         early["key"] = time.perf_counter() - t0
         if self._shared is not None:
-            reused = self._shared.reuse(frame, self._lookup, self._module, args, kwargs)
+            reused = self._shared.reuse(sig_key, self._lookup, self._module, args, kwargs)
             if reused is not None:
                 self._add(sig, reused, "hit")
                 logger.info("cachecompile hit %s %s [%s] shared with a repeated block, "
@@ -373,18 +373,18 @@ class CachedFunction(Generic[_P, _R]):
                   f"CACHECOMPILE_CPU_TARGET fits this CPU ({spec.cpu_unserved}); it runs "
                   "with a live native compile, neither loaded nor published")
             return functools.partial(live, "no CPU target fits this CPU")
-        probe = self._lookup.probe(st, frame, args, kwargs)
+        probe = self._lookup.probe(st, sig_key, args, kwargs)
         for alt in self._alt_keys if probe.runner is None and not probe.missing_ops else ():
-            found = self._lookup.probe(st, alt.frame(sig), args, kwargs)
+            found = self._lookup.probe(st, alt.signature_key(sig), args, kwargs)
             if found.runner is not None or found.missing_ops:
-                # Served under the best target's frame from now on (repeated blocks share
+                # Served under the best target's signature key from now on (repeated blocks share
                 # it); a miss of them all stays the best one's, which a compile fills.
                 probe = found
                 break
         if probe.runner is not None:
             self._add(sig, probe.runner, "hit")
             if self._shared is not None:
-                self._shared.add(frame, probe.runner)
+                self._shared.add(sig_key, probe.runner)
             logger.info("cachecompile hit %s %s [%s] loaded in %.1f ms", self.__qualname__,
                         probe.runner.name, describe(sig), (time.perf_counter() - t0) * 1e3)
             return functools.partial(probe.runner.run, *args, **kwargs)
@@ -403,7 +403,7 @@ class CachedFunction(Generic[_P, _R]):
             why = "; ".join(probe.rejected[:3]) or f"the entry was {probe.kind}"
             record_miss(st, probe.kind, probe.guard if probe.kind == "guard" else None)
         else:
-            near, differ = self._lookup.nearest(st, frame, sig)
+            near, differ = self._lookup.nearest(st, sig_key, sig)
             why = "no entry" + near
             # A miss for want of a key is counted by what set the nearest entry apart; a
             # signature outside the declared gears by that (cachectl stats counts them).
@@ -411,11 +411,11 @@ class CachedFunction(Generic[_P, _R]):
         # The key the compile will publish (under a CPU target, the target's), so that
         # the digest here is the one `cachectl ls` shows once it is published.
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__,
-                    probe.publish_key(frame).digest[:12], describe(sig), why)
-        return functools.partial(self._compile, sig, args, kwargs, st, frame, probe, early)
+                    probe.publish_key(sig_key).digest[:12], describe(sig), why)
+        return functools.partial(self._compile, sig, args, kwargs, st, sig_key, probe, early)
 
     def _compile(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 st: LocalStorage, frame: Key, probe: Probe, early: dict[str, float]) -> Any:
+                 st: LocalStorage, sig_key: Key, probe: Probe, early: dict[str, float]) -> Any:
         """A miss: compile the signature (publishing it where that is worth it) and run it."""
         # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
         # (it imports them: most of what torch.compile itself imports before tracing).
@@ -424,7 +424,7 @@ class CachedFunction(Generic[_P, _R]):
             return self._run_live(sig, args, kwargs, "cache off for this torch")
         early["torch_imports"] = time.perf_counter() - t1
         miss = self._miss_path()
-        served = miss.run(st, frame, sig, args, kwargs, early,
+        served = miss.run(st, sig_key, sig, args, kwargs, early,
                           publish=miss.churn.worth_publishing(probe, sig))
         self._add(sig, served.variant, served.outcome.value)
         return served.result
@@ -448,8 +448,8 @@ class CachedFunction(Generic[_P, _R]):
         self._shapes = None
         self.spec = dataclasses.replace(self.spec, dynamic=True)
         self._dynamic = True
-        self._keys = FrameKeys(self._method, self.spec)
-        self._alt_keys = [FrameKeys(self._method, self.spec.for_alternate(i))
+        self._keys = SignatureKeys(self._method, self.spec)
+        self._alt_keys = [SignatureKeys(self._method, self.spec.for_alternate(i))
                           for i in range(len(self.spec.alternates))]
         self._retired.append(self._lookup)
         self._lookup = Lookup(self._method, self.spec)
@@ -496,8 +496,8 @@ class CachedFunction(Generic[_P, _R]):
         return self._keys.factors(sig)
 
     def key(self, sig: Signature) -> Key:
-        """The frame key of a call signature (its variants are ``warm.lookup.variant_key``)."""
-        return self._keys.frame(sig)
+        """The key of a call signature (its variants: ``warm.chain.VariantChain``)."""
+        return self._keys.signature_key(sig)
 
     if TYPE_CHECKING:
         # As a class attribute (``@cache_compile`` above ``def forward(self, ...)``) it

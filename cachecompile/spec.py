@@ -45,7 +45,7 @@ class CompileSpec:
     alternates: tuple[Mapping[str, Any], ...] = ()
     cpu_unserved: str | None = None
     # torch.compile's: False lets the graph break; every frame Dynamo compiles for a call
-    # is stored in the signature's entry (entry.frames).
+    # is stored in the signature's entry (entry.frame_records).
     fullgraph: bool = True
 
     def __post_init__(self) -> None:

@@ -118,7 +118,7 @@ def test_the_check_fails_on_a_tree_that_breaks_it() -> None:
     table = floors()
     broken = {
         f"{PKG}.key.factors": "from cachecompile.backends.base import Adapter\n",
-        f"{PKG}.key.frame": "def f():\n    from cachecompile import __version__\n",
+        f"{PKG}.key.signature_key": "def f():\n    from cachecompile import __version__\n",
         f"{PKG}.warm.lookup": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                               "    from cachecompile.cold import capture\n",
         f"{PKG}.warm.replay": "from ..procs import coop\n",
@@ -129,7 +129,7 @@ def test_the_check_fails_on_a_tree_that_breaks_it() -> None:
     }
     found = violations(broken, table)
     assert [f.split(":")[0] for f in found] == [
-        f"{PKG}.key.factors", f"{PKG}.key.frame", f"{PKG}.warm.lookup",
+        f"{PKG}.key.factors", f"{PKG}.key.signature_key", f"{PKG}.warm.lookup",
         f"{PKG}.warm.replay"], found
     assert "up from floor 3 (key) to 5 (backends)" in found[0]
     assert "(key) to 11 (__init__)" in found[1]          # the package face

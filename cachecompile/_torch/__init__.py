@@ -9,7 +9,7 @@ banned-api rule, TID251, keeps it so; see pyproject.toml), one module per concer
                            SDPBackend, operators, pytree, what is imported
 * :mod:`.dynamo_shim`      the stand-in for ``torch._dynamo.utils`` in replayed bytecode
 * :mod:`.guard_tree`       warm path: Dynamo's C++ guard tree, built without Dynamo
-* :mod:`.frames`           warm path: a stored frame run in place of a called function's
+* :mod:`.frame_hook`       warm path: a stored frame run in place of a called function's
                            code (Dynamo's run-only frame hook), without Dynamo
 * :mod:`.inductor_runtime` the stand-ins for the Inductor names that output code imports
 * :mod:`.dynamo`           cold path: tracing, guards, the names Dynamo resolves,
@@ -44,7 +44,7 @@ INDUCTOR = "inductor"
 # probed, not with this package: a warm process never imports the cold ones (~5 ms of its
 # start, issue 53).
 _PARTS: dict[str, tuple[str, ...]] = {
-    "warm": ("runtime", "dynamo_shim", "inductor_runtime", "frames"),
+    "warm": ("runtime", "dynamo_shim", "inductor_runtime", "frame_hook"),
     DYNAMO: ("dynamo",),
     INDUCTOR: ("inductor", "passes"),
 }

@@ -20,8 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cachecompile._version import code_label
-from cachecompile.entry import frames as frames_mod
-from cachecompile.entry.frames import FrameRecord
+from cachecompile.entry import frame_records
+from cachecompile.entry.frame_records import FrameRecord
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.store import Maintenance, OpenStore, errors, open_store, settings
@@ -204,7 +204,7 @@ def read_frames(meta: EntryMeta) -> list[FrameRecord]:
     """An entry's frames besides the method's own (a graph break's); none where the record
     does not read (another format: cachectl still shows the rest)."""
     try:
-        return list(frames_mod.read_frames(meta.frames))
+        return list(frame_records.read_frames(meta.frames))
     except UnsupportedProgramError:
         return []
 

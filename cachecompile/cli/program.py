@@ -28,7 +28,7 @@ from rich.syntax import Syntax
 
 from cachecompile.entry import guard_paths
 from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
-from cachecompile.entry.frames import graph_prefix
+from cachecompile.entry.frame_records import graph_prefix
 from cachecompile.entry.meta import EntryMeta
 
 from .common import _console, _open_local, cache_dir_option, frame_summary, read_frames, read_meta

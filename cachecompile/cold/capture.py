@@ -35,12 +35,10 @@ import torch
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Compiled, Program
-from cachecompile.cold import frames as frames_mod
-from cachecompile.cold import guard_capture
-from cachecompile.cold.frames import FrameCompile, GraphCapture
+from cachecompile.cold import frame_assembly, guard_capture
+from cachecompile.cold.frame_assembly import FrameCompile, GraphCapture
 from cachecompile.entry import checker as checker_mod
-from cachecompile.entry import codeobj, guard_kinds
-from cachecompile.entry import frames as entry_frames
+from cachecompile.entry import codeobj, frame_records, guard_kinds
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
@@ -70,8 +68,8 @@ class Trace:
     # process compiles its checker without parsing a guard.
     checker_lines: dict[str, str] = dataclasses.field(default_factory=dict)
     # A graph break (fullgraph=False): every other frame Dynamo compiled for the call
-    # (cold.frames.assemble).
-    frames: frames_mod.Assembled | None = None
+    # (cold.frame_assembly.assemble).
+    frames: frame_assembly.Assembled | None = None
 
 
 class Phases:
@@ -265,7 +263,7 @@ class FrameCapture:
         self.phases.add("backend", time.perf_counter() - t0)
         self.seconds += time.perf_counter() - t0
         graph = GraphCapture(compiled, compiled.live)
-        run = _verifying_stored(self.phases, compiled, graph)
+        run = Verified(self.phases, compiled, graph, serve=True)
         graph.run = run
         self._pending.setdefault(code, []).append(graph)
         return run
@@ -284,15 +282,15 @@ class FrameCapture:
             return
         try:
             with self.phases.timed("guards"):
-                names = entry_frames.frame_names(code)
+                names = frame_records.frame_names(code)
                 portable, classes = guard_capture.translate(
                     entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
                     module_name=str(g.get("__name__", "")),
                     state=guard_capture.frame_state(), strings=self.strings,
                     resolved=dynamo.recorded_lookups())
-                fn = entry_frames.frame_function(code, g)
+                fn = frame_records.frame_function(code, g)
                 local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
-                values = entry_frames.frame_values(code, frame.f_locals)
+                values = frame_records.frame_values(code, frame.f_locals)
                 probe = checker_mod.build_checker(fn, local, g)
                 if not probe.full(*values):
                     raise UnsupportedProgramError("a carried guard does not hold at trace "
@@ -307,109 +305,94 @@ class FrameCapture:
             compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
 
 
-def _verifying_stored(phases: Phases, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
-    """A graph break's graph: like :func:`_verifying`, but once verified, the program
-    itself serves, on the real arguments (the live graph verifies it on copies of the
-    inputs it mutates), this call and every later one. The frames after it take its
-    outputs as arguments, and Dynamo guards what it sees of them (a view's base, its
-    strides): the very tensors a warm process will hand them, rather than what
-    AOTAutograd's runtime wrappers make of the live graph's (the stored program does
-    without them)."""
-    first = True
-    runner = compiled.live
+class Verified:
+    """A captured graph's callable: the one place a replayable program is checked against
+    the live compile (each graph's first call).
 
-    def run(*args: Any) -> Any:
-        nonlocal first, runner
-        if not first:
-            return runner(*args)
-        first = False
-        program: Program | None = None
-        try:
-            with phases.timed("capture"):
-                program = out.program = compiled.program()
-            if program.light is None:
-                raise UnsupportedProgramError("the adapter built no replayable program")
-        except UnsupportedProgramError as e:
-            out.verdict = str(e)
-        except Exception as e:  # any capture failure means "do not cache"
-            logger.debug("program capture failed", exc_info=True)
-            out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-        if out.verdict is not None or program is None or program.light is None:
-            with phases.timed("run"):
-                return compiled.live(*args)
-        live_args = list(args)
+    The first call captures the adapter's program (``out.program``; why it cannot be stored
+    in ``out.verdict``) and, with ``verify``, runs it beside the live graph: both draw the
+    same random numbers and the call draws them once, as torch.compile's one call does;
+    each mutated input goes to one of them as a copy made before either ran; outputs and
+    mutated inputs are compared, a difference is a verdict. ``serve`` says who answers:
+
+    * ``serve=False`` (the method's own graph, fullgraph): the live graph, on the call's
+      arguments, in this call and every later one; the program gets the copies;
+    * ``serve=True`` (a graph break's graph): once verified, the program itself, on the
+      call's arguments, this call and every later one; the live graph gets the copies,
+      and where the two disagree its results stand (its mutations copied back). The frames
+      after it take its outputs as arguments, and Dynamo guards what it sees of them (a
+      view's base, its strides): the very tensors a warm process will hand them, rather
+      than what AOTAutograd's runtime wrappers make of the live graph's;
+    * ``verify=False`` (a graph with collectives, which must run exactly once per call on
+      every rank): the program, once, unverified, where there is one; else the live graph.
+    """
+
+    def __init__(self, phases: Phases, compiled: Compiled, out: GraphCapture, *,
+                 serve: bool, verify: bool = True) -> None:
+        self._phases = phases
+        self._compiled = compiled
+        self._out = out
+        self._serve = serve
+        self._verify = verify
+        self._first = True
+        self._runner: Callable[..., Any] = compiled.live
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._first:
+            return self._runner(*args)
+        self._first = False
+        program = self._capture()
+        if program is None or program.light is None:
+            with self._phases.timed("run"):
+                return self._compiled.live(*args)
+        if not self._verify:
+            self._runner = program.light
+            return self._runner(*args)
+        copies = list(args)
         for i in program.mutated_inputs:
-            live_args[i] = args[i].clone()
-        # Both draw the same numbers from the generators; the call draws them once.
+            copies[i] = args[i].clone()
+        live_args, light_args = (copies, list(args)) if self._serve else (list(args), copies)
         restore_rng = _rng_snapshot()
-        with phases.timed("run"):
-            live_out = compiled.live(*live_args)
+        with self._phases.timed("run"):
+            live_out = self._compiled.live(*live_args)
         restore_rng()
+        light_out: Any = None
         try:
-            with phases.timed("verify"):
-                light_out = program.light(*args)
+            with self._phases.timed("verify"):
+                light_out = program.light(*light_args)
                 mismatch = _compare(light_out, live_out)
                 for i in program.mutated_inputs:
-                    mismatch = mismatch or _compare(args[i], live_args[i],
+                    mismatch = mismatch or _compare(light_args[i], live_args[i],
                                                     f"mutated input {i}")
         except Exception as e:  # the program failed: the live graph's result stands
             logger.debug("the program failed on the call's arguments", exc_info=True)
             mismatch = f"it raised {type(e).__name__}: {e}"
         if mismatch:
-            out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
+            self._out.verdict = ("the replayed program disagrees with the live compile: "
+                                 f"{mismatch}")
+        if not self._serve:
+            return live_out
+        if mismatch:
             for i in program.mutated_inputs:
                 args[i].copy_(live_args[i])
             return live_out
-        runner = program.light
+        self._runner = program.light
         return light_out
 
-    return run
-
-def _verifying(phases: Phases, compiled: Compiled, out: GraphCapture) -> Callable[..., Any]:
-    """The live callable; its first call also runs the replayable program and compares
-    (the program and the verdict go to ``out``)."""
-    first = True
-
-    def run(*args: Any) -> Any:
-        nonlocal first
-        if not first:
-            return compiled.live(*args)
-        first = False
-        light_out: Any = None
-        light_args: list[Any] = list(args)
-        # The program and the live graph each draw from the generators: both must draw
-        # the same numbers (to compare), and the call must draw them once, as
-        # torch.compile's one call does.
-        restore_rng = _rng_snapshot()
+    def _capture(self) -> Program | None:
+        out = self._out
         try:
-            with phases.timed("capture"):
-                program = compiled.program()
-            out.program = program
-            with phases.timed("verify"):
-                for i in program.mutated_inputs:
-                    light_args[i] = args[i].clone()
-                if program.light is None:
-                    raise UnsupportedProgramError("the adapter built no replayable program")
-                light_out = program.light(*light_args)
+            with self._phases.timed("capture"):
+                program = out.program = self._compiled.program()
+            if program.light is None:
+                raise UnsupportedProgramError("the adapter built no replayable program")
+            return program
         except UnsupportedProgramError as e:
             out.verdict = str(e)
         except Exception as e:  # any capture failure means "do not cache"
             logger.debug("program capture failed", exc_info=True)
             out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-        restore_rng()
-        with phases.timed("run"):
-            live_out = compiled.live(*args)
-        if out.verdict is None and out.program is not None:
-            with phases.timed("verify"):
-                mismatch = _compare(light_out, live_out)
-                for i in out.program.mutated_inputs:
-                    mismatch = mismatch or _compare(light_args[i], args[i],
-                                                    f"mutated input {i}")
-            if mismatch:
-                out.verdict = f"the replayed program disagrees with the live compile: {mismatch}"
-        return live_out
-
-    return run
+        return None
 
 
 def _with_note(exc: BaseException, note: str) -> BaseException:
@@ -677,44 +660,12 @@ class TraceSession(LiveSession):
                                   publish_now=collective, state=self._state)
 
     def _first_runner(self, compiled: Compiled, collective: bool) -> Callable[..., Any]:
-        if collective:
-            return self._run_once(compiled)
+        # Graphs with collectives run exactly once per call on every rank: verifying would
+        # issue each collective twice on this rank, and a rank whose capture failed once,
+        # and the job would hang (Verified, verify=False).
         self._root_graph = GraphCapture(compiled, compiled.live)
-        if self._fullgraph:
-            return _verifying(self.phases, compiled, self._root_graph)
-        return _verifying_stored(self.phases, compiled, self._root_graph)
-
-    def _run_once(self, compiled: Compiled) -> Callable[..., Any]:
-        """Graphs with collectives run exactly once per call on every rank.
-
-        Running the program beside the live compile (verification) would issue each
-        collective twice on this rank; a rank whose capture failed would issue it once,
-        and the job would hang. So the first call runs the replayable program if there
-        is one (else the live graph), once, unverified.
-        """
-        first = True
-        runner: Callable[..., Any] = compiled.live
-
-        def run(*args: Any) -> Any:
-            nonlocal first, runner
-            if first:
-                first = False
-                try:
-                    with self.phases.timed("capture"):
-                        program = compiled.program()
-                    if program.light is None:
-                        raise UnsupportedProgramError("the adapter built no replayable program")
-                    self._program = program
-                    runner = program.light
-                except UnsupportedProgramError as e:
-                    self._verdict = str(e)
-                except Exception as e:  # any capture failure means "do not cache"
-                    logger.debug("program capture failed", exc_info=True)
-                    self._verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-            return runner(*args)
-
-        return run
-
+        return Verified(self.phases, compiled, self._root_graph,
+                        serve=collective or not self._fullgraph, verify=not collective)
 
     # -- calls ------------------------------------------------------------------------
     def _call_begins(self, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -769,19 +720,19 @@ class TraceSession(LiveSession):
         if code.co_freevars != self._fn.__code__.co_freevars:
             raise UnsupportedProgramError("transformed bytecode changed the closure variables")
         g = self._fn.__globals__
-        names = frames_mod.all_names(code)
-        imports = frames_mod.dynamo_imports(
-            [*names, *frames_mod.guard_global_names(self._guards)], g,
+        names = frame_assembly.all_names(code)
+        imports = frame_assembly.dynamo_imports(
+            [*names, *frame_assembly.guard_global_names(self._guards)], g,
             set(self._fn.__code__.co_names))
         compiled_fn_names = list(dict.fromkeys(
-            n for n in names if n.startswith(frames_mod.GRAPH_PREFIX)))
+            n for n in names if n.startswith(frame_assembly.GRAPH_PREFIX)))
         if len(compiled_fn_names) != (self._compiled is not None):
             raise UnsupportedProgramError(
                 f"expected {int(self._compiled is not None)} compiled graph in the method's "
                 f"bytecode, found {len(compiled_fn_names)}")
         assembled = None
         if not self._fullgraph:
-            assembled = frames_mod.assemble(self._fn.__code__, code, g, self._frames.compiles)
+            assembled = frame_assembly.assemble(self._fn.__code__, code, g, self._frames.compiles)
             if not assembled.records and self._compiled is None:
                 raise UnsupportedProgramError("Dynamo produced no graph for this call")
         bytecode, consts = codeobj.dumps(code)

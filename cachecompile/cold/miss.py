@@ -1,6 +1,6 @@
 """A miss, in order: lock -> look again -> trace -> verify -> publish.
 
-Under the frame key's file lock (other processes wait, then load what this one
+Under the signature key's file lock (other processes wait, then load what this one
 published), the variants are looked up again; then Dynamo and the adapter compile the
 call (``capture.TraceSession``), which verifies the replayable program against the live
 result on the first call; then the entry is written at the first free variant index. The
@@ -27,14 +27,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachecompile._torch import dynamo
-from cachecompile._torch import frames as frame_hook
+from cachecompile._torch import frame_hook as frame_hook
 from cachecompile.cold import capture as capture_mod
-from cachecompile.cold import frames as frames_mod
+from cachecompile.cold import frame_assembly
 from cachecompile.cold.capture import Phases, Trace, TraceSession
-from cachecompile.cold.frames import FrameCompile
+from cachecompile.cold.frame_assembly import FrameCompile
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
-from cachecompile.entry.frames import graph_prefix, read_frames
+from cachecompile.entry.frame_records import graph_prefix, read_frames
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
@@ -42,14 +42,14 @@ from cachecompile.errors import (
     fault,
     user_stacklevel,
 )
-from cachecompile.key.frame import FrameKeys
 from cachecompile.key.identity import model_label
 from cachecompile.key.signature import Signature, describe
+from cachecompile.key.signature_key import SignatureKeys
 from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Entry, Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm import frames as warm_frames
+from cachecompile.warm import frame_serving
 from cachecompile.warm.chain import VariantChain
 from cachecompile.warm.lookup import (
     MAX_VARIANTS,
@@ -150,7 +150,7 @@ class Churn:
 class MissPath:
     """The cold side of one cached method."""
 
-    def __init__(self, method: types.MethodType, spec: CompileSpec, keys: FrameKeys,
+    def __init__(self, method: types.MethodType, spec: CompileSpec, keys: SignatureKeys,
                  lookup: Lookup, on_recompile_limit: Callable[[str], None]) -> None:
         self._method = method
         self._spec = spec
@@ -161,7 +161,7 @@ class MissPath:
         self.churn = Churn(self._qualname)
         self._full_frames: set[str] = set()   # frames whose chain was full (said once)
 
-    def run(self, st: LocalStorage, frame: Key, sig: Signature, args: tuple[Any, ...],
+    def run(self, st: LocalStorage, sig_key: Key, sig: Signature, args: tuple[Any, ...],
             kwargs: dict[str, Any], early: Mapping[str, float], *, publish: bool) -> Served:
         phases = Phases()
         for name, seconds in early.items():
@@ -169,9 +169,9 @@ class MissPath:
         t_lock = time.perf_counter()
         who = f"{self._qualname} [{self._spec.ranks.label()}, pid {os.getpid()}]"
         with contextlib.ExitStack() as held:
-            if self._lock(held, st, frame, who):
+            if self._lock(held, st, sig_key, who):
                 # Another process may have published while we waited for the lock.
-                probe = self._lookup.probe(st, frame, args, kwargs)
+                probe = self._lookup.probe(st, sig_key, args, kwargs)
                 if probe.runner is not None:
                     return Served(Outcome.HIT, probe.runner, probe.runner.run(*args, **kwargs))
             phases.add("lock", time.perf_counter() - t_lock)
@@ -209,39 +209,39 @@ class MissPath:
             t_publish = time.perf_counter()
             if share is not None and trace.program is not None:
                 share.publish(trace.program)
-            self._publish(st, frame, sig, trace, elapsed, phases, who)
+            self._publish(st, sig_key, sig, trace, elapsed, phases, who)
             phases.add("publish", time.perf_counter() - t_publish)
             logger.info("cachecompile cold phases %s [%s]: %s", self._qualname,
                         describe(sig), phases)
-            labels = self._labels(frame, describe(sig), self._keys.group(sig))
-            session.on_frames = lambda compiles: self.publish_frames(st, frame, labels,
+            labels = self._labels(sig_key, describe(sig), self._keys.group(sig))
+            session.on_frames = lambda compiles: self.publish_frames(st, sig_key, labels,
                                                                      compiles)
             session.on_recompile = lambda reason: logger.info(
                 "cachecompile: Dynamo recompiled %s [%s] in this process (%s); the stored "
                 "entry keeps its own guards", self._qualname, describe(sig), reason)
             return served
 
-    def _lock(self, held: contextlib.ExitStack, st: LocalStorage, frame: Key, who: str) -> bool:
-        """The frame's compile lock, held until ``held`` closes; False when read-only or
+    def _lock(self, held: contextlib.ExitStack, st: LocalStorage, sig_key: Key, who: str) -> bool:
+        """The signature key's compile lock, held until ``held`` closes; False when read-only or
         when it cannot be had (then this process compiles without it)."""
         if st.readonly:
             return False
         try:
-            held.enter_context(coop.held(st, frame.digest, who=who,
-                                         purpose=f"entry {frame.digest[:12]} ({self._qualname})"))
+            held.enter_context(coop.held(st, sig_key.digest, who=who,
+                                         purpose=f"entry {sig_key.digest[:12]} ({self._qualname})"))
         except (StoreError, OSError) as e:
-            fault(f"could not take the compile lock for {frame.digest[:12]} ({e}); "
+            fault(f"could not take the compile lock for {sig_key.digest[:12]} ({e}); "
                   "compiling without it")
             return False
         return True
 
-    def _publish(self, st: LocalStorage, frame: Key, sig: Signature, trace: Trace,
+    def _publish(self, st: LocalStorage, sig_key: Key, sig: Signature, trace: Trace,
                  elapsed: float, phases: Phases, who: str) -> None:
         files: dict[str, Any] = dict(trace.program.files) if trace.program else {}
         files[BYTECODE_FILE] = trace.bytecode
         frames = trace.frames
         if frames is not None:
-            # Every other frame of the call (entry.frames): codes, bytecode, graphs.
+            # Every other frame of the call (entry.frame_records): codes, bytecode, graphs.
             files.update(frames.files)
             for i, program in enumerate(frames.programs):
                 files.update({graph_prefix(i) + k: v for k, v in program.files.items()})
@@ -260,7 +260,7 @@ class MissPath:
             first_call_seconds=round(elapsed, 3),
             # Where the cold first call's time went, up to the publish (capture.Phases).
             cold_phases=phases.rounded())
-        labels = self._labels(frame, describe(sig), self._keys.group(sig))
+        labels = self._labels(sig_key, describe(sig), self._keys.group(sig))
         if meta.frames:
             labels["frames"] = str(meta.n_frames)   # cachectl ls: how many frames
         t0 = time.perf_counter()
@@ -271,12 +271,12 @@ class MissPath:
                                 function=self._method.__name__, labels=labels)
 
         try:
-            # Under the frame lock: the first free variant index. Another node (through a
+            # Under the signature key's lock: the first free variant index. Another node (through a
             # remote tier) may take the same index at once; the loser moves on.
-            key = VariantChain(st, frame).publish(
+            key = VariantChain(st, sig_key).publish(
                 write_at, lambda theirs: _guards_of(theirs) == list(meta.guards))
         except (StoreError, OSError) as e:
-            fault(f"publishing {frame.digest[:12]} failed ({e}); this process keeps its "
+            fault(f"publishing {sig_key.digest[:12]} failed ({e}); this process keeps its "
                   "live compile and the next one compiles again")
             return
         if key is None:
@@ -289,7 +289,7 @@ class MissPath:
                     elapsed, (time.perf_counter() - t0) * 1e3, len(trace.guards),
                     meta.n_frames)
 
-    def _labels(self, frame: Key, signature: str, group: str) -> dict[str, str]:
+    def _labels(self, sig_key: Key, signature: str, group: str) -> dict[str, str]:
         """An entry's labels: what ``cachectl ls`` filters by, what gc evicts by."""
         spec = self._spec
         ranks = spec.ranks
@@ -301,7 +301,7 @@ class MissPath:
             **({"cpu_target": spec.cpu_target} if spec.cpu_target else {}),
             "world_size": str(ranks.world_size),
             "global_rank": str(ranks.global_rank),
-            "frame": frame.digest[:32],
+            "signature_key": sig_key.digest[:32],
             "group": group,
             "group_size": str(ranks.world_size),
         }
@@ -312,36 +312,36 @@ class MissPath:
         return labels
 
     # -- a graph break's frames compiled after the signature's entry ----------------------
-    def publish_frames(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
+    def publish_frames(self, st: LocalStorage, sig_key: Key, labels: Mapping[str, str],
                        compiles: list[FrameCompile]) -> None:
         """Each frame Dynamo compiled after the signature's entry was made (a branch first
         taken, a frame whose stored guards failed), as a frame variant under the
-        signature's key (warm.frames.frame_variant_key), at its chain's first free index;
+        signature's key (warm.frame_serving.frame_variant_key), at its chain's first free index;
         an identical variant already there is left alone. A frame that cannot be stored is
         compiled live by each process that reaches it."""
         if st.readonly:
             return
         for c in compiles:
             try:
-                assembled, why = frames_mod.assemble_variant(c)
+                assembled, why = frame_assembly.assemble_variant(c)
                 if assembled is None:
                     logger.info("cachecompile %s [%s]: frame %s is not stored (%s)",
                                 self._qualname, labels.get("signature", ""), c.code.co_name,
                                 why)
                     continue
-                self._publish_frame(st, frame, labels, assembled, capture_mod.frame_deps([c]))
+                self._publish_frame(st, sig_key, labels, assembled, capture_mod.frame_deps([c]))
             except Exception as e:  # publishing is extra: the call's result stands
                 logger.debug("publishing a frame variant failed", exc_info=True)
                 fault(f"{self._qualname}: a variant of frame {c.code.co_name} is not "
                       f"published ({type(e).__name__}: {e})")
 
-    def _publish_frame(self, st: LocalStorage, frame: Key, labels: Mapping[str, str],
-                       assembled: frames_mod.Assembled, deps: Mapping[str, str]) -> None:
+    def _publish_frame(self, st: LocalStorage, sig_key: Key, labels: Mapping[str, str],
+                       assembled: frame_assembly.Assembled, deps: Mapping[str, str]) -> None:
         """One frame variant at its chain's first free index (or nowhere, where the
         same one is there already, or the store is read-only)."""
         if st.readonly:
             return
-        changed = self._keys.changed_since(frame)
+        changed = self._keys.changed_since(sig_key)
         if changed:
             # Compiled under settings the signature's key does not name: a process with the
             # key's settings must not be served it (it compiles its own, as torch.compile).
@@ -382,7 +382,7 @@ class MissPath:
             return entry
 
         try:
-            key = VariantChain(st, frame, head.id).publish(write_at, same)
+            key = VariantChain(st, sig_key, head.id).publish(write_at, same)
         except (StoreError, OSError) as e:
             fault(f"publishing a variant of frame {head.name} failed ({e})")
             return
@@ -400,7 +400,7 @@ class MissPath:
               "compiles it live. A value it reads changes from call to call (`cachectl "
               "explain` shows which guards differ): pass it as a tensor, or make it fixed.")
 
-    def run_frame(self, frames: warm_frames.Frames, cont: warm_frames.Continuation,
+    def run_frame(self, frames: frame_serving.Frames, cont: frame_serving.Continuation,
                   args: tuple[Any, ...]) -> Any:
         """A continuation no stored variant serves, compiled live (``torch.compile`` of
         it), its frames captured and published when the call is over; one whose guards
@@ -439,7 +439,7 @@ class MissPath:
                 cont.as_written = True
                 try:
                     self._publish_frame(frames.st, frames.key, frames.labels,
-                                        frames_mod.assemble_as_written(cont.code,
+                                        frame_assembly.assemble_as_written(cont.code,
                                                                        cont.record.module),
                                         {})
                 except Exception:  # publishing is extra: the call's result stands

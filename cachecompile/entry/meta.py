@@ -48,7 +48,7 @@ class EntryMeta:
     deps: Mapping[str, str] = _field(dict, factory=dict)      # traced file -> content hash
     guards: Sequence[Mapping[str, JSON]] = _field(list, factory=list)  # portable guards
     checker: Mapping[str, JSON] = _field(dict, factory=dict)  # the checker, ready to load
-    # A method whose graph breaks (fullgraph=False, entry.frames): the resume functions
+    # A method whose graph breaks (fullgraph=False, entry.frame_records): the resume functions
     # its bytecode calls (__resume_at_* -> frame id), every other frame Dynamo compiled
     # for the call, and the graphs of those frames (the adapter's record each).
     resumes: Mapping[str, str] = _field(dict, factory=dict)

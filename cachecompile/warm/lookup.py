@@ -1,7 +1,7 @@
-"""Finding the entry that serves a call: walk a frame key's variants, load the first whose
+"""Finding the entry that serves a call: walk a signature key's variants, load the first whose
 guards hold.
 
-A frame key (the method, its settings and the call signature) holds up to
+A signature key (the method, its settings and the call signature) holds up to
 ``MAX_VARIANTS`` entries, one per set of guard values, at variant indexes 0, 1, ...
 Looking them up reads each one's manifest (no file hashing), checks its format, its
 traced source files, the operators its program calls and then its guards against this
@@ -32,13 +32,12 @@ from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm import frames as warm_frames
-from cachecompile.warm import replay
+from cachecompile.warm import frame_serving, replay
 from cachecompile.warm.chain import LIMIT, ChainEnd, Unusable, Vacated, VariantChain
 
 logger = logging.getLogger(__name__)
 
-# A frame key holds up to this many entries, each with its own guards; past it, new
+# A signature key holds up to this many entries, each with its own guards; past it, new
 # variants run with live torch.compile.
 MAX_VARIANTS = LIMIT
 # The miss log line compares with at most this many entries of the method (manifests
@@ -71,13 +70,13 @@ class Variant:
     fast: Callable[..., bool] | None = None
     # A loaded entry's guard checker (free of any instance): repeated blocks reuse it.
     checker: checker_mod.Checker | None = None
-    # A graph break: the entry's other frames, loaded (warm.frames).
-    frames: warm_frames.Frames | None = None
+    # A graph break: the entry's other frames, loaded (warm.frame_serving).
+    frames: frame_serving.Frames | None = None
 
 
 @dataclasses.dataclass
 class Probe:
-    """What looking up a frame key's variants found."""
+    """What looking up a signature key's variants found."""
 
     runner: Variant | None = None
     free: int | None = None            # first unused variant index
@@ -93,12 +92,12 @@ class Probe:
     # made for (a counter's steps: many; a flag changed once: one).
     guard_values: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
-    def publish_key(self, frame: Key) -> Key:
+    def publish_key(self, sig_key: Key) -> Key:
         """The key a compile of this miss publishes under, which ``cachectl ls`` lists and
-        the miss line names: the first free variant of ``frame`` (the frame's own key is
-        never an entry's). With every index taken, the frame: the publish then picks a
+        the miss line names: the first free variant of ``sig_key`` (the signature's own key is
+        never an entry's). With every index taken, the signature key: the publish then picks a
         stale slot, or publishes nothing, and its own line says which."""
-        return frame if self.free is None else variant_key(frame, self.free)
+        return sig_key if self.free is None else variant_key(sig_key, self.free)
 
     def reject(self, kind: str, why: str) -> None:
         self.rejected.append(why)
@@ -110,9 +109,9 @@ class Probe:
             self.kind = kind
 
 
-def variant_key(frame: Key, i: int) -> Key:
+def variant_key(sig_key: Key, i: int) -> Key:
     """The key of variant ``i`` of a signature (:meth:`VariantChain.key_of`)."""
-    return VariantChain.key_of(frame, i)
+    return VariantChain.key_of(sig_key, i)
 
 
 def safely(fn: Callable[[], Any]) -> None:
@@ -144,14 +143,14 @@ class Lookup:
         self._tree_cost = guard_tree.BuildCost()
         # The cold side a graph break's frames call when no stored variant serves them
         # (set by the cached method; None: such a frame runs as written).
-        self.live_frames: warm_frames.LiveFrames | None = None
+        self.live_frames: frame_serving.LiveFrames | None = None
 
-    def probe(self, st: LocalStorage, frame: Key, args: tuple[Any, ...],
+    def probe(self, st: LocalStorage, sig_key: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
-        """Walk the frame's variants in order; load the first whose guards hold."""
+        """Walk the signature key's variants in order; load the first whose guards hold."""
         out = Probe()
         self._fetched.clear()  # only this walk's fetches
-        chain = VariantChain(st, frame)
+        chain = VariantChain(st, sig_key)
         for i in range(LIMIT):
             key = chain.key(i)
             try:
@@ -257,9 +256,9 @@ class Lookup:
         frames = None
         if loaded.frames:
             # A graph break: the resume functions the bytecode calls and the callees it
-            # reaches, each with its own guards (warm.frames).
+            # reaches, each with its own guards (warm.frame_serving).
             signature_key = VariantChain.signature_of(key)
-            frames = warm_frames.Frames(loaded, entry.files, adapter, self._spec.guards,
+            frames = frame_serving.Frames(loaded, entry.files, adapter, self._spec.guards,
                                         self._tree_cost, qualname, st=st, key=signature_key,
                                         live=self.live_frames, labels=entry.labels)
             g.update(frames.names(loaded.resumes))
@@ -280,7 +279,7 @@ class Lookup:
         or the argument guards, with the state guards once more on the next call (FIRST);
         and the tree alone (ALWAYS), which dispatch tries first among several variants."""
         m = self._module
-        check = warm_frames.variant_check(checker, self._spec.guards, self._tree_cost)
+        check = frame_serving.variant_check(checker, self._spec.guards, self._tree_cost)
         if isinstance(check, guard_tree.EveryCall):
             return types.MethodType(check, m), types.MethodType(check.fast, m)
         return types.MethodType(check, m), None

@@ -47,7 +47,7 @@ import helper, model
 if os.environ.get("ADD"):
     helper.NAME = 5.0
 from cachecompile import cache_compile
-from cachecompile.entry.frames import read_frames
+from cachecompile.entry.frame_records import read_frames
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.store import open_store
 

@@ -1,4 +1,4 @@
-"""A graph break's frames as an entry stores them (entry.frames) and the bytecode pieces
+"""A graph break's frames as an entry stores them (entry.frame_records) and the bytecode pieces
 they need: records read back strictly, a callee's code found again by name (nested
 functions too), generated globals bound as constants (every Python the CI runs), a
 module's globals as a bytecode constant (entry.codeobj)."""
@@ -13,26 +13,25 @@ from typing import Any
 import pytest
 import torch
 
-from cachecompile._torch import frames as hook
-from cachecompile.entry import codeobj
-from cachecompile.entry import frames as ef
+from cachecompile._torch import frame_hook
+from cachecompile.entry import codeobj, frame_records
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import code_digest
 
 
 # -- records --------------------------------------------------------------------------------
-def _record(**kw: Any) -> ef.FrameRecord:
-    var = ef.FrameVariant(bytecode="frames/0/0/bytecode.bin", consts=(), imports={},
+def _record(**kw: Any) -> frame_records.FrameRecord:
+    var = frame_records.FrameVariant(bytecode="frames/0/0/bytecode.bin", consts=(), imports={},
                           graphs={"__compiled_fn_1": 0}, resumes={}, guards=(), checker={})
-    base: dict[str, Any] = dict(id="a" * 32, kind=ef.RESUME, module="m", name="f (m.py:1)",
+    base: dict[str, Any] = dict(id="a" * 32, kind=frame_records.RESUME, module="m", name="f (m.py:1)",
                                 code="frames/0/code.bin", variants=(var,))
     base.update(kw)
-    return ef.FrameRecord(**base)
+    return frame_records.FrameRecord(**base)
 
 
 def test_records_round_trip_and_are_read_strictly() -> None:
     r = _record()
-    assert ef.read_frames([r.to_json()]) == (r,)
+    assert frame_records.read_frames([r.to_json()]) == (r,)
     bad: list[tuple[dict[str, Any], str]] = [
         ({**r.to_json(), "kind": "other"}, "kind"),
         ({**r.to_json(), "code": ""}, "no code"),
@@ -44,16 +43,16 @@ def test_records_round_trip_and_are_read_strictly() -> None:
     ]
     for raw, needle in bad:
         with pytest.raises(UnsupportedProgramError, match=needle):
-            ef.read_frames([raw])
+            frame_records.read_frames([raw])
     with pytest.raises(UnsupportedProgramError, match="one id"):
-        ef.read_frames([r.to_json(), r.to_json()])
+        frame_records.read_frames([r.to_json(), r.to_json()])
 
 
 def test_graph_files_are_the_adapters_own_names(tmp_path: Any) -> None:
     files = {"program.py": tmp_path / "a", "graphs/0/program.py": tmp_path / "b",
              "graphs/1/kernels/x.so": tmp_path / "c", "graphs/10/program.py": tmp_path / "d"}
-    assert ef.graph_files(files, 1) == {"kernels/x.so": tmp_path / "c"}
-    assert ef.graph_files(files, 0) == {"program.py": tmp_path / "b"}
+    assert frame_records.graph_files(files, 1) == {"kernels/x.so": tmp_path / "c"}
+    assert frame_records.graph_files(files, 0) == {"program.py": tmp_path / "b"}
 
 
 # -- a callee, found again --------------------------------------------------------------------
@@ -85,13 +84,13 @@ def test_a_callee_is_found_by_name_through_decorators_and_nesting() -> None:
     # (Python 3.10 finds a code object's qualified name through them).
     functions = (Owner.method.__wrapped__, Owner.static, Owner().outer())
     for code in (f.__code__ for f in functions):
-        where = ef.callee_where(code, code_digest(code))
-        assert ef.find_callee(mod, where, code_digest) is code, where
-    changed = ef.callee_where(Owner.static.__code__, "0" * 32)
-    assert ef.find_callee(mod, changed, code_digest) is None        # another code there
+        where = frame_records.callee_where(code, code_digest(code))
+        assert frame_records.find_callee(mod, where, code_digest) is code, where
+    changed = frame_records.callee_where(Owner.static.__code__, "0" * 32)
+    assert frame_records.find_callee(mod, changed, code_digest) is None        # another code there
     lam = (lambda v: v).__code__
-    assert ef.find_callee(mod, ef.callee_where(lam, code_digest(lam)), code_digest) is None
-    assert ef.find_callee("no_such_module_xyz", {"qualname": "f"}, code_digest) is None
+    assert frame_records.find_callee(mod, frame_records.callee_where(lam, code_digest(lam)), code_digest) is None
+    assert frame_records.find_callee("no_such_module_xyz", {"qualname": "f"}, code_digest) is None
 
 
 # -- generated globals bound as constants -----------------------------------------------------
@@ -136,7 +135,7 @@ def test_bind_globals_past_255_constants() -> None:
 
 # -- the frame hook (no Dynamo) ---------------------------------------------------------------
 def test_the_frame_hook_runs_stored_code_only_inside_a_cachecompile_call() -> None:
-    assert hook.available()
+    assert frame_hook.available()
 
     def target(x: int, k: int = 2) -> int:
         return x + k
@@ -147,10 +146,10 @@ def test_the_frame_hook_runs_stored_code_only_inside_a_cachecompile_call() -> No
     code = target.__code__.replace()   # private: other tests never see the entry
     fn = types.FunctionType(code, globals(), "target", (2,))
     seen: list[dict[str, Any]] = []
-    hook.install(code, lambda d: seen.append(dict(d)) or d["x"] > 0,  # type: ignore[func-returns-value]
+    frame_hook.install(code, lambda d: seen.append(dict(d)) or d["x"] > 0,  # type: ignore[func-returns-value]
                  stored.__code__, "t")
     assert fn(1) == 3                   # outside a cachecompile call: as written
-    with hook.run_only():
+    with frame_hook.run_only():
         assert (fn(1), fn(-1), fn(1, k=5)) == (102, 1, 105)
     assert seen == [{"x": 1, "k": 2}, {"x": -1, "k": 2}, {"x": 1, "k": 5}]
     assert fn(1) == 3

@@ -1,4 +1,4 @@
-"""A cached method's keys: its frame key per call signature, the shared-graph factors and
+"""A cached method's keys: its key per call signature, the shared-graph factors and
 the rank group; the settings a process can change are read per signature lookup."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cachecompile.key.signature import Signature, input_marks, to_json
 from cachecompile.store import Key, make_key
 
 
-class FrameKeys:
+class SignatureKeys:
     """The keys of one cached method.
 
     What the process cannot change (the method's settings, the versions) is read on the
@@ -46,18 +46,18 @@ class FrameKeys:
             self._frozen = (stamp, factors_mod.state_digest(module))
         return self._frozen[1]
 
-    def frame(self, sig: Signature) -> Key:
+    def signature_key(self, sig: Signature) -> Key:
         return make_key(self.factors(sig))
 
-    def changed_since(self, frame: Key) -> list[str]:
+    def changed_since(self, sig_key: Key) -> list[str]:
         """The live factors (:func:`~cachecompile.key.factors.live_factors`) whose value now
-        differs from the one ``frame`` was made with: what this process changed since it
+        differs from the one ``sig_key`` was made with: what this process changed since it
         looked the signature up (``torch._inductor.config.fallback_random = True`` after
         the first call). A frame compiled now is compiled under the new values, so it
-        belongs to no entry of ``frame``."""
+        belongs to no entry of ``sig_key``."""
         now = make_key(factors_mod.live_factors(self._method, self._spec,
                                                 self._frozen_digest)).factors
-        return sorted(k for k, v in now.items() if frame.factors.get(k) != v)
+        return sorted(k for k, v in now.items() if sig_key.factors.get(k) != v)
 
     def graph_factors(self, sig: Signature) -> dict[str, Any]:
         """What a shared graph's program depends on beyond the graph (coop.GRAPH_FACTORS)."""

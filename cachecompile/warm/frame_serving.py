@@ -22,7 +22,7 @@ compiled live in every process that reaches it, never published.
 A callee (a function the eager code between graphs calls, whose frame Dynamo compiled:
 ``self.attn(x)`` whose ``forward`` breaks inside) is reached by no name of ours. Its
 variants (the entry's and its chain's) are installed in Dynamo's run-only frame hook
-(:mod:`cachecompile._torch.frames`) on its live code object, with cachecompile's own guard
+(:mod:`cachecompile._torch.frame_hook`) on its live code object, with cachecompile's own guard
 check, and the method runs under that hook: a callee whose guards hold runs its stored
 code, any other frame runs as written. Nothing is traced or compiled, and
 ``torch._dynamo`` is not imported.
@@ -39,12 +39,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from cachecompile._torch import frames as hook
+from cachecompile._torch import frame_hook
 from cachecompile.backends.base import Adapter
 from cachecompile.entry import checker as checker_mod
-from cachecompile.entry import codeobj, guard_tree
-from cachecompile.entry import frames as ef
-from cachecompile.entry.frames import FrameRecord, FrameVariant
+from cachecompile.entry import codeobj, frame_records, guard_tree
+from cachecompile.entry.frame_records import FrameRecord, FrameVariant
 from cachecompile.entry.guards import GuardMode
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import UnsupportedProgramError
@@ -123,7 +122,7 @@ class _Source:
                 if fn is None:
                     if not 0 <= i < len(self._meta):
                         raise UnsupportedProgramError(f"the entry has no graph {i}")
-                    fn = self._adapter.load(ef.graph_files(self.files, i), dict(self._meta[i]))
+                    fn = self._adapter.load(frame_records.graph_files(self.files, i), dict(self._meta[i]))
                     self._loaded[i] = fn
         return fn
 
@@ -274,9 +273,9 @@ class Frames:
         self.callees: list[str] = []        # the callee frames installed in the hook
         self.callee_served: dict[str, int] = {}   # calls a stored callee variant ran
         source = _Source(files, meta.graphs, adapter)
-        self._merge(ef.read_frames(meta.frames), source)
+        self._merge(frame_records.read_frames(meta.frames), source)
         for r in list(self.records.values()):
-            if r.kind == ef.CALLEE:
+            if r.kind == frame_records.CALLEE:
                 try:
                     self._install(r, source)
                 except Exception as e:  # a callee that does not install runs as written
@@ -290,7 +289,7 @@ class Frames:
             if r.id in self.records:
                 continue
             self.records[r.id] = r
-            if r.kind == ef.RESUME:
+            if r.kind == frame_records.RESUME:
                 code = codeobj.loads(source.files[r.code].read_bytes(), list(r.code_consts))
                 self.continuations[r.id] = Continuation(self, r, code, source)
 
@@ -317,7 +316,7 @@ class Frames:
             if not replay.is_dynamo_global(gname):
                 raise UnsupportedProgramError(f"unexpected global {gname!r} in entry")
             g[gname] = replay.resolve_module(modname)
-        fn = ef.frame_function(code, g)
+        fn = frame_records.frame_function(code, g)
         checker = checker_mod.build_checker(fn, [dict(gd) for gd in var.guards], g,
                                            every_call=self._mode is GuardMode.ALWAYS,
                                            lines=var.checker)
@@ -365,7 +364,7 @@ class Frames:
                 continue
             try:
                 meta = EntryMeta.from_json(raw)
-                records = ef.read_frames(meta.frames)
+                records = frame_records.read_frames(meta.frames)
                 one = len(records[0].variants) == 1 if records else False
                 if (meta.head != fid or meta.adapter != self._adapter.name or not records
                         or records[0].id != fid
@@ -441,11 +440,11 @@ class Frames:
     def _install(self, record: FrameRecord, source: _Source) -> None:
         if record.live:
             return
-        if not hook.available():
+        if not frame_hook.available():
             logger.info("cachecompile %s: frame %s runs as written (this torch's frame hook "
                         "is unavailable)", self.qualname, record.name)
             return
-        code = ef.find_callee(record.module, record.where, code_digest)
+        code = frame_records.find_callee(record.module, record.where, code_digest)
         if code is None:
             logger.info("cachecompile %s: frame %s runs as written (its code is not found "
                         "or changed)", self.qualname, record.name)
@@ -469,12 +468,12 @@ class Frames:
 
             def frame_check(frame_locals: dict[str, Any], check: Callable[..., bool] = check,
                             code: types.CodeType = code, fid: str = record.id) -> bool:
-                if not check(*ef.frame_values(code, frame_locals)):
+                if not check(*frame_records.frame_values(code, frame_locals)):
                     return False
                 self.callee_served[fid] = self.callee_served.get(fid, 0) + 1
                 return True
 
-            hook.install(code, frame_check, loaded.code, f"cachecompile {record.name} variant {i}")
+            frame_hook.install(code, frame_check, loaded.code, f"cachecompile {record.name} variant {i}")
             installed += 1
         if installed:
             self.callees.append(record.id)
@@ -494,6 +493,6 @@ class Frames:
             return run
 
         def hooked(*args: Any, **kwargs: Any) -> Any:
-            with hook.run_only():
+            with frame_hook.run_only():
                 return run(*args, **kwargs)
         return hooked

@@ -5,7 +5,7 @@ transformed bytecode calls (and theirs), then any function the eager code betwee
 calls whose frame it converts (a callee). :class:`~cachecompile.cold.capture.TraceSession`
 records each of those compiles while the first call runs (:class:`FrameCompile`: the
 code, its transformed code, its graphs, its guards); :func:`assemble` turns them into the
-entry's frame records (:mod:`cachecompile.entry.frames`), the files that hold their code
+entry's frame records (:mod:`cachecompile.entry.frame_records`), the files that hold their code
 and the programs of their graphs, walking from the method's own bytecode through the
 resume functions each frame calls.
 
@@ -27,9 +27,9 @@ import xxhash
 
 from cachecompile._torch import dynamo
 from cachecompile.backends.base import Compiled, Program
-from cachecompile.entry import codeobj, frames
+from cachecompile.entry import codeobj, frame_records
 from cachecompile.entry import guards as guards_mod
-from cachecompile.entry.frames import FrameRecord, FrameVariant
+from cachecompile.entry.frame_records import FrameRecord, FrameVariant
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import code_digest
 from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global, named_builtin
@@ -92,7 +92,7 @@ class Assembled:
 def frame_id(kind: str, module: str, code: types.CodeType) -> str:
     """A frame's id: the same code in the same module in any process."""
     h = xxhash.xxh3_128()
-    h.update(f"{kind}\0{module}\0{frames.code_qualname(code)}\0{code_digest(code)}".encode())
+    h.update(f"{kind}\0{module}\0{frame_records.code_qualname(code)}\0{code_digest(code)}".encode())
     return h.hexdigest()
 
 
@@ -165,7 +165,7 @@ class _Assembler:
                 raise UnsupportedProgramError(f"the bytecode calls {n}, which is no resume "
                                               "function Dynamo made")
             module = str(g.get("__name__", ""))
-            out[n] = self.record(code, frames.RESUME, module, g)
+            out[n] = self.record(code, frame_records.RESUME, module, g)
         return out
 
     def record(self, code: types.CodeType, kind: str, module: str,
@@ -178,18 +178,18 @@ class _Assembler:
         self.order.append(code)
         # A placeholder while the frame's own calls are walked (a frame calling itself).
         self.records[code] = FrameRecord(id=fid, kind=kind, module=module,
-                                         name=f"{frames.code_qualname(code)} "
+                                         name=f"{frame_records.code_qualname(code)} "
                                               f"({code.co_filename}:{code.co_firstlineno})")
         code_file, code_consts = "", list[Any]()
         where: dict[str, Any] = {}
         live = ""
-        if kind == frames.RESUME:
+        if kind == frame_records.RESUME:
             data, code_consts = codeobj.dumps(code)
-            code_file = frames.frame_code_file(i)
+            code_file = frame_records.frame_code_file(i)
             self.files[code_file] = data
         else:
-            where = frames.callee_where(code, code_digest(code))
-            if frames.find_callee(module, where, code_digest) is not code:
+            where = frame_records.callee_where(code, code_digest(code))
+            if frame_records.find_callee(module, where, code_digest) is not code:
                 live = ("its code cannot be found again by module and qualified name "
                         f"({module}.{where['qualname']})")
         variants: list[FrameVariant] = []
@@ -202,7 +202,7 @@ class _Assembler:
         if live:
             logger.info("cachecompile: frame %s is not stored (%s); a warm process runs it "
                         "%s", self.records[code].name, live,
-                        "live" if kind == frames.RESUME else "as written")
+                        "live" if kind == frame_records.RESUME else "as written")
         # A continuation Dynamo met and skipped (no graph in it, a break inside a try
         # block): torch.compile runs it as written, and so will a warm process.
         as_written = not live and not variants and dynamo.ran_as_written(code)
@@ -230,7 +230,7 @@ class _Assembler:
                                  original)
         resumes = self.resumes_of(c.out_code, c.f_globals)
         data, consts = codeobj.dumps(c.out_code)
-        name = frames.frame_bytecode_file(i, v)
+        name = frame_records.frame_bytecode_file(i, v)
         self.files[name] = data
         return FrameVariant(bytecode=name, consts=tuple(consts), imports=imports,
                             graphs=graphs, resumes=resumes, guards=tuple(c.guards),
@@ -255,7 +255,7 @@ class _Assembler:
             # A resume function whose caller is not stored is reached through no record.
             if code not in self.records and not dynamo.is_resume_code(code):
                 module = str(compiles[0].f_globals.get("__name__", ""))
-                self.record(code, frames.CALLEE, module, compiles[0].f_globals)
+                self.record(code, frame_records.CALLEE, module, compiles[0].f_globals)
 
 
 def assemble(root_code: types.CodeType, root_out: types.CodeType, root_globals: dict[str, Any],
@@ -275,7 +275,7 @@ def assemble_variant(c: FrameCompile) -> tuple[Assembled | None, str]:
     calls (their own variants have their own entries), its graphs. (None, why) where the
     frame cannot be stored (its guards, its program, its code not found again)."""
     a = _Assembler([c], None)
-    kind = frames.RESUME if dynamo.is_resume_code(c.code) else frames.CALLEE
+    kind = frame_records.RESUME if dynamo.is_resume_code(c.code) else frame_records.CALLEE
     a.record(c.code, kind, str(c.f_globals.get("__name__", "")), c.f_globals)
     records = [a.records[x] for x in a.order]
     head = records[0]
@@ -288,6 +288,6 @@ def assemble_as_written(code: types.CodeType, module: str) -> Assembled:
     """A frame variant's entry saying that Dynamo ran a continuation as written (it met
     its frame and compiled nothing): a warm process does the same, without compiling."""
     a = _Assembler([], None)
-    a.record(code, frames.RESUME, module, {})
+    a.record(code, frame_records.RESUME, module, {})
     records = [dataclasses.replace(a.records[c], as_written=True) for c in a.order]
     return Assembled(resumes={}, records=records, files=a.files, programs=a.programs)
