@@ -284,9 +284,11 @@ def _call_function(self: FunctionModule, *args: Any, **kwargs: Any) -> Any:
     return self.fn(*args, **kwargs)
 
 
-# code object -> the function first cached with it: a second function of the same code
-# is the same def executed again (in a loop, a factory): its identity is not stable.
-_seen: dict[types.CodeType, weakref.ref[types.FunctionType]] = {}
+# code object (by identity: code objects compare equal across files, so two modules' same
+# def at the same line would be one) -> it, kept alive so that its id is not reused, and
+# the function first cached with it: a second function of the same code object is the
+# same def executed again (in a loop, a factory): its identity is not stable.
+_seen: dict[int, tuple[types.CodeType, weakref.ref[types.FunctionType]]] = {}
 _seen_lock = threading.Lock()
 
 
@@ -311,7 +313,8 @@ def check_function(fn: Any, pattern: str = "") -> types.FunctionType:
             "callable an nn.Module and pass it, or pass its Python function.\n" + pattern)
     refuse_generators(fn, fn.__qualname__)
     with _seen_lock:
-        ref = _seen.get(fn.__code__)
+        seen = _seen.get(id(fn.__code__))
+        ref = seen[1] if seen is not None else None
         first = ref() if ref is not None else None
         if ref is not None and first is not fn:
             what = "a lambda" if fn.__name__ == "<lambda>" else f"the function {fn.__qualname__}"
@@ -321,7 +324,7 @@ def check_function(fn: Any, pattern: str = "") -> types.FunctionType:
                 "cached before (a def or lambda in a loop, or in a function called again). "
                 "Its identity is not stable, so each would be a new cached function. Define "
                 "it once (at module level) and cache it once, outside the loop")
-        _seen[fn.__code__] = weakref.ref(fn)
+        _seen[id(fn.__code__)] = (fn.__code__, weakref.ref(fn))
     return fn
 
 

@@ -14,6 +14,7 @@ layer class decorated, through ``generate()``).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import Any
@@ -385,6 +386,23 @@ def test_a_lambda_in_a_loop_is_refused() -> None:
         for i in range(2):
             cache_compile(lambda x: x + i, backend="aot_eager")  # noqa: B023
     assert "outside the loop" in str(info.value)
+
+
+def test_the_same_def_in_two_modules_is_two_functions(tmp_path: Path) -> None:
+    """Code objects compare equal across files (same body, same line): two modules' twin
+    functions are not one def executed again."""
+    src = "def step(x):\n    return x * 2\n"
+    fns = []
+    for name in ("twin_a", "twin_b"):
+        (tmp_path / f"{name}.py").write_text(src)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        fns.append(mod.step)
+    assert fns[0].__code__ == fns[1].__code__ and fns[0].__code__ is not fns[1].__code__
+    for f in fns:
+        cache_compile(f, backend="aot_eager")
 
 
 def test_forms_cached_twice_are_refused() -> None:
