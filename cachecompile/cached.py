@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from cachecompile.cold.capture import LiveSession
     from cachecompile.cold.miss import MissPath
-    from cachecompile.warm.frame_serving import Continuation, Frames
+    from cachecompile.warm.frame_serving import Continuation, Frames, LiveFrame
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +112,18 @@ class SharedEntries:
         return None
 
 
-class _LiveFrames:
-    """warm.frame_serving.LiveFrames for one cached method: a frame of a graph break that no
-    stored variant serves is compiled by the cold side, imported on first use."""
+class _FrameCompiler:
+    """frame_serving.FrameCompiler for one cached method: a frame of a graph break that no
+    stored variant serves is compiled by the cold side (imported on first use), unless
+    nothing may be compiled in this process (None: the frame runs as written)."""
 
     def __init__(self, cached: CachedFunction) -> None:
         self._cached = cached
 
-    def run_frame(self, frames: Frames, cont: Continuation, args: tuple[Any, ...]) -> Any:
+    def compile_frame(self, frames: Frames, cont: Continuation, why: str) -> LiveFrame | None:
         if cache_off(self._cached.spec.adapter.torch_parts) is not None:
-            frames.live = None   # nothing may be compiled: the frame runs as written
-            return cont(*args)
-        return self._cached._miss_path().run_frame(frames, cont, args)
+            return None
+        return self._cached._miss_path().compile_frame(frames, cont, why)
 
 
 class CachedFunction(Generic[_P, _R]):
@@ -150,7 +150,7 @@ class CachedFunction(Generic[_P, _R]):
         self._alt_keys = [SignatureKeys(method, spec.for_alternate(i))
                           for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
-        self._lookup.live_frames = _LiveFrames(self)
+        self._lookup.frame_compiler = _FrameCompiler(self)
         self._miss: MissPath | None = None      # the cold side, made on the first miss
         self._fallback: LiveSession | None = None
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit

@@ -34,7 +34,7 @@ from cachecompile.cold.capture import Phases, Trace, TraceSession
 from cachecompile.cold.frame_assembly import FrameCompile
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
-from cachecompile.entry.frame_records import graph_prefix, read_frames
+from cachecompile.entry.frame_records import FrameRecord, graph_prefix, read_frames
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.errors import (
     SignatureLimitWarning,
@@ -329,13 +329,13 @@ class MissPath:
                                 self._qualname, labels.get("signature", ""), c.code.co_name,
                                 why)
                     continue
-                self._publish_frame(st, sig_key, labels, assembled, capture_mod.frame_deps([c]))
+                self.publish_frame(st, sig_key, labels, assembled, capture_mod.frame_deps([c]))
             except Exception as e:  # publishing is extra: the call's result stands
                 logger.debug("publishing a frame variant failed", exc_info=True)
                 fault(f"{self._qualname}: a variant of frame {c.code.co_name} is not "
                       f"published ({type(e).__name__}: {e})")
 
-    def _publish_frame(self, st: LocalStorage, sig_key: Key, labels: Mapping[str, str],
+    def publish_frame(self, st: LocalStorage, sig_key: Key, labels: Mapping[str, str],
                        assembled: frame_assembly.Assembled, deps: Mapping[str, str]) -> None:
         """One frame variant at its chain's first free index (or nowhere, where the
         same one is there already, or the store is read-only)."""
@@ -400,52 +400,68 @@ class MissPath:
               "compiles it live. A value it reads changes from call to call (`cachectl "
               "explain` shows which guards differ): pass it as a tensor, or make it fixed.")
 
-    def run_frame(self, frames: frame_serving.Frames, cont: frame_serving.Continuation,
-                  args: tuple[Any, ...]) -> Any:
+    def compile_frame(self, frames: frame_serving.Frames, cont: frame_serving.Continuation,
+                      why: str) -> _LiveFrame:
         """A continuation no stored variant serves, compiled live (``torch.compile`` of
-        it), its frames captured and published when the call is over; one whose guards
-        cannot be stored compiled live and published nowhere."""
-        session = cont.live
-        if session is None:
-            fn = types.FunctionType(cont.code, frames.globals_of(cont.record),
-                                    cont.code.co_name)
-            capture = not cont.record.live and frames.st is not None and not frames.st.readonly
-            why = cont.why_unserved(args)
-            if cont.record.live:
-                # Named once per process: every process compiles this frame live.
-                fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
-                      f"compiled live in every process ({why})")
-            else:
-                logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
-                            self._qualname, frames.signature, cont.record.name, why)
-            if frames.st is not None:
-                # Counted by the frame (its qualified name), bounded by the code.
-                short = cont.record.name.split(" (", 1)[0]
-                record_miss(frames.st, "frame", f"{short}: "
-                            f"{'live in every process' if cont.record.live else 'compiled'}")
-            session = cont.live = (capture_mod.FrameSession(fn, self._spec) if capture
-                                   else capture_mod.LiveFrameSession(fn, self._spec))
+        it), its frames captured and published after each call; one whose guards cannot be
+        stored compiled live and published nowhere (frame_serving.FrameCompiler)."""
+        fn = types.FunctionType(cont.code, frames.globals_of(cont.record), cont.code.co_name)
+        capture = not cont.record.live and frames.st is not None and not frames.st.readonly
+        if cont.record.live:
+            # Named once per process: every process compiles this frame live.
+            fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
+                  f"compiled live in every process ({why})")
+        else:
+            logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
+                        self._qualname, frames.signature, cont.record.name, why)
+        if frames.st is not None:
+            # Counted by the frame (its qualified name), bounded by the code.
+            short = cont.record.name.split(" (", 1)[0]
+            record_miss(frames.st, "frame", f"{short}: "
+                        f"{'live in every process' if cont.record.live else 'compiled'}")
+        session = (capture_mod.FrameSession(fn, self._spec) if capture
+                   else capture_mod.LiveFrameSession(fn, self._spec))
+        return _LiveFrame(self, frames, cont.code, cont.record, session)
+
+
+class _LiveFrame:
+    """frame_serving.LiveFrame: a continuation under a live session; after each call, what
+    Dynamo compiled for it is published, or, where it compiled nothing (Dynamo skips the
+    frame), that it runs as written."""
+
+    def __init__(self, miss: MissPath, frames: frame_serving.Frames, code: types.CodeType,
+                 record: FrameRecord,
+                 session: capture_mod.FrameSession | capture_mod.LiveFrameSession) -> None:
+        self._miss = miss
+        self._code = code
+        self._record = record
+        self._session = session
+        self._st, self._key = frames.st, frames.key
+        self._labels = frames.labels
+        self.runs_as_written = False
+
+    def __call__(self, *args: Any) -> Any:
         # Dynamo compiles every frame it meets in there itself: the frames this process
         # installed (callees) stay out, so no stored code runs under Dynamo's tracing.
         with frame_hook.not_serving():
-            result = session(*args)
-        late = session.take_late()
-        if frames.st is not None and frames.key is not None:
-            if late:
-                self.publish_frames(frames.st, frames.key, frames.labels, late)
-            elif dynamo.ran_as_written(cont.code) and not cont.record.live:
-                # Dynamo met the frame and compiled nothing (it skips it): say so to every
-                # other process, which then runs it as written without compiling.
-                cont.as_written = True
-                try:
-                    self._publish_frame(frames.st, frames.key, frames.labels,
-                                        frame_assembly.assemble_as_written(cont.code,
-                                                                       cont.record.module),
-                                        {})
-                except Exception:  # publishing is extra: the call's result stands
-                    logger.debug("publishing a frame that runs as written failed",
-                                 exc_info=True)
+            result = self._session(*args)
+        late = self._session.take_late()
+        if self._st is None or self._key is None:
+            return result
+        if late:
+            self._miss.publish_frames(self._st, self._key, self._labels, late)
+        elif dynamo.ran_as_written(self._code) and not self._record.live:
+            # Dynamo met the frame and compiled nothing (it skips it): say so to every
+            # other process, which then runs it as written without compiling.
+            self.runs_as_written = True
+            try:
+                self._miss.publish_frame(
+                    self._st, self._key, self._labels,
+                    frame_assembly.assemble_as_written(self._code, self._record.module), {})
+            except Exception:  # publishing is extra: the call's result stands
+                logger.debug("publishing a frame that runs as written failed", exc_info=True)
         return result
+
 
 def _guards_of(meta: Mapping[str, Any]) -> list[Any] | None:
     """The guards of a published entry's meta; None if it is not a record this code reads."""

@@ -13,7 +13,7 @@ first taken there, a frame whose guards failed), is published as a *frame varian
 entry of its own under the signature's key plus the frame's id, a chain 0, 1, ... like a
 signature's variants (:class:`~cachecompile.warm.chain.VariantChain`). A call that no
 loaded variant serves walks that chain (:meth:`Frames.from_chain`); if nothing there serves it either, the frame is
-compiled live and published (:class:`LiveFrames`, the cold side), or, where nothing may be
+compiled live and published (:class:`FrameCompiler`, the cold side), or, where nothing may be
 compiled, the continuation's own code runs as written: what Dynamo generated for the rest
 of the method, in its module, so the result is eager's, never a program run on guards
 that do not hold. A frame whose guards could not be stored (``FrameRecord.live``) is
@@ -75,12 +75,25 @@ def module_globals(name: str) -> dict[str, Any]:
     return vars(mod)
 
 
-class LiveFrames(Protocol):
-    """The cold side a warm process calls when no stored variant of a continuation serves
-    a call: compile it live (capturing and publishing what Dynamo compiled, unless the
-    frame cannot be stored) and run it. Imported on first use, as a signature's miss is."""
+class LiveFrame(Protocol):
+    """A continuation compiled live (what :class:`FrameCompiler` returns): run on each call
+    no stored variant serves; it captures and publishes what Dynamo compiles for it."""
 
-    def run_frame(self, frames: Frames, cont: Continuation, args: tuple[Any, ...]) -> Any: ...
+    # Dynamo met the frame and compiled nothing (it skips it): run it as written from now on.
+    runs_as_written: bool
+
+    def __call__(self, *args: Any) -> Any: ...
+
+
+class FrameCompiler(Protocol):
+    """The cold side, handed to a loaded entry by its cached method: asked for a
+    continuation that no stored variant serves, it returns a :class:`LiveFrame`, or None
+    where nothing may be compiled in this process (the frame then runs as written). It
+    reads the frame (``frames``, ``cont``) and writes nothing of them. Imported on first
+    use, as a signature's miss is."""
+
+    def compile_frame(self, frames: Frames, cont: Continuation, why: str
+                      ) -> LiveFrame | None: ...
 
 
 class _Loaded:
@@ -144,7 +157,8 @@ class Continuation:
         self._eager: types.FunctionType | None = None
         self._told = False
         self.probed = 0             # the frame variant chain is walked from here
-        self.live: Any = None       # the live compile, once one was needed (LiveFrames)
+        self.live: LiveFrame | None = None   # the live compile, once one was needed
+        self._no_compile = False    # the compiler said nothing may be compiled here
         # Dynamo runs this frame as written (it skips it): so does this process.
         self.as_written = record.as_written
         # Outcome counts of this process (tests, logs): stored variant, compiled live
@@ -226,9 +240,14 @@ class Continuation:
                     self.served += 1
                     assert found.fn is not None
                     return found.fn(*args)
-            if frames.live is not None and not self.as_written:
+            if self.live is None and frames.compiler is not None and not self._no_compile:
+                self.live = frames.compiler.compile_frame(frames, self, self.why_unserved(args))
+                self._no_compile = self.live is None
+            if self.live is not None:
                 self.compiled += 1
-                return frames.live.run_frame(frames, self, args)
+                result = self.live(*args)
+                self.as_written = self.live.runs_as_written
+                return result
         self.unserved += 1
         if not self._told:
             self._told = True
@@ -248,13 +267,14 @@ class Frames:
     """The frames of one loaded entry (``EntryMeta.frames``), ready to run.
 
     ``st`` and ``key``: the store and the signature's key, where frame variants published
-    later are found (:meth:`from_chain`); ``live``: the cold side, which compiles a frame no
+    later are found (:meth:`from_chain`); ``compiler``: the cold side, which compiles a frame no
     stored variant serves (None: such a frame runs as written)."""
 
     def __init__(self, meta: EntryMeta, files: Mapping[str, Path], adapter: Adapter,
                  mode: GuardMode, cost: guard_tree.BuildCost | None, qualname: str, *,
                  st: LocalStorage | None = None, key: Key | None = None,
-                 live: LiveFrames | None = None, labels: Mapping[str, str] | None = None
+                 compiler: FrameCompiler | None = None,
+                 labels: Mapping[str, str] | None = None
                  ) -> None:
         self.qualname = qualname
         self.signature = meta.signature
@@ -265,7 +285,7 @@ class Frames:
         self._cost = cost
         self.st = st
         self.key = key
-        self.live = live
+        self.compiler = compiler
         self._lock = threading.RLock()
         self._pins: list[Any] = []
         self.records: dict[str, FrameRecord] = {}

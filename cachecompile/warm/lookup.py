@@ -143,7 +143,7 @@ class Lookup:
         self._tree_cost = guard_tree.BuildCost()
         # The cold side a graph break's frames call when no stored variant serves them
         # (set by the cached method; None: such a frame runs as written).
-        self.live_frames: frame_serving.LiveFrames | None = None
+        self.frame_compiler: frame_serving.FrameCompiler | None = None
 
     def probe(self, st: LocalStorage, sig_key: Key, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Probe:
@@ -260,7 +260,8 @@ class Lookup:
             signature_key = VariantChain.signature_of(key)
             frames = frame_serving.Frames(loaded, entry.files, adapter, self._spec.guards,
                                         self._tree_cost, qualname, st=st, key=signature_key,
-                                        live=self.live_frames, labels=entry.labels)
+                                        compiler=self.frame_compiler,
+                                        labels=entry.labels)
             g.update(frames.names(loaded.resumes))
         bound = replay.rebuild(self._method, entry.files[BYTECODE_FILE].read_bytes(),
                                list(loaded.consts), g, loaded.compiled_fn, compiled_fn)
