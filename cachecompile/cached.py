@@ -112,18 +112,105 @@ class SharedEntries:
         return None
 
 
-class _FrameCompiler:
-    """frame_serving.FrameCompiler for one cached method: a frame of a graph break that no
-    stored variant serves is compiled by the cold side (imported on first use), unless
-    nothing may be compiled in this process (None: the frame runs as written)."""
+class _ColdSide:
+    """What a cached method does when no stored variant serves (for its current spec): a
+    miss's compile (``cold.miss``, imported on the first miss), the live fallback, and a
+    graph break's frames compiled live (``frame_serving.FrameCompiler``)."""
 
     def __init__(self, cached: CachedFunction) -> None:
         self._cached = cached
+        self._miss: MissPath | None = None
+        self._fallback: LiveSession | None = None
+
+    def miss_path(self) -> MissPath:
+        if self._miss is None:
+            from cachecompile.cold.miss import MissPath
+
+            c = self._cached
+            self._miss = MissPath(c._method, c.spec, c._keys, c._lookup,
+                                  self.recompile_limit_hit)
+        return self._miss
+
+    def compile(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                st: LocalStorage, sig_key: Key, probe: Probe, early: dict[str, float]) -> Any:
+        """A miss: compile the signature (publishing it where that is worth it) and run it."""
+        # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
+        # (it imports them: most of what torch.compile itself imports before tracing).
+        t1 = time.perf_counter()
+        if cache_off(self._cached.spec.adapter.torch_parts) is not None:
+            return self.run_live(sig, args, kwargs, "cache off for this torch")
+        early["torch_imports"] = time.perf_counter() - t1
+        miss = self.miss_path()
+        served = miss.run(st, sig_key, sig, args, kwargs, early,
+                          publish=miss.churn.worth_publishing(probe, sig))
+        self._cached._add(sig, served.variant, served.outcome.value)
+        return served.result
+
+    def run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 why: str) -> Any:
+        from cachecompile.cold.capture import LiveSession
+
+        c = self._cached
+        if self._fallback is None:
+            self._fallback = LiveSession(c._method, c.spec)
+            self._fallback.on_recompile_limit = self.recompile_limit_hit
+        c._add(sig, Variant(run=self._fallback, check=None, name="live"), "live")
+        logger.info("cachecompile live %s [%s]: %s", c.__qualname__, describe(sig), why)
+        return self._fallback(*args, **kwargs)
+
+    def recompile_limit_hit(self, reason: str) -> None:
+        """A live compile of this method passed Dynamo's recompile limit (capture.LiveSession
+        then runs the call eagerly): say so once per method, naming the guard that keeps
+        failing."""
+        c = self._cached
+        if c._limit_hit_warned:
+            return
+        c._limit_hit_warned = True
+        warnings.warn(
+            f"{c.__qualname__}: a value Dynamo guards changes on every call, so every "
+            "call was a new compile, and Dynamo's recompile limit is reached. The guard that "
+            f"failed last: {reason}. From now on a call that would need a new compile runs "
+            "eagerly (uncompiled). Pass that value as a tensor, or make it dynamic "
+            "(dynamic=True, or torch._dynamo.mark_dynamic), so that one compile serves every "
+            "value", SignatureLimitWarning, stacklevel=user_stacklevel())
 
     def compile_frame(self, frames: Frames, cont: Continuation, why: str) -> LiveFrame | None:
+        """frame_serving.FrameCompiler: None where nothing may be compiled (the frame then
+        runs as written)."""
         if cache_off(self._cached.spec.adapter.torch_parts) is not None:
             return None
-        return self._cached._miss_path().compile_frame(frames, cont, why)
+        return self.miss_path().compile_frame(frames, cont, why)
+
+
+def _off_gear_warning(qualname: str, gears: Gears, sizes: tuple[int, ...] | None,
+                      why: str) -> None:
+    shape = gears.describe(sizes) if sizes is not None else \
+        "a gear argument that is no tensor of the declared rank"
+    warnings.warn(
+        f"{qualname}: a call with {shape} fits none of the declared gears "
+        f"({gears.describe()}){'; not padded: ' + why if gears.pad else ''}. It is "
+        "compiled for its own shape and cached like any other signature (counted in "
+        "cachectl stats as a miss about 'outside the declared gears'). Declare it as a "
+        "gear, or prebuild it with cachecompile.Exact (this warning is given once per "
+        "method)", OutOfGearWarning, stacklevel=user_stacklevel())
+
+
+def _training_warning(qualname: str, module: torch.nn.Module) -> None:
+    """A module in training mode whose parameters require grad, called in grad mode:
+    training, or inference that forgot ``model.eval()``. The outputs carry no autograd
+    history either way; said once per method, before anything is compiled, so that a
+    ``backward()`` that fails later ("does not require grad") has its cause on record."""
+    if not any(p.requires_grad for p in module.parameters()):
+        return
+    warnings.warn(
+        f"{qualname} is cached for inference only: its module "
+        f"({type(module).__qualname__}) is in training mode with parameters that "
+        "require grad, and grad mode is on, but the cached call runs under "
+        "torch.no_grad(): its outputs carry no autograd history, so backward() through "
+        "them fails. For inference, call model.eval() (or call under torch.no_grad() "
+        "or torch.inference_mode()); to train, use torch.compile for this method. "
+        "(This warning is given once per cached method.)",
+        InferenceOnlyWarning, stacklevel=user_stacklevel())
 
 
 class CachedFunction(Generic[_P, _R]):
@@ -150,9 +237,8 @@ class CachedFunction(Generic[_P, _R]):
         self._alt_keys = [SignatureKeys(method, spec.for_alternate(i))
                           for i in range(len(spec.alternates))]
         self._lookup = Lookup(method, spec)
-        self._lookup.frame_compiler = _FrameCompiler(self)
-        self._miss: MissPath | None = None      # the cold side, made on the first miss
-        self._fallback: LiveSession | None = None
+        self._cold = _ColdSide(self)
+        self._lookup.frame_compiler = self._cold
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._training_warned = False   # InferenceOnlyWarning given (or not needed)
         # dynamic=None: each static signature's sizes-blind form -> the signature, until a
@@ -205,28 +291,11 @@ class CachedFunction(Generic[_P, _R]):
                     "torch.inference_mode(), or detach the inputs; for training use "
                     "torch.compile directly.")
             if not self._training_warned and self._module.training:
-                self._warn_training()
+                self._training_warned = True
+                _training_warning(self.__qualname__, self._module)
             with torch.no_grad():
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
-
-    def _warn_training(self) -> None:
-        """A module in training mode whose parameters require grad, called in grad mode:
-        training, or inference that forgot ``model.eval()``. The outputs carry no autograd
-        history either way; said once, before anything is compiled, so that a ``backward()``
-        that fails later ("does not require grad") has its cause on record."""
-        self._training_warned = True
-        if not any(p.requires_grad for p in self._module.parameters()):
-            return
-        warnings.warn(
-            f"{self.__qualname__} is cached for inference only: its module "
-            f"({type(self._module).__qualname__}) is in training mode with parameters that "
-            "require grad, and grad mode is on, but the cached call runs under "
-            "torch.no_grad(): its outputs carry no autograd history, so backward() through "
-            "them fails. For inference, call model.eval() (or call under torch.no_grad() "
-            "or torch.inference_mode()); to train, use torch.compile for this method. "
-            "(This warning is given once per cached method.)",
-            InferenceOnlyWarning, stacklevel=user_stacklevel())
 
     @property
     def gears(self) -> Gears | None:
@@ -260,17 +329,7 @@ class CachedFunction(Generic[_P, _R]):
             with self._lock:
                 if not self._gear_warned:
                     self._gear_warned = True
-                    shape = gears.describe(sizes) if sizes is not None else \
-                        "a gear argument that is no tensor of the declared rank"
-                    warnings.warn(
-                        f"{self.__qualname__}: a call with {shape} fits none of the declared "
-                        f"gears ({gears.describe()})"
-                        f"{'; not padded: ' + why if gears.pad else ''}. It is compiled for "
-                        "its own shape and cached like any other signature (counted in "
-                        "cachectl stats as a miss about 'outside the declared gears'). "
-                        "Declare it as a gear, or prebuild it with cachecompile.Exact (this "
-                        "warning is given once per method)",
-                        OutOfGearWarning, stacklevel=user_stacklevel())
+                    _off_gear_warning(self.__qualname__, gears, sizes, why)
         return self._dispatch(args, kwargs, off_gear=True)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -325,7 +384,7 @@ class CachedFunction(Generic[_P, _R]):
         if self._shapes is not None:
             sig = self._automatic(sig, args, kwargs)
         spec = self.spec
-        live = functools.partial(self._run_live, sig, args, kwargs)
+        live = functools.partial(self._cold.run_live, sig, args, kwargs)
         if not spec.enabled:
             return functools.partial(live, "disabled")
         if cache_off() is not None:
@@ -343,7 +402,7 @@ class CachedFunction(Generic[_P, _R]):
                     SignatureLimitWarning, stacklevel=user_stacklevel())
             return functools.partial(live, "over signature limit")
         t0 = time.perf_counter()
-        early: dict[str, float] = {}  # the cold path's first phases (capture.Phases)
+        early: dict[str, float] = {}  # the cold path's first phases (cold.compiling.Phases)
         try:
             sig_key = self.key(sig)
         except Exception as e:  # an unkeyable call is a fault, not a crash
@@ -412,22 +471,8 @@ class CachedFunction(Generic[_P, _R]):
         # the digest here is the one `cachectl ls` shows once it is published.
         logger.info("cachecompile miss %s %s [%s]: %s", self.__qualname__,
                     probe.publish_key(sig_key).digest[:12], describe(sig), why)
-        return functools.partial(self._compile, sig, args, kwargs, st, sig_key, probe, early)
-
-    def _compile(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 st: LocalStorage, sig_key: Key, probe: Probe, early: dict[str, float]) -> Any:
-        """A miss: compile the signature (publishing it where that is worth it) and run it."""
-        # Capture reads Dynamo's (and the adapter's) private names: probed on the first miss
-        # (it imports them: most of what torch.compile itself imports before tracing).
-        t1 = time.perf_counter()
-        if cache_off(self.spec.adapter.torch_parts) is not None:
-            return self._run_live(sig, args, kwargs, "cache off for this torch")
-        early["torch_imports"] = time.perf_counter() - t1
-        miss = self._miss_path()
-        served = miss.run(st, sig_key, sig, args, kwargs, early,
-                          publish=miss.churn.worth_publishing(probe, sig))
-        self._add(sig, served.variant, served.outcome.value)
-        return served.result
+        return functools.partial(self._cold.compile, sig, args, kwargs, st, sig_key, probe,
+                                 early)
 
     def _automatic(self, sig: Signature, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Signature:
@@ -453,42 +498,9 @@ class CachedFunction(Generic[_P, _R]):
                           for i in range(len(self.spec.alternates))]
         self._retired.append(self._lookup)
         self._lookup = Lookup(self._method, self.spec)
-        self._miss = None
-        self._fallback = None
+        self._cold = _ColdSide(self)
+        self._lookup.frame_compiler = self._cold
         return signature(args, kwargs, True)
-
-    def _miss_path(self) -> MissPath:
-        if self._miss is None:
-            from cachecompile.cold.miss import MissPath
-
-            self._miss = MissPath(self._method, self.spec, self._keys, self._lookup,
-                                  self._recompile_limit_hit)
-        return self._miss
-
-    def _run_live(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  why: str) -> Any:
-        from cachecompile.cold.capture import LiveSession
-
-        if self._fallback is None:
-            self._fallback = LiveSession(self._method, self.spec)
-            self._fallback.on_recompile_limit = self._recompile_limit_hit
-        self._add(sig, Variant(run=self._fallback, check=None, name="live"), "live")
-        logger.info("cachecompile live %s [%s]: %s", self.__qualname__, describe(sig), why)
-        return self._fallback(*args, **kwargs)
-
-    def _recompile_limit_hit(self, reason: str) -> None:
-        """A live compile of this method passed Dynamo's recompile limit (capture.LiveSession
-        then runs the call eagerly): say so once, naming the guard that keeps failing."""
-        if self._limit_hit_warned:
-            return
-        self._limit_hit_warned = True
-        warnings.warn(
-            f"{self.__qualname__}: a value Dynamo guards changes on every call, so every "
-            "call was a new compile, and Dynamo's recompile limit is reached. The guard that "
-            f"failed last: {reason}. From now on a call that would need a new compile runs "
-            "eagerly (uncompiled). Pass that value as a tensor, or make it dynamic "
-            "(dynamic=True, or torch._dynamo.mark_dynamic), so that one compile serves every "
-            "value", SignatureLimitWarning, stacklevel=user_stacklevel())
 
     # -- keys -------------------------------------------------------------------------
     def factors(self, sig: Signature) -> dict[str, Any]:

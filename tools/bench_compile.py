@@ -334,7 +334,7 @@ def bench_model(
     return rows
 
 
-# cachecompile's cold phases in the order they run (capture.Phases).
+# cachecompile's cold phases in the order they run (cold.compiling.Phases).
 PHASES = ("key", "lookup", "torch_imports", "lock", "dynamo", "backend", "guards", "capture",
           "verify", "run", "deps", "entry")
 

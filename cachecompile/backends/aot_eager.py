@@ -18,11 +18,11 @@ import torch
 
 from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
-from cachecompile._types import JSON
 from cachecompile.backends.base import Adapter, Compiled, GraphCallable, Program
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import passes
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ import xxhash
 
 from cachecompile import _torch
 from cachecompile._torch import runtime
-from cachecompile._types import JSON
 from cachecompile.backends.base import Adapter, Compiled, GraphCallable, Program
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import ContractError, UnsupportedProgramError, fault
 from cachecompile.key import identity, passes
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from cachecompile._types import JSON
+from cachecompile.store.jsonvalue import JSON
 
 GraphCallable = Callable[..., Any]
 

@@ -11,10 +11,10 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cachecompile._types import JSON
 from cachecompile.backends.torchair_machine import import_torchair
 from cachecompile.errors import TorchairUnavailableError
 from cachecompile.key.factors import canonical
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

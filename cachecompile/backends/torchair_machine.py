@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from cachecompile._types import JSON
 from cachecompile.backends.base import package_version
 from cachecompile.errors import TorchairUnavailableError, UnsupportedProgramError
 from cachecompile.key.factors import canonical
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from cachecompile._types import JSON
 from cachecompile.backends.base import GraphCallable
 from cachecompile.entry import files as entry_files
 from cachecompile.errors import GearMismatchError, UnsupportedProgramError
+from cachecompile.store.jsonvalue import JSON
 
 PROGRAM_FILE = entry_files.TORCHAIR_PROGRAM
 GE_CACHE_PREFIX = "ge_cache/"

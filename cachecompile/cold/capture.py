@@ -18,27 +18,27 @@ capture and the adapters call it): a warm process never imports this module.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import inspect
 import logging
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cachecompile import _torch
 from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import frame_assembly, guard_capture
+from cachecompile.cold.compiling import Compiling, Phases
 from cachecompile.cold.frame_assembly import FrameCompile, GraphCapture
+from cachecompile.cold.frame_capture import FrameCapture
+from cachecompile.cold.verify import Verified
 from cachecompile.entry import checker as checker_mod
-from cachecompile.entry import codeobj, frame_records, guard_kinds
+from cachecompile.entry import codeobj, guard_kinds
 from cachecompile.errors import GraphBreakError, UnsupportedProgramError
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
@@ -70,36 +70,6 @@ class Trace:
     # A graph break (fullgraph=False): every other frame Dynamo compiled for the call
     # (cold.frame_assembly.assemble).
     frames: frame_assembly.Assembled | None = None
-
-
-class Phases:
-    """Where a cold first call's wall time goes, phase by phase (seconds, accumulated).
-
-    The phases are logged with the publish line and kept in the entry's meta
-    (``cold_phases``), so ``tools/bench_compile.py --profile`` and ``cachectl show`` can say
-    what a cold compile cost. ``dynamo`` is what is left of the traced call once the
-    backend, the guard capture and the first runs are taken out: Dynamo's own tracing.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def timed(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def rounded(self) -> dict[str, float]:
-        return {k: round(v, 4) for k, v in self.seconds.items()}
-
-    def __str__(self) -> str:
-        return ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items())
 
 
 def clone_function(func: types.FunctionType) -> types.FunctionType:
@@ -171,230 +141,6 @@ def graph_break_error(exc: BaseException, func: Callable[..., Any],
     return GraphBreakError(message, filename=filename, lineno=lineno, reason=reason)
 
 
-class _Compiling:
-    """What every session shares: the adapter's compile of a graph, timed in its phases."""
-
-    def __init__(self, spec: CompileSpec, phases: Phases | None) -> None:
-        self.phases = phases if phases is not None else Phases()
-        self._adapter = spec.adapter
-        self._options = dict(spec.options)
-        self._decompositions = spec.decompositions
-        self._dynamic = spec.dynamic
-        self._compile_seconds = 0.0
-
-    @staticmethod
-    @contextlib.contextmanager
-    def dynamo_call(record: bool) -> Iterator[None]:
-        """What every call of a session into Dynamo runs under (the one place it is said):
-        torch's meta-kernel errors kept quiet, compiled graphs' outputs left unmarked
-        (:func:`dynamo.outputs_left_unmarked`), and, with ``record`` (a session that stores
-        what Dynamo compiles), the names Dynamo looks up and the reads torch 2.11 leaves
-        unguarded recorded. Without ``record``, :func:`dynamo.recorded_lookups` says "not
-        recorded", and a frame's guards captured then are refused
-        (:func:`guard_capture.translate`): a call that forgets to record costs a miss,
-        never a frame stored without its absence guards."""
-        with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
-            if not record:
-                yield
-                return
-            with dynamo.unguarded_reads_recorded(), dynamo.recording_lookups():
-                yield
-
-    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Compiled:
-        # In a copy of the context: Dynamo builds the guards after the backend returns,
-        # and a context variable the compiler sets and leaves set (torch 2.15's compiler
-        # config overrides) would be guarded at the compiler's value, which a warm process
-        # that loads the program instead never has.
-        return contextvars.copy_context().run(self._adapter.compile, gm, example_inputs,
-                                              self._options, self._decompositions)
-
-    def _compile_live(self, gm: torch.fx.GraphModule,
-                      example_inputs: list[Any]) -> Callable[..., Any]:
-        """A graph compiled and run as the adapter built it: nothing kept."""
-        t0 = time.perf_counter()
-        compiled = self._compile_here(gm, example_inputs)
-        self.phases.add("backend", time.perf_counter() - t0)
-        self._compile_seconds += time.perf_counter() - t0
-        return compiled.live
-
-    def _public_backend(self) -> tuple[Any, dict[str, Any] | None] | None:
-        """A live session's backend and options when torch's internals are not what
-        :mod:`cachecompile._torch` expects: the adapter's public one, which needs none of
-        them (None while they are)."""
-        if _torch.probe(self._adapter.torch_parts) is None:
-            return None
-        return self._adapter.plain_backend(self._options, self._decompositions)
-
-
-class FrameCapture:
-    """A graph break's capture (fullgraph=False), for a session that stores what it
-    compiles: each frame Dynamo compiles other than the session's own root (its graphs,
-    then its guards, made portable and checked against the frame's own arguments:
-    :class:`FrameCompile`), kept for the session's entry (during its first call) or for
-    publishing as a frame variant (later: :meth:`take_late`)."""
-
-    def __init__(self, phases: Phases,
-                 compile_graph: Callable[[torch.fx.GraphModule, list[Any]], Compiled]) -> None:
-        self.phases = phases
-        self._compile_graph = compile_graph
-        self.seconds = 0.0  # compiling the frames' graphs
-        self.in_first_call = False
-        self.compiles: list[FrameCompile] = []
-        self._late: list[FrameCompile] = []
-        self._pending: dict[types.CodeType, list[GraphCapture]] = {}
-        self._pending_dims: dict[types.CodeType, dict[str, Any]] = {}
-        self._pending_traced: dict[types.CodeType, list[str]] = {}
-        self.strings: set[str] = set()  # string constants of the traced code
-
-    def take_late(self) -> list[FrameCompile]:
-        """The frames compiled since the last time asked, outside a first call."""
-        out, self._late = self._late, []
-        return out
-
-    def graph(self, code: types.CodeType, gm: torch.fx.GraphModule,
-              example_inputs: list[Any]) -> Callable[..., Any]:
-        """A graph of a frame other than the root (a resume function's, a callee's):
-        compiled, verified on its first run, kept with its frame's compile."""
-        t0 = time.perf_counter()
-        self._pending_dims.setdefault(code, {}).update(guard_capture.tensor_dims_from_graph(gm))
-        self._pending_traced.setdefault(code, []).extend(dynamo.traced_code_files())
-        self.strings |= dynamo.traced_code_strings()
-        compiled = self._compile_graph(gm, example_inputs)
-        self.phases.add("backend", time.perf_counter() - t0)
-        self.seconds += time.perf_counter() - t0
-        graph = GraphCapture(compiled, compiled.live)
-        run = Verified(self.phases, compiled, graph, serve=True)
-        graph.run = run
-        self._pending.setdefault(code, []).append(graph)
-        return run
-
-    def guards(self, frame: dynamo.CompilingFrame, entries: Any) -> None:
-        """A frame other than the root finished compiling: its guards, portable, checked
-        against its own arguments now, and its compile kept."""
-        code, g = frame.code, frame.f_globals
-        compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
-                                graphs=self._pending.pop(code, []),
-                                traced=self._pending_traced.pop(code, []))
-        (self.compiles if self.in_first_call else self._late).append(compile_)
-        dims = self._pending_dims.pop(code, {})
-        if frame.out_code is None:
-            compile_.verdict = "this torch's Dynamo does not show the frame's transformed code"
-            return
-        try:
-            with self.phases.timed("guards"):
-                names = frame_records.frame_names(code)
-                portable, classes = guard_capture.translate(
-                    entries, arg_names=set(names) - {"self"}, tensor_dims=dims,
-                    module_name=str(g.get("__name__", "")),
-                    state=guard_capture.frame_state(), strings=self.strings,
-                    resolved=dynamo.recorded_lookups())
-                fn = frame_records.frame_function(code, g)
-                local = [gd for gd in portable if gd["kind"] not in guard_kinds.GLOBAL_KINDS]
-                values = frame_records.frame_values(code, frame.f_locals)
-                probe = checker_mod.build_checker(fn, local, g)
-                if not probe.full(*values):
-                    raise UnsupportedProgramError("a carried guard does not hold at trace "
-                                                  f"time: {probe.explain(*values)}")
-                compile_.guards = portable
-                compile_.checker_lines = checker_mod.build_checker(fn, portable, g).lines()
-                compile_.classes = classes
-        except UnsupportedProgramError as e:
-            compile_.verdict = str(e)
-        except Exception as e:  # a guard we cannot carry means "do not store this frame"
-            logger.debug("guard capture failed", exc_info=True)
-            compile_.verdict = f"capturing Dynamo's guards failed: {type(e).__name__}: {e}"
-
-
-class Verified:
-    """A captured graph's callable: the one place a replayable program is checked against
-    the live compile (each graph's first call).
-
-    The first call captures the adapter's program (``out.program``; why it cannot be stored
-    in ``out.verdict``) and, with ``verify``, runs it beside the live graph: both draw the
-    same random numbers and the call draws them once, as torch.compile's one call does;
-    each mutated input goes to one of them as a copy made before either ran; outputs and
-    mutated inputs are compared, a difference is a verdict. ``serve`` says who answers:
-
-    * ``serve=False`` (the method's own graph, fullgraph): the live graph, on the call's
-      arguments, in this call and every later one; the program gets the copies;
-    * ``serve=True`` (a graph break's graph): once verified, the program itself, on the
-      call's arguments, this call and every later one; the live graph gets the copies,
-      and where the two disagree its results stand (its mutations copied back). The frames
-      after it take its outputs as arguments, and Dynamo guards what it sees of them (a
-      view's base, its strides): the very tensors a warm process will hand them, rather
-      than what AOTAutograd's runtime wrappers make of the live graph's;
-    * ``verify=False`` (a graph with collectives, which must run exactly once per call on
-      every rank): the program, once, unverified, where there is one; else the live graph.
-    """
-
-    def __init__(self, phases: Phases, compiled: Compiled, out: GraphCapture, *,
-                 serve: bool, verify: bool = True) -> None:
-        self._phases = phases
-        self._compiled = compiled
-        self._out = out
-        self._serve = serve
-        self._verify = verify
-        self._first = True
-        self._runner: Callable[..., Any] = compiled.live
-
-    def __call__(self, *args: Any) -> Any:
-        if not self._first:
-            return self._runner(*args)
-        self._first = False
-        program = self._capture()
-        if program is None or program.light is None:
-            with self._phases.timed("run"):
-                return self._compiled.live(*args)
-        if not self._verify:
-            self._runner = program.light
-            return self._runner(*args)
-        copies = list(args)
-        for i in program.mutated_inputs:
-            copies[i] = args[i].clone()
-        live_args, light_args = (copies, list(args)) if self._serve else (list(args), copies)
-        restore_rng = _rng_snapshot()
-        with self._phases.timed("run"):
-            live_out = self._compiled.live(*live_args)
-        restore_rng()
-        light_out: Any = None
-        try:
-            with self._phases.timed("verify"):
-                light_out = program.light(*light_args)
-                mismatch = _compare(light_out, live_out)
-                for i in program.mutated_inputs:
-                    mismatch = mismatch or _compare(light_args[i], live_args[i],
-                                                    f"mutated input {i}")
-        except Exception as e:  # the program failed: the live graph's result stands
-            logger.debug("the program failed on the call's arguments", exc_info=True)
-            mismatch = f"it raised {type(e).__name__}: {e}"
-        if mismatch:
-            self._out.verdict = ("the replayed program disagrees with the live compile: "
-                                 f"{mismatch}")
-        if not self._serve:
-            return live_out
-        if mismatch:
-            for i in program.mutated_inputs:
-                args[i].copy_(live_args[i])
-            return live_out
-        self._runner = program.light
-        return light_out
-
-    def _capture(self) -> Program | None:
-        out = self._out
-        try:
-            with self._phases.timed("capture"):
-                program = out.program = self._compiled.program()
-            if program.light is None:
-                raise UnsupportedProgramError("the adapter built no replayable program")
-            return program
-        except UnsupportedProgramError as e:
-            out.verdict = str(e)
-        except Exception as e:  # any capture failure means "do not cache"
-            logger.debug("program capture failed", exc_info=True)
-            out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
-        return None
-
-
 def _with_note(exc: BaseException, note: str) -> BaseException:
     """``exc`` with ``note`` shown under its message (PEP 678; kept as ``__notes__`` on
     Python 3.10, whose tracebacks do not print it)."""
@@ -406,7 +152,7 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
-class LiveSession(_Compiling):
+class LiveSession(Compiling):
     """One signature of one cached method under plain ``torch.compile``: caching is off,
     or this call is not cached, so nothing is kept (:class:`TraceSession` keeps it).
 
@@ -762,95 +508,3 @@ def has_collectives(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _rng_snapshot() -> Callable[[], None]:
-    """Restores the CPU generator (and every initialised CUDA one) to their state now."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore() -> None:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-    return restore
-
-
-def _compare(a: Any, b: Any, where: str = "output") -> str | None:
-    """None if ``a`` and ``b`` agree (tensors exactly or within float tolerance)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-            return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        if torch.equal(a, b):
-            return None
-        if a.is_floating_point() and torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
-            return None
-        return f"{where}: values differ"
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            m = _compare(x, y, f"{where}[{i}]")
-            if m:
-                return m
-        return None
-    return None if a == b else f"{where}: {a!r} vs {b!r}"
-
-
-class FrameSession(_Compiling):
-    """A resume function compiled live in a process whose stored variants of it did not
-    serve a call (a branch the compiling process never took, state that changed since):
-    ``torch.compile`` of the continuation, with every frame Dynamo compiles for its calls
-    captured (:class:`FrameCapture`) so that each can be published as a frame variant
-    (:meth:`take_late`). :class:`LiveFrameSession` is the one that keeps nothing."""
-
-    def __init__(self, fn: types.FunctionType, spec: CompileSpec) -> None:
-        super().__init__(spec, None)
-        self._frames = FrameCapture(self.phases, self._compile_here)
-        self._live = torch.compile(fn, backend=self._backend, fullgraph=False,
-                                   dynamic=self._dynamic,
-                                   options={"guard_filter_fn": self._on_guards})
-
-    def take_late(self) -> list[FrameCompile]:
-        """The frames compiled since the last time asked."""
-        return self._frames.take_late()
-
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        frame = dynamo.compiling_frame()
-        if frame is None:
-            return self._compile_here(gm, example_inputs).live  # not attributable: not kept
-        return self._frames.graph(frame.code, gm, example_inputs)
-
-    def _on_guards(self, entries: Any) -> list[bool]:
-        frame = dynamo.compiling_frame()
-        if frame is not None:
-            self._frames.guards(frame, entries)
-        return [True] * len(entries)
-
-    def __call__(self, *args: Any) -> Any:
-        # As TraceSession's calls: what it compiles is published, with every guard.
-        with self.dynamo_call(record=True):
-            return self._live(*args)
-
-
-class LiveFrameSession(_Compiling):
-    """A resume function under plain ``torch.compile``, kept nowhere: a frame whose guards
-    cannot be stored is compiled live in each process (as is any frame of a process that
-    may not write the store). As :class:`LiveSession`, through the adapter's public
-    backend when torch's internals are not what :mod:`cachecompile._torch` expects."""
-
-    def __init__(self, fn: types.FunctionType, spec: CompileSpec) -> None:
-        super().__init__(spec, None)
-        public = self._public_backend()
-        backend, options = public if public is not None else (self._compile_live, None)
-        self._live = torch.compile(fn, backend=backend, fullgraph=False,
-                                   dynamic=self._dynamic, options=options)
-
-    def take_late(self) -> list[FrameCompile]:
-        """Nothing: a live frame's compiles are not published."""
-        return []
-
-    def __call__(self, *args: Any) -> Any:
-        with self.dynamo_call(record=False):
-            return self._live(*args)

@@ -27,12 +27,12 @@ import torch
 
 from cachecompile._torch import dynamo, runtime
 from cachecompile._torch.dynamo import GuardEntry
-from cachecompile._types import JSON
 from cachecompile.cold import lookups
 from cachecompile.entry import guard_kinds
 from cachecompile.entry import guards as g
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key import identity as idn
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from cachecompile._torch.dynamo import Resolved
-from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.guards import user_text
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import pinned_by_version
+from cachecompile.store.jsonvalue import JSON
 
 
 @dataclasses.dataclass(frozen=True)

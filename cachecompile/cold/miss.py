@@ -29,8 +29,9 @@ from typing import Any
 from cachecompile._torch import dynamo
 from cachecompile._torch import frame_hook as frame_hook
 from cachecompile.cold import capture as capture_mod
-from cachecompile.cold import frame_assembly
-from cachecompile.cold.capture import Phases, Trace, TraceSession
+from cachecompile.cold import frame_assembly, frame_capture
+from cachecompile.cold.capture import Trace, TraceSession
+from cachecompile.cold.compiling import Phases
 from cachecompile.cold.frame_assembly import FrameCompile
 from cachecompile.entry import writer
 from cachecompile.entry.files import BYTECODE_FILE
@@ -258,7 +259,7 @@ class MissPath:
             checker=trace.checker_lines,
             signature=describe(sig), compile_seconds=round(trace.compile_seconds, 3),
             first_call_seconds=round(elapsed, 3),
-            # Where the cold first call's time went, up to the publish (capture.Phases).
+            # Where the cold first call's time went, up to the publish (cold.compiling.Phases).
             cold_phases=phases.rounded())
         labels = self._labels(sig_key, describe(sig), self._keys.group(sig))
         if meta.frames:
@@ -419,8 +420,8 @@ class MissPath:
             short = cont.record.name.split(" (", 1)[0]
             record_miss(frames.st, "frame", f"{short}: "
                         f"{'live in every process' if cont.record.live else 'compiled'}")
-        session = (capture_mod.FrameSession(fn, self._spec) if capture
-                   else capture_mod.LiveFrameSession(fn, self._spec))
+        session = (frame_capture.FrameSession(fn, self._spec) if capture
+                   else frame_capture.LiveFrameSession(fn, self._spec))
         return _LiveFrame(self, frames, cont.code, cont.record, session)
 
 
@@ -431,7 +432,7 @@ class _LiveFrame:
 
     def __init__(self, miss: MissPath, frames: frame_serving.Frames, code: types.CodeType,
                  record: FrameRecord,
-                 session: capture_mod.FrameSession | capture_mod.LiveFrameSession) -> None:
+                 session: frame_capture.FrameSession | frame_capture.LiveFrameSession) -> None:
         self._miss = miss
         self._code = code
         self._record = record

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from cachecompile._torch import runtime
-from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.files import CONST_PREFIX
 from cachecompile.errors import UnsupportedProgramError
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cachecompile._types import JSON
 from cachecompile.errors import UnsupportedProgramError
+from cachecompile.store.jsonvalue import JSON
 
 RESUME = "resume"
 CALLEE = "callee"

@@ -29,11 +29,11 @@ import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile._torch import runtime
-from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.guard_paths import LEAVES, NO_GLOBAL, UNSET_ENV
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import class_digest, identity, qualified_name
+from cachecompile.store.jsonvalue import JSON
 
 if TYPE_CHECKING:  # the cold side's (a capture's) only: a warm process never imports it
     from cachecompile._torch.dynamo import GuardEntry

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from cachecompile._types import JSON
 from cachecompile.entry import values
 from cachecompile.entry.guard_kinds import TypeRef
 from cachecompile.key.identity import qualified_name, type_value
 from cachecompile.store import settings
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

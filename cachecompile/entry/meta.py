@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cachecompile._types import JSON
 from cachecompile._version import ENTRY_FORMAT as FORMAT_VERSION
 from cachecompile.errors import UnsupportedProgramError
+from cachecompile.store.jsonvalue import JSON
 
 
 def _field(kind: type | tuple[type, ...], default: Any = dataclasses.MISSING,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from cachecompile._types import JSON
 from cachecompile.errors import UnsupportedProgramError
+from cachecompile.store.jsonvalue import JSON
 
 _TORCH_SINGLETONS = (torch.dtype, torch.layout, torch.memory_format)
 

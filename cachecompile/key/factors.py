@@ -21,10 +21,10 @@ import xxhash
 
 from cachecompile._torch import runtime
 from cachecompile._torch import versions as torch_versions
-from cachecompile._types import JSON
 from cachecompile._version import ENTRY_FORMAT, __version__, code_digest
 from cachecompile.key import identity, passes
 from cachecompile.key.ranks import Ranks
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from cachecompile._torch import runtime
-from cachecompile._types import JSON
+from cachecompile.store.jsonvalue import JSON
 
 _code_digests: dict[int, tuple[types.CodeType, str]] = {}
 

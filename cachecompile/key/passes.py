@@ -39,9 +39,9 @@ import torch
 import xxhash
 
 from cachecompile._torch import passes as torch_passes
-from cachecompile._types import JSON
 from cachecompile.errors import ContractError, UnidentifiedPassError
 from cachecompile.key import identity
+from cachecompile.store.jsonvalue import JSON
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Type aliases shared by every floor (imports nothing of cachecompile)."""
+"""The type of a value as stored (a manifest, an entry's meta): shared by every floor above
+the store (imports nothing)."""
 
 from __future__ import annotations
 
