@@ -29,6 +29,7 @@ from cachecompile.key.gears import Gears
 from cachecompile.key.ranks import detect
 from cachecompile.spec import CompileSpec
 from cachecompile.store import settings
+from cachecompile.store.settings import warn_unknown_names
 from cachecompile.warm import collector
 
 if TYPE_CHECKING:
@@ -290,6 +291,7 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
 
     Unknown keyword arguments are ignored with one warning, as TorchAir ignores them.
     """
+    warn_unknown_names()
     if kwargs:
         _ignore_unknown(kwargs)
     if not isinstance(disable, bool):

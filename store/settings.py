@@ -275,6 +275,51 @@ def by_name(name: str) -> Setting[Any]:
     raise KeyError(name)
 
 
+# -- names that are none of the above ------------------------------------------------------
+# Read by this project's own tests and CI scripts, not by the package: never "unknown".
+DEVELOPMENT_PREFIXES = ("CACHECOMPILE_TEST_", "CACHECOMPILE_REQUIRE_")
+DEVELOPMENT_NAMES = frozenset(PREFIX + n for n in (
+    "GUARD_SWEEP", "GUARD_SWEEP_SEED", "WRITE_SWEEP", "WRITE_SWEEP_SEED", "SUITE_BUDGET_S",
+    "TIER_PREFETCH_GB", "PYTHONS", "TORCH_MATRIX", "NPU_MATRIX"))
+_checked_names = False
+
+
+def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each ``CACHECOMPILE_*`` variable set that no setting reads (a misspelling, ``..._DISABLED``
+    for ``..._DISABLE``), with the setting it most likely meant (or None), by the part
+    after the prefix (which every name shares)."""
+    import difflib
+
+    known = [st.name for st in table()]
+    suffixes = {n[len(PREFIX):]: n for n in known}
+    out = []
+    for name in sorted(os.environ if env is None else env):
+        if (not name.startswith(PREFIX) or name in known or name in DEVELOPMENT_NAMES
+                or name.startswith(DEVELOPMENT_PREFIXES)):
+            continue
+        near = difflib.get_close_matches(name[len(PREFIX):], list(suffixes), n=1, cutoff=0.75)
+        out.append((name, suffixes[near[0]] if near else None))
+    return out
+
+
+def warn_unknown_names() -> None:
+    """One :class:`SettingWarning` per process for each ``CACHECOMPILE_*`` variable no
+    setting reads: a value is checked when it is read, a name only here (called by
+    ``cache_compile()`` and ``cachectl``)."""
+    global _checked_names
+    if _checked_names:
+        return
+    _checked_names = True
+    if not any(n.startswith(PREFIX) for n in os.environ):
+        return
+    for name, near in unknown_names():
+        hint = f"did you mean {near}? " if near else ""
+        warnings.warn(f"{name} is set, but no cachecompile setting has that name, so it is "
+                      f"ignored; {hint}The settings are listed in docs/usage.md "
+                      "(\"Environment variables\").", SettingWarning,
+                      stacklevel=_outside_stacklevel())
+
+
 # -- the docs ------------------------------------------------------------------------------
 def markdown_table(readme: bool = False) -> str:
     """The docs' table of variables (README.md's: the ``readme`` ones only)."""

@@ -143,7 +143,11 @@ def resolve(backend: Any, config: Any, *, ge_cache: bool = False) -> tuple[Adapt
         try:
             adapter = get(backend)
         except KeyError:
-            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(names())} (a "
+            import difflib
+
+            near = difflib.get_close_matches(backend, list(names()), n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"unknown backend {backend!r}; {hint}known: {', '.join(names())} (a "
                              "vendor's backend registers itself: cachecompile.backends."
                              "register, or the 'cachecompile.backends' entry-point "
                              "group)") from None

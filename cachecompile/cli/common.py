@@ -81,9 +81,17 @@ def _open_local(cache_dir: str | None) -> Maintenance:
     return _open(cache_dir).maintenance()
 
 
+class _Console(Console):
+    """rich's Console, but a reader gone away is a BrokenPipeError (rich exits 1), which
+    cachectl takes as a success (cli.main's group: `cachectl ls | head -1`)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError()
+
+
 def _console() -> Console:
     # Wide enough that 32-hex keys are never folded when stdout is a pipe.
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    return _Console(width=None if sys.stdout.isatty() else 200, highlight=False)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")

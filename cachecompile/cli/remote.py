@@ -161,7 +161,7 @@ def remote_group() -> None:
 @remote_option
 @label_options
 @state_options
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array, one object per entry.")
 def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
               function: str | None, malformed: bool, unsigned: bool, as_json: bool) -> None:
     """List the remote's records (state: signed, unsigned or malformed)."""
@@ -190,7 +190,7 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
 
 @remote_group.command("stats", short_help="Entries, bytes and the server's space used")
 @remote_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 def remote_stats(remote_url: str | None, as_json: bool) -> None:
     """Entries, bytes (logical), signed entries and the server's space: Redis's memory
     use, or the bucket prefix's objects and bytes."""

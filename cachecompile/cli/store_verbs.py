@@ -464,7 +464,7 @@ def _open_counted(cache_dir: str | None) -> tuple[OpenStore, StoreNotFound | Non
 
 @click.command("stats", short_help="Entries, size, hits, misses by reason, evictions")
 @cache_dir_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--zero", is_flag=True, help="Reset the counters (hits, misses, ...).")
 @click.option("--recount", is_flag=True,
               help="Recount entries and sizes from every record and the disk (and correct "
@@ -572,7 +572,8 @@ def gc_cmd(cache_dir: str | None, max_size: str | None, other_versions: bool) ->
 @click.option("--full", is_flag=True,
               help="Read every entry's checksums, also those unchanged since their last "
                    "full check (what only a failing disk changes without a write).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report (checked, problems, fixed) as one JSON object.")
 def verify_cmd(cache_dir: str | None, fix: bool, full: bool, as_json: bool) -> None:
     """Check the entries' checksums and the index against the disk (exit 1 on problems).
 

@@ -306,7 +306,8 @@ def _try_cachectl(store: Path, temp: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cachecompile.demo",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", choices=["eager", "cold", "warm"], help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=50,
                         help="timed calls of each method, cached and eager (default 50)")

@@ -51,6 +51,22 @@ def test_the_installed_command_runs(cache: Store, child_env: dict[str, str]) -> 
     assert p.returncode == 2 and "no entry matches" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_reader_that_goes_away_is_no_error(cache: Store, child_env: dict[str, str]) -> None:
+    """`cachectl ls | head -1` under `set -o pipefail`: the reader closes the pipe before
+    cachectl writes; cachectl exits 0 and says nothing (it printed `Error: Broken pipe` and
+    exited 7, or rich exited 1)."""
+    cmd = [sys.executable, "-m", "cachecompile.cli.main"]
+    for verb in (["ls"], ["ls", "--json"], ["stats"]):
+        r, w = os.pipe()
+        os.close(r)     # the reader is gone before the first write
+        try:
+            p = subprocess.run([*cmd, *verb, "--cache-dir", str(cache.root)], env=child_env,
+                               stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(w)
+        assert p.returncode == 0 and p.stderr == "", (verb, p.returncode, p.stderr)
+
+
 def _key(st: Store, **labels: str) -> str:
     (info,) = [i for i in st.entries() if all(i.labels.get(k) == v for k, v in labels.items())]
     return info.key

@@ -381,6 +381,11 @@ def test_what_stays_out_is_refused_by_name(bad: Any, needle: str) -> None:
         cache_compile(bad)
 
 
+def test_a_misspelt_backend_is_refused_with_the_name_it_likely_meant() -> None:
+    with pytest.raises(ContractError, match="unknown backend 'inductr'; did you mean 'inductor'"):
+        cache_compile(Tiny(), backend="inductr")
+
+
 def test_a_lambda_in_a_loop_is_refused() -> None:
     with pytest.raises(ContractError, match="defined at .* again") as info:
         for i in range(2):

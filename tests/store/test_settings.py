@@ -46,6 +46,23 @@ def test_no_module_reads_a_variable_around_the_table() -> None:
     assert not found, "read these through cachecompile.store.settings:\n" + "\n".join(found)
 
 
+def test_a_misspelt_name_warns_once_with_the_name_it_likely_meant(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECOMPILE_DISABLED", "1")          # CACHECOMPILE_DISABLE
+    monkeypatch.setenv("CACHECOMPILE_NOTHING_LIKE_IT", "1")
+    monkeypatch.setenv("CACHECOMPILE_TEST_ANYTHING", "1")     # the project's own tests'
+    monkeypatch.setenv("CACHECOMPILE_GUARD_SWEEP", "3")       # CI's
+    assert settings.unknown_names() == [("CACHECOMPILE_DISABLED", "CACHECOMPILE_DISABLE"),
+                                        ("CACHECOMPILE_NOTHING_LIKE_IT", None)]
+    monkeypatch.setattr(settings, "_checked_names", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        settings.warn_unknown_names()
+        settings.warn_unknown_names()      # once per process
+    texts = [str(w.message) for w in caught if w.category is errors.SettingWarning]
+    assert len(texts) == 2 and "did you mean CACHECOMPILE_DISABLE?" in texts[0], texts
+
+
 def test_the_grep_finds_each_spelling() -> None:
     for line in ('x = os.environ.get("CACHECOMPILE_X")', "os.getenv('CACHECOMPILE_X')",
                  'env.get("CACHECOMPILE_X") or ""', 'env_int("CACHECOMPILE_X", lenient=True)',
