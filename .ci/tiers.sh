@@ -1,5 +1,5 @@
 # Sourced by .ci/run: the tiers after the README command (.ci/guard-sweep.sh,
-# .ci/python-matrix.sh, .ci/torch-matrix.sh, .ci/npu-tier.sh), pipelined. Each tier item
+# .ci/torch-matrix.sh, .ci/npu-tier.sh), pipelined. Each tier item
 # (a Python, a torch release, a torch-npu release) has an install half (a venv of its own: mostly download and
 # unpack, several GB for the CUDA builds) and a test half (the cores). Item k+1 installs
 # in the background while item k's tests run, and item 0 installs while the README command
@@ -54,7 +54,7 @@ _tiers_start() {
 # List the items and start installing the first.
 tiers_init() {
   local script item
-  for script in guard-sweep python-matrix torch-matrix npu-tier; do
+  for script in guard-sweep torch-matrix npu-tier; do
     [ -f ".ci/$script.sh" ] || continue
     for item in $(_tier_script "$script" items); do
       TIERS_ITEMS+=("$script $item")

@@ -2,10 +2,21 @@
 # .ci/npu-tier.sh): one way to enter such a venv and to leave it removed, so the disk
 # holds one multi-GB torch install at a time.
 
-# enter_tier_venv VENV: create and activate it.
+# enter_tier_venv VENV [PYTHON]: create it (with PYTHON, default python3) and activate it.
 enter_tier_venv() {
-  python3 -m venv "$1" || return 1
+  "${2:-python3}" -m venv "$1" || return 1
   . "$1/bin/activate"
+}
+
+# find_python X.Y: an interpreter of that version, from pyenv ($PYENV_ROOT, else
+# /root/.pyenv: versions/X.Y.*) or PATH (pythonX.Y); nothing when there is none.
+find_python() {
+  local v=$1 root=${PYENV_ROOT:-/root/.pyenv} found
+  found=$(ls -d "$root/versions/$v".*/bin/python 2>/dev/null | sort -V | tail -n 1)
+  if [ -z "$found" ]; then
+    found=$(command -v "python$v" || true)
+  fi
+  [ -n "$found" ] && echo "$found"
 }
 
 # leave_tier_venv VENV RC LABEL: deactivate, remove VENV, say so when pytest collected

@@ -165,6 +165,18 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(message, IgnoredArgumentWarning, stacklevel=user_stacklevel())
 
 
+class _ByForm:
+    """``dynamic``'s default: torch.compile's (None, automatic) where ``cache_compile``
+    stands where ``torch.compile`` stood (a module, a decorator, a plain function, repeated
+    blocks), TorchAir's (True) for its own form, a bound method (docs/usage.md, "Forms")."""
+
+    def __repr__(self) -> str:
+        return "<by form: True for a bound method, else None>"
+
+
+_BY_FORM: Any = _ByForm()
+
+
 class Options(TypedDict, total=False):
     """``cache_compile``'s keyword arguments, for type checkers (the overloads below)."""
 
@@ -217,7 +229,7 @@ def cache_compile(func: torch.nn.Module, /,  # type: ignore[overload-overlap]
 def cache_compile(func: Callable[_P, _R], /,
                   **options: Unpack[Options]) -> CachedFunction[_P, _R]: ...
 def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = None,
-                  dynamic: bool | None = True, cache_dir: str | os.PathLike[str] | None = None,
+                  dynamic: Any = _BY_FORM, cache_dir: str | os.PathLike[str] | None = None,
                   global_rank: int | None = None, tp_rank: int | None = None,
                   pp_rank: int | None = None,
                   custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
@@ -253,6 +265,9 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             shapes (one entry per shape, at most ``max_signatures``); ``None`` is
             torch.compile's automatic dynamic: static first, then, once a call differs
             from an earlier one only in sizes (or int values), dynamic from then on.
+            Default: ``True`` for a bound method (TorchAir's form and default), ``None``
+            (torch.compile's default) for every form that stands where torch.compile
+            stood: a module, a decorated method or class, a plain function.
         cache_dir: store root; default ``$CACHECOMPILE_DIR`` or ``~/.cache/cachecompile``
             (with the torchair backend: ``$CACHECOMPILE_DIR``, else TorchAir's
             ``$TORCHAIR_CACHE_HOME`` or ``./.torchair_cache``).
@@ -340,8 +355,17 @@ class _Settings:
     fullgraph: Any = True
 
 
+def _dynamic_by_form(func: Any, s: _Settings) -> _Settings:
+    """``dynamic`` left to its default: TorchAir's for a bound method, torch.compile's for
+    the rest (:class:`_ByForm`)."""
+    if s.dynamic is not _BY_FORM:
+        return s
+    return dataclasses.replace(s, dynamic=True if isinstance(func, types.MethodType) else None)
+
+
 def _form(func: Any, s: _Settings) -> Any:
     """Every form, down to a bound method of a module (forms.py)."""
+    s = _dynamic_by_form(func, s)
     if isinstance(func, (CachedFunction, forms.CachedModule, forms.CachedMethod)):
         raise ContractError(f"cache_compile() got a {type(func).__name__}, which is already "
                             "cached: cache the original once.\n" + _PATTERN)
@@ -394,7 +418,7 @@ def _form(func: Any, s: _Settings) -> Any:
 def _check_values(s: _Settings) -> None:
     """The plain values' types and ranges (dynamic, fullgraph, max_signatures,
     custom_decompositions): each a ContractError naming the argument."""
-    if s.dynamic is not None and not isinstance(s.dynamic, bool):
+    if s.dynamic is not None and s.dynamic is not _BY_FORM and not isinstance(s.dynamic, bool):
         raise ContractError(f"cache_compile(): dynamic must be True, False or None "
                             f"(automatic, as torch.compile's default), got {s.dynamic!r}")
     if not isinstance(s.fullgraph, bool):
@@ -528,6 +552,8 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
     if options.pop("disable", False) is True:
         return group  # as torch.compile(disable=True): nothing compiled, the blocks as they are
     settings = _Settings(**{**_DEFAULTS, **_settings_of(options)})
+    if settings.dynamic is _BY_FORM:   # it stands where block.compile() stood
+        settings = dataclasses.replace(settings, dynamic=None)
     found: set[str] = set()
     for sub in model.modules():
         name = type(sub).__name__
@@ -554,7 +580,7 @@ _KEYWORDS = [n for n in inspect.signature(cache_compile).parameters if n not in 
 
 # cache_compile's defaults, for helpers that take its options as keywords.
 _DEFAULTS: dict[str, Any] = {
-    "config": None, "backend": None, "dynamic": True, "cache_dir": None, "global_rank": None,
+    "config": None, "backend": None, "dynamic": _BY_FORM, "cache_dir": None, "global_rank": None,
     "tp_rank": None, "pp_rank": None, "custom_decompositions": None, "ge_cache": False,
     "max_signatures": 8, "guards": None, "passes": None, "gears": None,
     "gear_policy": "zip", "pad": False, "fullgraph": True,

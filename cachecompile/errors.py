@@ -7,6 +7,8 @@ Hierarchy::
     │   and ValueError)                    nn.Module, a wrapped function, a bad argument, a
     │   └── UnidentifiedPassError          custom pass with no identity to key it by
     ├── GraphBreakError                    Dynamo could not capture the method as one graph
+    ├── TorchCompileError                  torch's own compile failed (the backend, Inductor):
+    │   (also RuntimeError)                named in one message, the fix to try with it
     ├── InferenceOnlyError                 a call needs autograd (input requires grad in grad mode)
     ├── UnsupportedProgramError            the compiled program cannot be replayed without
     │                                      Dynamo (degrades to a live compile, never raised to users)
@@ -106,6 +108,13 @@ class GraphBreakError(CacheCompileError):
         self.filename = filename
         self.lineno = lineno
         self.reason = reason
+
+
+class TorchCompileError(CacheCompileError, RuntimeError):
+    """torch's compile of the method failed inside torch (its backend: Inductor, AOTAutograd),
+    as plain ``torch.compile`` with the same arguments would: one message naming the method,
+    the signature, the last line of torch's error and the argument to try. The whole chain
+    is logged at DEBUG (``cachecompile.cold.capture``)."""
 
 
 class InferenceOnlyError(CacheCompileError):

@@ -33,6 +33,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.exc", "UserError"),
     ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
     ("torch._dynamo.exc", "TorchRuntimeError"),
+    ("torch._dynamo.exc", "BackendCompilerFailed"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
@@ -103,6 +104,19 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (Unsupported, UserError)
+
+
+def backend_failures() -> tuple[type[BaseException], ...]:
+    """What torch raises when its backend fails to compile a graph Dynamo captured
+    (``BackendCompilerFailed``; Inductor's own ``InductorError`` where it surfaces as is)."""
+    from torch._dynamo import exc
+
+    out: list[type[BaseException]] = [exc.BackendCompilerFailed]
+    inductor_exc = sys.modules.get("torch._inductor.exc")
+    inductor_error = getattr(inductor_exc, "InductorError", None)
+    if isinstance(inductor_error, type) and issubclass(inductor_error, BaseException):
+        out.append(inductor_error)
+    return tuple(out)
 
 
 def recompile_limit_errors() -> tuple[type[BaseException], ...]:

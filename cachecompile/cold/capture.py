@@ -39,7 +39,7 @@ from cachecompile.cold.frame_capture import FrameCapture
 from cachecompile.cold.verify import Verified
 from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import codeobj, guard_kinds
-from cachecompile.errors import GraphBreakError, UnsupportedProgramError
+from cachecompile.errors import GraphBreakError, TorchCompileError, UnsupportedProgramError, fault
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
 from cachecompile.key.signature import describe_types
@@ -121,6 +121,45 @@ _DATA_HINT = ("Hint: a size or a Python branch here depends on the values in a t
               "Python int or list, or cache a smaller part that does not need it (a vision "
               "tower's blocks rather than the tower); fullgraph=False splits the method there "
               "instead, and caches each part.")
+
+
+def _last_line(exc: BaseException) -> str:
+    """The innermost error of torch's chain, as ``Type: first line``."""
+    inner = exc
+    for _ in range(16):
+        nxt = getattr(inner, "inner_exception", None) or inner.__cause__
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
+    lines = [ln.strip() for ln in str(inner).strip().splitlines() if ln.strip()]
+    return f"{type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any], dynamic: bool,
+                        plain: BaseException | None) -> TorchCompileError:
+    """torch's backend failed to compile a graph of ``func``: one message, with the last
+    line of torch's error, what plain torch.compile did with the same call (``plain``: its
+    error; None: not tried, the method's graph breaks) and the argument to try; the whole
+    chain at DEBUG."""
+    logger.debug("torch's compile failed", exc_info=exc)
+    qualname = getattr(func, "__qualname__", repr(func))
+    names = [p.name for p in inspect.signature(func).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    try_instead = ("dynamic=None (torch.compile's default: static first) or dynamic=False"
+                   if dynamic else "dynamic=True, or caching a smaller part of the method")
+    if plain is None:
+        spec = ("(Plain torch.compile was not tried on this call: the method's graph breaks, "
+                "and its first frames ran already.)")
+    else:
+        spec = (f"Plain torch.compile(dynamic={dynamic}) fails on the same call too "
+                f"({_last_line(plain)}): a limit or a bug of this torch release, not of the "
+                "inputs.")
+    return TorchCompileError(
+        f"cache_compile could not compile {qualname}({describe_types(args, kwargs, names)}): "
+        f"torch's compile failed inside its backend ({_last_line(exc)}). {spec} Try "
+        f"{try_instead}. The whole error is logged at DEBUG (logger "
+        "cachecompile.cold.capture). Nothing was cached.")
 
 
 def graph_break_error(exc: BaseException, func: Callable[..., Any],
@@ -267,6 +306,25 @@ class LiveSession(Compiling):
             raise graph_break_error(e, self._orig, note) from None
         except dynamo.data_dependent_errors() as e:
             raise graph_break_error(e, self._orig) from None
+        except dynamo.backend_failures() as e:
+            # fullgraph: nothing of the method ran yet (Dynamo compiles before it runs), so
+            # plain torch.compile may try the same call: the spec. Where it succeeds, its
+            # result is the call's (nothing cached, said once); where it fails too, it is
+            # torch's own limit, said in one message. A graph break's earlier frames have
+            # run already: not tried again there.
+            if not self._fullgraph:
+                raise torch_compile_error(e, self._orig, args, kwargs, self._dynamic,
+                                          None) from None
+            try:
+                result = self._plain_torch_compile()(*args, **kwargs)
+            except Exception as plain:
+                logger.debug("plain torch.compile fails too", exc_info=True)
+                raise torch_compile_error(e, self._orig, args, kwargs, self._dynamic,
+                                          plain) from None
+            fault(f"{getattr(self._orig, '__qualname__', self._orig)}: cachecompile's compile "
+                  f"failed where plain torch.compile succeeds ({_last_line(e)}); the call ran "
+                  "with plain torch.compile and nothing is cached. Please report it.")
+            return result
         except dynamo.recompile_limit_errors():
             # A value Dynamo guards changed on every call, each a new compile, up to its
             # recompile limit, which fullgraph makes a hard error. Dynamo raises it before
@@ -280,6 +338,13 @@ class LiveSession(Compiling):
                 others = sum(self.phases.seconds.values()) - before
                 self.phases.add("dynamo", time.perf_counter() - t0 - others)
             self._call_ends(first)
+
+    def _plain_torch_compile(self) -> Callable[..., Any]:
+        """Plain ``torch.compile`` of the method with this session's arguments, through the
+        adapter's public backend: what cache_compile stands for."""
+        backend, options = self._adapter.plain_backend(self._options, self._decompositions)
+        return torch.compile(self._orig, backend=backend, fullgraph=self._fullgraph,
+                             dynamic=self._dynamic, options=options)
 
     def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An operator failed on the call's fake tensors: run the method uncompiled on the
