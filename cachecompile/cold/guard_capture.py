@@ -110,10 +110,15 @@ class _Builder:
     def ident(self, expr: str, value: Any, guard_type: str) -> None:
         ident = idn.identity(value)
         if ident is None:
+            fix = ("define it at the top level of an importable module (a fresh process "
+                   "then finds it by name), or call it outside the cached method"
+                   if callable(value) else
+                   "pass it as an argument, or make it a plain value (a number, a string, a "
+                   "tuple of them)")
             raise UnsupportedProgramError(
                 f"Dynamo guards the identity of {g.user_text(expr, self.module_name)} "
                 f"({guard_type} on a {idn.qualified_name(type(value))}), which has no "
-                "process-independent form; pass it as an argument or make it a plain value")
+                f"process-independent form; {fix}")
         if isinstance(value, type):
             self.classes.add(value)
         self.add("ident", expr, ident, f"{g.user_text(expr, self.module_name)} is {_short(ident)}")

@@ -226,7 +226,25 @@ def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str 
         return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1, unknown)}"
     if isinstance(obj, property):
         return f"property:{identity(obj.fget, depth + 1, unknown)}"
-    return None
+    named = importable_name(obj)
+    return f"named:{named}" if named is not None else None
+
+
+def importable_name(obj: Any) -> str | None:
+    """``module.name`` for a callable no kind above knows (a numpy ufunc, a C extension's
+    callable object) that is that module's attribute of that name in this process: a
+    fresh process that imports the module finds the same object there. None otherwise."""
+    if not callable(obj):
+        return None
+    module = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if not isinstance(module, str) or not isinstance(name, str) or "<" in name:
+        return None
+    try:
+        found = import_attr(module, name)
+    except Exception:  # not reachable by its name: no portable form
+        return None
+    return f"{module}.{name}" if found is obj else None
 
 
 def _cell_full(cell: types.CellType) -> bool:
