@@ -45,22 +45,37 @@ _G: Any = getattr(torch._C, "_dynamo", None) and torch._C._dynamo.guards
 _state = threading.local()
 
 
-def serving() -> bool:
-    """Whether a cachecompile call with installed frames is running in this thread."""
-    return bool(getattr(_state, "depth", 0))
+def _owners() -> list[object]:
+    owners: list[object] | None = getattr(_state, "owners", None)
+    if owners is None:
+        owners = _state.owners = []
+    return owners
+
+
+def serving(owner: object = None) -> bool:
+    """Whether a cachecompile call with installed frames is running in this thread; with
+    ``owner``, whether the innermost such call is ``owner``'s (the entry that installed a
+    frame serves it only in its own calls: another entry of the same method, whose code
+    objects it shares, runs its own frames and continuations)."""
+    owners = _owners()
+    if not owners:
+        return False
+    return owner is None or owners[-1] is owner
 
 
 @contextlib.contextmanager
-def run_only() -> Iterator[None]:
+def run_only(owner: object = None) -> Iterator[None]:
     """Dynamo's run-only frame hook for this thread while the block runs: frames whose
     code has a holding entry (:func:`install`) run it; every other frame runs as written.
-    Restores the hook that was set before (nested calls, a live compile around us)."""
+    ``owner``: whose call this is (:func:`serving`). Restores the hook that was set before
+    (nested calls, a live compile around us)."""
     prev = _EF.set_eval_frame(False)
-    _state.depth = getattr(_state, "depth", 0) + 1
+    owners = _owners()
+    owners.append(owner)
     try:
         yield
     finally:
-        _state.depth -= 1
+        owners.pop()
         _EF.set_eval_frame(prev)
 
 
@@ -68,12 +83,12 @@ def run_only() -> Iterator[None]:
 def not_serving() -> Iterator[None]:
     """Installed frames stay out of the block (a live ``torch.compile`` inside a
     cachecompile call: Dynamo compiles what it meets itself, never around our code)."""
-    depth = getattr(_state, "depth", 0)
-    _state.depth = 0
+    saved = _owners()
+    _state.owners = []
     try:
         yield
     finally:
-        _state.depth = depth
+        _state.owners = saved
 
 
 class _Manager:
@@ -87,7 +102,7 @@ class _Manager:
 
 
 def install(code: types.CodeType, check: Callable[[dict[str, Any]], bool],
-            new_code: types.CodeType, text: str) -> None:
+            new_code: types.CodeType, text: str, owner: object = None) -> None:
     """Run ``new_code`` in place of ``code`` while a cachecompile call runs in this thread
     and ``check`` holds on the frame's arguments (a dict by name, as the C hook gives them).
     ``new_code`` must keep ``code``'s arguments, cells and free variables (Dynamo's
@@ -95,7 +110,7 @@ def install(code: types.CodeType, check: Callable[[dict[str, Any]], bool],
     root = _G.RootGuardManager()
 
     def guard(frame_locals: dict[str, Any]) -> bool:
-        if not serving():
+        if not serving(owner):
             return False
         try:
             return bool(check(frame_locals))

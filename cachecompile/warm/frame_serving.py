@@ -493,7 +493,8 @@ class Frames:
                 self.callee_served[fid] = self.callee_served.get(fid, 0) + 1
                 return True
 
-            frame_hook.install(code, frame_check, loaded.code, f"cachecompile {record.name} variant {i}")
+            frame_hook.install(code, frame_check, loaded.code,
+                               f"cachecompile {record.name} variant {i}", owner=self)
             installed += 1
         if installed:
             self.callees.append(record.id)
@@ -513,6 +514,6 @@ class Frames:
             return run
 
         def hooked(*args: Any, **kwargs: Any) -> Any:
-            with frame_hook.run_only():
+            with frame_hook.run_only(self):
                 return run(*args, **kwargs)
         return hooked

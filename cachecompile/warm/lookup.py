@@ -269,20 +269,25 @@ class Lookup:
             self._pins.append(st.pin(entry))
         except Exception:  # a missing lease only weakens eviction safety
             logger.debug("could not pin entry", exc_info=True)
-        check, fast = self.check_of(checker)
+        check, fast = self.check_of(checker, alone=bool(loaded.guards))
         run = frames.wrap(bound) if frames is not None else bound
         return Variant(run=run, check=check, name=name, fast=fast, checker=checker,
                        frames=frames)
 
-    def check_of(self, checker: checker_mod.Checker
+    def check_of(self, checker: checker_mod.Checker, alone: bool = True
                  ) -> tuple[Callable[..., bool], Callable[..., bool] | None]:
         """What runs on every call of a variant, bound to the module: every guard (ALWAYS),
         or the argument guards, with the state guards once more on the next call (FIRST);
-        and the tree alone (ALWAYS), which dispatch tries first among several variants."""
+        and the tree alone (ALWAYS), which dispatch tries first among several variants.
+        ``alone`` False: no tree alone. An entry with no guard on the method's own frame
+        (Dynamo skipped it; its frames carry the guards) holds for any call: answering
+        before the signature (CachedFunction's last-variant shortcut), it would serve calls
+        of other signatures, whose frames it has for other values, and compile them live."""
         m = self._module
         check = frame_serving.variant_check(checker, self._spec.guards, self._tree_cost)
         if isinstance(check, guard_tree.EveryCall):
-            return types.MethodType(check, m), types.MethodType(check.fast, m)
+            return types.MethodType(check, m), (types.MethodType(check.fast, m) if alone
+                                                 else None)
         return types.MethodType(check, m), None
 
     def nearest(self, st: LocalStorage, key: Key, sig: Signature) -> tuple[str, list[str]]:

@@ -2,7 +2,11 @@
 fresh process that traces no frame: Qwen2-VL's vision tower (``lengths.tolist()``; its
 decorated forward is a frame Dynamo skips, so every frame it calls is a callee),
 Longformer (breaks in four attention helpers) and a diffusion pipeline's step (the DiT,
-then DDIM's update, which breaks on the timestep, a frame variant per timestep).
+then DDIM's update, which breaks on the timestep, a frame variant per timestep). Qwen2-VL
+serves four varied image grids, with the module form's default (torch.compile's
+``dynamic=None``): the second process compiles no frame either (issue 61: a frame its first
+process compiled for one grid was served to another signature's entry, whose frames had
+other values, and compiled again in every process).
 
 aot_eager: what is under test is the frames, their guards and their bytecode, which
 Inductor's programs do not change (tests/e2e/test_graph_breaks.py runs Inductor).
@@ -62,9 +66,10 @@ def test_a_model_that_breaks_in_its_own_code_is_served_with_nothing_traced(
     box = Sandbox(tmp_path)
     driver = DRIVER.format(tests=str(Path(__file__).resolve().parent.parent), name=name)
     cold = box.run(driver)
-    assert all(cold["ok"]) and cold["events"] == ["miss"], cold.value
+    assert all(cold["ok"]) and "hit" not in cold["events"], cold.value
     warm = box.run(driver)
-    assert all(warm["ok"]) and warm["events"] == ["hit"], warm.value
+    # The same calls, varied (Qwen2-VL's four image grids) or not: every one a hit.
+    assert all(warm["ok"]) and warm["events"] == ["hit"] * len(cold["events"]), warm.value
     # Every frame's stored code, or as written where Dynamo skips it too; none compiled
     # here, and Dynamo converted no frame.
     assert all(n[1] == 0 for n in warm["served"]), warm["served"]

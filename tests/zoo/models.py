@@ -311,10 +311,16 @@ def build_qwen2_vl_vision(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...
                               temporal_patch_size=2)
     cfg._attn_implementation = "sdpa"
     model = Qwen2VisionTransformerPretrainedModel(cfg).eval()
-    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])   # two images: two lengths to split by
-    patches = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2 * 2,
-                          generator=torch.Generator().manual_seed(seed + 1))
-    return model, [(patches, grid)]
+    # Varied inputs, as a server sees them (issue 61): two images (two lengths to split
+    # by), one of another shape, a bigger one beside a small one, one image again. Each
+    # image's sizes reach Python through .tolist(): frames specialised on them.
+    calls = []
+    for i, grid in enumerate(([[1, 4, 4], [1, 4, 4]], [[1, 4, 8]], [[1, 8, 8], [1, 4, 4]],
+                              [[1, 4, 4]])):
+        g = torch.tensor(grid)
+        calls.append((torch.randn(int(g.prod(-1).sum()), 3 * 2 * 2 * 2,
+                                  generator=torch.Generator().manual_seed(seed + 1 + i)), g))
+    return model, calls
 
 
 def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
