@@ -20,9 +20,9 @@ run_test() {
   fi
   . .venv/bin/activate
   # With the write sweep (issue 60: tests/e2e/test_write_sweep.py, generated writes across
-  # graph breaks in every form; the README command runs 12): its batches of 48 run beside
+  # graph breaks in every form; the README command runs 12): its batch of 48 runs beside
   # the guard sweep's of 64.
-  CACHECOMPILE_GUARD_SWEEP=$1 CACHECOMPILE_WRITE_SWEEP=${CACHECOMPILE_WRITE_SWEEP:-96} \
+  CACHECOMPILE_GUARD_SWEEP=$1 CACHECOMPILE_WRITE_SWEEP=${CACHECOMPILE_WRITE_SWEEP:-48} \
     python -m pytest -n logical --maxschedchunk=1 \
     tests/e2e/test_guard_sweep.py tests/e2e/test_write_sweep.py
   local rc=$?

@@ -36,8 +36,12 @@ export PIP_CONSTRAINT=/dev/null
 # bare backend callable's Dynamo half rebuilt from data, and the traced floats' tensors made
 # once (torch._as_tensor_fullprec, which 2.11 and 2.12 also call in shape guards). (The
 # diffusers UNet and DiT, and the other LLM families, run on 2.13.)
+# Guards, graph breaks and writes differ between releases in what Dynamo captures, not in
+# what the backend builds from it: their tests run on aot_eager here (on both backends in
+# the README command); the warm path, the zoo model and the plugin test keep Inductor per
+# release (issue 65: the guard matrix's Inductor half alone was ~4 minutes a release).
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
-        tests/e2e/test_guard_matrix.py
+        "tests/e2e/test_guard_matrix.py::test_guard_matrix[aot_eager]"
         tests/e2e/test_guard_sweep.py
         tests/entry/test_guard_tree.py
         tests/_torch/test_torch_layer.py
@@ -49,7 +53,7 @@ SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/backends/test_plugins.py::test_a_bare_backend_callable_skips_the_trace_in_a_warm_process
         tests/e2e/test_cross_release.py
         tests/e2e/test_float_inputs.py
-        tests/e2e/test_live_frames.py
+        "tests/e2e/test_live_frames.py::test_a_frame_compiled_live_carries_every_guard_of_a_cold_capture[aot_eager]"
         tests/e2e/test_write_sweep.py)
 # On another Python than the README command's: the fast tests of what a Python release
 # changes most. Left out: the store's stats test (it compiles a model in fresh processes),

@@ -226,7 +226,7 @@ MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
     "store/maintenance.py": (701, "gc, purge, verify and repair: the maintenance protocol"),
     "store/remote/s3.py": (655, "S3's requests, signing and the servers that differ"),
     "store/remote/file.py": (642, "the shared-filesystem tier: leases, ownership, repair"),
-    "cachecompile/cli/store_verbs.py": (617, "cachectl's store verbs (ls, show, gc, ...)"),
+    "cachecompile/cli/store_verbs.py": (627, "cachectl's store verbs (ls, show, gc, ...)"),
 }
 
 

@@ -499,7 +499,11 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
                       f"({100 * s['bytes'] / max(s['cap'], 1):.1f}%)"
                       + (f", {human_size(s['logical_bytes'])} logical"
                          if s.get("logical_bytes", s["bytes"]) != s["bytes"] else ""))
-    total_misses = sum(s["misses"].values())
+    # A frame compiled live inside a hit (a graph break's frame no stored variant served)
+    # is no lookup of a signature: counted apart, so that two processes that both hit
+    # read as 100% hits, with their live frames beside.
+    misses = {k: n for k, n in s["misses"].items() if k != "frame"}
+    total_misses = sum(misses.values())
     lookups = s["hits"] + total_misses  # each miss is one lookup that found nothing to use
     t.add_row("hits", f"{s['hits']}" + (f" ({100 * s['hits'] / lookups:.1f}%)" if lookups else ""))
     t.add_row("  local", str(s["hits_local"]))
@@ -513,7 +517,7 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
             t.add_row(escape(f"    {name}"), str(by_level.get(name, 0)))
     t.add_row("misses", str(total_misses))
     about = s.get("misses_about") or {}
-    for kind, n in sorted(s["misses"].items()):
+    for kind, n in sorted(misses.items()):
         t.add_row(f"  {kind}", str(n) + f"  ({_MISS_KINDS.get(kind, kind)})")
         # What the misses were about (which guard failed), the most frequent first.
         subjects = sorted((about.get(kind) or {}).items(), key=lambda kv: (-kv[1], kv[0]))
@@ -521,6 +525,12 @@ def stats_cmd(cache_dir: str | None, as_json: bool, zero: bool, recount: bool) -
             t.add_row(escape(f"    {subject}"), str(m))
         if len(subjects) > 10:
             t.add_row(f"    ... {len(subjects) - 10} more", "")
+    if s["misses"].get("frame"):
+        t.add_row("frames compiled live", f"{s['misses']['frame']}  (graph breaks' frames "
+                                          "no stored variant served, inside hits)")
+        frames = sorted((about.get("frame") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        for subject, m in frames[:10]:
+            t.add_row(escape(f"    {subject}"), str(m))
     ro = s.get("readonly_processes") or {}
     if ro.get("hits") or ro.get("misses"):
         t.add_row("read-only processes", f"{ro['hits']} hits, {ro['misses']} misses "

@@ -159,6 +159,21 @@ def test_stats_json_and_zero(cache: Store, child_env: dict[str, str]) -> None:
     assert (s["hits"], s["misses"], s["entries"]) == (0, {}, 3)
 
 
+def test_stats_show_frames_compiled_live_apart_from_the_hit_rate(
+        cache: Store, child_env: dict[str, str]) -> None:
+    """Two hits whose graph breaks compiled a frame live: 100% hits, the frames apart
+    (they read as a 50% hit rate, as if each hit had been a miss too)."""
+    d = str(cache.root)
+    for _ in range(2):
+        cache.get(_key(cache, model="mlp"))
+        cache.record_miss("frame", "Net.torch_dynamo_resume_in_forward_at_12: compiled")
+    p = cachectl(child_env, "stats", "--cache-dir", d)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.strip()}
+    assert "(100.0%)" in rows["hits"] and rows["misses"].split()[1] == "0", p.stdout
+    assert "frames compiled live" in p.stdout and "resume_in_forward_at_12" in p.stdout
+
+
 def test_gc_with_max_size(cache: Store, child_env: dict[str, str]) -> None:
     p = cachectl(child_env, "gc", "--max-size", "1K", "--cache-dir", str(cache.root))
     assert p.returncode == 0, p.stderr
