@@ -246,6 +246,12 @@ def test_cachectl_shows_every_frame(breaks: tuple[Sandbox, Any]) -> None:
     for part in ("# ---- frame 1:", "# ---- frame 2 variant 0: guards",
                  "Dynamo's transformed bytecode", "# ---- graph 1:"):
         assert part in program, program
+    # One frame alone: its guards and bytecode, no other frame's, not the method's own.
+    one = cachectl("program", entries["3"], "--frame", "2", env=env).stdout
+    assert "# ---- frame 2 variant 0: guards" in one, one
+    assert "# ---- frame 1:" not in one and "the entry fits a call" not in one, one
+    none = cachectl("program", entries["3"], "--frame", "9", env=env)
+    assert none.returncode == 2 and "has no frame 9" in none.stderr, none.stderr
     variant = cachectl("show", entries["+1"], env=env).stdout
     assert "a variant of one frame" in variant, variant
     explain = cachectl("explain", entries["3"], env=env).stdout
