@@ -38,7 +38,7 @@ import torch
 
 from cachecompile._torch import guard_tree as native
 from cachecompile.entry import guard_paths
-from cachecompile.entry.checker import Parts
+from cachecompile.entry.checker import Checker, Parts
 from cachecompile.entry.guard_kinds import (
     TABLE,
     config_map_read,
@@ -47,7 +47,7 @@ from cachecompile.entry.guard_kinds import (
     reads_instance_dict,
 )
 from cachecompile.entry.guard_paths import FRAME_GLOBALS, Step
-from cachecompile.entry.guards import guard_lines, indent
+from cachecompile.entry.guards import GuardMode, guard_lines, indent
 
 logger = logging.getLogger(__name__)
 
@@ -739,3 +739,15 @@ class FirstCall:
                 self._every = EveryCall(self._parts, self._full)
                 return False
         return self._per_call is None or self._per_call(*args, **kwargs)
+
+
+def variant_check(checker: Checker, mode: GuardMode,
+                  cost: BuildCost | None) -> Callable[..., bool]:
+    """What runs on every call of a loaded variant (a signature's or a frame's), before it
+    runs: every guard (ALWAYS: the C++ tree once worth building, the Python check until
+    then and whenever the tree does not hold) or the argument guards with the state guards
+    once more on the next call (FIRST)."""
+    if mode is GuardMode.ALWAYS:
+        return EveryCall(checker.parts, checker.full, cost)
+    return FirstCall(checker.parts, checker.full,
+                     checker.per_call if checker.n_per_call else None)

@@ -55,18 +55,6 @@ from cachecompile.warm.chain import LIMIT, ChainEnd, Unusable, Vacated, VariantC
 
 logger = logging.getLogger(__name__)
 
-def variant_check(checker: checker_mod.Checker, mode: GuardMode,
-                  cost: guard_tree.BuildCost | None) -> Callable[..., bool]:
-    """What runs on every call of a loaded variant, before it runs: every guard
-    (ALWAYS: the C++ tree once worth building, the Python check until then and whenever
-    the tree does not hold) or the argument guards with the state guards once more on the
-    next call (FIRST)."""
-    if mode is GuardMode.ALWAYS:
-        return guard_tree.EveryCall(checker.parts, checker.full, cost)
-    return guard_tree.FirstCall(checker.parts, checker.full,
-                                checker.per_call if checker.n_per_call else None)
-
-
 def module_globals(name: str) -> dict[str, Any]:
     """The globals of the module a frame's code belongs to (imported if it is not yet)."""
     mod = sys.modules.get(name)
@@ -358,7 +346,8 @@ class Frames:
         if out_code.co_freevars != code.co_freevars:
             raise UnsupportedProgramError(f"frame {record.name}: stored bytecode does not "
                                           "fit its closure")
-        return _Loaded(variant_check(checker, self._mode, self._cost), checker, out_code, g,
+        return _Loaded(guard_tree.variant_check(checker, self._mode, self._cost), checker,
+                       out_code, g,
                        code.co_name)
 
     # -- frame variants published later ---------------------------------------------------

@@ -17,7 +17,7 @@ import functools
 import logging
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachecompile.entry import checker as checker_mod
 from cachecompile.entry import guard_tree
@@ -32,8 +32,11 @@ from cachecompile.key.signature import Signature, describe
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Hit, Key, LocalStorage
 from cachecompile.store.errors import StoreError
-from cachecompile.warm import frame_serving, replay
+from cachecompile.warm import replay
 from cachecompile.warm.chain import LIMIT, ChainEnd, Unusable, Vacated, VariantChain
+
+if TYPE_CHECKING:
+    from cachecompile.warm import frame_serving
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +261,9 @@ class Lookup:
             # A graph break: the resume functions the bytecode calls and the callees it
             # reaches, each with its own guards (warm.frame_serving).
             signature_key = VariantChain.signature_of(key)
+            # Imported here: a method whose graph never breaks does not load it.
+            from cachecompile.warm import frame_serving
+
             frames = frame_serving.Frames(loaded, entry.files, adapter, self._spec.guards,
                                         self._tree_cost, qualname, st=st, key=signature_key,
                                         compiler=self.frame_compiler,
@@ -284,7 +290,7 @@ class Lookup:
         before the signature (CachedFunction's last-variant shortcut), it would serve calls
         of other signatures, whose frames it has for other values, and compile them live."""
         m = self._module
-        check = frame_serving.variant_check(checker, self._spec.guards, self._tree_cost)
+        check = guard_tree.variant_check(checker, self._spec.guards, self._tree_cost)
         if isinstance(check, guard_tree.EveryCall):
             return types.MethodType(check, m), (types.MethodType(check.fast, m) if alone
                                                  else None)
