@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 
 @dataclasses.dataclass
@@ -316,7 +317,19 @@ def _helper_source(parts: list[Parts]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(root: Path, batch: list[Case]) -> None:
+class Written(Protocol):
+    """A generated case as files: this module's and write_gen's."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def helper(self) -> str: ...
+
+
+def write(root: Path, batch: Sequence[Written]) -> None:
+    """Each case's module ``<name>.py`` and helper module ``<name>_helper.py`` into ``root``."""
     for c in batch:
         (root / f"{c.name}.py").write_text(c.source)
         (root / f"{c.name}_helper.py").write_text(c.helper)

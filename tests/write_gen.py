@@ -32,6 +32,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import guard_gen
+
 
 @dataclasses.dataclass
 class Write:
@@ -283,9 +285,8 @@ def _sources(name: str, form: str, breaks: int,
 
 
 def write(root: Path, batch: list[Case]) -> None:
-    for c in batch:
-        (root / f"{c.name}.py").write_text(c.source)
-        (root / f"{c.name}_helper.py").write_text(c.helper)
+    """Each case's module and helper module into ``root`` (as guard_gen writes its own)."""
+    guard_gen.write(root, batch)
 
 
 # The child's driver. SWEEP_SEQ: the states set before each call ("AABA"); per call, the

@@ -408,13 +408,15 @@ class MissPath:
         stored compiled live and published nowhere (frame_serving.FrameCompiler)."""
         fn = types.FunctionType(cont.code, frames.globals_of(cont.record), cont.code.co_name)
         capture = not cont.record.live and frames.st is not None and not frames.st.readonly
+        # Said once per frame and process (a continuation compiles live once, then its
+        # session serves it): what costs this process a compile, and why.
         if cont.record.live:
-            # Named once per process: every process compiles this frame live.
             fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
                   f"compiled live in every process ({why})")
         else:
-            logger.info("cachecompile %s [%s]: frame %s is compiled live (%s)",
-                        self._qualname, frames.signature, cont.record.name, why)
+            fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
+                  f"compiled live in this process ({why}); "
+                  f"{'it is published for the next process' if capture else 'not published: the store takes no writes'}")
         if frames.st is not None:
             # Counted by the frame (its qualified name), bounded by the code.
             short = cont.record.name.split(" (", 1)[0]
