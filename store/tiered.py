@@ -124,7 +124,11 @@ class Uploader:
 
     def submit(self, entry: Entry, overwrite: bool = False) -> bool:
         self._own_process()
-        self._ensure_thread()
+        try:
+            self._ensure_thread()
+        except RuntimeError as e:  # Python 3.12+: no new thread once the interpreter exits
+            logger.info("not uploading %s: %s", entry.key[:12], e)
+            return False
         try:
             self._q.put_nowait((entry, overwrite))
         except queue.Full:
@@ -138,9 +142,10 @@ class Uploader:
     def _ensure_thread(self) -> None:
         with self._start_lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cachecompile-upload",
-                                                daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="cachecompile-upload",
+                                          daemon=True)
+                thread.start()  # first: one that failed to start is not kept as started
+                self._thread = thread
                 # weakref: the atexit hook must not keep a closed store's uploader alive.
                 ref = weakref.ref(self)
 

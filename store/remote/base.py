@@ -40,12 +40,13 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from .. import errors, settings
 from ..config import parse_size
 from ..outcomes import Entry
 from ..signing import Record, Trust, make_record, parse_record, sha256_file
+from .deadline import call_with_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -813,32 +814,6 @@ class BlobRemote(abc.ABC):
                         digest, "our key" if self.trust.key else "a key we have")
         else:
             logger.debug("remote has %s already (%s)", digest, found)
-
-
-def call_with_deadline(fn: Callable[[], T], seconds: float, what: str, why: str = "") -> T:
-    """``fn()``, given up on after ``seconds``: a RemoteError then, while ``fn`` runs on
-    (or stays stuck: a hung mount, a server that accepts and never answers) in a daemon
-    thread. A thread per call, not an executor: uploads run at interpreter exit (the
-    uploader's flush), when executors refuse new work."""
-    box: list[tuple[bool, Any]] = []
-    done = threading.Event()
-
-    def call() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as e:  # handed to the caller as raised
-            box.append((False, e))
-        finally:
-            done.set()
-
-    threading.Thread(target=call, name="cc-remote-call", daemon=True).start()
-    if not done.wait(seconds):
-        raise errors.RemoteError(f"remote cache {what}: no answer in {seconds:.0f} s"
-                                 + (f" ({why})" if why else ""))
-    ok, value = box[0]
-    if ok:
-        return cast(T, value)
-    raise value
 
 
 def parse_records(raws: Iterator[tuple[str, bytes | None]]) -> Iterator[Record]:

@@ -9,6 +9,7 @@ ownership, no link followed, every name checked.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,6 +246,68 @@ def test_a_record_is_replaced_by_exactly_one_of_racing_nodes(tmp_path: Path,
         got = r.read_record(digest)
         assert got is not None and got[0].decode() == f"writer-{rnd}-{outs.index('WON')}"
     assert list((share.a / "cc" / "v1" / "tmp").iterdir()) == []
+
+
+_LEFT_FOR_EXIT = """
+import atexit, logging, sys, threading
+from cachecompile.store import make_key, open_store
+from cachecompile.store.remote import FileRemote
+logging.basicConfig(level=logging.WARNING)
+url, root = sys.argv[1:3]
+exiting = threading.Event()
+real = FileRemote.upload
+def upload(self, *args, **kwargs):
+    exiting.wait(60)  # this upload runs in the interpreter's exit, from the flush
+    return real(self, *args, **kwargs)
+FileRemote.upload = upload
+st = open_store(root, remote=url)
+st.put(make_key({"left": "for exit"}), {"f": b"uploaded at exit"})
+atexit.register(exiting.set)  # runs before the uploader's flush (atexit is last in, first out)
+"""
+
+
+def test_an_upload_left_for_the_exit_reaches_the_share(
+        tmp_path: Path, share: SharedDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uploader's exit flush runs after Python (3.12+) refuses new threads: a remote
+    call then runs on a worker started earlier, or in the upload thread itself."""
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_LEFT_FOR_EXIT),
+                          share.url("a"), str(tmp_path / "a")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    key = make_key({"left": "for exit"})
+    hit = tiered(tmp_path / "b", share.url("b")).get(key)
+    assert isinstance(hit, Hit), out.stderr
+    assert hit.entry.files["f"].read_bytes() == b"uploaded at exit"
+
+
+def test_a_remote_call_where_no_thread_can_start_still_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Python 3.12 does at exit, on any Python: the call runs in the caller."""
+    from cachecompile.store.remote import deadline
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(deadline, "_IDLE", [])
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert deadline.call_with_deadline(lambda: 42, 5, "a call") == 42
+    empty: dict[str, int] = {}
+    with pytest.raises(KeyError):
+        deadline.call_with_deadline(lambda: empty["x"], 5, "a call that raises")
+
+
+def test_remote_calls_reuse_their_threads() -> None:
+    from cachecompile.store.remote import deadline
+
+    before = threading.active_count()
+    for i in range(20):
+        assert deadline.call_with_deadline(functools.partial(int, i), 5, "a call") == i
+    assert threading.active_count() - before <= 1
+    with pytest.raises(store.errors.RemoteError, match="no answer"):
+        deadline.call_with_deadline(lambda: time.sleep(0.5), 0.05, "a stuck call")
+    assert deadline.call_with_deadline(lambda: "next", 5, "the call after") == "next"
 
 
 def test_the_sweep_keeps_pinned_and_referenced_blobs(tmp_path: Path, share: SharedDir,
