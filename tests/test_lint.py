@@ -216,8 +216,8 @@ MODULE_MAX_LINES = 600
 # Today's exceptions, each capped at its size when the gate came (issue 60): it may shrink,
 # never grow. A new module over the limit is a module to split.
 MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
-    "store/remote/base.py": (915, "the remote tier's one protocol: transfer, breaker, "
-                                  "deadlines, repair; its transports are the other modules"),
+    "store/remote/base.py": (890, "the remote tier's one protocol: transfer, breaker, "
+                                  "repair; its transports are the other modules"),
     "cachecompile/_torch/dynamo.py": (827, "every private Dynamo name the cold side reads, "
                                            "version branches side by side (one layer)"),
     "cachecompile/entry/guard_kinds.py": (779, "the guard-kinds table: one row per kind"),
@@ -226,7 +226,6 @@ MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
     "store/maintenance.py": (701, "gc, purge, verify and repair: the maintenance protocol"),
     "store/remote/s3.py": (655, "S3's requests, signing and the servers that differ"),
     "store/remote/file.py": (642, "the shared-filesystem tier: leases, ownership, repair"),
-    "cachecompile/cli/store_verbs.py": (627, "cachectl's store verbs (ls, show, gc, ...)"),
 }
 
 

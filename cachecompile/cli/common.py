@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -154,7 +155,7 @@ RICH_MAX_ROWS = 500
 SIGNATURE_WIDTH = 40  # the full signature is in `cachectl show` and `ls --json`
 _COLUMNS = (("key", "left"), ("model", "left"), ("function", "left"), ("ranks", "left"),
             ("group", "left"), ("dynamic", "left"), ("signature", "left"), ("frames", "right"),
-            ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
+            ("variants", "right"), ("size", "right"), ("created", "left"), ("last used", "left"), ("hits", "right"),
             ("state", "left"), ("code", "left"))
 
 
@@ -175,7 +176,52 @@ def group_status(infos: Iterable[EntryInfo]) -> dict[str, str]:
     return out
 
 
-def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class Folded:
+    """``ls``'s rows: a signature's variant entries folded into one row (its first
+    entry's labels and key, the sizes and hits summed, the newest use), and each row's
+    variants cell by key: how many entries the row stands for."""
+
+    rows: list[EntryInfo]
+    variants: dict[str, str]
+
+
+def fold_variants(infos: Iterable[EntryInfo]) -> Folded:
+    """One row per signature: a signature's variant entries (a guard set of the method's
+    own, label ``variant``) and the frame variants published after it (label
+    ``dynamo_frame``) share the label ``signature_key``; an entry without it (a shared
+    graph, an entry of another release) is a row of its own. A row whose entries are not
+    all ``ok`` shows the first state that is not."""
+    by_sig: dict[str, list[EntryInfo]] = {}
+    for i in infos:
+        by_sig.setdefault(i.labels.get("signature_key") or i.key, []).append(i)
+    rows: list[EntryInfo] = []
+    variants: dict[str, str] = {}
+    for members in by_sig.values():
+        # The signature's own entry first (a frame variant holds one frame), lowest slot.
+        members.sort(key=lambda i: ("dynamo_frame" in i.labels, _slot(i), i.key))
+        head = members[0]
+        if len(members) == 1:
+            rows.append(head)
+            continue
+        frames = sum("dynamo_frame" in i.labels for i in members)
+        bad = [i.state for i in members if i.state != "ok"]
+        rows.append(EntryInfo(key=head.key, size_bytes=sum(i.size_bytes for i in members),
+                              created=min(i.created for i in members),
+                              last_used=max(i.last_used for i in members),
+                              hits=sum(i.hits for i in members), labels=head.labels,
+                              state=bad[0] if bad else head.state))
+        variants[head.key] = f"{len(members)}" + (f" ({frames} frame)" if frames else "")
+    return Folded(rows, variants)
+
+
+def _slot(i: EntryInfo) -> int:
+    v = i.labels.get("variant", "")
+    return int(v) if v.isdigit() else 0
+
+
+def _row(i: EntryInfo, groups: dict[str, str] | None = None,
+         variants: Mapping[str, str] | None = None) -> list[str]:
     ranks = i.labels.get("ranks") or i.labels.get("rank", "")
     g = i.labels.get("group", "")
     group = (groups or {}).get(g, g[:8])
@@ -184,7 +230,7 @@ def _row(i: EntryInfo, groups: dict[str, str] | None = None) -> list[str]:
         sig = sig[:SIGNATURE_WIDTH - 1] + "…"
     return [i.key[:12], i.labels.get("model", ""), i.labels.get("function", ""), ranks,
             group, i.labels.get("dynamic", ""), sig, _frames(i.labels),
-            human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
+            (variants or {}).get(i.key, ""), human_size(i.size_bytes), _when(i.created), _when(i.last_used), str(i.hits), i.state,
             _code(i)]
 
 
@@ -241,13 +287,14 @@ def _code(i: EntryInfo) -> str:
 
 
 def _entries_table(infos: list[EntryInfo], title: str | None = None,
-                   groups: dict[str, str] | None = None) -> Table:
+                   groups: dict[str, str] | None = None,
+                   variants: Mapping[str, str] | None = None) -> Table:
     t = Table(title=title, box=None, pad_edge=False)
     for col, just in _COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     for i in infos:
         # Labels are user data: "[2,n]" must not be read as rich markup.
-        t.add_row(*(escape(c) for c in _row(i, groups)))
+        t.add_row(*(escape(c) for c in _row(i, groups, variants)))
     return t
 
 
@@ -255,13 +302,14 @@ def _plain_table(infos: list[EntryInfo], groups: dict[str, str] | None = None) -
     return "\n".join(_plain_lines(infos, groups))
 
 
-def _plain_lines(infos: list[EntryInfo], groups: dict[str, str] | None = None) -> Iterator[str]:
+def _plain_lines(infos: list[EntryInfo], groups: dict[str, str] | None = None,
+                 variants: Mapping[str, str] | None = None) -> Iterator[str]:
     """The lines of a plain aligned table, header first: each row as :func:`_row` makes
     it. Widths need every row, so the cells are made first, a column at a time (a list
     per column, equal cells shared: a tuple per row was 30 MB and a third of ``ls`` at
     100,000 entries), then formatted with one format string."""
     head = [c for c, _ in _COLUMNS]
-    cols = _columns(infos, groups)
+    cols = _columns(infos, groups, variants or {})
     widths = [max(len(h), max(map(len, col), default=0)) for h, col in zip(head, cols,
                                                                             strict=True)]
     # %-formatting of the row tuple zip makes: the same text as "{:<w}".format for
@@ -273,7 +321,8 @@ def _plain_lines(infos: list[EntryInfo], groups: dict[str, str] | None = None) -
         yield (fmt % r).rstrip()
 
 
-def _columns(infos: list[EntryInfo], groups: dict[str, str] | None) -> list[list[str]]:
+def _columns(infos: list[EntryInfo], groups: dict[str, str] | None,
+             variants: Mapping[str, str]) -> list[list[str]]:
     """The cells of :func:`_row`, a column at a time (tests/cli check they are the same)."""
     groups = groups or {}
     labels = [i.labels for i in infos]
@@ -308,6 +357,7 @@ def _columns(infos: list[EntryInfo], groups: dict[str, str] | None) -> list[list
         [lab.get("dynamic", "") for lab in labels],
         [signature(lab.get("signature", "")) for lab in labels],
         [_frames(lab) for lab in labels],
+        [variants.get(i.key, "") for i in infos],
         [size(i.size_bytes) for i in infos],
         [_when(i.created) for i in infos],
         [_when(i.last_used) for i in infos],

@@ -7,10 +7,8 @@ command group that holds them is cachecompile.cli.main.
 from __future__ import annotations
 
 import json
-import math
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from json.encoder import encode_basestring_ascii
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -31,6 +29,7 @@ from cachecompile.store.policy import has_labels, is_shared_graph
 from .common import (
     EXIT_PROBLEMS,
     RICH_MAX_ROWS,
+    Folded,
     _console,
     _entries_table,
     _open,
@@ -39,6 +38,7 @@ from .common import (
     _plain_lines,
     _when,
     cache_dir_option,
+    fold_variants,
     frame_summary,
     group_status,
     human_size,
@@ -47,7 +47,8 @@ from .common import (
     read_frames,
     read_meta,
 )
-from .readable import count, demangle, entries, factor_text, fold_hooks, split_graphs
+from .json_out import Chunked, echo_json_array
+from .readable import count, demangle, entries, factor_text, fold_hooks, plural, split_graphs
 
 if TYPE_CHECKING:
     from cachecompile.store import OpenStore
@@ -72,10 +73,12 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @click.option("--graphs", is_flag=True,
               help="Also list shared-graph entries (programs ranks share; label kind=graph).")
+@click.option("--variants", "each", is_flag=True,
+              help="A row per variant entry (default: a signature's variants fold into one).")
 def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
            function: str | None, sort: str, reverse: bool, as_json: bool,
-           graphs: bool) -> None:
-    """List entries, one row each."""
+           graphs: bool, each: bool) -> None:
+    """List entries: one row per signature, its variants folded (--variants: one each)."""
     st = _open(cache_dir)
     want = _parse_labels(label, model, function)
     everything = list(st.entries())
@@ -85,11 +88,12 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     else:   # no label to match: no has_labels per entry (100,000 calls)
         infos = list(everything) if graphs else [i for i in everything
                                                  if not is_shared_graph(i.labels)]
-    infos.sort(key=_SORTS[sort], reverse=reverse)
     groups = group_status(everything)
-    if as_json:
-        _echo_json_array(i.to_json() for i in infos)
+    if as_json:  # every entry: what a script reads, whatever the table folds
+        echo_json_array(i.to_json() for i in sorted(infos, key=_SORTS[sort], reverse=reverse))
         return
+    folded = Folded(infos, {}) if each else fold_variants(infos)
+    infos = sorted(folded.rows, key=_SORTS[sort], reverse=reverse)
     if not infos:
         click.echo(f"no entries in {st.root}")
         return
@@ -97,75 +101,18 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     matching = [i for i in everything if has_labels(i.labels, want)] if want else everything
     user, shared = split_graphs(i.labels for i in matching)
     footer = entries(user, shared) + (", the shared graphs not listed (--graphs lists them)"
-                                      if shared and not graphs else "")
+                                      if shared and not graphs else "") + (
+        f", in {plural(len(infos), 'row')} (--variants lists each)" if folded.variants else "")
     if len(infos) > RICH_MAX_ROWS:
         # rich lays out ~1,500 rows/s; a plain aligned table keeps 10,000 entries well under 1 s.
-        out = _Chunked()
-        for line in _plain_lines(infos, groups):   # written as made: no whole text held
+        out = Chunked()
+        for line in _plain_lines(infos, groups, folded.variants):   # written as made
             out.write(line + "\n")
         out.write(footer + "\n")
         out.flush()
         return
-    _console().print(_entries_table(infos, groups=groups))
+    _console().print(_entries_table(infos, groups=groups, variants=folded.variants))
     click.echo(footer)
-
-
-def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
-    """Print ``json.dumps(list(items), indent=1)``, one item at a time: the whole text
-    of 100,000 entries was 150 MB held at once."""
-    out = _Chunked()
-    first = True
-    for item in items:
-        out.write("[\n " if first else ",\n ")
-        out.write(_indented(item, " "))
-        first = False
-    out.write("[]\n" if first else "\n]\n")
-    out.flush()
-
-
-class _Chunked:
-    """stdout written in chunks of about 1,000 pieces: with PYTHONUNBUFFERED (or a
-    console) each write is a system call, 3.7 s for the 200,000 of 100,000 entries."""
-
-    def __init__(self) -> None:
-        self._parts: list[str] = []
-
-    def write(self, text: str) -> None:
-        self._parts.append(text)
-        if len(self._parts) >= 1000:
-            self.flush()
-
-    def flush(self) -> None:
-        sys.stdout.write("".join(self._parts))
-        sys.stdout.flush()
-        self._parts.clear()
-
-
-def _scalar(v: Any) -> str | None:
-    """``json.dumps(v)`` of a scalar, through the C string encoder (json's indenting
-    encoder is pure Python: 4 s of ``ls --json`` at 100,000 entries); None otherwise."""
-    if isinstance(v, str):
-        return encode_basestring_ascii(v)
-    if v is None or isinstance(v, bool):
-        return json.dumps(v)
-    if isinstance(v, int):
-        return int.__repr__(v)
-    if isinstance(v, float) and math.isfinite(v):
-        return float.__repr__(v)
-    return None
-
-
-def _indented(obj: Any, pad: str) -> str:
-    """``json.dumps(obj, indent=1)`` with every line after the first indented by ``pad``."""
-    if isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj):
-        inner = pad + " "
-        parts = [f"{inner}{encode_basestring_ascii(k)}: {_indented(v, inner)}"
-                 for k, v in obj.items()]
-        return "{\n" + ",\n".join(parts) + "\n" + pad + "}"
-    text = _scalar(obj)
-    if text is not None:
-        return text
-    return json.dumps(obj, indent=1).replace("\n", "\n" + pad)
 
 
 # Guards that say what a call (and the state it runs in) must be: the ones that tell

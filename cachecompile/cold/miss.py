@@ -50,6 +50,7 @@ from cachecompile.procs import coop
 from cachecompile.spec import CompileSpec
 from cachecompile.store import Entry, Key, LocalStorage
 from cachecompile.store.errors import StoreError
+from cachecompile.store.explain import guard_diff
 from cachecompile.warm import frame_serving
 from cachecompile.warm.chain import VariantChain
 from cachecompile.warm.lookup import (
@@ -365,14 +366,15 @@ class MissPath:
         frame_labels = {**{k: v for k, v in labels.items() if k not in _WRITER_LABELS},
                         "dynamo_frame": head.name[:200], "frames": "+1"}
         mine = [list(v.guards) for v in head.variants]
+        stored: list[list[Any]] = []  # the last stored variant's guards compared
 
         def same(theirs_meta: Mapping[str, Any]) -> bool:
             try:
                 theirs = read_frames(EntryMeta.from_json(theirs_meta).frames)[0]
             except (KeyError, IndexError, UnsupportedProgramError):
                 return False
-            return ([list(v.guards) for v in theirs.variants] == mine
-                    and theirs.as_written == head.as_written)
+            stored[:] = [list(v.guards) for v in theirs.variants]
+            return stored == mine and theirs.as_written == head.as_written
 
         def write_at(key: Key, index: int) -> Entry:
             entry = writer.write(st, key, files, meta=meta, who=who,
@@ -388,9 +390,9 @@ class MissPath:
             fault(f"publishing a variant of frame {head.name} failed ({e})")
             return
         if key is None:
-            self._chain_full(head.name, signature)
+            self._chain_full(head.name, signature, _changed_guard(mine, stored))
 
-    def _chain_full(self, name: str, signature: str) -> None:
+    def _chain_full(self, name: str, signature: str, changed: str) -> None:
         """Said once per frame and process: its chain holds MAX_VARIANTS variants whose
         sources are current, so a new one is compiled live in every process."""
         if name in self._full_frames:
@@ -398,8 +400,8 @@ class MissPath:
         self._full_frames.add(name)
         fault(f"{self._qualname} [{signature}]: frame {name} already has {MAX_VARIANTS} "
               "published variants; this one is not stored, and each process that needs it "
-              "compiles it live. A value it reads changes from call to call (`cachectl "
-              "explain` shows which guards differ): pass it as a tensor, or make it fixed.")
+              f"compiles it live. A value it reads changes from call to call ({changed}): "
+              "pass it as a tensor, or make it fixed.")
 
     def compile_frame(self, frames: frame_serving.Frames, cont: frame_serving.Continuation,
                       why: str) -> _LiveFrame:
@@ -472,3 +474,15 @@ def _guards_of(meta: Mapping[str, Any]) -> list[Any] | None:
         return list(EntryMeta.from_json(meta).guards)
     except UnsupportedProgramError:
         return None
+
+
+def _changed_guard(mine: list[list[Any]], stored: list[list[Any]]) -> str:
+    """What tells this frame's new variant from a stored one, in the user's terms: the
+    first guard whose value differs (``n == 17`` here, ``n == 3`` stored)."""
+    if mine and stored:
+        diff = guard_diff({"meta": {"guards": [dict(g) for g in mine[0]]}},
+                          {"meta": {"guards": [dict(g) for g in stored[0]]}})
+        if diff.changed:
+            here, there = diff.changed[0]
+            return f"`{here}` here, `{there}` in a stored variant"
+    return "`cachectl explain` shows which guards differ"

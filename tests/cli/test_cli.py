@@ -92,6 +92,36 @@ def test_ls_table_filters_sort_and_json(cache: Store, child_env: dict[str, str])
     assert len(json.loads(p.stdout)) == 3
 
 
+def test_ls_folds_a_signatures_variants_into_one_row(cache: Store,
+                                                      child_env: dict[str, str]) -> None:
+    """A resume frame specialised on a value read after a break publishes a variant per
+    value (issue 61: 8 rows for one signature): one row says how many, --variants lists
+    each, --json every entry."""
+    sig = {"model": "moe", "function": "forward", "signature": "float32[2,4]@cpu",
+           "signature_key": "ab" * 16}
+    cache.put(make_key({"sig": 1, "variant": 0}), {"f": b"x" * 10},
+              labels={**sig, "variant": "0", "frames": "2"})
+    cache.put(make_key({"sig": 1, "variant": 1}), {"f": b"x" * 20},
+              labels={**sig, "variant": "1", "frames": "2"})
+    for v in range(5):
+        cache.put(make_key({"sig": 1, "frame": v}), {"f": b"y" * 100},
+                  labels={**sig, "dynamo_frame": "M.resume_at_7", "frames": "+1"})
+    d = str(cache.root)
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--model", "moe")
+    assert p.returncode == 0, p.stderr
+    (row,) = [ln for ln in p.stdout.splitlines() if "moe" in ln]
+    assert row.startswith(_key(cache, variant="0")[:12]) and "7 (5 frame)" in row, p.stdout
+    assert "530 B" in row  # the sizes of all seven
+    assert p.stdout.rstrip().endswith("7 entries, in 1 row (--variants lists each)"), p.stdout
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--model", "moe", "--variants")
+    assert len([ln for ln in p.stdout.splitlines() if "moe" in ln]) == 7
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--model", "moe", "--json")
+    assert len(json.loads(p.stdout)) == 7
+    # Other signatures are rows of their own; nothing said where nothing folds.
+    p = cachectl(child_env, "ls", "--cache-dir", d, "--model", "llama")
+    assert "--variants" not in p.stdout and len(p.stdout.splitlines()) == 4, p.stdout
+
+
 def test_show_by_prefix(cache: Store, child_env: dict[str, str]) -> None:
     k = _key(cache, model="mlp")
     p = cachectl(child_env, "show", k[:8], "--cache-dir", str(cache.root))
@@ -251,11 +281,12 @@ def test_plain_listing_is_the_rows_of_the_table() -> None:
                        last_used=1.7e9 + i * 91.0, hits=i % 13, labels=variants[i % 5],
                        state=("ok", "unindexed", "bad-manifest")[i % 3]) for i in range(60)]
     groups = group_status(infos)
-    rows = [tuple(c for c, _ in _COLUMNS)] + [tuple(_row(i, groups)) for i in infos]
+    folded = {i.key: f"{n} (1 frame)" for n, i in enumerate(infos[::7], 2)}
+    rows = [tuple(c for c, _ in _COLUMNS)] + [tuple(_row(i, groups, folded)) for i in infos]
     widths = [max(map(len, col)) for col in zip(*rows, strict=True)]
     fmt = "  ".join(f"{{:{'>' if just == 'right' else '<'}{w}}}"
                     for w, (_, just) in zip(widths, _COLUMNS, strict=True))
-    assert list(_plain_lines(infos, groups)) == [fmt.format(*r).rstrip() for r in rows]
+    assert list(_plain_lines(infos, groups, folded)) == [fmt.format(*r).rstrip() for r in rows]
     assert list(_plain_lines([], None)) == ["  ".join(c for c, _ in _COLUMNS)]
 
 

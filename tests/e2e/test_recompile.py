@@ -13,6 +13,7 @@ gets its own variant. What a process does when state changes *after* the first c
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,52 @@ def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: 
     again = cache_compile(m3.step, backend="aot_eager", cache_dir=d, dynamic=False)
     _steps(again, m3, ref3, 3)
     assert [e[0] for e in again.events] == ["hit"] * 3, again.events
+
+
+class ItemScale(tiny.Small):
+    def scaled(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        k = n.sum().item()  # a break; the resume frame specialises on k (dynamic=False)
+        return self.lin(x) * k
+
+
+def test_a_frame_whose_variants_fill_names_the_value_that_changes(tmp_path: Path) -> None:
+    """Each process publishes the resume frame's variants for the values it met, up to
+    16 per frame; the process that finds them all taken says so once, naming the guard
+    whose value changes, and stays right; `cachectl ls` shows the signature on one row."""
+    import warnings
+
+    from cachecompile import CacheFaultWarning
+    from cachecompile.cli.common import fold_variants
+    from cachecompile.store import open_store
+
+    d, x, m = tmp_path / "cc", torch.randn(2, 4), ItemScale().eval()
+
+    def process(values: range) -> tuple[list[str], list[str]]:
+        torch._dynamo.reset()  # Dynamo's caches as a fresh process has them
+        cached = cache_compile(m.scaled, backend="aot_eager", cache_dir=d, dynamic=False,
+                               fullgraph=False)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for v in values:
+                n = torch.tensor([v + 0.5])
+                assert torch.equal(cached(x, n), m.scaled(x, n))
+        return ([e[0] for e in cached.events],
+                [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)])
+
+    events, _ = process(range(0, 3))
+    assert events == ["miss"], events
+    for values in (range(3, 10), range(10, 17)):
+        events, said = process(values)
+        assert events == ["hit"] and not [s for s in said if "already has" in s], said
+    events, said = process(range(17, 22))
+    full = [s for s in said if "already has 16 published variants" in s]
+    assert events == ["hit"] and len(full) == 1, said
+    assert re.search(r"`___stack0 == \d+\.5` here, `___stack0 == \d+\.5` in a stored "
+                     r"variant", full[0]), full[0]
+    infos = list(open_store(d).entries())
+    folded = fold_variants(infos)
+    assert len(infos) == 17 and len(folded.rows) == 1, [i.labels for i in infos]
+    assert folded.variants == {folded.rows[0].key: "17 (16 frame)"}
 
 
 class ReadsEnv(tiny.Small):
