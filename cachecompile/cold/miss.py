@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import linecache
 import logging
 import os
+import re
 import threading
 import time
 import types
@@ -390,7 +392,8 @@ class MissPath:
             fault(f"publishing a variant of frame {head.name} failed ({e})")
             return
         if key is None:
-            self._chain_full(head.name, signature, _changed_guard(mine, stored))
+            differs = _changed_guard(mine, stored)
+            self._chain_full(head.name, signature, differs + _stack_note(head.name, differs))
 
     def _chain_full(self, name: str, signature: str, changed: str) -> None:
         """Said once per frame and process: its chain holds MAX_VARIANTS variants whose
@@ -412,6 +415,7 @@ class MissPath:
         capture = not cont.record.live and frames.st is not None and not frames.st.readonly
         # Said once per frame and process (a continuation compiles live once, then its
         # session serves it): what costs this process a compile, and why.
+        why += _stack_note(cont.record.name, why)
         if cont.record.live:
             fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
                   f"compiled live in every process ({why})")
@@ -486,3 +490,21 @@ def _changed_guard(mine: list[list[Any]], stored: list[list[Any]]) -> str:
             here, there = diff.changed[0]
             return f"`{here}` here, `{there}` in a stored variant"
     return "`cachectl explain` shows which guards differ"
+
+
+_AT = re.compile(r"\((?P<file>.+):(?P<line>\d+)\)$")
+_STACK = re.compile(r"\b___stack\d+\b")
+
+
+def _stack_note(frame: str, text: str) -> str:
+    """What a guard on ``___stackN`` reads, where ``text`` names one: a resume frame's
+    argument, a value Python's stack held at the break (Dynamo's guard source knows no
+    more), shown with the break's line (the frame's name ends ``(FILE:LINE)``):
+    ``; ___stack0 is a value on Python's stack at the break, line 8: `k = n.item()` ``."""
+    names = sorted(set(_STACK.findall(text)))
+    at = _AT.search(frame)
+    if not names or at is None:
+        return ""
+    line = linecache.getline(at["file"], int(at["line"])).strip()
+    return (f"; {' and '.join(names)} {'is a value' if len(names) == 1 else 'are values'} "
+            f"on Python's stack at the break, line {at['line']}" + (f": `{line}`" if line else ""))

@@ -204,6 +204,9 @@ def test_a_frame_whose_variants_fill_names_the_value_that_changes(tmp_path: Path
     assert events == ["hit"] and len(full) == 1, said
     assert re.search(r"`___stack0 == \d+\.5` here, `___stack0 == \d+\.5` in a stored "
                      r"variant", full[0]), full[0]
+    # ___stack0 read as what it is: the value .item() left on Python's stack.
+    assert "___stack0 is a value on Python's stack at the break, line " in full[0], full[0]
+    assert "`k = n.sum().item()  # a break;" in full[0], full[0]
     infos = list(open_store(d).entries())
     folded = fold_variants(infos)
     assert len(infos) == 17 and len(folded.rows) == 1, [i.labels for i in infos]
