@@ -7,6 +7,7 @@ command group that holds them is cachecompile.cli.main.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,10 @@ _SORTS: dict[str, Callable[[EntryInfo], Any]] = {
     "model": lambda i: i.labels.get("model", ""),
     "function": lambda i: i.labels.get("function", ""),
 }
+
+
+# A tensor guard's text with an exact size: "x is a float32[3,4] Tensor".
+_SIZED = re.compile(r"\[[^\]]*\d[^\]]*\] Tensor")
 
 
 @click.command("ls", short_help="List entries, one row each")
@@ -300,6 +305,12 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         for ta, tb in rows:
             g.add_row(escape(demangle(ta)), escape(demangle(tb)))
         con.print(g)
+    if any((m.get("labels") or {}).get("dynamic") == "true" for m in (ma, mb)) and any(
+            _SIZED.search(t) for row in guards.changed for t in row):
+        con.print("An exact size in a tensor guard of an entry compiled with dynamic=True is "
+                  "one Dynamo specialised: the code reads it as a Python number (a branch or "
+                  "a comparison on it, an op that needs its value; TORCH_LOGS=dynamic names "
+                  "the line), or it is 0 or 1.")
     if guards.renamed:
         con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
                   "__builtins_dict___N: the same check, folded)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import types
 from collections.abc import Callable
@@ -115,6 +116,26 @@ class Probe:
 def variant_key(sig_key: Key, i: int) -> Key:
     """The key of variant ``i`` of a signature (:meth:`VariantChain.key_of`)."""
     return VariantChain.key_of(sig_key, i)
+
+
+def specialised(wanted: str, dynamic: bool = True) -> str:
+    """Why a tensor guard of an entry compiled with ``dynamic=True`` holds exact sizes,
+    where ``wanted`` (the failing guard's value, as JSON) is one with sizes Dynamo made
+    static: said in the miss reason, since the user asked for every size."""
+    if not dynamic:
+        return ""
+    try:
+        facts = json.loads(wanted)
+    except ValueError:
+        return ""
+    sizes = facts.get("sizes") if isinstance(facts, dict) else None
+    if not isinstance(sizes, list) or all(s is None for s in sizes):
+        return ""
+    one = any(s in (0, 1) for s in sizes)
+    return ("; the entry was compiled with dynamic=True, yet Dynamo specialised these sizes:"
+            " the code reads them as Python numbers (a branch or a comparison on a size, an"
+            " op that needs its value; TORCH_LOGS=dynamic names the line)"
+            + (", and a size of 0 or 1 is always specialised" if one else ""))
 
 
 def safely(fn: Callable[[], Any]) -> None:
@@ -240,6 +261,7 @@ class Lookup:
         if not checker.full(self._module, *args, **kwargs):
             reason, subject, wanted = (checker.failure(self._module, *args, **kwargs)
                                        or ("a guard failed", "a guard", ""))
+            reason += specialised(wanted, self._spec.dynamic)
             if out.kind is None:
                 out.guard, out.guard_reason = subject, reason
             out.guard_values.setdefault(subject, set()).add(wanted)

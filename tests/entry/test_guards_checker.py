@@ -218,6 +218,45 @@ def test_a_value_miss_names_the_value_not_the_comparison(tmp_path: Any,
     assert "n == 2 (got 3)" in misses[0], misses[0]
 
 
+def test_a_size_dynamo_specialised_under_dynamic_true_says_so(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """dynamic=True, but the code branches on a size: Dynamo specialises it and the entry
+    holds exact sizes. A call with another size misses (as torch.compile recompiles), and
+    the reason says why an entry compiled for every size holds this one (issue 61)."""
+    import logging
+
+    from cachecompile import cache_compile
+
+    class OnSize(nn.Module):
+        def run(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 3:
+                return x * 2
+            return x + 1
+
+    with torch.no_grad():
+        cache_compile(OnSize().run, backend="aot_eager", cache_dir=tmp_path,
+                      dynamic=True)(torch.ones(3, 5))
+        warm = cache_compile(OnSize().run, backend="aot_eager", cache_dir=tmp_path,
+                             dynamic=True)
+        with caplog.at_level(logging.INFO, logger="cachecompile"):
+            assert torch.equal(warm(torch.ones(4, 5)), torch.ones(4, 5) + 1)
+    misses = [r.getMessage() for r in caplog.records if "guard failed" in r.getMessage()]
+    assert len(misses) == 1, misses
+    assert "the entry's [3, " in misses[0], misses[0]
+    assert "compiled with dynamic=True, yet Dynamo specialised these sizes" in misses[0]
+    # `cachectl explain` of the two entries says it too.
+    from ccutil import cachectl
+
+    from cachecompile.store import open_store
+    keys = [i.key for i in open_store(tmp_path).entries()]
+    out = cachectl("explain", *keys, "--cache-dir", str(tmp_path)).stdout
+    assert len(keys) == 2 and "is one Dynamo specialised" in " ".join(out.split()), out
+    from cachecompile.warm.lookup import specialised
+    assert specialised('{"sizes": [null, null]}') == specialised("3") == ""
+    assert specialised('{"sizes": [3, null]}', dynamic=False) == ""
+    assert "0 or 1" in specialised('{"sizes": [1, null]}')
+
+
 def test_a_global_state_miss_names_the_setting(tmp_path: Any,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """Traced without autocast, called under CPU autocast: the miss names the setting that
