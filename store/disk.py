@@ -23,12 +23,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import errors, maintenance, pins, publishing, settings, verification
+# publishing and maintenance are imported by the methods that use them: a hit (get)
+# reads, checks and records, and needs neither (issue 63: a third of the store's import
+# time in a warm start).
+from . import errors, pins, settings, verification
 from .blobs import blob_map
 from .fsutil import FULL_ERRNOS
 from .index import Index, counter_scope, miss_counters
 from .keys import Key, digest_of
-from .layout import FORMAT_DIR, MANIFEST, Layout
+from .layout import FORMAT_DIR, MANIFEST, TEMP_GRACE_S, Layout, sweep_temp
 from .manifest import check_names, validate_name
 from .outcomes import Entry, EntryInfo, GcReport, Hit, Miss, VerifyReport
 from .pins import Pin
@@ -40,7 +43,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MAX_SIZE", "FORMAT_DIR", "Pin", "Store", "TEMP_GRACE_S"]
 
 DEFAULT_MAX_SIZE = settings.MAX_SIZE.default
-TEMP_GRACE_S = maintenance.TEMP_GRACE_S
 
 
 class Store(Maintenance):
@@ -160,6 +162,7 @@ class Store(Maintenance):
 
     def stat(self, key: Key | str) -> EntryInfo | None:
         """The index record of an entry (built from its manifest if the index lacks it)."""
+        from . import maintenance
         digest = digest_of(key)
         info = self.index.safely("stat", lambda: self.index.get(digest))
         if info is not None:
@@ -185,6 +188,7 @@ class Store(Maintenance):
 
     def entries(self) -> Iterator[EntryInfo]:
         """One EntryInfo per entry on disk; usage data from the index."""
+        from . import maintenance
         yield from maintenance.listing(self.layout, self.index, with_blobs=False)[0]
 
     def find(self, **labels: Any) -> list[EntryInfo]:
@@ -217,6 +221,7 @@ class Store(Maintenance):
         meta: Mapping[str, Any] | None = None,
     ) -> Entry:
         """Publish ``files`` under ``key`` atomically; if it already exists, return the winner."""
+        from . import publishing
         if not isinstance(key, Key):
             raise TypeError("put() needs a Key from make_key(), so its factors are recorded")
         check_names([validate_name(n) for n in files])
@@ -254,6 +259,7 @@ class Store(Maintenance):
                 log("automatic gc failed: %s", e)
 
     def delete(self, key: Key | str) -> bool:
+        from . import publishing
         return publishing.remove(self.layout, self.index, digest_of(key), respect_pins=False,
                                  kind="del")
 
@@ -284,13 +290,15 @@ class Store(Maintenance):
 
     # -- maintenance ---------------------------------------------------------------------
     def sweep_temp(self, grace_s: float = TEMP_GRACE_S) -> int:
-        return maintenance.sweep_temp(self.layout, grace_s)
+        return sweep_temp(self.layout, grace_s)  # every open runs it: kept light
 
     def sweep_blobs(self) -> int:
+        from . import maintenance
         return maintenance.sweep_blobs(self.layout)
 
     def gc(self, max_size: int | None = None, *, lock_timeout: float = 60.0) -> GcReport:
         """Enforce the size cap (LRU, pinned entries skipped) and sweep leftovers."""
+        from . import maintenance
         cap = self.max_size if max_size is None else int(max_size)
         return maintenance.gc(self.layout, self.index, cap, lock_timeout=lock_timeout)
 
@@ -299,6 +307,7 @@ class Store(Maintenance):
         older_than: float | None = None, all: bool = False, include_pinned: bool = False,
     ) -> tuple[list[EntryInfo], list[EntryInfo]]:
         """(goes, kept) of a purge; see :func:`cachecompile.store.maintenance.purge_plan`."""
+        from . import maintenance
         return maintenance.purge_plan(self.layout, self.index, keys=keys, labels=labels,
                                       older_than_s=older_than, all=all,
                                       include_pinned=include_pinned)
@@ -313,6 +322,7 @@ class Store(Maintenance):
         Pinned entries and their groups stay unless ``include_pinned`` (see
         :meth:`purge_plan`, which also says what was kept). Returns what was removed.
         """
+        from . import maintenance
         goes, _ = self.purge_plan(keys=keys, labels=labels, older_than=older_than, all=all,
                                   include_pinned=include_pinned)
         if dry_run:
@@ -321,19 +331,23 @@ class Store(Maintenance):
 
     def reindex(self) -> int:
         """Rebuild the index from the manifests on disk (the manifests are the truth)."""
+        from . import maintenance
         return maintenance.reindex(self.layout, self.index)
 
     def verify(self, fix: bool = False, *, full: bool = False) -> VerifyReport:
         """Check the entries (in full the first time, then those that changed; ``full``:
         every one), the store's directories, and the index against the disk."""
+        from . import maintenance
         return maintenance.verify(self.layout, self.index, fix, full=full)
 
     def stats(self, *, recount: bool = False) -> dict[str, Any]:
         """Entries, sizes, hits and misses (see :func:`cachecompile.store.maintenance.stats`)."""
+        from . import maintenance
         return {**maintenance.stats(self.layout, self.index, self.max_size, recount=recount),
                 "readonly": self.readonly}
 
     def zero_stats(self) -> None:
+        from . import maintenance
         maintenance.zero_stats(self.layout, self.index)
 
     def close(self) -> None:

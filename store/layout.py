@@ -21,18 +21,30 @@ import functools
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from . import errors
-from .fsutil import owner_problem, temp_name, unreal_dir
+from .fsutil import (
+    HOST_TAG,
+    owner_problem,
+    parse_temp_name,
+    pid_alive,
+    rmtree_quiet,
+    temp_name,
+    unreal_dir,
+)
 from .keys import is_digest, match_prefix
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DATA", "DIRS", "FORMAT_DIR", "Layout", "MANIFEST", "blob_name", "link_error"]
+__all__ = ["DATA", "DIRS", "FORMAT_DIR", "Layout", "MANIFEST", "TEMP_GRACE_S", "blob_name",
+           "link_error", "sweep_temp"]
 
 FORMAT_DIR = "v1"
+# How old a file in tmp/ must be before a sweep takes it: a writer's staging lives less.
+TEMP_GRACE_S = 3600.0
 MANIFEST = "manifest.json"
 DATA = "data"
 DIRS = ("entries", "blobs", "tmp", "quarantine", "locks", "pins", "index")
@@ -259,3 +271,25 @@ class Layout:
         else:
             names = list(self.digests())
         return match_prefix(prefix, names)
+
+
+def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
+    """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
+    n = 0
+    now = time.time()
+    me = os.getpid()
+    for it in layout.scan("tmp"):
+        parsed = parse_temp_name(it.name)
+        try:
+            age = now - it.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue
+        stale = age > grace_s
+        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] != me:
+            stale = stale or not pid_alive(parsed[1])
+        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] == me:
+            stale = False  # our own work in progress
+        if stale:
+            rmtree_quiet(Path(it.path))
+            n += 1
+    return n

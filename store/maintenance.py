@@ -20,10 +20,9 @@ from typing import Any
 
 from . import errors, verification
 from .blobs import blob_map
-from .fsutil import HOST_TAG, parse_temp_name, pid_alive, rmtree_quiet
 from .index import ABOUT, GRAPH_SCOPE, LEVEL_HITS, PULLS, REMOTE_HITS, Index
 from .keys import digest_of
-from .layout import Layout, blob_name
+from .layout import Layout, blob_name, sweep_temp
 from .metrics import merge, read_counters, remove_counters
 from .outcomes import EntryInfo, GcReport, VerifyReport
 from .pins import lock, pinned
@@ -41,10 +40,9 @@ from .verification import Bad, Stamp, quarantine, read_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TEMP_GRACE_S", "gc", "info_from_manifest", "listing", "purge", "purge_plan",
+__all__ = ["gc", "info_from_manifest", "listing", "purge", "purge_plan",
            "reindex", "stats", "sweep_blobs", "sweep_temp", "verify"]
 
-TEMP_GRACE_S = 3600.0
 # Entries gc takes away per pin scan and index transaction: large enough that neither
 # dominates, small enough that the index is not held long while readers record hits.
 GC_BATCH = 256
@@ -119,28 +117,6 @@ def _by_key(i: EntryInfo) -> str:
 
 
 # -- sweeps -------------------------------------------------------------------------------
-def sweep_temp(layout: Layout, grace_s: float = TEMP_GRACE_S) -> int:
-    """Remove staging leftovers whose owner is dead or which are older than ``grace_s``."""
-    n = 0
-    now = time.time()
-    me = os.getpid()
-    for it in layout.scan("tmp"):
-        parsed = parse_temp_name(it.name)
-        try:
-            age = now - it.stat(follow_symlinks=False).st_mtime
-        except FileNotFoundError:
-            continue
-        stale = age > grace_s
-        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] != me:
-            stale = stale or not pid_alive(parsed[1])
-        if parsed is not None and parsed[0] == HOST_TAG and parsed[1] == me:
-            stale = False  # our own work in progress
-        if stale:
-            rmtree_quiet(Path(it.path))
-            n += 1
-    return n
-
-
 def sweep_blobs(layout: Layout) -> int:
     """Remove blobs no entry links to any more (link count 1)."""
     return _sweep_blobs(layout)[0]
