@@ -422,7 +422,7 @@ class MissPath:
         else:
             fault(f"{self._qualname} [{frames.signature}]: frame {cont.record.name} is "
                   f"compiled live in this process ({why}); "
-                  f"{'it is published for the next process' if capture else 'not published: the store takes no writes'}")
+                  f"{'it is published for the next process (where the frame has a free variant slot)' if capture else 'not published: the store takes no writes'}")
         if frames.st is not None:
             # Counted by the frame (its qualified name), bounded by the code.
             short = cont.record.name.split(" (", 1)[0]

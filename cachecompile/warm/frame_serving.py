@@ -30,6 +30,8 @@ code, any other frame runs as written. Nothing is traced or compiled, and
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import logging
 import sys
@@ -128,6 +130,18 @@ class _Source:
         return fn
 
 
+@dataclasses.dataclass(frozen=True)
+class _Published:
+    """A variant of a frame's chain, read and its guards built, not yet loaded."""
+
+    index: int
+    key: Key
+    meta: EntryMeta
+    records: tuple[FrameRecord, ...]
+    fetched: Hit | None
+    guards: tuple[replay.ReplayGlobals, checker_mod.Checker]
+
+
 class Continuation:
     """A resume function of a loaded entry, standing where the calling bytecode loads it.
 
@@ -145,6 +159,9 @@ class Continuation:
         self._eager: types.FunctionType | None = None
         self._told = False
         self.probed = 0             # the frame variant chain is walked from here
+        # Variants of the chain walked before whose guards did not hold for that call,
+        # checked again by later calls (another value may be theirs).
+        self.passed: list[_Published] = []
         self.live: LiveFrame | None = None   # the live compile, once one was needed
         self._no_compile = False    # the compiler said nothing may be compiled here
         # Dynamo runs this frame as written (it skips it): so does this process.
@@ -222,8 +239,10 @@ class Continuation:
         continuation as Dynamo generated it, run as written in its module."""
         frames = self._frames
         if closure is None and not self.as_written:
-            if self.live is None and not self.record.live:
-                found = frames.from_chain(self, args)
+            if not self.record.live:
+                # Once a live compile serves this frame, only the variants walked already
+                # are checked (the chain's free slot is not read again on every call).
+                found = frames.from_chain(self, args, walk=self.live is None)
                 if found is not None:
                     self.served += 1
                     assert found.fn is not None
@@ -402,11 +421,23 @@ class Frames:
             self._merge(records[1:], source)
         return source
 
-    def from_chain(self, cont: Continuation, values: tuple[Any, ...]) -> _Loaded | None:
-        """The first published variant of ``cont``'s frame (past those walked already)
-        whose guards hold for ``values``, loaded and added to it; None if none does."""
+    def from_chain(self, cont: Continuation, values: tuple[Any, ...], walk: bool = True
+                   ) -> _Loaded | None:
+        """A published variant of ``cont``'s frame whose guards hold for ``values``,
+        loaded and added to it: first among those walked before for other values
+        (``cont.passed``), then (``walk``) the rest of the chain; None if none holds. A
+        variant passed over stays a candidate: which one a call needs depends on its
+        values, not on the order the chain was walked in."""
         try:
-            for i, k, meta, records, fetched in self._chain(cont.record.id, cont.probed):
+            for p in list(cont.passed):
+                if p.guards[1].full(*values):
+                    with contextlib.suppress(ValueError):  # another thread took it
+                        cont.passed.remove(p)
+                    loaded = self._load_published(cont, p)
+                    if loaded is not None:
+                        return loaded
+            for i, k, meta, records, fetched in (self._chain(cont.record.id, cont.probed)
+                                                 if walk else ()):
                 cont.probed = i + 1
                 if meta is None:
                     continue
@@ -414,22 +445,29 @@ class Frames:
                     # Another process found that Dynamo runs this frame as written.
                     cont.as_written = True
                     return None
-                var = records[0].variants[0]
-                guards = self._guards(records[0], cont.code, var)
-                if not guards[1].full(*values):
+                p = _Published(i, k, meta, records, fetched,
+                               self._guards(records[0], cont.code, records[0].variants[0]))
+                if not p.guards[1].full(*values):
+                    cont.passed.append(p)
                     continue
-                source = self._fetch(k, meta, records, fetched)
-                if source is None:
-                    continue
-                loaded = self.load_variant(records[0], cont.code, var, source, guards)
-                cont.add(loaded)
-                logger.info("cachecompile %s: frame %s served by its published variant %d",
-                            self.qualname, cont.record.name, i)
-                return loaded
+                loaded = self._load_published(cont, p)
+                if loaded is not None:
+                    return loaded
         except Exception as e:  # a frame variant that does not load: the next way serves
             logger.info("cachecompile %s: a published variant of frame %s did not load "
                         "(%s: %s)", self.qualname, cont.record.name, type(e).__name__, e)
         return None
+
+    def _load_published(self, cont: Continuation, p: _Published) -> _Loaded | None:
+        source = self._fetch(p.key, p.meta, p.records, p.fetched)
+        if source is None:
+            return None
+        loaded = self.load_variant(p.records[0], cont.code, p.records[0].variants[0], source,
+                                   p.guards)
+        cont.add(loaded)
+        logger.info("cachecompile %s: frame %s served by its published variant %d",
+                    self.qualname, cont.record.name, p.index)
+        return loaded
 
     # -- callees: the run-only hook ---------------------------------------------------------
     def _chained_variants(self, record: FrameRecord) -> list[tuple[FrameVariant, _Source]]:

@@ -213,6 +213,42 @@ def test_a_frame_whose_variants_fill_names_the_value_that_changes(tmp_path: Path
     assert folded.variants == {folded.rows[0].key: "17 (16 frame)"}
 
 
+def test_a_published_frame_variant_serves_whatever_order_values_come_in(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process that needs the chain's variants out of their order is served each one: a
+    variant walked past for one value is checked again for the next (found from outside:
+    after variant 1 served, the value of variant 0 compiled live), and so after a value
+    no variant holds has compiled live."""
+    import logging
+    import warnings
+
+    from cachecompile import CacheFaultWarning
+
+    d, x, m = tmp_path / "cc", torch.randn(2, 4), ItemScale().eval()
+
+    def process(values: list[float]) -> tuple[list[str], list[str]]:
+        torch._dynamo.reset()  # Dynamo's caches as a fresh process has them
+        cached = cache_compile(m.scaled, backend="aot_eager", cache_dir=d, dynamic=False,
+                               fullgraph=False)
+        caplog.clear()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
+                caplog.at_level(logging.INFO, logger="cachecompile"):
+            warnings.simplefilter("always")
+            for v in values:
+                n = torch.tensor([v])
+                assert torch.equal(cached(x, n), m.scaled(x, n))
+        served = [r.getMessage().rsplit(" ", 1)[-1] for r in caplog.records
+                  if "served by its published variant" in r.getMessage()]
+        return served, [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)]
+
+    process([0.5, 1.5, 2.5, 3.5])  # the entry (0.5), frame variants 0, 1, 2
+    served, said = process([3.5, 1.5, 2.5])
+    assert served == ["2", "0", "1"] and said == [], (served, said)
+    served, said = process([9.5, 2.5, 1.5])
+    assert served == ["1", "0"], (served, said)
+    assert len(said) == 1 and "compiled live in this process" in said[0], said
+
+
 class ReadsEnv(tiny.Small):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if os.environ.get("CC_TEST_FLAG") == "1":
