@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cachecompile._version import code_label
+from cachecompile.entry.frame_records import FrameRecord
 from cachecompile.entry.meta import EntryMeta
 from cachecompile.store import default_root, open_store, parse_size
 from cachecompile.store.errors import StoreNotFound
@@ -145,15 +147,29 @@ def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
         con.print("  " + escape(line), soft_wrap=True)
 
 
-def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
+def _published_frames(st: OpenStore, labels: Mapping[str, str], meta: EntryMeta
+                      ) -> Counter[str]:
+    """How many variants of each of an entry's frames were published after it (entries of
+    its signature with the label ``dynamo_frame``), by frame name."""
+    sig = labels.get("signature_key")
+    if not (sig and meta.frames):
+        return Counter()
+    return Counter(i.labels["dynamo_frame"] for i in st.entries()
+                   if "dynamo_frame" in i.labels and i.labels.get("signature_key") == sig)
+
+
+def _print_frames(con: Console, meta: EntryMeta, every: bool,
+                  published: Mapping[str, int]) -> None:
     """A graph break's frames: the method's own, then every other one the entry holds,
-    each with what a warm process does with it (and its value guards)."""
+    each with what a warm process does with it (and its value guards), and how many
+    variants of it were published after the entry (``published``, by frame name)."""
     frames = read_frames(meta)
     if not frames:
         return
     if meta.head:
         con.print(f"[bold]frame[/bold]    a variant of one frame, published after the "
                   f"signature's entry: {escape(frame_summary(frames[0]))}")
+        _print_variant_guards(con, frames[0], every)
         rest = frames[1:]
         if rest:
             con.print(f"         and {len(rest)} resume function(s) it calls (their variants "
@@ -162,12 +178,21 @@ def _print_frames(con: Console, meta: EntryMeta, every: bool) -> None:
     con.print(f"[bold]frames[/bold]   {1 + len(frames)}: the method's own (above), then "
               "every other frame Dynamo compiled for the call")
     for i, r in enumerate(frames, 1):
-        con.print(f"  {i:3d}  {escape(frame_summary(r))}", soft_wrap=True)
-        for j, v in enumerate(r.variants):
-            shown = [g for g in v.guards if every or g.get("kind") in _VALUE_GUARDS]
-            for g in shown:
-                text = demangle(str(g.get("text") or g.get("expr") or g.get("kind")))
-                con.print(f"         [{j}] " + escape(text), soft_wrap=True)
+        more = published.get(r.name[:200], 0)
+        con.print(f"  {i:3d}  {escape(frame_summary(r))}"
+                  + (f" (+{more} published after it: `cachectl ls --variants`)" if more else ""),
+                  soft_wrap=True)
+        _print_variant_guards(con, r, every)
+
+
+def _print_variant_guards(con: Console, r: FrameRecord, every: bool) -> None:
+    """Each variant's value guards (every guard with ``every``), hook checks folded as
+    the method's are: ``[0] ___stack0 == 2.0``."""
+    for j, v in enumerate(r.variants):
+        texts = [demangle(str(g.get("text") or g.get("expr") or g.get("kind")))
+                 for g in v.guards if every or g.get("kind") in _VALUE_GUARDS]
+        for _, line in fold_hooks(texts):
+            con.print(f"         [{j}] " + escape(line), soft_wrap=True)
 
 
 @click.command("show", short_help="Show an entry: what it serves, guards, factors")
@@ -216,7 +241,7 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
             f"{k} {v:.2f}s" for k, v in meta.cold_phases.items()
             if isinstance(v, (int, float)))))
     _print_value_guards(con, m, all_guards)
-    _print_frames(con, meta, all_guards)
+    _print_frames(con, meta, all_guards, _published_frames(st, labels, meta))
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
@@ -259,11 +284,16 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
                 return
             con = _console()
             labels = ma.get("labels") or {}
+            meta = read_meta(ma)
+            published = _published_frames(st, labels, meta)
             con.print(f"{a[:12]} is the only entry of {escape(labels.get('model', '?'))}."
-                      f"{escape(labels.get('function', '?'))}; it serves calls "
-                      f"[{escape(labels.get('signature', ''))}] while these hold:")
+                      f"{escape(labels.get('function', '?'))}"
+                      + (" but for the frame variants published after it" if published
+                         else "")
+                      + f"; it serves calls [{escape(labels.get('signature', ''))}] while "
+                      "these hold:")
             _print_value_guards(con, ma, show_all)
-            _print_frames(con, read_meta(ma), show_all)
+            _print_frames(con, meta, show_all, published)
             return
         b = near.key
     else:

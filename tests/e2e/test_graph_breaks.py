@@ -254,8 +254,13 @@ def test_cachectl_shows_every_frame(breaks: tuple[Sandbox, Any]) -> None:
     assert none.returncode == 2 and "has no frame 9" in none.stderr, none.stderr
     variant = cachectl("show", entries["+1"], env=env).stdout
     assert "a variant of one frame" in variant, variant
+    # The value it serves, as the signature's entry shows its frames' (a new user could
+    # not tell which value a frame variant was for).
+    assert re.search(r"\[0\] model\.SCALE == \d", variant), variant
+    assert "(+1 published after it: `cachectl ls --variants`)" in show, show
     explain = cachectl("explain", entries["3"], env=env).stdout
-    assert "is the only entry" in explain and "resume function" in explain, explain
+    assert ("is the only entry" in explain and "but for the frame variants published after it"
+            in explain and "resume function" in explain), explain
 
 
 RUN_LIVE = '''
