@@ -129,19 +129,22 @@ class Churn:
     def worth_publishing(self, probe: Probe, sig: Signature) -> bool:
         if probe.kind != "guard" or not probe.guard:
             return True
-        n = self._forced[probe.guard] = self._forced.get(probe.guard, 0) + 1
+        here = self._forced[probe.guard] = self._forced.get(probe.guard, 0) + 1
         # Across processes too: the values the store's variants that failed on it were
         # made for. Variants made for other changes (train(), a hook) that all hold the
         # value this call no longer has are one value: a change made once, not churn.
-        n = max(n, len(probe.guard_values.get(probe.guard, ())))
+        stored = len(probe.guard_values.get(probe.guard, ()))
+        n = max(here, stored)
         if n <= CHURN_LIMIT:
             return True
         if not self._warned:
             self._warned = True
+            how = (f"on call after call ({n} variants for it so far" if here >= stored else
+                   f"in process after process ({stored} stored variants were made for other "
+                   "values of it")
             warnings.warn(
-                f"{self._qualname} [{describe(sig)}]: {probe.guard} has a new value on "
-                f"call after call ({n} variants for it so far; the guard: "
-                f"{probe.guard_reason}). New variants for it "
+                f"{self._qualname} [{describe(sig)}]: {probe.guard} has a new value {how}; "
+                f"the guard: {probe.guard_reason}). New variants for it "
                 "run with a live compile and are not cached (each would serve one call). "
                 "Pass that value as a tensor, or make it dynamic (dynamic=True, or "
                 "torch._dynamo.mark_dynamic), so that one entry serves every value",

@@ -164,6 +164,44 @@ def test_an_int_that_changes_every_call_never_crashes_and_stays_right(tmp_path: 
     assert [e[0] for e in again.events] == ["hit"] * 3, again.events
 
 
+class PerDeployment(tiny.Small):
+    """A Python int set once per process (a deployment's config), never during one."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.n
+
+
+def test_a_value_new_in_each_process_is_said_so(tmp_path: Path) -> None:
+    """A value each process sets once and never changes: past CHURN_LIMIT stored variants
+    the next one is not published, and the warning says the value changed from process
+    to process (it said 'on call after call' of a process that called once; found by a
+    new user's trial)."""
+    import warnings
+
+    from cachecompile import SignatureLimitWarning
+
+    d, x = tmp_path / "cc", torch.randn(2, 4)
+    said: list[list[str]] = []
+    for n in range(1, CHURN_LIMIT + 3):
+        torch._dynamo.reset()  # Dynamo's caches as a fresh process has them
+        m = PerDeployment(n).eval()
+        cached = cache_compile(m.scaled, backend="aot_eager", cache_dir=d, dynamic=False)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(cached(x), m.scaled(x))
+        said.append([str(w.message) for w in caught
+                     if issubclass(w.category, SignatureLimitWarning)])
+    assert said[:-1] == [[]] * (CHURN_LIMIT + 1), said
+    (last,) = said[-1]
+    assert (f"self.n has a new value in process after process ({CHURN_LIMIT + 1} stored "
+            "variants were made for other values of it") in last, last
+    assert "call after call" not in last, last
+
+
 class ItemScale(tiny.Small):
     def scaled(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         k = n.sum().item()  # a break; the resume frame specialises on k (dynamic=False)
