@@ -9,19 +9,15 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from cachecompile._version import code_label
-from cachecompile.entry.frame_records import FrameRecord
-from cachecompile.entry.meta import EntryMeta
 from cachecompile.store import default_root, open_store, parse_size
 from cachecompile.store.errors import StoreNotFound
 from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
@@ -42,16 +38,22 @@ from .common import (
     _when,
     cache_dir_option,
     fold_variants,
-    frame_summary,
     group_status,
     human_size,
     label_options,
     parse_duration,
-    read_frames,
     read_meta,
 )
+from .entry_view import (
+    VALUE_GUARDS,
+    entry_guards,
+    explain_frames,
+    print_frames,
+    print_value_guards,
+    published_frames,
+)
 from .json_out import Chunked, echo_json_array
-from .readable import count, demangle, entries, factor_text, fold_hooks, plural, split_graphs
+from .readable import count, demangle, entries, factor_text, plural, split_graphs
 
 if TYPE_CHECKING:
     from cachecompile.store import OpenStore
@@ -122,77 +124,7 @@ def ls_cmd(cache_dir: str | None, label: tuple[str, ...], model: str | None,
     click.echo(footer)
 
 
-# Guards that say what a call (and the state it runs in) must be: the ones that tell
-# variants apart. The rest check that the code and objects the method reads are the same
-# ones (types, identities, hook dicts, keys): many, and alike in every entry of a method.
-_VALUE_GUARDS = ("global_state", "modes", "default_device", "eq", "expr", "tensor", "len")
 _SHOWN_META = ("adapter", "signature", "compile_seconds", "first_call_seconds", "format")
-
-
-def _guards(m: dict[str, Any]) -> list[dict[str, Any]]:
-    return [dict(g) for g in read_meta(m).guards if isinstance(g, Mapping)]
-
-
-def _print_value_guards(con: Console, m: dict[str, Any], every: bool) -> None:
-    gs = _guards(m)
-    shown = [g for g in gs if every or g.get("kind") in _VALUE_GUARDS]
-    if not gs:
-        return
-    con.print(f"[bold]guards[/bold]   {len(gs)}" + ("" if every else
-              f"; what a call and its state must be ({len(shown)}); the other "
-              f"{len(gs) - len(shown)} check that the code and objects the method reads are "
-              "the same (--guards lists all)"))
-    texts = [demangle(str(g.get("text") or g.get("expr") or g.get("kind"))) for g in shown]
-    for _, line in fold_hooks(texts):   # Dynamo's names as what they hold, hooks folded
-        con.print("  " + escape(line), soft_wrap=True)
-
-
-def _published_frames(st: OpenStore, labels: Mapping[str, str], meta: EntryMeta
-                      ) -> Counter[str]:
-    """How many variants of each of an entry's frames were published after it (entries of
-    its signature with the label ``dynamo_frame``), by frame name."""
-    sig = labels.get("signature_key")
-    if not (sig and meta.frames):
-        return Counter()
-    return Counter(i.labels["dynamo_frame"] for i in st.entries()
-                   if "dynamo_frame" in i.labels and i.labels.get("signature_key") == sig)
-
-
-def _print_frames(con: Console, meta: EntryMeta, every: bool,
-                  published: Mapping[str, int]) -> None:
-    """A graph break's frames: the method's own, then every other one the entry holds,
-    each with what a warm process does with it (and its value guards), and how many
-    variants of it were published after the entry (``published``, by frame name)."""
-    frames = read_frames(meta)
-    if not frames:
-        return
-    if meta.head:
-        con.print(f"[bold]frame[/bold]    a variant of one frame, published after the "
-                  f"signature's entry: {escape(frame_summary(frames[0]))}")
-        _print_variant_guards(con, frames[0], every)
-        rest = frames[1:]
-        if rest:
-            con.print(f"         and {len(rest)} resume function(s) it calls (their variants "
-                      "are entries of their own)")
-        return
-    con.print(f"[bold]frames[/bold]   {1 + len(frames)}: the method's own (above), then "
-              "every other frame Dynamo compiled for the call")
-    for i, r in enumerate(frames, 1):
-        more = published.get(r.name[:200], 0)
-        con.print(f"  {i:3d}  {escape(frame_summary(r))}"
-                  + (f" (+{more} published after it: `cachectl ls --variants`)" if more else ""),
-                  soft_wrap=True)
-        _print_variant_guards(con, r, every)
-
-
-def _print_variant_guards(con: Console, r: FrameRecord, every: bool) -> None:
-    """Each variant's value guards (every guard with ``every``), hook checks folded as
-    the method's are: ``[0] ___stack0 == 2.0``."""
-    for j, v in enumerate(r.variants):
-        texts = [demangle(str(g.get("text") or g.get("expr") or g.get("kind")))
-                 for g in v.guards if every or g.get("kind") in _VALUE_GUARDS]
-        for _, line in fold_hooks(texts):
-            con.print(f"         [{j}] " + escape(line), soft_wrap=True)
 
 
 @click.command("show", short_help="Show an entry: what it serves, guards, factors")
@@ -240,8 +172,8 @@ def show_cmd(cache_dir: str | None, key: str, as_json: bool, all_guards: bool) -
         con.print("[bold]cold[/bold]     " + escape(", ".join(
             f"{k} {v:.2f}s" for k, v in meta.cold_phases.items()
             if isinstance(v, (int, float)))))
-    _print_value_guards(con, m, all_guards)
-    _print_frames(con, meta, all_guards, _published_frames(st, labels, meta))
+    print_value_guards(con, m, all_guards)
+    print_frames(con, meta, all_guards, published_frames(st, labels, meta))
     ft = Table(title="factors", box=None, pad_edge=False, title_justify="left")
     ft.add_column("factor")
     ft.add_column("value", overflow="fold")
@@ -279,21 +211,21 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         if near is None:
             if as_json:
                 click.echo(json.dumps({"a": a, "b": None, "guards": [
-                    g.get("text") for g in _guards(ma) if g.get("kind") in _VALUE_GUARDS]},
+                    g.get("text") for g in entry_guards(ma) if g.get("kind") in VALUE_GUARDS]},
                     indent=1))
                 return
             con = _console()
             labels = ma.get("labels") or {}
             meta = read_meta(ma)
-            published = _published_frames(st, labels, meta)
+            published = published_frames(st, labels, meta)
             con.print(f"{a[:12]} is the only entry of {escape(labels.get('model', '?'))}."
                       f"{escape(labels.get('function', '?'))}"
                       + (" but for the frame variants published after it" if published
                          else "")
                       + f"; it serves calls [{escape(labels.get('signature', ''))}] while "
                       "these hold:")
-            _print_value_guards(con, ma, show_all)
-            _print_frames(con, meta, show_all, published)
+            print_value_guards(con, ma, show_all)
+            print_frames(con, meta, show_all, published)
             return
         b = near.key
     else:
@@ -344,37 +276,7 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
     if guards.renamed:
         con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
                   "__builtins_dict___N: the same check, folded)")
-    _explain_frames(con, read_meta(ma), read_meta(mb), a, b)
-
-
-def _explain_frames(con: Console, ma: EntryMeta, mb: EntryMeta, a: str, b: str) -> None:
-    """A graph break's frames of two entries: those only one holds, and, for a frame both
-    hold, the guards its first variants differ in."""
-    fa = {r.id: r for r in read_frames(ma)}
-    fb = {r.id: r for r in read_frames(mb)}
-    if not fa and not fb:
-        return
-    con.print(f"frames: {1 + len(fa)} vs {1 + len(fb)} (the method's own, compared above, "
-              "and the others)")
-    for fid in sorted(set(fa) | set(fb), key=lambda f: (fa.get(f) or fb[f]).name):
-        ra, rb = fa.get(fid), fb.get(fid)
-        if ra is None or rb is None:
-            r = ra or rb
-            assert r is not None
-            con.print(f"  only {(a if ra else b)[:12]}: {escape(frame_summary(r))}",
-                      soft_wrap=True)
-            continue
-        if not ra.variants or not rb.variants:
-            if frame_summary(ra) != frame_summary(rb):
-                con.print(f"  {escape(ra.name)}: {escape(frame_summary(ra))} vs "
-                          f"{escape(frame_summary(rb))}", soft_wrap=True)
-            continue
-        diff = guard_diff({"meta": {"guards": [dict(g) for g in ra.variants[0].guards]}},
-                          {"meta": {"guards": [dict(g) for g in rb.variants[0].guards]}})
-        if diff.rows:
-            con.print(f"  {escape(ra.name)}: {len(diff.rows)} guards differ", soft_wrap=True)
-            for ta, tb in diff.rows:
-                con.print(f"    {escape(ta)}  |  {escape(tb)}", soft_wrap=True)
+    explain_frames(con, read_meta(ma), read_meta(mb), a, b)
 
 
 @click.command("purge", short_help="Remove entries by key, label, age or --all")
