@@ -82,10 +82,6 @@ class MemoryRemote(BlobRemote):
                 self.bad_blobs.discard(s)
         return {s: max(len(self.blobs[s]), 1) for s in sha.values()}
 
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        return None
-
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
                    progress: Callable[[int], None] | None) -> tuple[int, str]:

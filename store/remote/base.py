@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import inspect
-import json
 import logging
 import os
 import re
@@ -40,13 +39,14 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .. import errors, settings
 from ..config import parse_size
 from ..outcomes import Entry
 from ..signing import Record, Trust, make_record, parse_record, sha256_file
 from .deadline import call_with_deadline
+from .judging import RecordState, may_replace, record_state
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,6 @@ _OURS = ("mode", "chunk", "timeout", "backoff", "prefix", "lease")
 _REMOTES: dict[str, type[BlobRemote]] = {}
 R = TypeVar("R", bound="BlobRemote")
 T = TypeVar("T")
-
-# What a remote record is, as this node sees it: "ours" verifies under our signing key;
-# "trusted" under one of our other verify keys (an old key, while it is rotated out);
-# "foreign" is signed but not verifiable here (another key, tampered, or we have none).
-RecordState = Literal["absent", "malformed", "unsigned", "ours", "trusted", "foreign"]
-
 
 @dataclass(frozen=True)
 class Uploaded:
@@ -466,67 +460,6 @@ class Remote(Protocol):
     def close(self) -> None: ...
 
 
-def record_state(trust: Trust, digest: str, raw: bytes | None) -> RecordState:
-    """What the record ``raw`` of ``digest`` is to this node (see :data:`RecordState`)."""
-    if raw is None:
-        return "absent"
-    try:
-        rec = parse_record(raw, digest)
-        body, sig = rec.body, rec.sig
-    except errors.ManifestError:
-        # Not a record this version reads (garbage, or a newer format): signed is
-        # still signed, and only a key that verifies it may replace it.
-        body, sig = _lenient_signed(raw, digest)
-        if not sig:
-            return "malformed"
-    if not sig:
-        return "unsigned"
-    if trust.signed_by_us(body, sig):
-        return "ours"
-    return "trusted" if trust.verifies(body, sig) else "foreign"
-
-
-def may_replace(trust: Trust, found: RecordState, *, overwrite: bool, repair: bool,
-                resign: bool = False) -> bool:
-    """Whether our upload may take the place of a record in state ``found``.
-
-    The record is what every node loads, so a node that cannot vouch for a signed
-    record never replaces it: without a key ours would be unsigned, and keyed nodes
-    refuse that fleet-wide; with another key we cannot tell whose key is the wrong
-    one, unless the caller says ours is right (``repair``: ``cachectl push``).
-    """
-    if found in ("absent", "malformed"):
-        return True  # nobody can load it: anything well-formed is better
-    if found == "ours":
-        return overwrite  # same signer: only to replace damaged blobs, or --force
-    if found == "trusted":
-        # Signed with a key being rotated out: every node that loads it now may also
-        # load ours; re-signing it with the current key is what ``push --resign`` asks.
-        return resign or overwrite
-    if trust.key is None:
-        return found == "unsigned" and overwrite
-    if found == "unsigned":
-        return True  # signing it only adds trust: keyed nodes refuse it as it is
-    return repair
-
-
-def _lenient_signed(raw: bytes, digest: str) -> tuple[bytes, str | None]:
-    """(body, signature) of a record we cannot parse, if it has that much shape.
-
-    A body that names another key is no signed record of ``digest`` (a copy moved here).
-    """
-    try:
-        outer = json.loads(raw)
-        body, sig = outer["body"], outer["sig"]
-        doc = json.loads(body)
-    except (ValueError, KeyError, TypeError):
-        return b"", None
-    if (not isinstance(sig, str) or not sig or not isinstance(doc, dict)
-            or doc.get("key") != digest):
-        return b"", None
-    return body.encode("utf-8"), sig
-
-
 def refuse_readonly(config: RemoteConfig) -> None:
     if config.readonly:
         raise errors.ReadOnlyStoreError(f"remote cache {config.display} is read-only (mode=ro)")
@@ -659,16 +592,68 @@ class BlobRemote(abc.ABC):
         which another node's record would be overwritten; docs/remote.md). A server that
         compares and sets ignores it."""
 
+    # Whether :meth:`stored_size` tells a blob's size on the server (file://, S3, HTTP).
+    # Redis needs it not: a blob is whole once its marker is set, after its chunks.
+    sizes_blobs = False
+
+    def stored_size(self, sha: str) -> int | None:
+        """The size of blob ``sha`` on the server; None where it has none."""
+        raise NotImplementedError
+
+    def put_blob(self, path: Path, sha: str,
+                 progress: Callable[[int], None] | None = None) -> int:
+        """Store the file ``path`` as blob ``sha`` (over what is there); its chunk size."""
+        raise NotImplementedError
+
+    def stored_whole(self, sha: str, size: int) -> int | None:
+        """Blob ``sha``'s size on the server if it is there whole (``size`` bytes, and
+        not found damaged by a download here), else None: a PUT cut short leaves part of
+        a blob under its final name on a server that writes in place (WebDAV)."""
+        if sha in self.bad_blobs:
+            return None
+        there = self.stored_size(sha)
+        return there if there == size else None
+
+    def heal_blobs(self, entry: Entry, raw: bytes) -> int:
+        """Store again each blob the record ``raw`` found on the server references that
+        ``entry`` holds and the server holds damaged (:meth:`stored_whole`). Blobs are
+        named by their content, so the right bytes over them are safe whoever signed the
+        record, and a fleet's entry is healed by the next node that publishes it. How many."""
+        if not self.sizes_blobs:
+            return 0
+        try:
+            wanted = set(parse_record(raw, entry.key).sha256.values())
+        except errors.ManifestError:
+            return 0
+        healed = 0
+        for name in sorted(entry.manifest["files"]):
+            path = entry.files[name]
+            sha, size = sha256_file(path), os.path.getsize(path)
+            if sha in wanted and self.stored_whole(sha, size) is None:
+                logger.warning("remote cache %s: blob %s of entry %s is damaged on the "
+                               "server (not %d bytes): storing it again", self.config.display,
+                               sha[:12], entry.key[:12], size)
+                self.put_blob(path, sha)
+                self.bad_blobs.discard(sha)
+                healed += 1
+        return healed
+
     @abc.abstractmethod
     def put_blobs(self, entry: Entry, sha: dict[str, str],
                   progress: Callable[[int], None] | None) -> dict[str, int]:
         """Pin, then store every blob of ``entry`` the remote lacks (``sha``: file ->
         SHA-256); each blob's chunk size for the record."""
 
-    @abc.abstractmethod
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        """After the record is written: store again any blob a purge took meanwhile."""
+    def recheck_blobs(self, entry: Entry, sha: dict[str, str]) -> None:
+        """After the record is written: store again any blob a purge (or the server's
+        eviction) took meanwhile. S3 and file:// cannot check a pin and delete in one step:
+        a purge that read our pin's absence just before we pinned may have taken a blob we
+        reused. (Redis's sweep script never deletes a pinned blob: nothing to do.)"""
+        for n in sorted(sha) if self.sizes_blobs else ():
+            if self.stored_size(s := sha[n]) is None:
+                logger.info("blob %s of %s went while we uploaded: storing it again", s[:12],
+                            entry.key[:12])
+                self.put_blob(entry.files[n], s)
 
     @abc.abstractmethod
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
@@ -731,11 +716,15 @@ class BlobRemote(abc.ABC):
         judge = dict(overwrite=overwrite, repair=repair, resign=resign)
         if not may_replace(self.trust, found, **judge):
             self._kept(digest, found)
+            if raw is not None:
+                self.heal_blobs(entry, raw)
             return Uploaded(False, found)
         blind = False
         if tag is not None and (why := self.replace_refused()):
             if not self._may_write_blind(found, repair):
                 logger.info("not replacing remote entry %s (%s): %s", digest, found, why)
+                if raw is not None:
+                    self.heal_blobs(entry, raw)
                 return Uploaded(False, found, why)
             blind = True
         names = sorted(entry.manifest["files"])
@@ -748,7 +737,7 @@ class BlobRemote(abc.ABC):
         data = rec.to_bytes()
         for _ in range(CAS_TRIES):
             if self.write_record(digest, data, tag, blind=blind):
-                self.recheck_blobs(entry, sha, chunks)
+                self.recheck_blobs(entry, sha)
                 logger.debug("uploaded %s (%d files, replacing: %s)", digest, len(names), found)
                 return Uploaded(True, found)
             # Another node wrote the record since we looked: judge what is there now.

@@ -438,22 +438,23 @@ class FileRemote(BlobRemote):
         # Pinned before we look for them: a sweep that took one puts it back.
         pinned = self._pin(blobs)
         chunks: dict[str, int] = {}
+        sizes = {sha[n]: os.path.getsize(entry.files[n]) for n in sha}
         for s in blobs:
-            if s in self.bad_blobs:
-                continue
-            size = self._blob_size(s)
+            size = self.stored_whole(s, sizes[s])
             if size is not None:
-                chunks[s] = max(size, 1)  # dedup: stored already
+                chunks[s] = max(size, 1)  # dedup: stored already, whole
         for n in sorted(sha):
             s = sha[n]
             if s in chunks:
                 continue
             if time.monotonic() - pinned > self.config.lease / 4:
                 pinned = self._pin(blobs)
-            chunks[s] = self._put_blob(entry.files[n], s, progress)
+            chunks[s] = self.put_blob(entry.files[n], s, progress)
         return chunks
 
-    def _blob_size(self, sha: str) -> int | None:
+    sizes_blobs = True
+
+    def stored_size(self, sha: str) -> int | None:
         path = self._path("blob", sha)
 
         def size() -> int:
@@ -468,7 +469,8 @@ class FileRemote(BlobRemote):
         except _Gone:
             return None
 
-    def _put_blob(self, src: Path, sha: str, progress: Callable[[int], None] | None) -> int:
+    def put_blob(self, src: Path, sha: str,
+                 progress: Callable[[int], None] | None = None) -> int:
         path = self._path("blob", sha)
 
         def put() -> int:
@@ -489,7 +491,9 @@ class FileRemote(BlobRemote):
             try:
                 if h.hexdigest() != sha:  # the local file changed under us: store nothing
                     raise errors.CorruptEntryError(sha[:12], f"{src} changed while it was sent")
-                self._link_new(tmp, path)  # EEXIST: another node stored these bytes
+                if not self._link_new(tmp, path) and (  # EEXIST: another node's, kept
+                        sha in self.bad_blobs or os.lstat(path).st_size != size):
+                    os.replace(tmp, path)  # unless damaged: the right bytes over it
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -498,15 +502,6 @@ class FileRemote(BlobRemote):
         size = int(self._call("put blob", put, bounded=False))
         self.bad_blobs.discard(sha)
         return max(size, 1)
-
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        for n in sorted(sha):
-            s = sha[n]
-            if self._blob_size(s) is None:
-                logger.info("blob %s of %s went while we uploaded (a purge): storing it "
-                            "again", s[:12], entry.key[:12])
-                self._put_blob(entry.files[n], s, None)
 
     def _pin(self, blobs: list[str]) -> float:
         """(Re)pin ``blobs``: their pin files' mtime is now, by the file server's clock."""

@@ -427,19 +427,26 @@ class HttpRemote(BlobRemote):
     def put_blobs(self, entry: Entry, sha: dict[str, str],
                   progress: Callable[[int], None] | None) -> dict[str, int]:
         chunks: dict[str, int] = {}
+        sizes = {sha[n]: os.path.getsize(entry.files[n]) for n in sha}
         for s in sorted(set(sha.values())):
-            if s in self.bad_blobs:
-                continue
-            there = self._small("HEAD", "cas", s, "head blob")
-            if there is not None:
-                chunks[s] = max(int(there or b"0"), 1)  # dedup: stored already
+            size = self.stored_whole(s, sizes[s])
+            if size is not None:
+                chunks[s] = max(size, 1)  # dedup: stored already, whole
         for n in sorted(sha):
             s = sha[n]
             if s not in chunks:
-                chunks[s] = self._put_blob(entry.files[n], s, progress)
+                chunks[s] = self.put_blob(entry.files[n], s, progress)
         return chunks
 
-    def _put_blob(self, path: Path, sha: str, progress: Callable[[int], None] | None) -> int:
+    sizes_blobs = True
+
+    def stored_size(self, sha: str) -> int | None:
+        there = self._small("HEAD", "cas", sha, "head blob")
+        # A server that names no length (chunked) cannot show a blob whole: stored again.
+        return None if there is None or not there.isdigit() else int(there)
+
+    def put_blob(self, path: Path, sha: str,
+                 progress: Callable[[int], None] | None = None) -> int:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             status = self._put("cas", sha, f, size, "put blob")
@@ -452,15 +459,6 @@ class HttpRemote(BlobRemote):
             progress(size)
         self.bad_blobs.discard(sha)
         return max(size, 1)
-
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        for n in sorted(sha):
-            s = sha[n]
-            if self._small("HEAD", "cas", s, "head blob") is None:
-                logger.info("blob %s of %s went while we uploaded (a purge, or the server's "
-                            "eviction): storing it again", s[:12], entry.key[:12])
-                self._put_blob(entry.files[n], s, None)
 
     def delete(self, digest: str) -> bool:
         """Remove the record of ``digest``, or the record stored under the ``/ac/`` name

@@ -265,12 +265,6 @@ class RedisRemote(BlobRemote):
             chunks[s] = chunk
         return chunks
 
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        # Nothing to do: the sweep's Lua script never deletes a pinned blob, and our pins
-        # outlive the record write.
-        return None
-
     def _pin(self, blobs: list[str]) -> float:
         """(Re)pin ``blobs`` for ``lease`` seconds; the time it was done."""
         now = time.monotonic()

@@ -498,22 +498,28 @@ class S3Remote(BlobRemote):
         # Pinned before we look for them: a purge reads the pin just before deleting.
         pinned = self._pin(blobs)
         chunks: dict[str, int] = {}
+        sizes = {sha[n]: os.path.getsize(entry.files[n]) for n in sha}
         for s in blobs:
-            if s in self.bad_blobs:
-                continue
-            meta = self._head("head blob", self._key("blob", s))
-            if meta is not None:
-                chunks[s] = max(int(meta["size"]), 1)  # dedup: stored already
+            size = self.stored_whole(s, sizes[s])
+            if size is not None:
+                chunks[s] = max(size, 1)  # dedup: stored already, whole
         for n in sorted(sha):
             s = sha[n]
             if s in chunks:
                 continue
             if time.monotonic() - pinned > self.config.lease / 4:
                 pinned = self._pin(blobs)
-            chunks[s] = self._put_blob(entry.files[n], s, progress)
+            chunks[s] = self.put_blob(entry.files[n], s, progress)
         return chunks
 
-    def _put_blob(self, path: Path, sha: str, progress: Callable[[int], None] | None) -> int:
+    sizes_blobs = True
+
+    def stored_size(self, sha: str) -> int | None:
+        meta = self._head("head blob", self._key("blob", sha))
+        return None if meta is None else int(meta["size"])
+
+    def put_blob(self, path: Path, sha: str,
+                 progress: Callable[[int], None] | None = None) -> int:
         size = os.path.getsize(path)
         key = self._key("blob", sha)
         chunk = max(self.config.chunk, 5 * 1024**2)  # S3's smallest multipart part
@@ -536,17 +542,6 @@ class S3Remote(BlobRemote):
             progress(size)
         self.bad_blobs.discard(sha)
         return max(size, 1)
-
-    def recheck_blobs(self, entry: Entry, sha: dict[str, str],
-                      chunks: dict[str, int]) -> None:
-        # S3 cannot check a pin and delete in one step: a purge that read our pin's
-        # absence just before we pinned may have taken a blob we reused. Store it again.
-        for n in sorted(sha):
-            s = sha[n]
-            if self._head("head blob", self._key("blob", s)) is None:
-                logger.info("blob %s of %s went while we uploaded (a purge): storing it "
-                            "again", s[:12], entry.key[:12])
-                self._put_blob(entry.files[n], s, None)
 
     def _pin(self, blobs: list[str]) -> float:
         """(Re)pin ``blobs``: their pin objects' Last-Modified is now."""

@@ -107,7 +107,7 @@ def test_a_server_that_lacks_a_hook_is_refused_before_its_first_call(
     # NotImplementedError at the first upload or download.
     monkeypatch.setattr(base, "_REMOTES", dict(base._REMOTES))  # undone after the test
     hooks = {"parse_url", "display_of", "read_record", "raw_records", "write_record",
-             "put_blobs", "recheck_blobs", "fetch_blob", "ping", "contains", "delete",
+             "put_blobs", "fetch_blob", "ping", "contains", "delete",
              "sweep", "info", "close"}
     assert BlobRemote.__abstractmethods__ == hooks
     assert not MemoryRemote.__abstractmethods__  # the fake implements every one
