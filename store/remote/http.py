@@ -18,7 +18,8 @@ a moment, which a reader refuses by its SHA-256 (a miss), as it refuses any dama
 
 Answers, as Gradle's HTTP cache reads them: a GET or HEAD is 200 (there) or 404 (not
 there); a PUT is 2xx (stored) or 413 (too large: this file is not shared, and nothing
-else changes). Any other answer, or no answer within ``timeout``, is a failure of the
+else changes). Any other answer, or a request without its whole answer within
+``timeout`` (:mod:`.watchdog`; a blob's body: each read within it), is a failure of the
 remote: one warning, then the breaker keeps the process local-only (retrying after 1 s,
 doubling to 60 s), as on every other tier.
 
@@ -47,11 +48,13 @@ only (http.client): one keep-alive connection per thread, made again in a forked
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import logging
 import os
 import re
+import socket
 import ssl
 import threading
 import time
@@ -65,6 +68,7 @@ from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Trust
+from . import watchdog
 from .base import BlobRemote, RemoteConfig, refuse_readonly, register
 
 logger = logging.getLogger(__name__)
@@ -196,6 +200,9 @@ class HttpRemote(BlobRemote):
                 if conn.sock is None:
                     conn.connect()
                     conn.sock.settimeout(self.config.timeout)  # type: ignore[attr-defined]
+                box = getattr(self._local, "box", None)
+                if box is not None:  # what the request's deadline shuts down (the response
+                    box[0] = conn.sock  # keeps the socket where the connection lets it go)
                 if hasattr(body, "seek"):
                     body.seek(0)
                 conn.request(method, path, body=body, headers=hdrs)
@@ -209,21 +216,35 @@ class HttpRemote(BlobRemote):
                 raise
         raise AssertionError("unreachable")
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[], Any], *, bounded: bool = True) -> Any:
         """``fn()`` with the breaker: a transport error or an answer outside the rules
-        (:class:`_Status`) trips it, with one warning, and is a RemoteError."""
+        (:class:`_Status`) trips it, with one warning, and is a RemoteError. ``bounded``:
+        the whole request within ``timeout`` (a trickling server's socket is shut down
+        then); a blob's body is bounded by stalls only (each read within ``timeout``)."""
         self.guard(what)
+        box: list[socket.socket | None] = [None]   # the request's socket
+        self._local.box = box
+        ticket = watchdog.start(self.config.timeout, lambda: _shut(box[0])) if bounded else None
         try:
             out = fn()
+            if ticket is not None and ticket.fired:  # what was read is cut short
+                raise TimeoutError(what)
         except (errors.CorruptEntryError, errors.UntrustedEntryError):
             self.breaker.ok()
             raise
         except (_Status, OSError, http.client.HTTPException, ValueError) as e:
             self._drop()
-            detail = str(e) if isinstance(e, _Status) else f"{what} failed: {type(e).__name__}: {e}"
+            detail = (f"{what}: no whole answer in {self.config.timeout:.0f} s"
+                      if ticket is not None and ticket.fired else
+                      str(e) if isinstance(e, _Status) else
+                      f"{what} failed: {type(e).__name__}: {e}")
             err = errors.RemoteError(f"remote cache {self.config.display}: {detail}")
             self.breaker.failed(err)
             raise err from None
+        finally:
+            self._local.box = None
+            if ticket is not None:
+                ticket.cancel()
         self.breaker.ok()
         return out
 
@@ -244,6 +265,10 @@ class HttpRemote(BlobRemote):
                 data = r.read(_MAX_RECORD + 1)
                 if len(data) > _MAX_RECORD:
                     raise errors.CorruptEntryError(name[:32], "the record is far too big")
+                length = r.getheader("Content-Length") or ""
+                if length.isdigit() and len(data) < int(length):
+                    # The transfer was cut short: the tier's fault, not a damaged entry.
+                    raise http.client.IncompleteRead(data, int(length) - len(data))
                 return data
 
         got = self._call(what, go)
@@ -272,7 +297,8 @@ class HttpRemote(BlobRemote):
                 return status
             raise _Status("PUT", what, status, http.client.responses.get(status, ""))
 
-        return int(self._call(what, go))
+        # A blob's body may take longer than ``timeout`` to send: bounded by stalls.
+        return int(self._call(what, go, bounded=kind != "cas"))
 
     def _make_collections(self, kind: str) -> None:
         """MKCOL the prefix's folders and ``kind/``, top down (405: there already)."""
@@ -323,7 +349,8 @@ class HttpRemote(BlobRemote):
         def chunks() -> Iterator[bytes]:
             nonlocal got
             while True:
-                data = self._call("read blob", lambda: resp.read(self.config.chunk))
+                data = self._call("read blob", lambda: resp.read(self.config.chunk),
+                                  bounded=False)
                 if not data:
                     return
                 h.update(data)
@@ -540,3 +567,10 @@ def _digest_in(raw: bytes, name: str) -> str | None:
             return digest
     return None
 
+
+def _shut(sock: socket.socket | None) -> None:
+    """Stop a request whose deadline passed: its socket shut down, the blocked read ends
+    (the connection is dropped by the request, which sees a failure)."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

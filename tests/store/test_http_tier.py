@@ -7,10 +7,14 @@ for the process with one warning (the breaker every tier has). A password never 
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +235,47 @@ def test_a_forked_pool_after_a_first_call(tmp_path: Path, srv: Any,
         assert _pool_lookup(keys[1].digest) and not _POOL_TIER.remote.breaker.down
     finally:
         _POOL_TIER = None
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """Answers every request at once, then its body a byte every 0.3 s (a server behind a
+    failing link, or one that means harm): each read is quick, the whole is not."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "677")
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(677):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.3)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_trickling_server_costs_a_lookup_its_timeout_and_trips_the_breaker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The timeout bounds every socket read; a record sent a byte every 0.3 s kept a lookup
+    (and the first cache_compile call on its thread) waiting minutes (issue 62). The whole
+    request is bounded by ``timeout``; then the breaker keeps the process local."""
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        st = tiered(tmp_path / "a", f"http://127.0.0.1:{server.server_address[1]}/cc?timeout=1")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert isinstance(st.get(make_key({"slow": 1})), Miss)
+            assert isinstance(st.get(make_key({"slow": 2})), Miss)  # the breaker: no wait
+        took = time.monotonic() - t0
+        assert took < 5, took
+        warned = store_warnings(caplog)
+        assert len(warned) == 1 and "no whole answer in 1 s" in warned[0], warned
+        assert st.remote.breaker.down
+    finally:
+        server.shutdown()
+        server.server_close()
