@@ -5,8 +5,8 @@
     >>> st.put(key, {"kernel.so": b"..."}, labels={"model": "m"})
     >>> st.get(key)            # Hit(entry) or Miss(reason, kind)
 
-Importing this package loads only the standard library (sqlite3 for the index
-included) and xxhash; filelock is imported on first use of locks.
+Importing this package loads only the standard library and xxhash; sqlite3 (the index)
+and filelock are imported on first use.
 """
 
 from __future__ import annotations

@@ -57,19 +57,21 @@ import json
 import logging
 import os
 import pickle
-import sqlite3
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import errors
 from .keys import Key
 from .outcomes import EntryInfo
 from .policy import is_shared_graph
+
+if TYPE_CHECKING:
+    import sqlite3
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +198,8 @@ def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
 
     Read-only: ``mode=ro``, or ``immutable=1`` where not even the ``-shm`` file can be
     made (a read-only file system), which then reads the last checkpoint."""
+    import sqlite3  # here, not at import: a warm hit writes its hits after its calls
+
     if not readonly:
         con = sqlite3.connect(str(path), timeout=60, isolation_level=None,
                               check_same_thread=False)
@@ -233,6 +237,8 @@ def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
     table, its values pickled inline). A value diskcache kept in a file of its own (over
     32 KB: a huge blob map) is skipped: that entry reads as unindexed until a hit or
     ``verify --fix`` writes it again, never as something it is not."""
+    import sqlite3
+
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
     try:
         rows = con.execute("SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND "
@@ -353,6 +359,8 @@ class Index:
 
     def _upgrade(self, con: sqlite3.Connection) -> None:
         """Create the schema, migrating an old-layout index once (see the module doc)."""
+        import sqlite3
+
         (version,) = con.execute("PRAGMA user_version").fetchone()
         if version == SCHEMA_VERSION:
             return
