@@ -6,39 +6,34 @@ always be rebuilt from the manifests on disk. Tables:
 
 - ``entries``: one row per entry, a column per field that ``ls``, ``stats`` and gc read
   (digest, size, created, last use, hits, labels as JSON, shared graph or not, state) and
-  ``blobs`` (JSON: content checksum -> size, so that gc counts shared content once
-  without reading every manifest). Scans are SQL (``ORDER BY``, ``SUM``): no row is
-  decoded whole to be sorted or counted.
-- ``counters``: name -> int.
-- ``stamps``: digest -> the stamp of its last full verification (see verification.Stamp).
+  ``blobs`` (JSON: checksum -> size: gc counts shared content once without reading every
+  manifest). Scans are SQL (``ORDER BY``, ``SUM``): no row is decoded whole to sort.
+- ``counters``: name -> int; ``stamps``: digest -> its last full verification's Stamp.
 
 Counters: ``hits``, ``miss:<kind>`` (one per lookup that found nothing to use, counted
 by its caller), ``about:<kind>:<subject>`` (what such misses were about, e.g. the guard
 that failed), ``publishes``, ``evictions``, ``corruptions``,
 ``hits:remote`` (hits a remote tier served by a download, counted in ``hits`` too),
-``pulls`` (entries ``cachectl pull`` downloaded: not lookups, so never hits) and
-``bytes`` (the running physical size that triggers gc). Lookups of shared-graph entries
-(see cachecompile.store.policy) count under ``graph:hits`` and ``graph:miss:<kind>``
-instead, so ``hits`` and ``miss:*`` are what the user's own methods did.
+``pulls`` (entries ``cachectl pull`` downloaded: never hits) and ``bytes`` (the running
+physical size that triggers gc). Shared-graph lookups (cachecompile.store.policy) count
+under ``graph:hits`` and ``graph:miss:<kind>``: ``hits`` and ``miss:*`` are the user's.
 
 The totals (entries, shared graphs, logical bytes) are aggregates of ``entries``, read
 in one query: they cannot drift from the records.
 
-Upgrade: versions before this one kept the index in diskcache's private table
-(``index/cache.db``, pickled records). The first writable open of a store without
-``entries.db`` (or with one of another version) creates the schema and copies the old
-records, counters and stamps in one ``BEGIN IMMEDIATE`` transaction that also sets the
-version: SQLite's write lock serialises concurrent openers, each re-checks the version
-once it holds the lock, and a reader sees either no schema (an empty index: the disk is
-listed, entries read as unindexed) or the whole migrated one. ``cache.db`` is left as it
-was (an older process still running keeps writing it; delete it once none is left).
+Upgrade: older versions kept the index in diskcache's table (``index/cache.db``, pickled
+records). The first writable open of a store without ``entries.db`` (or of another
+version) creates the schema and copies the old records, counters and stamps in one ``BEGIN
+IMMEDIATE`` transaction that sets the version: SQLite's write lock serialises openers, each
+re-checks the version under it, and a reader sees no schema (an empty index: entries read
+as unindexed) or the whole migrated one. ``cache.db`` stays (an older process may still
+write it).
 
 Hits recorded later (``open_store(hits_later=True)``, a serving process's store): a warm
-start's first calls neither open the database nor write a transaction per entry. The
-hits are queued and written in one transaction :data:`HITS_DELAY_S` after the first,
-when this index is next used for anything else (so this process always reads its own
-hits), or at exit; a process killed before then loses them (its entries' last use is
-then older than it was: gc may take them earlier).
+start's first calls neither open the database (nor import sqlite3) nor write a
+transaction per entry. The hits are queued and written in one transaction
+:data:`HITS_DELAY_S` after the first, when this index is next used for anything else (so
+this process sees its own hits), or at exit; a process killed before then loses them.
 
 The index is a cache: :meth:`Index.safely` runs an index operation so that its failure
 (a locked or damaged database, a full disk, a symlinked ``index/``) is logged and never
@@ -199,7 +194,6 @@ def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
     Read-only: ``mode=ro``, or ``immutable=1`` where not even the ``-shm`` file can be
     made (a read-only file system), which then reads the last checkpoint."""
     import sqlite3  # here, not at import: a warm hit writes its hits after its calls
-
     if not readonly:
         con = sqlite3.connect(str(path), timeout=60, isolation_level=None,
                               check_same_thread=False)
@@ -238,7 +232,6 @@ def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
     32 KB: a huge blob map) is skipped: that entry reads as unindexed until a hit or
     ``verify --fix`` writes it again, never as something it is not."""
     import sqlite3
-
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
     try:
         rows = con.execute("SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND "
@@ -360,7 +353,6 @@ class Index:
     def _upgrade(self, con: sqlite3.Connection) -> None:
         """Create the schema, migrating an old-layout index once (see the module doc)."""
         import sqlite3
-
         (version,) = con.execute("PRAGMA user_version").fetchone()
         if version == SCHEMA_VERSION:
             return
