@@ -19,8 +19,14 @@ from .protocol import Catalog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GuardDiff", "Nearest", "closest", "differing", "flatten", "guard_diff",
-           "nearest"]
+__all__ = ["SPECIALISED", "GuardDiff", "Nearest", "closest", "differing", "flatten",
+           "guard_diff", "nearest"]
+
+# Why an entry compiled with dynamic=True holds an exact size in a tensor guard: the miss
+# reason (cachecompile.warm.lookup) and ``cachectl explain`` say it in these words.
+SPECIALISED = ("the entry was compiled with dynamic=True, yet Dynamo specialised these sizes:"
+               " the code reads them as Python numbers (a branch or a comparison on a size,"
+               " an op that needs its value; TORCH_LOGS=dynamic names the line)")
 
 # The variant index is the slot an entry took among a frame's entries, not a property
 # of what was compiled: it never makes one entry more or less like another.

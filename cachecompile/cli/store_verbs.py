@@ -20,7 +20,14 @@ from rich.text import Text
 from cachecompile._version import code_label
 from cachecompile.store import default_root, open_store, parse_size
 from cachecompile.store.errors import StoreNotFound
-from cachecompile.store.explain import NOT_COMPARED, differing, flatten, guard_diff, nearest
+from cachecompile.store.explain import (
+    NOT_COMPARED,
+    SPECIALISED,
+    differing,
+    flatten,
+    guard_diff,
+    nearest,
+)
 from cachecompile.store.metrics import read_counters, stats_dir
 from cachecompile.store.outcomes import EntryInfo
 from cachecompile.store.policy import has_labels, is_shared_graph
@@ -269,10 +276,8 @@ def explain_cmd(cache_dir: str | None, key: str, key2: str | None, show_all: boo
         con.print(g)
     if any((m.get("labels") or {}).get("dynamic") == "true" for m in (ma, mb)) and any(
             _SIZED.search(t) for row in guards.changed for t in row):
-        con.print("An exact size in a tensor guard of an entry compiled with dynamic=True is "
-                  "one Dynamo specialised: the code reads it as a Python number (a branch or "
-                  "a comparison on it, an op that needs its value; TORCH_LOGS=dynamic names "
-                  "the line), or it is 0 or 1.")
+        con.print(f"An exact size in a tensor guard is one Dynamo specialised: {SPECIALISED}, "
+                  "or it is 0 or 1.")
     if guards.renamed:
         con.print(f"({guards.renamed} guards differ only by a global Dynamo renamed, such as "
                   "__builtins_dict___N: the same check, folded)")

@@ -131,11 +131,10 @@ def specialised(wanted: str, dynamic: bool = True) -> str:
     sizes = facts.get("sizes") if isinstance(facts, dict) else None
     if not isinstance(sizes, list) or all(s is None for s in sizes):
         return ""
+    from cachecompile.store.explain import SPECIALISED  # a miss's words, not a hit's import
+
     one = any(s in (0, 1) for s in sizes)
-    return ("; the entry was compiled with dynamic=True, yet Dynamo specialised these sizes:"
-            " the code reads them as Python numbers (a branch or a comparison on a size, an"
-            " op that needs its value; TORCH_LOGS=dynamic names the line)"
-            + (", and a size of 0 or 1 is always specialised" if one else ""))
+    return f"; {SPECIALISED}" + (", and a size of 0 or 1 is always specialised" if one else "")
 
 
 def safely(fn: Callable[[], Any]) -> None:

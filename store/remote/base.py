@@ -633,8 +633,7 @@ class BlobRemote(abc.ABC):
                 logger.warning("remote cache %s: blob %s of entry %s is damaged on the "
                                "server (not %d bytes): storing it again", self.config.display,
                                sha[:12], entry.key[:12], size)
-                self.put_blob(path, sha)
-                self.bad_blobs.discard(sha)
+                self.put_blob(path, sha)  # which forgets it was bad
                 healed += 1
         return healed
 
