@@ -5,6 +5,9 @@
 #   nginx         with its WebDAV modules (the core dav module and libnginx-mod-http-dav-ext
 #                 for PROPFIND): the HTTP tier's tests start it on a loopback port
 #                 (tests/http_util.py); the package's own service is stopped
+#   docker-registry  the distribution registry (registry:2) the OCI-tier tests start on a
+#                 loopback port (tests/oci_util.py), and skopeo, which checks that other
+#                 tools read what the tier writes; the package's own service is stopped
 #   s3rver        (npm, into .s3rver/, git-ignored) the second S3 server the S3-tier tests
 #                 start: it honours no conditional put and fails big LISTs, unlike moto
 #                 (tests/s3_util.py finds it there, or at CACHECOMPILE_TEST_S3RVER)
@@ -49,4 +52,15 @@ else
   command -v npm >/dev/null 2>&1 || apt_install nodejs npm
   npm install --silent --no-audit --no-fund --prefix .s3rver "s3rver@$S3RVER_VERSION"
   echo "installed s3rver $S3RVER_VERSION into .s3rver/"
+fi
+
+if command -v docker-registry >/dev/null 2>&1 && command -v skopeo >/dev/null 2>&1; then
+  echo "docker-registry already installed: $(docker-registry --version | cut -d' ' -f3)"
+else
+  apt_install docker-registry skopeo
+  # The package may start a system service on port 5000; the tests start their own.
+  if command -v systemctl >/dev/null 2>&1; then
+    $SUDO systemctl stop docker-registry 2>/dev/null || true
+  fi
+  echo "installed docker-registry $(docker-registry --version | cut -d' ' -f3) and skopeo"
 fi

@@ -214,17 +214,19 @@ REMOTE = Setting(
     "CACHECOMPILE_REMOTE", _text, "",
     "the remote tier: `redis://host:port/db[?mode=ro]`, `s3://bucket/prefix[?mode=ro]` "
     "(with the `AWS_*` variables; `pip install 'cachecompile[s3]'`), `file:///mnt/shared/cc` "
-    "(NFS, FSx, a PVC) or `http(s)://host/prefix` (bazel-remote, nginx WebDAV); a comma "
+    "(NFS, FSx, a PVC), `http(s)://host/prefix` (bazel-remote, nginx WebDAV) or "
+    "`oci://registry/repository` (an OCI registry: Harbor, ECR, distribution); a comma "
     "list chains levels, nearest first (docs/remote.md)",
     shown="none", readme=True)
 REMOTE_PASSWORD = Setting(
     "CACHECOMPILE_REMOTE_PASSWORD", _text, "",
-    "the Redis or HTTP tier's password (never in the URL; over HTTP with no user name, a "
-    "bearer token)",
+    "the Redis, HTTP or OCI registry tier's password (never in the URL; over HTTP with no "
+    "user name, a bearer token)",
     shown="none", secret=True)
 REMOTE_PASSWORD_FILE = Setting(
     "CACHECOMPILE_REMOTE_PASSWORD_FILE", _path, "",
-    "a file whose first line is the Redis or HTTP tier's password (a mounted secret)",
+    "a file whose first line is the Redis, HTTP or OCI registry tier's password (a "
+    "mounted secret)",
     shown="none")
 REMOTE_FLUSH_TIMEOUT = Setting(
     "CACHECOMPILE_REMOTE_FLUSH_TIMEOUT", _seconds, 5.0,

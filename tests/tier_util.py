@@ -39,7 +39,7 @@ def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # Every tier a test can ask :func:`remote_tier` for (a chain: several, joined by commas).
-TIERS = ("redis", "moto", "s3rver", "file", "http")
+TIERS = ("redis", "moto", "s3rver", "file", "http", "oci")
 
 
 @contextlib.contextmanager
@@ -88,6 +88,11 @@ def remote_tier(workdir: Path, kind: str) -> Iterator[tuple[Any, dict[str, str]]
         from http_util import NginxServer
 
         srv = NginxServer(workdir / "nginx").start()
+        env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
+    elif kind == "oci":
+        from oci_util import Registry
+
+        srv = Registry(workdir / "registry").start()
         env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
     else:
         raise ValueError(f"no remote tier {kind!r}")

@@ -3,7 +3,8 @@
     cachectl remote ls | stats | purge        the remote tier itself (Redis, S3, file://, HTTP)
     cachectl push [KEY...]   /  pull [KEY...] copy entries local -> remote / remote -> local
     cachectl export OUT.tar.zst [KEY...]      entries, manifests, signatures in one file
-    cachectl import IN.tar.zst                verify everything, then publish everything
+    cachectl export --oci DIR [KEY...]        the same as an OCI image layout (skopeo, oras)
+    cachectl import IN.tar.zst | DIR          verify, then publish (a bundle: all or none)
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from cachecompile.store.bundle import export_bundle, import_bundle
 from cachecompile.store.keys import match_prefix
 from cachecompile.store.outcomes import EntryInfo, Hit
 from cachecompile.store.policy import has_labels
-from cachecompile.store.remote import Listed, Remote, open_levels, split_levels
+from cachecompile.store.remote import Listed, OciLayoutRemote, Remote, open_levels, split_levels
 from cachecompile.store.remote.push import push_entries
+from cachecompile.store.signing import Trust
 from cachecompile.store.tiered import TieredStore
 
 from .common import (
@@ -53,8 +55,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def remote_option(f: F) -> F:
     return click.option(
         "--remote", "remote_url", envvar=settings.REMOTE.name, default=None, metavar="URL",
-        help="redis://host:port/db, s3://bucket/prefix, file:///shared/dir or "
-             "http(s)://host/prefix, [?mode=ro], or a chain of them separated by commas, "
+        help="redis://host:port/db, s3://bucket/prefix, file:///shared/dir, "
+             "http(s)://host/prefix or oci://registry/repository, [?mode=ro], or a chain of them separated by commas, "
              "nearest first (default: $CACHECOMPILE_REMOTE). A password is best given in "
              "$CACHECOMPILE_REMOTE_PASSWORD or $CACHECOMPILE_REMOTE_PASSWORD_FILE; it is "
              "never printed.")(f)
@@ -65,8 +67,8 @@ def _levels(url: str | None) -> list[Remote]:
     clear line, rather than one per entry."""
     if not url:
         raise click.UsageError("no remote: pass --remote redis://host:port/db, "
-                               "s3://bucket/prefix, file:///dir or http://host/prefix, or "
-                               "set CACHECOMPILE_REMOTE")
+                               "s3://bucket/prefix, file:///dir, http://host/prefix or "
+                               "oci://registry/repository, or set CACHECOMPILE_REMOTE")
     levels = open_levels(url)
     for r in levels:
         r.breaker.quiet = True  # a failure is this command's error line, not a warning too
@@ -362,19 +364,31 @@ def pull_cmd(cache_dir: str | None, remote_url: str | None, keys: tuple[str, ...
         raise CliError(f"{entries(failed)} could not be pulled", EXIT_STORE)
 
 
-@click.command("export", short_help="Write entries to a bundle (.tar.zst, .tar.gz, .tar)")
+@click.command("export", short_help="Write entries to a bundle or an OCI image layout")
 @cache_dir_option
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path())
 @click.argument("keys", nargs=-1)
 @label_options
+@click.option("--oci", is_flag=True,
+              help="OUT is a directory in the OCI image layout, one artifact per entry "
+                   "tagged cc-<key>: push it with skopeo or oras to a registry the oci:// "
+                   "tier serves")
 def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
-               label: tuple[str, ...], model: str | None, function: str | None) -> None:
-    """Write entries to a bundle OUT: .tar.zst, .tar.gz or .tar; all, or those selected."""
+               label: tuple[str, ...], model: str | None, function: str | None,
+               oci: bool) -> None:
+    """Write entries to a bundle OUT: .tar.zst, .tar.gz or .tar; all, or those selected.
+    With --oci, OUT is a directory in the OCI image layout."""
     st = _local(cache_dir, create=False)
     infos = _selected(list(st.entries()), keys, _parse_labels(label, model, function),
                       st.resolve)
     if not infos:
         raise click.UsageError("no entries match: nothing to export")
+    if oci:
+        _export_oci(st, out, infos)
+        return
+    if Path(out).is_dir():
+        raise click.UsageError(f"{out} is a directory: a bundle is a file (for an OCI image "
+                               "layout, pass --oci)")
     with _progress("export", sum(i.size_bytes for i in infos)) as advance:
         rep = export_bundle(st, out, [i.key for i in infos], progress=advance)
     labels = {i.key: i.labels for i in infos}
@@ -383,15 +397,62 @@ def export_cmd(cache_dir: str | None, out: str, keys: tuple[str, ...],
                f"({human_size(Path(out).stat().st_size)} on disk) in {rep.seconds:.1f} s")
 
 
-@click.command("import", short_help="Verify a bundle, then publish all of it (or none)")
+def _export_oci(st: Maintenance, out: str, infos: list[EntryInfo]) -> None:
+    if Path(out).exists() and not Path(out).is_dir():
+        raise click.UsageError(f"{out} is a file: --oci writes a directory")
+    layout = OciLayoutRemote.of_dir(out)
+    layout.breaker.quiet = True
+    with _progress("export", sum(i.size_bytes for i in infos)) as advance:
+        done = push_entries(layout, st, [i.key for i in infos], overwrite=True,
+                            progress=advance)
+    click.echo(f"exported {entries(*split_graphs(i.labels for i in infos))} to {out} (OCI "
+               f"image layout; {done.sent} written, {done.there} there already). To a "
+               f"registry: skopeo copy oci:{out}:cc-<key> docker://REGISTRY/REPO:cc-<key> "
+               "for each tag in its index.json")
+
+
+@click.command("import", short_help="Verify a bundle or an OCI image layout, then publish it")
 @cache_dir_option
-@click.argument("src", type=click.Path(dir_okay=False, exists=True))
+@click.argument("src", type=click.Path(exists=True))
 def import_cmd(cache_dir: str | None, src: str) -> None:
-    """Verify every entry of SRC, then publish them all (nothing if anything fails)."""
+    """Verify every entry of SRC, then publish them all (nothing if anything fails).
+    SRC a directory in the OCI image layout (cachectl export --oci, skopeo copy ...
+    oci:DIR): each entry is verified (signature, every file's SHA-256) and published."""
     st = _local(cache_dir, create=True)  # importing into a new cache makes it
+    if Path(src).is_dir():
+        _import_oci(st, src)
+        return
     with _progress("import", Path(src).stat().st_size) as advance:
         rep = import_bundle(st, src, progress=advance)
     found = [st.stat(d) for d in rep.entries]
     click.echo(f"imported {entries(*split_graphs(i.labels for i in found if i is not None))} "
                f"({human_size(rep.bytes)}) into {st.root}; {were(len(rep.skipped))} there "
                "already")
+
+
+def _import_oci(st: Maintenance, src: str) -> None:
+    if not (Path(src) / "oci-layout").is_file():
+        raise click.UsageError(f"{src} is a directory with no oci-layout file: not an OCI "
+                               "image layout")
+    # As for a bundle: you chose the directory, so unsigned entries are taken; with
+    # CACHECOMPILE_SIGNING_KEY set, every entry must verify under it.
+    env = Trust.from_env()
+    layout = OciLayoutRemote.of_dir(src, readonly=True,
+                                    trust=Trust(key=env.key, accept_unsigned=env.key is None))
+    layout.breaker.quiet = True
+    tiers = TieredStore(st, [layout])
+    got: list[EntryInfo] = []
+    have = 0
+    failed: list[str] = []
+    for rec in layout.records():
+        if isinstance(tiers.peek(rec.key), Hit):
+            have += 1
+        elif isinstance(tiers.pull(rec.key), Hit):
+            got.append(_info(Listed(rec.key, 0, rec)))
+        else:
+            failed.append(rec.key[:12])  # cachecompile.store.tiered logged why
+    click.echo(f"imported {entries(*split_graphs(i.labels for i in got))} into {st.root} "
+               f"from {src}; {were(have)} there already"
+               + (f"; {len(failed)} refused: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise CliError(f"{entries(len(failed))} of {src} could not be imported", EXIT_STORE)

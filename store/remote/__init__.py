@@ -8,6 +8,10 @@
     s3       S3Remote: records, blobs and pins as objects in an S3-compatible bucket
     file     FileRemote: records, blobs and pins as files in a shared directory (NFS...)
     http     HttpRemote: records and blobs under /ac/ and /cas/ of an HTTP cache
+    oci      OciRemote: an entry as an OCI artifact in a registry's repository
+             (oci_format: the one mapping of a record to a manifest)
+    oci_layout  OciLayoutRemote: the same artifacts in an OCI image-layout directory
+             (cachectl export --oci, import)
 
 Each server's class parses its own URL (``parse_url``) and registers its schemes
 (``@register``); :func:`open_remote` picks one by the URL's scheme through that registry.
@@ -34,9 +38,11 @@ from .base import (
 )
 from .file import FileRemote
 from .http import HttpRemote
+from .oci import OciRemote
+from .oci_layout import OciLayoutRemote
 from .redis import RedisRemote
 from .s3 import S3Remote
 
-__all__ = ["Breaker", "FileRemote", "HttpRemote", "Listed", "RecordState", "RedisRemote",
+__all__ = ["Breaker", "FileRemote", "HttpRemote", "Listed", "OciLayoutRemote", "OciRemote", "RecordState", "RedisRemote",
            "Remote", "RemoteConfig", "S3Remote", "Uploaded", "open_levels", "open_remote",
            "redact", "split_levels"]

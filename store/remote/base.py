@@ -272,7 +272,7 @@ class RemoteConfig:
         if from_env is not None:
             if remote.credentials_elsewhere:
                 raise errors.RemoteConfigError(
-                    f"{' / '.join(PASSWORD_VARS)} is for Redis and HTTP caches; "
+                    f"{' / '.join(PASSWORD_VARS)} is for Redis, HTTP and OCI registries; "
                     f"{remote.credentials_elsewhere}: unset it")
             if password is not None:
                 raise errors.RemoteConfigError(

@@ -72,6 +72,7 @@ from ..keys import is_digest
 from ..outcomes import Entry
 from ..signing import Trust
 from .base import BlobRemote, RemoteConfig, call_with_deadline, refuse_readonly, register
+from .received import Received
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +327,9 @@ class FileRemote(BlobRemote):
             fd = int(self._call("open blob", lambda: self._open(path)))
         except _Gone:
             raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone") from None
-        h = hashlib.sha256()
-        got = 0
+        got = Received(progress)
         with os.fdopen(fd, "rb") as f:
             def chunks() -> Iterator[bytes]:
-                nonlocal got
                 while True:
                     try:
                         data = f.read(self.config.chunk)
@@ -345,15 +344,11 @@ class FileRemote(BlobRemote):
                         raise err from None
                     if not data:
                         return
-                    h.update(data)
-                    got += len(data)
-                    if progress is not None:
-                        progress(len(data))
                     yield data
 
             # An OSError from here on is the write into our own staging dir: the caller's.
-            write_new_file(target, chunks(), mode)
-        return got, h.hexdigest()
+            write_new_file(target, got.passing(chunks()), mode)
+        return got.result
 
     def _record_names(self) -> list[str]:
         names: list[str] = []

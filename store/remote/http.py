@@ -70,10 +70,11 @@ from ..outcomes import Entry
 from ..signing import Trust
 from . import watchdog
 from .base import BlobRemote, RemoteConfig, refuse_readonly, register
+from .received import Received
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HttpRemote", "ac_name"]
+__all__ = ["HttpRemote", "ac_name", "netloc_of"]
 
 _AC_SPACE = "cachecompile-v1:"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -112,7 +113,7 @@ class HttpRemote(BlobRemote):
     ``/ac/`` and ``/cas/`` (see the module docstring)."""
 
     kind = "http"
-    schemes = ("http", "https")
+    schemes: tuple[str, ...] = ("http", "https")
     default_timeout = 5.0  # seconds of a stall (connect: at most 2)
     default_prefix = ""
 
@@ -126,10 +127,7 @@ class HttpRemote(BlobRemote):
             raise ValueError(f"{parts.scheme}:// takes a host: {parts.scheme}://host[:port]/prefix")
         if "prefix" in ours:
             raise ValueError(f"on {parts.scheme}:// the prefix is the URL's path")
-        host = parts.hostname
-        if ":" in host:
-            host = f"[{host}]"  # IPv6
-        netloc = f"{host}:{parts.port}" if parts.port else host
+        netloc = netloc_of(parts)
         prefix = "/".join(p for p in parts.path.split("/") if p)
         if any(p in (".", "..") for p in prefix.split("/")):
             raise ValueError("the prefix may not hold '.' or '..'")
@@ -343,29 +341,19 @@ class HttpRemote(BlobRemote):
         resp = self._call("get blob", open_)
         if resp is None:
             raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone")
-        h = hashlib.sha256()
-        got = 0
-
-        def chunks() -> Iterator[bytes]:
-            nonlocal got
-            while True:
-                data = self._call("read blob", lambda: resp.read(self.config.chunk),
-                                  bounded=False)
-                if not data:
-                    return
-                h.update(data)
-                got += len(data)
-                if progress is not None:
-                    progress(len(data))
-                yield data
-
+        got = Received(progress)
         with _closing(resp):
             try:
-                write_new_file(target, chunks(), mode)
+                write_new_file(target, got.passing(self._body(resp, self.config.chunk)), mode)
             except BaseException:
                 self._drop()  # the body was not read to its end: the connection is spent
                 raise
-        return got, h.hexdigest()
+        return got.result
+
+    def _body(self, resp: http.client.HTTPResponse, chunk: int) -> Iterator[bytes]:
+        """A response's body, chunk by chunk, each read within ``timeout`` (a stall)."""
+        while data := self._call("read blob", lambda: resp.read(chunk), bounded=False):
+            yield data
 
     def _listing(self, kind: str) -> list[tuple[str, float, int]]:
         """(name, Last-Modified, size) of every file under ``kind/``, by PROPFIND."""
@@ -522,6 +510,14 @@ class HttpRemote(BlobRemote):
 
     def close(self) -> None:
         self._drop()
+
+
+def netloc_of(parts: urllib.parse.SplitResult) -> str:
+    """``host[:port]`` of a URL without its credentials (an IPv6 host in brackets)."""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port}" if parts.port else host
 
 
 class _closing:

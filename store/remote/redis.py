@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import threading
@@ -37,6 +36,7 @@ from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Trust
 from .base import BlobRemote, RemoteConfig, refuse_readonly, register
+from .received import Received
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,6 @@ class RedisRemote(BlobRemote):
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
         """Stream chunks into ``target``; (bytes written, SHA-256 hex)."""
         keys = self._chunk_keys(sha, size, chunk)
-        h = hashlib.sha256()
-        got = 0
 
         def fetched() -> Iterator[tuple[str, Any]]:
             if len(keys) <= 1:
@@ -199,19 +197,15 @@ class RedisRemote(BlobRemote):
                     yield k0, fut.result()
 
         def chunks() -> Iterator[bytes]:
-            nonlocal got
             for k, data in fetched():
                 if data is None:
                     # Evicted (maxmemory policy) or purged under us: a partial entry.
                     raise errors.CorruptEntryError(digest, f"chunk {k} of {name!r} is gone")
-                h.update(data)
-                got += len(data)
-                if progress is not None:
-                    progress(len(data))
                 yield data
 
-        write_new_file(target, chunks(), mode)
-        return got, h.hexdigest()
+        got = Received(progress)
+        write_new_file(target, got.passing(chunks()), mode)
+        return got.result
 
     def raw_records(self, *, batch: int = 500) -> Iterator[tuple[str, bytes | None]]:
         keys = self._scan(self._entry_k)

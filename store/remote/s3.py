@@ -53,7 +53,6 @@ forked process that uses the tier.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.machinery
 import importlib.util
 import logging
@@ -77,6 +76,7 @@ from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Trust
 from .base import BlobRemote, RemoteConfig, call_with_deadline, refuse_readonly, register
+from .received import Received
 
 logger = logging.getLogger(__name__)
 
@@ -415,9 +415,6 @@ class S3Remote(BlobRemote):
     def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
                    target: Path, mode: int,
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
-
-        h = hashlib.sha256()
-        got = 0
         key = self._key("blob", sha)
         try:
             result = self._call("get blob", lambda ob, s: ob.get(s, key))
@@ -425,22 +422,17 @@ class S3Remote(BlobRemote):
             raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone") from None
 
         def chunks() -> Iterator[bytes]:
-            nonlocal got
             stream = iter(result.stream(min_chunk_size=self.config.chunk))
             while True:
                 # The body arrives as we iterate: a dropped connection fails here.
                 part = self._call("read blob", lambda _ob, _s: next(stream, None))
                 if part is None:
                     return
-                data = memoryview(part)
-                h.update(data)
-                got += len(data)
-                if progress is not None:
-                    progress(len(data))
-                yield data  # type: ignore[misc]
+                yield memoryview(part)  # type: ignore[misc]
 
-        write_new_file(target, chunks(), mode)
-        return got, h.hexdigest()
+        got = Received(progress)
+        write_new_file(target, got.passing(chunks()), mode)
+        return got.result
 
     def raw_records(self) -> Iterator[tuple[str, bytes | None]]:
         metas = self._list("entry")

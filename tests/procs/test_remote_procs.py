@@ -89,7 +89,7 @@ def node_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("tier", ["redis", "s3", "file", "http"])
+@pytest.mark.parametrize("tier", ["redis", "s3", "file", "http", "oci"])
 def test_node_b_loads_node_a_entry_with_zero_compiles(tmp_path: Path, tier: str) -> None:
     with remote_server(tmp_path, tier) as both:
         env = node_env({**both, "NODE_B_REMOTE": both["CACHECOMPILE_REMOTE"]})

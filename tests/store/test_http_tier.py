@@ -255,18 +255,21 @@ class _Trickle(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.parametrize("scheme", ["http", "oci"])
 def test_a_trickling_server_costs_a_lookup_its_timeout_and_trips_the_breaker(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """The timeout bounds every socket read; a record sent a byte every 0.3 s kept a lookup
     (and the first cache_compile call on its thread) waiting minutes (issue 62). The whole
-    request is bounded by ``timeout``; then the breaker keeps the process local."""
+    request is bounded by ``timeout``; then the breaker keeps the process local. The OCI
+    registry tier shares the HTTP tier's requests: the same bound."""
     monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        st = tiered(tmp_path / "a", f"http://127.0.0.1:{server.server_address[1]}/cc?timeout=1")
+        st = tiered(tmp_path / "a",
+                    f"{scheme}://127.0.0.1:{server.server_address[1]}/cc?timeout=1")
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING):
             assert isinstance(st.get(make_key({"slow": 1})), Miss)

@@ -15,6 +15,8 @@ from cachecompile.store import errors
 from cachecompile.store.remote import (
     FileRemote,
     HttpRemote,
+    OciLayoutRemote,
+    OciRemote,
     RedisRemote,
     S3Remote,
     base,
@@ -40,8 +42,11 @@ def test_each_scheme_opens_its_own_remote() -> None:
     web = open_remote("https://cache.internal:8443/team/cc?mode=ro")
     assert type(web) is HttpRemote and web.readonly
     assert web.config.display == "https://cache.internal:8443/team/cc"
+    assert type(open_remote("oci://registry.internal/team/cc")) is OciRemote
+    assert type(open_remote("oci-layout:///srv/warm")) is OciLayoutRemote
     with pytest.raises(errors.RemoteConfigError,
-                       match=r"only file://, http://, https://, redis://, rediss://, unix:// "
+                       match=r"only file://, http://, https://, oci://, oci\+http://, "
+                             r"oci\+https://, oci-layout://, redis://, rediss://, unix:// "
                              r"and s3:// URLs"):
         open_remote("ftp://host/x")
     # A chain of levels is opened level by level, never as one remote.
