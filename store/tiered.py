@@ -107,7 +107,8 @@ class Uploader:
         self._own_process()
         self._dropped_warned = False
         self.uploaded = 0
-        self.failed = 0
+        self.failed = 0  # failed, dropped (the remote down, the queue full) or refused
+        self._failed_seen = 0  # as many as the last flush reported
 
     def _own_process(self) -> None:
         """A queue, a lock and (later) a thread of this process's own: in a forked child
@@ -127,11 +128,13 @@ class Uploader:
         try:
             self._ensure_thread()
         except RuntimeError as e:  # Python 3.12+: no new thread once the interpreter exits
+            self.failed += 1
             logger.info("not uploading %s: %s", entry.key[:12], e)
             return False
         try:
             self._q.put_nowait((entry, overwrite))
         except queue.Full:
+            self.failed += 1
             if not self._dropped_warned:
                 self._dropped_warned = True
                 logger.warning("remote upload queue is full (%d): not uploading %s and later "
@@ -167,6 +170,7 @@ class Uploader:
             entry, overwrite = self._q.get()
             try:
                 if not self.remote.available:
+                    self.failed += 1
                     logger.debug("remote down: dropping upload of %s", entry.key)
                     continue
                 t0 = time.perf_counter()
@@ -192,7 +196,10 @@ class Uploader:
         return self._q.unfinished_tasks
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the queue is drained; False if ``timeout`` ran out first."""
+        """Wait until the queue is drained. True if it was and every upload since the
+        last flush reached the remote (or found its entry there); False if ``timeout``
+        ran out first, or an upload failed or was dropped (the remote down, the queue
+        full): a caller that must know its entries are shared asks here."""
         self._own_process()
         if timeout is None:
             timeout = settings.REMOTE_FLUSH_TIMEOUT.get()
@@ -206,7 +213,8 @@ class Uploader:
                                    self._q.unfinished_tasks, timeout)
                     return False
                 self._q.all_tasks_done.wait(left)
-        return True
+        failed, self._failed_seen = self.failed - self._failed_seen, self.failed
+        return failed == 0
 
 
 @dataclass
@@ -345,7 +353,7 @@ class TieredStore(Wrapper[S]):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued uploads of every level (see :meth:`Uploader.flush`); True if
-        none is left."""
+        none is left and none failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         done = True
         for level in self.levels:

@@ -232,7 +232,7 @@ def test_connection_refused_warns_once_and_stays_local(tmp_path: Path,
             assert isinstance(st.get(k), Miss)
             st.put(k, {"f": b"x"})
             assert isinstance(st.get(k), Hit)
-        assert st.flush(5)
+        assert st.flush(5) is False  # drained; nothing was shared
     assert time.monotonic() - t0 < 5
     warned = remote_warnings(caplog)
     assert len(warned) == 1 and "Connection refused" in warned[0], warned
@@ -284,7 +284,7 @@ def test_killed_server_mid_upload_leaves_no_partial_entry(
         key = make_key({"upload": "killed"})
         with caplog.at_level(logging.WARNING):
             a.put(key, {"w.bin": big})
-            assert a.flush(10)
+            assert a.flush(10) is False  # drained; the upload died
         assert isinstance(a.get(key), Hit)  # the local side never noticed
         assert len(remote_warnings(caplog)) == 1
         srv.start()  # same port and dir: the append-only file replays what was acked
@@ -327,7 +327,7 @@ def test_out_of_memory_degrades(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         key = make_key({"too": "big"})
         with caplog.at_level(logging.WARNING):
             a.put(key, {"w.bin": os.urandom(8 << 20)})
-            assert a.flush(10)
+            assert a.flush(10) is False  # drained; the upload failed
         warned = remote_warnings(caplog)
         assert len(warned) == 1 and "OutOfMemory" in warned[0], warned
         assert keys_of(srv, "entry") == []

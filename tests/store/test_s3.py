@@ -217,7 +217,7 @@ def test_a_bucket_that_refuses_writes(tmp_path: Path, monkeypatch: pytest.Monkey
         assert isinstance(b.get(key), Hit)  # reads are allowed
         with caplog.at_level(logging.WARNING):
             b.put(make_key({"ro": 2}), FILES)  # the local publish works ...
-            assert b.flush(20)
+            assert b.flush(20) is False  # drained; the upload was refused
         # ... and the refused upload is one warning that says why; no raw exception.
         assert b.uploader is not None and b.uploader.failed == 1
         ws = warnings_of(caplog)

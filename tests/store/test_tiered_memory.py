@@ -56,6 +56,23 @@ def test_a_remote_hit_is_backfilled_locally_and_not_uploaded_back(tmp_path: Path
     assert b.stats()["hits_remote"] == 1
 
 
+def test_flush_says_whether_every_upload_since_the_last_reached_the_remote(
+        tmp_path: Path) -> None:
+    """flush() was True after failed uploads (issue 62): a caller that must know its
+    entries are shared (a build, an image's last step) could not tell. Now False when
+    one failed or was dropped since the last flush, True again after a clean round."""
+    remote = MemoryRemote(TRUST)
+    a = node(tmp_path / "a", remote)
+    remote.down = True
+    a.put(make_key({"n": 1}), FILES)
+    assert a.flush(5) is False and remote.records_ == {}
+    remote.down = False
+    a.remote.breaker.clock = lambda: 1e12  # the backoff has passed
+    a.put(make_key({"n": 2}), FILES)
+    assert a.flush(5) is True and len(remote.records_) == 1
+    assert a.flush(5) is True  # nothing new since
+
+
 def test_a_dead_remote_is_a_local_miss_with_one_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     remote = MemoryRemote(TRUST)
