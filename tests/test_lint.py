@@ -216,7 +216,7 @@ MODULE_MAX_LINES = 600
 # Today's exceptions, each capped at its size when the gate came (issue 60): it may shrink,
 # never grow. A new module over the limit is a module to split.
 MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
-    "store/remote/base.py": (890, "the remote tier's one protocol: transfer, breaker, "
+    "store/remote/base.py": (889, "the remote tier's one protocol: transfer, breaker, "
                                   "repair; its transports are the other modules"),
     "cachecompile/_torch/dynamo.py": (827, "every private Dynamo name the cold side reads, "
                                            "version branches side by side (one layer)"),
@@ -225,7 +225,7 @@ MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
     "cachecompile/entry/guard_tree.py": (753, "the C++ guard tree built from portable guards"),
     "store/maintenance.py": (701, "gc, purge, verify and repair: the maintenance protocol"),
     "store/remote/s3.py": (655, "S3's requests, signing and the servers that differ"),
-    "store/remote/file.py": (642, "the shared-filesystem tier: leases, ownership, repair"),
+    "store/remote/file.py": (640, "the shared-filesystem tier: leases, ownership, repair"),
 }
 
 

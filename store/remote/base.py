@@ -707,6 +707,17 @@ class BlobRemote(abc.ABC):
                progress: Callable[[int], None] | None = None) -> Uploaded:
         """The one upload: judge the record there, store the blobs, write the record last,
         and only if it is still the one judged (else judge again, :data:`CAS_TRIES` times)."""
+        try:
+            return self._upload_entry(entry, overwrite, repair, resign, progress)
+        finally:  # an upload that ended, however, holds its blobs no more
+            self.release_pins()
+
+    def release_pins(self) -> None:
+        """Drop the pins this thread's upload took (file://); a crashed one's expire."""
+        return None  # optional: a server without pins, or whose pins expire, has none
+
+    def _upload_entry(self, entry: Entry, overwrite: bool, repair: bool, resign: bool,
+                      progress: Callable[[int], None] | None) -> Uploaded:
         refuse_readonly(self.config)
         digest = entry.key
         got = self.read_record(digest)

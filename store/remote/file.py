@@ -26,7 +26,8 @@ writer killed midway leaves only a temp file, which the sweep removes after ``le
   that what it took is byte for byte what it judged (else puts it back), then links its
   own record in, create-only. For that instant the record is absent: a reader misses.
 * **Purge** deletes records, then the blobs no record references whose pin is older than
-  ``lease`` (judged by the file server's clock, read from a file's mtime, not the node's).
+  ``lease`` (judged by the file server's clock, read from a file's mtime, not the node's;
+  an upload drops its pins when it ends, so only a crashed one's wait for the lease).
   A blob is first renamed away under ``tmp/``, its pin read again, and linked back if an
   upload pinned it meanwhile: an upload pins before it looks for a blob, so a blob it
   decided to reuse is never lost (it also checks its blobs once more after writing the
@@ -60,6 +61,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -138,6 +140,7 @@ class FileRemote(BlobRemote):
         self._good_dirs: set[Path] = set()
         self._shared: bool | None = None
         self._group: int | None = None
+        self._held = threading.local()  # the blobs this thread's upload pinned
 
     # -- plumbing ----------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], Any], *, bounded: bool = True) -> Any:
@@ -432,6 +435,7 @@ class FileRemote(BlobRemote):
         blobs = sorted(set(sha.values()))
         # Pinned before we look for them: a sweep that took one puts it back.
         pinned = self._pin(blobs)
+        self._held.blobs = blobs
         chunks: dict[str, int] = {}
         sizes = {sha[n]: os.path.getsize(entry.files[n]) for n in sha}
         for s in blobs:
@@ -450,19 +454,14 @@ class FileRemote(BlobRemote):
     sizes_blobs = True
 
     def stored_size(self, sha: str) -> int | None:
-        path = self._path("blob", sha)
-
-        def size() -> int:
-            fd = self._open(path)
-            try:
-                return os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-
         try:
-            return int(self._call("stat blob", size))
+            fd = int(self._call("stat blob", lambda: self._open(self._path("blob", sha))))
         except _Gone:
             return None
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def put_blob(self, src: Path, sha: str,
                  progress: Callable[[int], None] | None = None) -> int:
@@ -515,6 +514,15 @@ class FileRemote(BlobRemote):
         if blobs:
             self._call("pin blobs", pin)
         return now
+
+    def release_pins(self) -> None:
+        """Unpin what this thread's upload pinned: a purge of a full share frees those
+        blobs now, not a lease later. Another upload's pin of the same blob goes too; its
+        recheck_blobs stores the blob again should a purge take it meanwhile."""
+        for s in getattr(self._held, "blobs", ()):
+            with contextlib.suppress(OSError, errors.StoreError):
+                os.unlink(self._path("pin", s))
+        self._held.blobs = ()
 
     def delete(self, digest: str) -> bool:
         refuse_readonly(self.config)

@@ -10,6 +10,7 @@ ownership, no link followed, every name checked.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -77,7 +78,7 @@ def test_two_nodes_share_entries_byte_exact(tmp_path: Path, share: SharedDir,
     names = [p.relative_to(share.a / "cc").as_posix() for p in (share.a / "cc").rglob("*")
              if p.is_file()]
     kinds = sorted(n.split("/")[1] for n in names)
-    assert kinds == ["blob"] * 3 + ["entry"] + ["pin"] * 3, names
+    assert kinds == ["blob"] * 3 + ["entry"], names  # the upload ended: its pins went
     assert not any(n.endswith((".lock", ".db", ".sqlite")) for n in names)
     assert list((share.a / "cc" / "v1" / "tmp").iterdir()) == []
     # A second publish of the same entry by another node writes nothing new.
@@ -317,8 +318,14 @@ def test_the_sweep_keeps_pinned_and_referenced_blobs(tmp_path: Path, share: Shar
     gone = publish(share, tmp_path / "a", {"gone": 1}, {"g": b"purged bytes"})
     r = FileRemote(share.url("b", lease="60"), trust=Trust(accept_unsigned=True))
     assert r.delete(gone.digest) and not r.delete(gone.digest)
-    assert r.sweep() == 0  # its pin is fresh: an upload may be about to reuse it
-    pins = list((share.a / "cc" / "v1" / "pin").rglob("*"))
+    # The uploads ended, so they hold no pins: a purge of a full share frees their blobs
+    # now, not a lease later (issue 62) ...
+    pin_dir = share.a / "cc" / "v1" / "pin"
+    assert [p for p in pin_dir.rglob("*") if p.is_file()] == []
+    # ... but an upload in flight does: its fresh pin keeps a blob it may reuse.
+    r._pin([hashlib.sha256(b"purged bytes").hexdigest()])
+    assert r.sweep() == 0
+    pins = list(pin_dir.rglob("*"))
     past = time.time() - 120
     for p in pins:
         if p.is_file():
@@ -340,6 +347,22 @@ def test_the_sweep_keeps_pinned_and_referenced_blobs(tmp_path: Path, share: Shar
     assert r.sweep() == 1
     assert isinstance(tiered(tmp_path / "b", share.url("b")).get(keep), Hit)
     assert isinstance(tiered(tmp_path / "c", share.url("b")).get(gone), Miss)
+
+
+def test_an_upload_that_failed_leaves_no_pin(tmp_path: Path, share: SharedDir,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full share: the upload fails after pinning; its pins go with it, so the
+    operator's purge can free space at once."""
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+
+    def full(self: FileRemote, *args: object, **kwargs: object) -> int:
+        raise store.errors.RemoteError("No space left on device")
+
+    monkeypatch.setattr(FileRemote, "put_blob", full)
+    a = tiered(tmp_path / "a", share.url("a"))
+    a.put(make_key({"full": 1}), {"f": b"bytes that do not fit"})
+    assert a.flush(20) is False
+    assert [p for p in (share.a / "cc" / "v1" / "pin").rglob("*") if p.is_file()] == []
 
 
 def test_a_forked_child_uses_the_tier(tmp_path: Path, share: SharedDir,
