@@ -111,6 +111,9 @@ def open_store(
     then never open the index; :mod:`cachecompile.store.index` says when they are written).
     With ``remote`` (else ``$CACHECOMPILE_REMOTE``), e.g. ``redis://host:6379/0``, the
     local store gets a remote tier behind it (:mod:`cachecompile.store.tiered`); ``remote=""`` opts out.
+    A malformed ``remote`` raises RemoteConfigError; a malformed ``$CACHECOMPILE_REMOTE``
+    (or an unreadable ``$CACHECOMPILE_SIGNING_KEY`` file) is one warning, and the local
+    store alone is returned.
     """
     local = _open_local(root, max_size=max_size, readonly=readonly, shared_group=shared_group,
                         create=create, hits_later=hits_later)
@@ -119,7 +122,15 @@ def open_store(
         return local
     from .tiered import wrap  # deferred: only remote users pay for it
 
-    return wrap(local, url)
+    try:
+        return wrap(local, url)
+    except errors.RemoteConfigError as e:
+        if remote is not None:
+            raise  # the caller's own argument: its error
+        # The environment's remote (or signing key) is broken: the local entries still
+        # serve, as a remote that is down leaves them serving.
+        logger.warning("%s; using the local store at %s only", e, local.root)
+        return local
 
 
 def made_shared(root: Path) -> bool:

@@ -72,7 +72,9 @@ def cache_dir_option(f: F) -> F:
 
 def _open(cache_dir: str | None, **kw: Any) -> OpenStore:
     # Never create: on a mistyped path, `ls` saying "no entries" and `verify` saying
-    # "ok" would hide the typo (and leave a stray cache behind).
+    # "ok" would hide the typo (and leave a stray cache behind). The remote named here:
+    # a malformed one is this command's error (exit 2), not a warning it goes on past.
+    kw.setdefault("remote", settings.REMOTE.get())
     return open_store(cache_dir, create=False, **kw)
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cachecompile._version import code_label
-from cachecompile.store import default_root, open_store, parse_size
+from cachecompile.store import default_root, open_store, parse_size, settings
 from cachecompile.store.errors import StoreNotFound
 from cachecompile.store.explain import (
     NOT_COMPARED,
@@ -354,7 +354,7 @@ def _open_counted(cache_dir: str | None) -> tuple[OpenStore, StoreNotFound | Non
         root = default_root() if cache_dir is None else e.path
         if not read_counters(root):
             raise  # a mistyped path stays an error
-        return open_store(root, readonly=True), e
+        return open_store(root, readonly=True, remote=settings.REMOTE.get()), e
 
 
 @click.command("stats", short_help="Entries, size, hits, misses by reason, evictions")

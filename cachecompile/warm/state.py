@@ -15,7 +15,7 @@ import warnings
 
 from cachecompile import _torch
 from cachecompile.errors import UnsupportedTorchWarning, fault, user_stacklevel
-from cachecompile.store import LocalStorage, default_root, open_store
+from cachecompile.store import LocalStorage, default_root, open_store, settings
 from cachecompile.store.errors import RemoteConfigError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ def store_for(cache_dir: str | None) -> LocalStorage:
         st = _stores.get(root)
         if st is None:
             try:
-                st = open_store(root, hits_later=True)
+                # The remote named here, not left to open_store: a bad one is then this
+                # process's CacheFaultWarning, not only a log line.
+                st = open_store(root, remote=settings.REMOTE.get(), hits_later=True)
             except RemoteConfigError as e:
                 # A malformed remote must not cost the local entries: serve from them.
                 fault(f"{e}; using the local cache at {root} only")

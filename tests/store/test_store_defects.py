@@ -109,6 +109,30 @@ def readonly_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
+def test_a_broken_remote_setting_is_one_warning_and_the_local_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An unreadable signing-key file (or a malformed $CACHECOMPILE_REMOTE) raised
+    RemoteConfigError out of open_store() (issue 62): the local entries must still serve,
+    as they do when the remote is down. A remote passed as an argument still raises."""
+    for var in ("CACHECOMPILE_REMOTE_PASSWORD", "CACHECOMPILE_VERIFY_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+    key = make_key({"local": 1})
+    open_store(tmp_path / "st", remote="").put(key, {"f": b"local bytes"})
+    monkeypatch.setenv("CACHECOMPILE_REMOTE", f"file://{tmp_path / 'share'}")
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", f"file:{tmp_path / 'no-such-key'}")
+    for broken in ({}, {"CACHECOMPILE_SIGNING_KEY": "", "CACHECOMPILE_REMOTE": "ftp://x/y"}):
+        for k, v in broken.items():
+            monkeypatch.setenv(k, v)
+        caplog.clear()
+        st = open_store(tmp_path / "st")
+        assert isinstance(st, Store) and st.get(key).found  # type: ignore[attr-defined]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "using the local store" in warned[0], warned
+    with pytest.raises(errors.RemoteConfigError):
+        open_store(tmp_path / "st", remote="ftp://x/y")
+
+
 def test_verify_and_stats_on_a_read_only_file_system(readonly_mount: tuple[Path, Path]) -> None:
     src, mnt = readonly_mount
     st = open_store(src)
