@@ -89,6 +89,11 @@ def remote_tier(workdir: Path, kind: str) -> Iterator[tuple[Any, dict[str, str]]
 
         srv = NginxServer(workdir / "nginx").start()
         env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
+    elif kind == "wsgidav":
+        from http_util import WsgiDavServer
+
+        srv = WsgiDavServer(workdir / "wsgidav").start()
+        env = {"CACHECOMPILE_REMOTE": srv.url("fleet/cc")}
     elif kind == "oci":
         from oci_util import Registry
 

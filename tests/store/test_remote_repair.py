@@ -46,6 +46,7 @@ class Server:
         self.url = env.pop("CACHECOMPILE_REMOTE")
         self.env = env
         self.bucket = self.url[len("s3://"):].split("/")[0] if kind != "redis" else ""
+        self.kind = "http" if kind == "wsgidav" else kind  # the same tier, another server
 
     def write_raw(self, digest: str, data: bytes) -> None:
         """Put ``data`` where the record of ``digest`` lives, with no check at all."""
@@ -100,7 +101,7 @@ class Server:
         return digest
 
 
-@pytest.fixture(params=["redis", "moto", "s3rver", "file", "http"])
+@pytest.fixture(params=["redis", "moto", "s3rver", "file", "http", "wsgidav"])
 def server(request: pytest.FixtureRequest, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
     for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_TRUST_REMOTE", "CACHECOMPILE_SIGNING_KEY",
@@ -247,4 +248,31 @@ def test_a_damaged_blob_is_healed_by_the_next_node_that_publishes_the_entry(
         assert published is not None
         fresh = store.open_store(tmp_path / f"fresh{rnd}", remote=server.url).get(key)
         assert isinstance(fresh, Hit), (rnd, fresh)
+        assert {n: p.read_bytes() for n, p in fresh.entry.files.items()} == FILES
+
+
+def test_in_a_chain_the_damaged_level_is_healed_from_the_level_that_served(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """file:// (nearest) holds a blob cut short; http:// behind it holds the entry whole.
+    A node refuses the near copy, hits the far one, and its backfill rewrites the near
+    level's damaged blob: a fresh node reading the near level alone then hits."""
+    for var in ("CACHECOMPILE_REMOTE", "CACHECOMPILE_TRUST_REMOTE", "CACHECOMPILE_VERIFY_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", FLEET_KEY)
+    with remote_tier(tmp_path, "file,http") as (servers, env):
+        near, far = env["CACHECOMPILE_REMOTE"].split(",")
+        key = make_key({"chain-heal": 1})
+        entry = store.open_store(tmp_path / "a", remote="").put(key, FILES)
+        trust = Trust(key=FLEET_KEY.encode())
+        assert open_remote(near, trust).upload(entry) and open_remote(far, trust).upload(entry)
+        kernel = hashlib.sha256(FILES["kernel.so"]).hexdigest()
+        (path,) = [p for p in (servers[0].a / "cc").rglob(kernel)
+                   if p.parent.parent.name == "blob"]
+        path.write_bytes(FILES["kernel.so"][:100])
+        assert not isinstance(store.open_store(tmp_path / "n0", remote=near).get(key), Hit)
+        node = tiered(tmp_path / "node", env["CACHECOMPILE_REMOTE"])
+        hit = node.get(key)
+        assert isinstance(hit, Hit) and node.flush(20)
+        fresh = store.open_store(tmp_path / "fresh", remote=near).get(key)
+        assert isinstance(fresh, Hit), fresh
         assert {n: p.read_bytes() for n, p in fresh.entry.files.items()} == FILES
