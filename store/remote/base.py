@@ -202,11 +202,10 @@ class RemoteConfig:
     endpoint, keys and region from the usual ``AWS_*`` variables). Our own query
     parameters are taken out before the URL reaches the client: ``mode=ro`` (consume,
     never publish), ``chunk=4M`` (Redis: value size; S3: multipart part size, at least
-    5M), ``timeout=5`` (seconds: Redis, per socket operation; S3, a stall with no byte,
-    and twice that for a request that carries no file), ``backoff=1`` (first retry
-    delay), ``prefix`` (Redis key prefix,
-    ``cachecompile:v1``; on S3 the URL's path), ``lease=600`` (seconds an upload's pins
-    hold off ``purge``).
+    5M), ``timeout=5`` (seconds: a stall; a whole request or command within about
+    twice that, per tier: docs/remote.md), ``backoff=1`` (first retry delay), ``prefix``
+    (Redis key prefix, ``cachecompile:v1``; on S3 the URL's path), ``lease=600`` (seconds
+    an upload's pins hold off ``purge``).
     """
 
     url: str  # as given, with its password masked (:func:`redact`): safe to show

@@ -35,7 +35,7 @@ from .. import errors
 from ..fsutil import write_new_file
 from ..outcomes import Entry
 from ..signing import Trust
-from .base import BlobRemote, RemoteConfig, refuse_readonly, register
+from .base import BlobRemote, RemoteConfig, call_with_deadline, refuse_readonly, register
 from .received import Received
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class RedisRemote(BlobRemote):
 
     kind = "redis"
     schemes = ("redis", "rediss", "unix")
-    default_timeout = 5.0  # seconds per socket operation
+    default_timeout = 5.0  # seconds per socket operation (a command: RedisRemote.deadline)
     default_prefix = "cachecompile:v1"
 
     @classmethod
@@ -135,7 +135,13 @@ class RedisRemote(BlobRemote):
             self.breaker.failed(e)
             raise errors.RemoteError(f"the redis client library is not installed: {e}") from e
         try:
-            out = fn(self.client())
+            # The whole command within a deadline: the socket timeout bounds each read,
+            # and a server trickling its answer would hold the lookup as long as it liked.
+            out = call_with_deadline(lambda: fn(self.client()), self.deadline,
+                                     f"{self.config.display}: {what}")
+        except errors.RemoteError as e:  # no whole answer within the deadline
+            self.breaker.failed(e)
+            raise
         except (redis.RedisError, OSError, ValueError) as e:
             # ValueError: redis-py refusing the URL's settings (the URL holds no password).
             self.breaker.failed(e)
@@ -143,6 +149,11 @@ class RedisRemote(BlobRemote):
                                      f"{type(e).__name__}: {e}") from e
         self.breaker.ok()
         return out
+
+    @property
+    def deadline(self) -> float:
+        """How long one command may take: two stalls, and a chunk at 2 MiB/s."""
+        return 2 * self.config.timeout + 1.0 + self.config.chunk / (2 * 1024**2)
 
     def _cmd(self, what: str, *args: Any) -> Any:
         return self._call(what, lambda r: r.execute_command(*args))

@@ -743,3 +743,71 @@ def test_a_key_rotation_loses_no_hit(tmp_path: Path, srv: RedisServer,
     assert isinstance(node("step4", new).get(key), Hit)
     # A node that still has only OLD now refuses the record: retire OLD everywhere first.
     assert isinstance(node("straggler", old).get(key), Miss)
+
+
+class _TrickleProxy:
+    """A TCP proxy to a real server that sends the server's answers on a byte every
+    0.2 s (a failing link, a server that means harm); requests go through at once."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, 0.2), daemon=True).start()
+
+    def _pipe(self, src: Any, dst: Any, delay: float) -> None:
+        try:
+            while data := src.recv(65536):
+                if not delay:
+                    dst.sendall(data)
+                    continue
+                for i in range(len(data)):
+                    if self.stop.is_set():
+                        return
+                    dst.sendall(data[i:i + 1])
+                    time.sleep(delay)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+def test_a_trickling_redis_costs_a_lookup_its_deadline_and_trips_the_breaker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A socket timeout bounds each read, so answers trickled a byte at a time kept a
+    lookup waiting as long as the server liked (issue 62): the whole command is bounded
+    now, and the breaker keeps the process local after it."""
+    monkeypatch.setenv("CACHECOMPILE_TRUST_REMOTE", "1")
+    srv = RedisServer(tmp_path / "redis").start()
+    proxy = _TrickleProxy(srv.port)
+    try:
+        st = tiered(tmp_path / "a", f"redis://127.0.0.1:{proxy.port}/0?timeout=1")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert isinstance(st.get(make_key({"slow": 1})), Miss)
+            assert isinstance(st.get(make_key({"slow": 2})), Miss)  # the breaker: no wait
+        took = time.monotonic() - t0
+        assert took < 8, took
+        warned = remote_warnings(caplog)
+        assert len(warned) == 1 and "no answer in" in warned[0], warned
+    finally:
+        proxy.close()
+        srv.stop()
