@@ -40,10 +40,12 @@ from cachecompile.store.tiered import TieredStore
 from .common import (
     EXIT_STORE,
     CliError,
+    Folded,
     _console,
     _entries_table,
     _parse_labels,
     cache_dir_option,
+    fold_variants,
     human_size,
     label_options,
 )
@@ -164,9 +166,13 @@ def remote_group() -> None:
 @label_options
 @state_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array, one object per entry.")
+@click.option("--variants", "each", is_flag=True,
+              help="A row per variant entry (default: a signature's variants fold into one).")
 def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
-              function: str | None, malformed: bool, unsigned: bool, as_json: bool) -> None:
-    """List the remote's records (state: signed, unsigned or malformed)."""
+              function: str | None, malformed: bool, unsigned: bool, as_json: bool,
+              each: bool) -> None:
+    """List the remote's records (state: signed, unsigned or malformed), a signature's
+    variants folded into one row as `cachectl ls` does (--variants: one each)."""
     r = _remote(remote_url)
     want = _parse_labels(label, model, function)
     rows, problems = _rows(r)
@@ -180,8 +186,13 @@ def remote_ls(remote_url: str | None, label: tuple[str, ...], model: str | None,
     if not infos:
         click.echo(f"no entries in {r.config.display}")
         return
-    _console().print(_entries_table(infos))
     bad = [i for i in infos if i.key in problems]
+    folded = Folded(infos, {}) if each else fold_variants(infos)
+    shown = sorted(folded.rows, key=lambda i: i.created, reverse=True)
+    _console().print(_entries_table(shown, variants=folded.variants))
+    if folded.variants:
+        click.echo(f"{entries(len(infos))} in {plural(len(shown), 'row')} (--variants lists "
+                   "each)")
     for i in bad:
         click.echo(f"malformed {i.key}: {problems[i.key]}", err=True)
     if bad:

@@ -411,3 +411,26 @@ def test_cachectl_remote_verbs_on_a_share(tmp_path: Path, share: SharedDir) -> N
     r = cachectl("push", "--cache-dir", str(tmp_path / "local"),
                  env={**env, "CACHECOMPILE_REMOTE": share.url("b", mode="ro")})
     assert r.returncode == 5, r
+
+
+def test_remote_ls_folds_a_signatures_variants_as_ls_does(tmp_path: Path, share: SharedDir,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cachectl remote ls` listed every variant of a signature as a row of its own
+    (issue 61) where `cachectl ls` folds them: now one row with its count."""
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY)
+    sig = {"model": "moe", "function": "forward", "signature_key": "ab" * 16}
+    a = tiered(tmp_path / "a", share.url("a"))
+    a.put(make_key({"sig": 1, "variant": 0}), {"f": b"x" * 10}, labels={**sig, "variant": "0"})
+    for v in range(3):
+        a.put(make_key({"sig": 1, "frame": v}), {"f": b"y" * v},
+              labels={**sig, "dynamo_frame": "M.resume_at_7"})
+    a.put(make_key({"other": 1}), {"f": b"z"}, labels={"model": "moe"})
+    assert a.flush(20)
+    env = {"CACHECOMPILE_REMOTE": share.url("b"), "CACHECOMPILE_SIGNING_KEY": KEY}
+    r = cachectl("remote", "ls", env=env)
+    rows = [ln for ln in r.stdout.splitlines() if "moe" in ln]
+    assert r.returncode == 0 and len(rows) == 2, r.stdout
+    assert any("4 (3 frame)" in ln for ln in rows), r.stdout
+    assert "5 entries in 2 rows (--variants lists each)" in r.stdout, r.stdout
+    r = cachectl("remote", "ls", "--variants", env=env)
+    assert len([ln for ln in r.stdout.splitlines() if "moe" in ln]) == 5, r.stdout
