@@ -414,10 +414,12 @@ def _export_oci(st: Maintenance, out: str, infos: list[EntryInfo]) -> None:
     layout = OciLayoutRemote.of_dir(out)
     layout.breaker.quiet = True
     with _progress("export", sum(i.size_bytes for i in infos)) as advance:
-        done = push_entries(layout, st, [i.key for i in infos], overwrite=True,
-                            progress=advance)
+        done = push_entries(layout, st, [i.key for i in infos], progress=advance,
+                            on_note=lambda d, text: click.echo(f"{d[:12]}  {text}", err=True))
     click.echo(f"exported {entries(*split_graphs(i.labels for i in infos))} to {out} (OCI "
-               f"image layout; {done.sent} written, {done.there} there already). To a "
+               f"image layout; {done.sent} written, {done.there} there already"
+               + (f", {len(done.not_taken)} kept as they were" if done.not_taken else "")
+               + "). To a "
                f"registry: skopeo copy oci:{out}:cc-<key> docker://REGISTRY/REPO:cc-<key> "
                "for each tag in its index.json")
 
@@ -429,10 +431,13 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
     """Verify every entry of SRC, then publish them all (nothing if anything fails).
     SRC a directory in the OCI image layout (cachectl export --oci, skopeo copy ...
     oci:DIR): each entry is verified (signature, every file's SHA-256) and published."""
-    st = _local(cache_dir, create=True)  # importing into a new cache makes it
     if Path(src).is_dir():
-        _import_oci(st, src)
+        if not (Path(src) / "oci-layout").is_file():
+            raise click.UsageError(f"{src} is a directory with no oci-layout file: not an "
+                                   "OCI image layout")
+        _import_oci(_local(cache_dir, create=True), src)
         return
+    st = _local(cache_dir, create=True)  # importing into a new cache makes it
     with _progress("import", Path(src).stat().st_size) as advance:
         rep = import_bundle(st, src, progress=advance)
     found = [st.stat(d) for d in rep.entries]
@@ -442,9 +447,6 @@ def import_cmd(cache_dir: str | None, src: str) -> None:
 
 
 def _import_oci(st: Maintenance, src: str) -> None:
-    if not (Path(src) / "oci-layout").is_file():
-        raise click.UsageError(f"{src} is a directory with no oci-layout file: not an OCI "
-                               "image layout")
     # As for a bundle: you chose the directory, so unsigned entries are taken; with
     # CACHECOMPILE_SIGNING_KEY set, every entry must verify under it.
     env = Trust.from_env()
@@ -455,13 +457,19 @@ def _import_oci(st: Maintenance, src: str) -> None:
     got: list[EntryInfo] = []
     have = 0
     failed: list[str] = []
-    for rec in layout.records():
-        if isinstance(tiers.peek(rec.key), Hit):
+    rows = list(layout.listing())
+    if not rows:
+        raise CliError(f"{src} holds no cachecompile entry (an OCI image layout of other "
+                       "images, or an empty one): nothing imported", EXIT_STORE)
+    for row in rows:
+        if row.record is None:
+            failed.append(f"{row.key[:12]} ({row.problem})")
+        elif isinstance(tiers.peek(row.key), Hit):
             have += 1
-        elif isinstance(tiers.pull(rec.key), Hit):
-            got.append(_info(Listed(rec.key, 0, rec)))
+        elif isinstance(tiers.pull(row.key), Hit):
+            got.append(_info(row))
         else:
-            failed.append(rec.key[:12])  # cachecompile.store.tiered logged why
+            failed.append(row.key[:12])  # cachecompile.store.tiered logged why
     click.echo(f"imported {entries(*split_graphs(i.labels for i in got))} into {st.root} "
                f"from {src}; {were(have)} there already"
                + (f"; {len(failed)} refused: {', '.join(failed)}" if failed else ""))

@@ -285,8 +285,8 @@ class RemoteConfig:
         if not 0 < chunk <= MAX_CHUNK:
             raise ValueError("chunk must be between 1 byte and 64M")
         lease = float(ours.get("lease", DEFAULT_LEASE))
-        if not lease >= 1:
-            raise ValueError("lease must be at least 1 second")
+        if not lease >= 1 or not float(ours.get("timeout", 1)) > 0:
+            raise ValueError("lease must be at least 1 second, and timeout over 0")
         target, prefix = remote.parse_url(parts, ours, rest,
                                           credentials=username is not None or password is not None)
         return cls(url=redact(url), target=target, kind=remote.kind, readonly=mode == "ro",

@@ -232,10 +232,12 @@ class HttpRemote(BlobRemote):
             raise
         except (_Status, OSError, http.client.HTTPException, ValueError) as e:
             self._drop()
-            detail = (f"{what}: no whole answer in {self.config.timeout:.0f} s"
+            detail = (f"{what}: no whole answer in {self.config.timeout:g} s"
                       if ticket is not None and ticket.fired else
                       str(e) if isinstance(e, _Status) else
                       f"{what} failed: {type(e).__name__}: {e}")
+            if isinstance(e, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(e):
+                detail += " (the server speaks plain HTTP: name it http:// or oci+http://)"
             err = errors.RemoteError(f"remote cache {self.config.display}: {detail}")
             self.breaker.failed(err)
             raise err from None

@@ -141,8 +141,9 @@ class OciRemote(HttpRemote):
             if attempt:
                 with _closing(r):
                     r.read()
-                raise _Status(method, "the registry refused our credentials (check the user "
-                              "name and password, or the token service's grant)", 401,
+                who = f" for user {self.config.username!r}" if self.config.username else ""
+                raise _Status(method, f"the registry refused our credentials{who} (check the "
+                              "user name and password, or the token service's grant)", 401,
                               "Unauthorized")
             challenge = r.getheader("WWW-Authenticate") or ""
             with _closing(r):
@@ -157,9 +158,14 @@ class OciRemote(HttpRemote):
         fields = dict(_CHALLENGE.findall(params))
         user, password = self.config.username, self.config.password
         if scheme.lower() == "basic":
-            if user is None and password is None:
-                raise _Status("GET", "the registry wants a user name and password (in the "
-                              "URL, or CACHECOMPILE_REMOTE_PASSWORD)", 401, "Unauthorized")
+            if user is None or password is None:
+                raise _Status("GET", "the registry wants " + (
+                    "a user name and password: oci://USER@registry/repository, the password "
+                    "in CACHECOMPILE_REMOTE_PASSWORD(_FILE)" if user is None and password is None
+                    else f"a password for user {user!r} (CACHECOMPILE_REMOTE_PASSWORD or "
+                         "_PASSWORD_FILE)" if password is None
+                    else "a user name with the password: oci://USER@registry/repository"),
+                    401, "Unauthorized")
             token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
             return f"Basic {token}"
         if scheme.lower() != "bearer" or not fields.get("realm"):
@@ -179,9 +185,11 @@ class OciRemote(HttpRemote):
             with urllib.request.urlopen(req, timeout=self.config.timeout) as resp:
                 doc = json.loads(resp.read(_MAX_TOKEN))
         except urllib.error.HTTPError as e:
-            what = ("the registry's token service refused our credentials (check the "
-                    "user name and password)" if e.code in (401, 403)
-                    else "the registry's token service failed")
+            what = ("the registry's token service failed" if e.code not in (401, 403)
+                    else "the registry's token service wants a user name and password: "
+                         "oci://USER@registry/repository" if user is None and password is None
+                    else "the registry's token service refused our credentials (check the "
+                         "user name and password)")
             raise _Status("GET", what, e.code, str(e.reason)) from None
         except (ValueError, UnicodeDecodeError):
             raise _Status("GET", "the registry's token service answered no JSON", 502,

@@ -46,8 +46,8 @@ TAG_PREFIX = "cc-"
 _TAG = re.compile(r"cc-([0-9a-f]{32})")
 _SHA = re.compile(r"sha256:([0-9a-f]{64})")
 # Larger inline records are fetched as the config blob (registries cap a manifest's size:
-# distribution at 4 MiB).
-_MAX_INLINE = 256 * 1024
+# distribution at 4 MiB; 1 MiB is 1.4 MiB of base64).
+_MAX_INLINE = 1024**2
 _MAX_MANIFEST = 4 * 1024**2
 
 

@@ -180,14 +180,32 @@ class OciLayoutRemote(BlobRemote):
             raise OSError(errno.EINVAL, f"{self.root / 'index.json'} is no OCI index") from None
         return [d for d in found if isinstance(d, dict)]
 
-    def _ours(self) -> dict[str, dict[str, Any]]:
-        """Entry digest -> its manifest's descriptor, from the index."""
+    def _ours(self, listed: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """Entry digest -> its manifest's descriptor, from the index (``listed``)."""
         out = {}
-        for d in self._index():
-            digest = digest_of_tag(str((d.get("annotations") or {}).get(_REF, "")))
+        for d in self._index() if listed is None else listed:
+            digest = self._digest_of(d)
             if digest is not None:
                 out[digest] = d
         return out
+
+    def _digest_of(self, d: dict[str, Any]) -> str | None:
+        """The entry an index descriptor names: by its ``cc-<key>`` reference, or, under
+        any other reference or none (``skopeo copy ... oci:DIR`` without a tag), by the
+        key its manifest carries when it is a cachecompile artifact."""
+        digest = digest_of_tag(str((d.get("annotations") or {}).get(_REF, "")))
+        if digest is not None or d.get("artifactType", ARTIFACT_TYPE) != ARTIFACT_TYPE:
+            return digest
+        hexd = str(d.get("digest", "")).partition("sha256:")[2]
+        try:
+            raw = self._read(self._blob_path(hexd), _MAX_SMALL)
+            doc = json.loads(raw) if raw is not None else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("artifactType") != ARTIFACT_TYPE:
+            return None
+        key = (doc.get("annotations") or {}).get("org.cachecompile.key")
+        return key if isinstance(key, str) and digest_of_tag(tag_of(key)) == key else None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -319,12 +337,14 @@ class OciLayoutRemote(BlobRemote):
         def go() -> bool:
             with self._locked():
                 listed = self._index()
-                now = self._ours().get(digest)
+                now = self._ours(listed).get(digest)
                 if (None if now is None else str(now.get("digest"))) != tag:
                     return False
                 self._put_bytes(hashlib.sha256(data).hexdigest(), [data])
                 self._put_bytes(mhex, [manifest])
-                keep = [d for d in listed if d is not now]
+                # Every descriptor of this entry goes (an export again, a copy under
+                # another reference): one manifest per entry, under its cc-<key> tag.
+                keep = [d for d in listed if self._digest_of(d) != digest]
                 keep.append({"mediaType": MANIFEST_TYPE, "artifactType": ARTIFACT_TYPE,
                              "digest": f"sha256:{mhex}", "size": len(manifest),
                              "annotations": {_REF: tag_of(digest)}})
@@ -339,10 +359,10 @@ class OciLayoutRemote(BlobRemote):
         def go() -> bool:
             with self._locked():
                 listed = self._index()
-                now = self._ours().get(digest)
-                if now is None:
+                keep = [d for d in listed if self._digest_of(d) != digest]
+                if len(keep) == len(listed):
                     return False
-                self._write_index([d for d in listed if d is not now])
+                self._write_index(keep)
                 return True
 
         return self._call("delete a manifest", go)

@@ -122,11 +122,14 @@ def test_registry_auth_basic_and_bearer_without_a_secret_shown(
         assert len(warned) == 1 and "refused our credentials" in warned[0], warned
         assert SECRET not in caplog.text and "wrong-" not in caplog.text
         monkeypatch.delenv("CACHECOMPILE_REMOTE_PASSWORD")
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            assert isinstance(tiered(tmp_path / "d", base).get(key), Miss)
-        warned = store_warnings(caplog)
-        assert len(warned) == 1 and "401" in warned[0], warned
+        for i, (url, says) in enumerate(((base, "wants a user name and password"),
+                                         (good, "refused our credentials" if tok else
+                                          "wants a password for user 'fleet'"))):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                assert isinstance(tiered(tmp_path / f"d{i}", url).get(key), Miss)
+            warned = store_warnings(caplog)
+            assert len(warned) == 1 and "401" in warned[0] and says in warned[0], warned
     finally:
         if tok is not None:
             tok.stop()
@@ -267,3 +270,56 @@ def test_an_image_layout_follows_no_symlink_out(tmp_path: Path,
     ran = cachectl("import", str(tmp_path / "lay"), env=into)
     assert ran.returncode != 0, ran
     assert isinstance(open_store(tmp_path / "got", remote="").get(key), Miss)
+
+
+def test_an_image_layout_keeps_one_manifest_per_entry_and_import_counts_what_it_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a new user's trial: a second export appended every tag again; a layout
+    copied without a tag imported nothing and exited 0; so did one whose record blob was
+    tampered with; and a directory that is no layout still made the store."""
+    monkeypatch.setenv("CACHECOMPILE_SIGNING_KEY", KEY)
+    key = make_key({"layout": 1})
+    open_store(tmp_path / "src", remote="").put(key, FILES)
+    env = {"CACHECOMPILE_DIR": str(tmp_path / "src"), "CACHECOMPILE_SIGNING_KEY": KEY}
+    lay = tmp_path / "lay"
+    for signing in (KEY, KEY + "-rotated", KEY + "-rotated"):
+        out = cachectl("export", "--oci", str(lay), env={**env, "CACHECOMPILE_SIGNING_KEY": signing})
+        assert out.returncode == 0, out
+        refs = [m["annotations"]["org.opencontainers.image.ref.name"]
+                for m in json.loads((lay / "index.json").read_text())["manifests"]]
+        assert refs == [tag_of(key.digest)], refs  # once, whatever was exported before
+    assert "1 there already" in out.stdout, out  # the third: nothing to rewrite
+    into = {**env, "CACHECOMPILE_SIGNING_KEY": KEY + "-rotated"}
+
+    # Copied with no tag: found by the key its manifest carries.
+    _skopeo("copy", f"oci:{lay}:{tag_of(key.digest)}", f"oci:{tmp_path / 'untagged'}")
+    got = cachectl("import", str(tmp_path / "untagged"),
+                   env={**into, "CACHECOMPILE_DIR": str(tmp_path / "a")})
+    assert got.returncode == 0 and "imported 1 entry" in got.stdout, got
+
+    # A record kept out of the manifest (as a big one is), then a byte of it flipped.
+    index = json.loads((lay / "index.json").read_text())
+    desc = index["manifests"][0]
+    blobs = lay / "blobs" / "sha256"
+    manifest = json.loads((blobs / desc["digest"].split(":")[1]).read_bytes())
+    del manifest["config"]["data"]
+    raw = json.dumps(manifest).encode()
+    (blobs / hashlib.sha256(raw).hexdigest()).write_bytes(raw)
+    desc.update(digest="sha256:" + hashlib.sha256(raw).hexdigest(), size=len(raw))
+    (lay / "index.json").write_text(json.dumps(index))
+    record = blobs / manifest["config"]["digest"].split(":")[1]
+    record.write_bytes(record.read_bytes().replace(b'"', b"'", 1))
+    bad = cachectl("import", str(lay), env={**into, "CACHECOMPILE_DIR": str(tmp_path / "b")})
+    assert bad.returncode == 7 and f"1 refused: {key.digest[:12]}" in bad.stdout, bad
+
+    # A directory that is no layout: a usage error, and no store made for it.
+    (tmp_path / "plain").mkdir()
+    no = cachectl("import", str(tmp_path / "plain"),
+                  env={**into, "CACHECOMPILE_DIR": str(tmp_path / "c")})
+    assert no.returncode == 2 and not (tmp_path / "c").exists(), no
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    (empty / "index.json").write_text('{"schemaVersion":2,"manifests":[]}')
+    none = cachectl("import", str(empty), env={**into, "CACHECOMPILE_DIR": str(tmp_path / "d")})
+    assert none.returncode == 7 and "no cachecompile entry" in none.stderr, none
