@@ -126,7 +126,7 @@ def test_a_broken_remote_setting_is_one_warning_and_the_local_store(
             monkeypatch.setenv(k, v)
         caplog.clear()
         st = open_store(tmp_path / "st")
-        assert isinstance(st, Store) and st.get(key).found  # type: ignore[attr-defined]
+        assert isinstance(st, Store) and st.get(key).found
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warned) == 1 and "using the local store" in warned[0], warned
     with pytest.raises(errors.RemoteConfigError):
