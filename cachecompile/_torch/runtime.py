@@ -162,6 +162,17 @@ def compiler_config_changes() -> dict[str, dict[str, Any]]:
 
 
 # -- objects Dynamo bakes into bytecode or guards ----------------------------------------
+def from_numpy(value: Any) -> Any:
+    """Dynamo's guard helper ``___from_numpy``: a numpy array or scalar as the tensor
+    Dynamo traced it as (``torch.as_tensor``), anything else as it is, so that a tensor
+    guard on a numpy value (``np.lcm(...) % k`` on Python's stack at a break) checks it.
+    numpy is never imported here: a value cannot be numpy's unless numpy is loaded."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, (np.generic, np.ndarray)):
+        return torch.as_tensor(value)
+    return value
+
+
 def as_tensor_fullprec(value: Any) -> Any:
     """``torch._as_tensor_fullprec``: the Python number as a 0-d float64 / int64 tensor on
     the CPU, one per number object. Replayed bytecode calls it on every call for each float

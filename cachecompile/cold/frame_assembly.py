@@ -32,7 +32,12 @@ from cachecompile.entry import guards as guards_mod
 from cachecompile.entry.frame_records import FrameRecord, FrameVariant
 from cachecompile.errors import UnsupportedProgramError
 from cachecompile.key.identity import code_digest
-from cachecompile.warm.replay import BUILTINS_DICT, is_dynamo_global, named_builtin
+from cachecompile.warm.replay import (
+    BUILTINS_DICT,
+    is_dynamo_global,
+    named_builtin,
+    namedtuple_scope,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +121,7 @@ def dynamo_imports(names: Sequence[str], g: Mapping[str, Any],
             continue
         if is_dynamo_global(n) and n in g and n not in original:
             value = g.get(n)
-            named = named_builtin(value)
+            named = named_builtin(value) or namedtuple_scope(value)
             if isinstance(value, types.ModuleType):
                 imports[n] = value.__name__
             elif value is vars(builtins):

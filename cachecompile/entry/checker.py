@@ -69,6 +69,8 @@ _EXPR_HELPERS: dict[str, Any] = {
     "___dataclass_fields": dataclasses.fields,
     "__math_isnan": math.isnan,
     "___as_tensor": runtime.as_tensor_fullprec,
+    # A numpy value Dynamo traced as a tensor (``np.lcm(...) % k``), guarded as one.
+    "___from_numpy": runtime.from_numpy,
     # Whether an environment variable is set (guard_capture: variables read while unset).
     "___environ_has": lambda name: name in os.environ,
     "___environ_get": lambda name: os.environ.get(name),

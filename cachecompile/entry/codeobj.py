@@ -78,6 +78,9 @@ _OWN_KINDS: dict[str, frozenset[str]] = {
     # A module's globals dict, by the module's name: Dynamo's bytecode rebuilds a nested
     # function over it after a graph break (its _create_nested_fn).
     "globals": frozenset({"$", "v"}),
+    # A classmethod bound to an importable class (a namedtuple's ``_make``: Dynamo
+    # rebuilds the namedtuple a frame returns through it).
+    "classmethod": frozenset({"$", "module", "qualname", "name"}),
 }
 _KINDS = {**_VALUE_KINDS, **_OWN_KINDS}
 
@@ -162,6 +165,10 @@ def _encode_leaf(v: Any) -> JSON:
     sdp = runtime.sdp_backend_name(v)
     if sdp is not None:
         return {"$": "sdpbackend", "v": sdp}
+    if isinstance(v, types.MethodType) and isinstance(v.__self__, type):
+        cls = v.__self__
+        return {"$": "classmethod", "module": cls.__module__, "qualname": cls.__qualname__,
+                "name": v.__name__}
     if isinstance(v, enum.Enum):
         # Here, not in values: values writes a StrEnum/IntEnum member as its plain value.
         cls = type(v)
@@ -325,7 +332,7 @@ def _check_spec(spec: JSON, depth: int = 0, kinds: dict[str, frozenset[str]] = _
         ok = _PAYLOADS[kind](v)
     elif kind in ("slice", "tuple", "list", "frozenset", "set", "dict"):
         ok = _check_nested(kind, v, depth)
-    elif kind == "enum":
+    elif kind in ("enum", "classmethod"):
         ok = _check_enum(spec)
     else:  # ellipsis, notimplemented: no payload
         ok = True
@@ -388,7 +395,8 @@ def _check_items(kind: str, items: Any, depth: int, n: int | None) -> None:
 
 
 def _check_enum(spec: dict[str, Any]) -> bool:
-    """An enum member by module and class, both dotted names (no class in a function)."""
+    """An enum member, or a classmethod, by module and class, both dotted names (no class
+    in a function), and its name."""
     module, qualname, name = spec["module"], spec["qualname"], spec["name"]
     if not (isinstance(module, str) and _DOTTED.fullmatch(module)):
         raise ValueError(f"bad enum module {module!r}")
@@ -418,7 +426,22 @@ def _decode(spec: JSON) -> Any:
         if not (isinstance(v, str) and _DOTTED.fullmatch(v)):
             raise ValueError(f"bad module name {v!r}")
         return vars(sys.modules.get(v) or importlib.import_module(v))
+    if kind == "classmethod":
+        return _classmethod(spec)
     return values.decode_value(spec)
+
+
+def _classmethod(spec: dict[str, Any]) -> types.MethodType:
+    """The classmethod a checked ``classmethod`` spec names, bound to its class."""
+    if not _NAME.fullmatch(str(spec["name"])):
+        raise ValueError(f"bad classmethod name {spec['name']!r}")
+    owner: Any = importlib.import_module(spec["module"])
+    for part in str(spec["qualname"]).split("."):
+        owner = getattr(owner, part)
+    bound = getattr(owner, spec["name"]) if isinstance(owner, type) else None
+    if not (isinstance(bound, types.MethodType) and bound.__self__ is owner):
+        raise ValueError(f"{spec['qualname']}.{spec['name']} is no classmethod")
+    return bound
 
 
 def _rebuild(i: int, spec: JSON) -> Any:

@@ -32,6 +32,10 @@ from cachecompile.entry import codeobj
 from cachecompile.errors import UnsupportedProgramError
 
 BUILTINS_DICT = "builtins.__dict__"
+# The globals of a namedtuple's generated __new__ (collections.namedtuple's namespace, the
+# same on every Python we support): Dynamo installs it when it inlines that __new__.
+NAMEDTUPLE_SCOPE = "namedtuple-scope:"
+_TYPENAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ReplayGlobals(dict[str, Any]):
@@ -87,6 +91,12 @@ def resolve_module(name: str) -> Any:
     qualified name (``module:qualname``; :func:`named_builtin`)."""
     if name == BUILTINS_DICT:
         return vars(builtins)
+    if name.startswith(NAMEDTUPLE_SCOPE):
+        typename = name[len(NAMEDTUPLE_SCOPE):]
+        if not _TYPENAME.fullmatch(typename):
+            raise UnsupportedProgramError(f"unexpected global {name!r} in entry")
+        return {"_tuple_new": tuple.__new__, "__builtins__": {},
+                "__name__": f"namedtuple_{typename}"}
     if ":" in name:
         module, _, qualname = name.partition(":")
         if not _DOTTED.fullmatch(module) or not _DOTTED.fullmatch(qualname):
@@ -102,6 +112,20 @@ def resolve_module(name: str) -> Any:
 
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def namedtuple_scope(value: Any) -> str | None:
+    """The portable name of a namedtuple ``__new__``'s globals (which Dynamo installs as
+    ``___unnamed_scope_<id>``), else None: a dict equal to the namespace
+    ``collections.namedtuple`` makes, so a warm process makes an equal one."""
+    if type(value) is not dict or set(value) != {"_tuple_new", "__builtins__", "__name__"}:
+        return None
+    name = value["__name__"]
+    if (value["_tuple_new"] is not tuple.__new__ or value["__builtins__"] != {}
+            or not isinstance(name, str) or not name.startswith("namedtuple_")
+            or not _TYPENAME.fullmatch(name[len("namedtuple_"):])):
+        return None
+    return NAMEDTUPLE_SCOPE + name[len("namedtuple_"):]
 
 
 def named_builtin(value: Any) -> str | None:

@@ -1,7 +1,8 @@
 """Graph breaks in code we did not write, cached with ``fullgraph=False`` and served in a
 fresh process that traces no frame: Qwen2-VL's vision tower (``lengths.tolist()``; its
 decorated forward is a frame Dynamo skips, so every frame it calls is a callee),
-Longformer (breaks in four attention helpers) and a diffusion pipeline's step (the DiT,
+Longformer (breaks in four attention helpers), Reformer (numpy in its chunk sizes, a
+namedtuple rebuilt after a break, three varied inputs) and a diffusion pipeline's step (the DiT,
 then DDIM's update, which breaks on the timestep, a frame variant per timestep). Qwen2-VL
 serves four varied image grids, with the module form's default (torch.compile's
 ``dynamic=None``): the second process compiles no frame either (issue 61: a frame its first
@@ -59,6 +60,7 @@ report({{"ok": ok, "events": [e[0] for e in cached.events], "served": served,
 @pytest.mark.parametrize("name", [
     pytest.param("qwen2_vl_vision", marks=pytest.mark.longest),
     pytest.param("longformer", marks=pytest.mark.longest),
+    "reformer",
     "denoise",
 ])
 def test_a_model_that_breaks_in_its_own_code_is_served_with_nothing_traced(

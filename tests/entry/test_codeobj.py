@@ -6,6 +6,7 @@ the last one takes real Dynamo bytecode and runs it rebuilt, without Dynamo.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -37,6 +38,19 @@ class Holder:
         X = "x"
 
 
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+class Maker:
+    @classmethod
+    def make(cls) -> Maker:
+        return cls()
+
+    @staticmethod
+    def plain() -> int:
+        return 1
+
+
 class Perm(enum.Flag):
     R = 1
     W = 2
@@ -57,6 +71,9 @@ SPECIAL: list[Any] = [
     torch.nn.attention.SDPBackend.MATH,
     (torch.int8, (torch.device("cpu"), slice(2)), "plain"),
     frozenset({torch.bfloat16, torch.float32, 3}),
+    # A classmethod bound to an importable class: Dynamo rebuilds a namedtuple a resume
+    # frame returns through its _make (Reformer, issue 61).
+    Point._make, Maker.make,
     # marshal holds these already: they must pass through untouched.
     Ellipsis, float("inf"), b"\x00\x01", 1 + 2j, None, (1, "a", (2.5,)),
 ]
@@ -265,6 +282,11 @@ F16 = {"$": "torch", "v": "float16"}
     [{"$": "iinfo", "v": "float32"}],
     [{"$": "sdpbackend", "v": "__class__"}],
     [{"$": "range", "v": [0, 1, 0]}],                        # range() step 0
+    [{"$": "classmethod", "module": __name__, "qualname": "Maker", "name": "plain"}],
+    [{"$": "classmethod", "module": "os", "qualname": "path", "name": "join"}],
+    [{"$": "classmethod", "module": __name__, "qualname": "Maker", "name": "__class__"}],
+    [{"$": "classmethod", "module": __name__, "qualname": "Maker", "name": "a.b"}],
+    [{"$": "classmethod", "module": __name__, "qualname": "Maker", "name": "make", "v": 1}],
 ], ids=repr)
 def test_bad_specs_are_refused(specs: list[Any]) -> None:
     data = _with_placeholders("0")
@@ -364,3 +386,39 @@ def test_dynamo_bytecode_with_device_dtype_and_size_constants() -> None:
     torch.testing.assert_close(out.hidden, expected.hidden)
     assert out.shape == expected.shape == torch.Size([2, 3])
     assert out.dtype is torch.float32 and out.device == torch.device("cpu")
+
+
+# ------------------------------------------------- Dynamo's globals and guard helpers (61)
+
+def test_a_namedtuple_scope_has_a_portable_form() -> None:
+    """Dynamo installs the globals of a namedtuple's generated ``__new__`` when it inlines
+    it (``___unnamed_scope_<id>``): a warm process makes an equal dict by the type's name."""
+    from cachecompile.warm.replay import namedtuple_scope, resolve_module
+
+    scope = Point.__new__.__globals__
+    name = namedtuple_scope(scope)
+    assert name is not None and resolve_module(name) == scope
+    assert resolve_module(name) is not scope  # made anew: nothing of this process's
+    for other in ({}, {"_tuple_new": tuple.__new__, "__builtins__": {}, "__name__": "x"},
+                  {**scope, "extra": 1}, {**scope, "_tuple_new": list.__new__},
+                  {**scope, "__name__": "namedtuple_a.b"}, vars(collections)):
+        assert namedtuple_scope(other) is None, other
+    with pytest.raises(UnsupportedProgramError):
+        resolve_module("namedtuple-scope:a.b")
+
+
+def test_the_from_numpy_guard_helper_is_dynamos() -> None:
+    """``___from_numpy``: a guard on a numpy value Dynamo traced as a tensor (Reformer's
+    ``np.lcm(...) % k`` on Python's stack at a break) checks it as torch does."""
+    import numpy as np
+    from torch._dynamo.guards import from_numpy as dynamos
+
+    from cachecompile._torch import runtime
+
+    for v in (np.bool_(True), np.int64(7), np.arange(3.0), 3, 2.5, "x", None):
+        ours, theirs = runtime.from_numpy(v), dynamos(v)
+        assert type(ours) is type(theirs), v
+        if isinstance(ours, torch.Tensor):
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+        else:
+            assert ours is v

@@ -337,6 +337,25 @@ def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
     return model, [(ids,)]
 
 
+def build_reformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
+    """Reformer: it sizes its chunks with numpy (``np.lcm``: a tensor guard on a numpy
+    value at the break that follows), returns namedtuples its resume frames rebuild
+    through ``_make``, and breaks in its LSH attention. ``hash_seed``: its random
+    rotations the same in the eager and the cached call."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.ReformerConfig(
+        vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=64, attn_layers=["local", "lsh"], axial_pos_embds=False,
+        max_position_embeddings=64, lsh_attn_chunk_length=8, local_attn_chunk_length=8,
+        num_buckets=4, num_hashes=1, is_decoder=False, hash_seed=seed)
+    model = transformers.ReformerModel(cfg).eval()
+    # Varied: two batch sizes, a longer sequence.
+    return model, [(torch.randint(2, 100, (b, n), generator=torch.Generator().manual_seed(i)),)
+                   for i, (b, n) in enumerate(((1, 16), (2, 16), (1, 24)))]
+
+
 class DenoiseStep(nn.Module):
     """A diffusion pipeline's step as its users write one: the DiT, then the DDIM
     scheduler's update, whose step reads the timestep as a Python number (a break)."""
