@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import versions
+from .frame_cache import transformed_code
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
+    ("torch", "_C._dynamo.eval_frame.reset_code"),
     # Where Dynamo resolves a name while it traces (recording_lookups): from 2.14 on,
     # LOAD_ATTR and getattr() both call object_protocol.generic_getattr; in 2.13 getattr
     # and hasattr have classes of their own; before, they are methods of BuiltinVariable,
@@ -220,12 +222,6 @@ def graph_break_site(exc: BaseException) -> tuple[str | None, int | None, str]:
         filename, lineno = frames[-1].filename, frames[-1].lineno
     reason = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
     return filename, lineno, reason
-
-
-def transformed_code(code: types.CodeType) -> list[types.CodeType]:
-    """The transformed code object of each entry in Dynamo's cache for ``code``."""
-    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
-    return [entry.code for entry in entries]
 
 
 def aot_inference(on_forward: Callable[[torch.fx.GraphModule], None],

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cachecompile._torch import dynamo, runtime
+from cachecompile._torch import dynamo, frame_cache, runtime
 from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import frame_assembly, guard_capture
 from cachecompile.cold.compiling import Compiling, Phases
@@ -481,6 +481,9 @@ class TraceSession(LiveSession):
     # -- calls ------------------------------------------------------------------------
     def _call_begins(self, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if first:
+            if not self._fullgraph:
+                # The frames earlier captures compiled are traced again for this one.
+                frame_cache.forget_captured()
             # Dynamo's guards are built during this call; they are checked against it.
             self._call_args = (args, dict(kwargs))
             self._state = guard_capture.state_snapshot()
@@ -515,7 +518,7 @@ class TraceSession(LiveSession):
             raise UnsupportedProgramError(self._verdict)
         if self._compiled is not None and self._program is None:
             raise UnsupportedProgramError("the program was never run")
-        codes = dynamo.transformed_code(self._fn.__code__)
+        codes = frame_cache.transformed_code(self._fn.__code__)
         if (not codes and not self._fullgraph and self._frames.compiles and self._guards is None
                 and self._compiled is None):
             # Dynamo skipped the method's own frame (a graph break it cannot resume from,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cachecompile._torch import dynamo
+from cachecompile._torch import dynamo, frame_cache
 from cachecompile.backends.base import Compiled
 from cachecompile.cold import guard_capture
 from cachecompile.cold.compiling import Compiling, Phases
@@ -76,6 +76,7 @@ class FrameCapture:
         """A frame other than the root finished compiling: its guards, portable, checked
         against its own arguments now, and its compile kept."""
         code, g = frame.code, frame.f_globals
+        frame_cache.note_captured(code)
         compile_ = FrameCompile(code=code, out_code=frame.out_code or code, f_globals=g,
                                 graphs=self._pending.pop(code, []),
                                 traced=self._pending_traced.pop(code, []))

@@ -69,8 +69,6 @@ _EXPR_HELPERS: dict[str, Any] = {
     "___dataclass_fields": dataclasses.fields,
     "__math_isnan": math.isnan,
     "___as_tensor": runtime.as_tensor_fullprec,
-    # A numpy value Dynamo traced as a tensor (``np.lcm(...) % k``), guarded as one.
-    "___from_numpy": runtime.from_numpy,
     # Whether an environment variable is set (guard_capture: variables read while unset).
     "___environ_has": lambda name: name in os.environ,
     "___environ_get": lambda name: os.environ.get(name),
@@ -78,7 +76,12 @@ _EXPR_HELPERS: dict[str, Any] = {
     # shadowed by one); a module not in sys.modules has none we could see.
     "___module_has": lambda module, name: name in getattr(sys.modules.get(module), "__dict__", ()),
     "___module_get": lambda module, name: getattr(sys.modules.get(module), "__dict__", {})[name],
+    # Helpers added since entries stored their checkers' lines come last, and do not
+    # count in the constants' names (``_LATER_HELPERS``): a stored body keeps its digest.
+    # A numpy value Dynamo traced as a tensor (``np.lcm(...) % k``), guarded as one.
+    "___from_numpy": runtime.from_numpy,
 }
+_LATER_HELPERS = 1
 
 # The order a checker runs the kinds in, by name.
 _KIND_RANK = {k: i for i, k in enumerate(KINDS)}
@@ -196,7 +199,7 @@ class Checker:
 
     def _const(self, v: Any) -> str:
         """A value a condition compares with, bound in the namespace under a fresh name."""
-        name = f"__cc_c{len(self._env)}"
+        name = f"__cc_c{len(self._env) - _LATER_HELPERS}"
         self._env[name] = v
         return name
 

@@ -296,30 +296,41 @@ def build_dit(seed: int = 0) -> tuple[DiTRunner, Callable[..., Any]]:
 # Models whose own code breaks Dynamo's graph (cached with fullgraph=False). Each builder
 # returns the module and its calls' arguments, a list of tuples.
 
-def build_qwen2_vl_vision(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
-    """Qwen2-VL's vision tower: it splits the patches by ``lengths.tolist()`` (a break in
-    its attention), and transformers' decorators put its forward in a try block, so
-    Dynamo compiles the frames forward calls rather than forward's own."""
-    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-        Qwen2VisionTransformerPretrainedModel,
-    )
+def build_qwen2_vl(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """Qwen2-VL, the whole model: its vision tower splits the patches by
+    ``lengths.tolist()`` (a break in its attention), transformers' decorators put its
+    forwards in try blocks (Dynamo compiles the frames they call rather than their own),
+    and its M-RoPE positions are computed in Python from the image grids."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = Qwen2VLVisionConfig(depth=1, embed_dim=32, hidden_size=32, num_heads=2,
-                              mlp_ratio=2, in_channels=3, patch_size=2, spatial_merge_size=2,
-                              temporal_patch_size=2)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=200, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
+                           in_channels=3, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=150, video_token_id=151, vision_start_token_id=152)
     cfg._attn_implementation = "sdpa"
-    model = Qwen2VisionTransformerPretrainedModel(cfg).eval()
-    # Varied inputs, as a server sees them (issue 61): two images (two lengths to split
-    # by), one of another shape, a bigger one beside a small one, one image again. Each
-    # image's sizes reach Python through .tolist(): frames specialised on them.
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    # Varied inputs, as a server sees them (issue 61): three image sizes, a longer prompt,
+    # two images in one prompt. Each image's sizes reach Python through .tolist().
     calls = []
-    for i, grid in enumerate(([[1, 4, 4], [1, 4, 4]], [[1, 4, 8]], [[1, 8, 8], [1, 4, 4]],
-                              [[1, 4, 4]])):
-        g = torch.tensor(grid)
-        calls.append((torch.randn(int(g.prod(-1).sum()), 3 * 2 * 2 * 2,
-                                  generator=torch.Generator().manual_seed(seed + 1 + i)), g))
+    for i, (grids, words) in enumerate((([[1, 4, 4]], 6), ([[1, 4, 8]], 6),
+                                        ([[1, 8, 8]], 10), ([[1, 4, 4], [1, 4, 4]], 6))):
+        g = torch.tensor(grids)
+        gen = torch.Generator().manual_seed(seed + 1 + i)
+        ids: list[int] = []
+        for n in (int(x.prod()) // 4 for x in g):
+            ids += [152] + [150] * n
+        ids += torch.randint(1, 140, (words,), generator=gen).tolist()
+        input_ids = torch.tensor([ids])
+        calls.append(dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                          pixel_values=torch.randn(int(g.prod(-1).sum()), 3 * 2 * 2 * 2,
+                                                   generator=gen),
+                          image_grid_thw=g, mm_token_type_ids=(input_ids == 150).long()))
     return model, calls
 
 
@@ -335,6 +346,23 @@ def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
     model = transformers.LongformerModel(cfg).eval()
     ids = torch.randint(2, 100, (1, 16), generator=torch.Generator().manual_seed(seed + 1))
     return model, [(ids,)]
+
+
+def build_switch(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """SwitchTransformers: a mixture of experts whose router picks each token's expert
+    in Python (``nonzero`` over the router's mask: a break per layer)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.SwitchTransformersConfig(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=2, num_experts=4, expert_capacity=8, num_sparse_encoder_layers=2,
+        num_sparse_decoder_layers=2)
+    model = transformers.SwitchTransformersModel(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    return model, [dict(input_ids=torch.randint(2, 100, (b, n), generator=gen),
+                        decoder_input_ids=torch.randint(2, 100, (b, t), generator=gen))
+                   for b, n, t in ((1, 8, 4), (2, 8, 4), (1, 12, 6))]
 
 
 def build_reformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
