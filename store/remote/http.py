@@ -328,29 +328,44 @@ class HttpRemote(BlobRemote):
                    progress: Callable[[int], None] | None) -> tuple[int, str]:
         if not _HEX64.fullmatch(sha):
             raise errors.CorruptEntryError(digest, f"{name!r} has no valid SHA-256")
-
-        def open_() -> http.client.HTTPResponse | None:
-            r = self._send("GET", self._url("cas", sha))
-            if r.status == 404:
-                with _closing(r):
-                    r.read()
-                return None
-            if r.status != 200:
-                with _closing(r):
-                    raise _Status("GET", "get blob", r.status, r.reason)
-            return r
-
-        resp = self._call("get blob", open_)
+        resp, own = self._call("get blob", lambda: self._open_blob(sha))
         if resp is None:
             raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone")
         got = Received(progress)
-        with _closing(resp):
-            try:
+        try:
+            with _closing(resp):
                 write_new_file(target, got.passing(self._body(resp, self.config.chunk)), mode)
-            except BaseException:
+        except BaseException:
+            if not own:
                 self._drop()  # the body was not read to its end: the connection is spent
-                raise
+            raise
+        finally:
+            if own:
+                resp.close()
         return got.result
+
+    def _open_blob(self, sha: str) -> tuple[http.client.HTTPResponse | None, bool]:
+        """(the response whose body is blob ``sha``, None if it is not there; whether it is
+        on a connection of its own, not this thread's kept-alive one: a redirect's,
+        :meth:`_redirected`)."""
+        r = self._send("GET", self._url("cas", sha))
+        moved = self._redirected(r)
+        if moved is not None:
+            return moved, True
+        if r.status == 404:
+            with _closing(r):
+                r.read()
+            return None, False
+        if r.status != 200:
+            with _closing(r):
+                raise _Status("GET", "get blob", r.status, r.reason)
+        return r, False
+
+    def _redirected(self, r: http.client.HTTPResponse) -> http.client.HTTPResponse | None:
+        """Where a server that redirects blob downloads sent this one (its response, on a
+        connection of its own); None for an answer that is no redirect. An HTTP cache
+        does not redirect: a 3xx is an answer outside the rules."""
+        return None
 
     def _body(self, resp: http.client.HTTPResponse, chunk: int) -> Iterator[bytes]:
         """A response's body, chunk by chunk, each read within ``timeout`` (a stall)."""

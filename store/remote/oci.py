@@ -37,7 +37,6 @@ whose size the registry misstates is stored again (:meth:`BlobRemote.stored_whol
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import http.client
@@ -54,12 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from ..fsutil import write_new_file
 from ..signing import Trust, parse_record
 from .base import RemoteConfig, refuse_readonly, register
-from .http import HttpRemote, _closing, _Status, netloc_of
+from .http import HttpRemote, _authorization, _closing, _Status, netloc_of
 from .oci_format import INDEX_TYPE, MANIFEST_TYPE, digest_of_tag, manifest_for, record_in, tag_of
-from .received import Received
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +163,7 @@ class OciRemote(HttpRemote):
                          "_PASSWORD_FILE)" if password is None
                     else "a user name with the password: oci://USER@registry/repository"),
                     401, "Unauthorized")
-            token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
-            return f"Basic {token}"
+            return _authorization(user, password)
         if scheme.lower() != "bearer" or not fields.get("realm"):
             raise _Status("GET", f"the registry asks for {scheme or 'no'} auth, which this "
                           "tier does not speak (Basic and Bearer tokens)", 401, "Unauthorized")
@@ -179,8 +175,8 @@ class OciRemote(HttpRemote):
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
         req = urllib.request.Request(url, headers={"User-Agent": "cachecompile"})
         if user is not None or password is not None:
-            basic = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
-            req.add_header("Authorization", f"Basic {basic}")
+            # Basic, also with a password alone (a token service wants a user field).
+            req.add_header("Authorization", _authorization(user or "", password))
         try:
             with urllib.request.urlopen(req, timeout=self.config.timeout) as resp:
                 doc = json.loads(resp.read(_MAX_TOKEN))
@@ -232,43 +228,14 @@ class OciRemote(HttpRemote):
             return None
         return record_in(raw, digest, lambda h: self._small("GET", "cas", h, "get record")), raw
 
-    def fetch_blob(self, digest: str, name: str, sha: str, size: int, chunk: int,
-                   target: Path, mode: int,
-                   progress: Callable[[int], None] | None) -> tuple[int, str]:
-        if not re.fullmatch(r"[0-9a-f]{64}", sha):
-            raise errors.CorruptEntryError(digest, f"{name!r} has no valid SHA-256")
-
-        resp, elsewhere = self._call("get blob", lambda: self._open_blob(sha))
-        if resp is None:
-            raise errors.CorruptEntryError(digest, f"the blob of {name!r} is gone")
-        got = Received(progress)
-        try:
-            write_new_file(target, got.passing(self._body(resp, 1024**2)), mode)
-        except BaseException:
-            if not elsewhere:
-                self._drop()  # the body was not read to its end: the connection is spent
-            raise
-        finally:
-            resp.close()
-        return got.result
-
-    def _open_blob(self, sha: str) -> tuple[Any, str]:
-        """(the response whose body is blob ``sha``, or None if it is not there; where
-        the registry redirected us, if it did)."""
-        r = self._send("GET", self._url("cas", sha))
-        if r.status in (301, 302, 303, 307, 308):
-            where = r.getheader("Location") or ""
-            with _closing(r):
-                r.read()
-            return self._follow(where), where
-        if r.status == 404:
-            with _closing(r):
-                r.read()
-            return None, ""
-        if r.status != 200:
-            with _closing(r):
-                raise _Status("GET", "get blob", r.status, r.reason)
-        return r, ""
+    def _redirected(self, r: http.client.HTTPResponse) -> http.client.HTTPResponse | None:
+        """A blob's redirect to the registry's storage, followed (ECR and GCR answer so)."""
+        if r.status not in (301, 302, 303, 307, 308):
+            return None
+        where = r.getheader("Location") or ""
+        with _closing(r):
+            r.read()
+        return self._follow(where)
 
     def _follow(self, location: str) -> http.client.HTTPResponse:
         """GET a blob where the registry redirected us (its storage: a presigned URL that
