@@ -8,6 +8,7 @@ Layout under ``<root>/v1/`` (see docs/store.md)::
     tmp/                                      staging; swept when stale
     quarantine/                               entries that failed verification
     locks/  pins/  index/                     filelocks, leases, SQLite index
+    instance                                  this store's random id, written once
 
 No directory below the root is ever followed if it is a symlink (each level is checked
 with lstat on the way down): a lookup through one is an ``insecure`` miss, a write
@@ -48,6 +49,10 @@ TEMP_GRACE_S = 3600.0
 MANIFEST = "manifest.json"
 DATA = "data"
 DIRS = ("entries", "blobs", "tmp", "quarantine", "locks", "pins", "index")
+# A store made again at a path is another store: what is kept outside it by its path (the
+# counters of its read-only processes, store/metrics.py) is kept by path and instance.
+INSTANCE = "instance"
+_INSTANCE_BYTES = 16
 
 
 def link_error(path: Path, what: str) -> errors.InsecureStoreError:
@@ -110,6 +115,39 @@ class Layout:
             # lexists: a symlink in its place is left alone (and refused where used).
             if name != "index" and not os.path.lexists(d):
                 self.mkdir(d, exist_ok=True)
+        if not os.path.lexists(self.base / INSTANCE):
+            self._write_instance()
+
+    def _write_instance(self) -> None:
+        token = os.urandom(_INSTANCE_BYTES).hex().encode()
+        try:
+            fd = os.open(self.base / INSTANCE, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | os.O_NOFOLLOW, self.file_mode | 0o200)
+        except FileExistsError:
+            return   # another process made the store at the same time: its id stands
+        try:
+            os.write(fd, token)
+            os.fchmod(fd, self.file_mode)
+        finally:
+            os.close(fd)
+
+    def instance(self) -> str:
+        """This store's random id, or "" for a store made before it had one (or one whose
+        file is not a small regular file: it is never followed through a link)."""
+        try:
+            fd = os.open(self.base / INSTANCE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return ""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            text = os.read(fd, 2 * _INSTANCE_BYTES + 1).decode("ascii", "replace")
+        except OSError:
+            return ""
+        finally:
+            os.close(fd)
+        ok = len(text) == 2 * _INSTANCE_BYTES and all(c in "0123456789abcdef" for c in text)
+        return text if ok else ""
 
     @functools.cached_property
     def group(self) -> int | None:

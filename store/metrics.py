@@ -12,7 +12,9 @@ text format, which a node exporter's textfile collector reads as is::
 ``cachectl stats`` adds the files of the store's stats dir to the index's counters.
 The stats dir is ``$CACHECOMPILE_STATS_DIR`` (point a fleet's collector there), else
 ``/tmp/cachecompile-<uid>/stats/<digest of the root>`` (``/tmp`` even where ``$TMPDIR``
-says otherwise, so that a server and a shell agree): per user, per store, private.
+says otherwise, so that a server and a shell agree): per user, per store, private. The
+digest is of the root and the store's instance id (store/layout.py): a store deleted and
+made again at the same path starts its counts at zero, not at its predecessor's.
 
 The directory is created 0700 and must be a real directory owned by this user; a file
 is read only if it is a regular file owned by this user (no symlink is followed).
@@ -33,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from . import settings
+from .layout import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,10 @@ def stats_dir(root: Path | str) -> Path:
     explicit = settings.STATS_DIR.get()
     if explicit:
         return Path(explicit)
-    digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]
+    resolved = Path(root).resolve()
+    instance = Layout(resolved).instance()
+    named = f"{resolved}\n{instance}" if instance else str(resolved)
+    digest = hashlib.sha256(named.encode()).hexdigest()[:16]
     # /tmp itself, not $TMPDIR: a server and the shell that runs `cachectl stats` often
     # differ in TMPDIR (a launcher, a test harness), rarely in /tmp.
     base = Path("/tmp") if os.access("/tmp", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import ccutil
@@ -80,6 +81,35 @@ def test_counters_file_format_and_what_is_refused(tmp_path: Path) -> None:
     link.symlink_to(d)
     assert metrics.read_counters(root, link) == {}
     assert metrics.remove_counters(root, d) == 1 and metrics.read_counters(root, d) == {}
+
+
+def test_a_store_made_again_at_a_path_counts_from_zero(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read-only counters live outside the store (/tmp), found by its path: a store
+    deleted and made again there (a test's tmp dir, a rebuilt image) is another store, and
+    its `cachectl stats` must not count its predecessor's hits and misses (it did: CI)."""
+    monkeypatch.delenv("CACHECOMPILE_STATS_DIR", raising=False)
+    root = tmp_path / "store"
+    store.open_store(root)
+    first = metrics.stats_dir(root)
+    c = metrics.ProcessCounters(root)
+    c.incr("miss:absent")
+    try:
+        assert metrics.read_counters(root) == {"miss:absent": 1}
+        instance = root / "v1" / "instance"
+        assert len(instance.read_text()) == 32 and (instance.stat().st_mode & 0o777) == 0o400
+        store.open_store(root)  # opened again: the same store, the same id and counts
+        assert metrics.stats_dir(root) == first
+        assert metrics.read_counters(root) == {"miss:absent": 1}
+        shutil.rmtree(root)
+        assert _stats(root)["misses"] == {}
+        assert metrics.read_counters(root) == {} and metrics.stats_dir(root) != first
+    finally:
+        metrics.remove_counters(root, first)
+    # A store made before it had an id keeps its counters where they were (by path).
+    (root / "v1" / "instance").unlink()
+    assert metrics.stats_dir(root).name == metrics.hashlib.sha256(
+        str(root.resolve()).encode()).hexdigest()[:16]
 
 
 def _cachectl(env: dict[str, str], *args: str) -> ccutil.Ran:
