@@ -264,7 +264,8 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
         dynamic: compile with dynamic shapes (one entry serves all sizes) or static
             shapes (one entry per shape, at most ``max_signatures``); ``None`` is
             torch.compile's automatic dynamic: static first, then, once a call differs
-            from an earlier one only in sizes (or int values), dynamic from then on.
+            from the first of its form in sizes, those dims dynamic (in an int's value:
+            the whole method dynamic) from then on.
             Default: ``True`` for a bound method (TorchAir's form and default), ``None``
             (torch.compile's default) for every form that stands where torch.compile
             stood: a module, a decorated method or class, a plain function.

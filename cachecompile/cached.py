@@ -30,6 +30,7 @@ import threading
 import time
 import types
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
 import torch
@@ -53,8 +54,6 @@ from cachecompile.warm.lookup import Lookup, Probe, Variant, record_miss
 from cachecompile.warm.state import cache_off, store_for
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from cachecompile.cold.capture import LiveSession
     from cachecompile.cold.miss import MissPath
     from cachecompile.warm.frame_serving import Continuation, Frames, LiveFrame
@@ -244,6 +243,9 @@ class CachedFunction(Generic[_P, _R]):
         # dynamic=None: each static signature's sizes-blind form -> the signature, until a
         # call differs from an earlier one in sizes only (then dynamic, as Dynamo does).
         self._shapes: dict[Signature, Signature] | None = {} if spec.automatic else None
+        # ... and, per form, the dims that changed (key.automatic): widened from then on.
+        self._widened: dict[Signature, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        self._unmark: Callable[[], None] | None = None  # the marks a first call put on
         self._retired: list[Lookup] = []  # lookups of the static phase (they hold pins)
         self._limit_warned = False
         self._lock = threading.RLock()
@@ -273,6 +275,8 @@ class CachedFunction(Generic[_P, _R]):
                     return last.run(*args, **kwargs)
                 self._last = None
             sig = signature(args, kwargs, self._dynamic)
+            if self._widened:
+                sig = self._widen(sig, args, kwargs)
             variants = self._runners.get(sig)
             if variants is not None and len(variants) == 1:
                 v = variants[0]
@@ -336,6 +340,8 @@ class CachedFunction(Generic[_P, _R]):
                   off_gear: bool = False, sig: Signature | None = None) -> Any:
         if sig is None:
             sig = signature(args, kwargs, self._dynamic)
+            if self._widened:
+                sig = self._widen(sig, args, kwargs)
         variants = self._runners.get(sig)
         if variants is not None:
             if len(variants) > 1:
@@ -373,9 +379,14 @@ class CachedFunction(Generic[_P, _R]):
         # Decided with the collector paused (what a load drops must not look long-lived
         # to it: warm.collector); what it decided runs after, so a compile or the
         # program's first run is outside.
-        with collector.paused():
-            act = self._decide(sig, args, kwargs, off_gear)
-        return act()
+        try:
+            with collector.paused():
+                act = self._decide(sig, args, kwargs, off_gear)
+            return act()
+        finally:
+            unmark, self._unmark = self._unmark, None   # set by _automatic, if it marked
+            if unmark is not None:
+                unmark()
 
     def _decide(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any],  # noqa: C901 (today's exception: the first call's outcomes (hit, miss, refusal, fault))
                 off_gear: bool) -> Callable[[], Any]:
@@ -474,23 +485,51 @@ class CachedFunction(Generic[_P, _R]):
         return functools.partial(self._cold.compile, sig, args, kwargs, st, sig_key, probe,
                                  early)
 
+    def _widen(self, sig: Signature, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Signature:
+        """A static signature with the dims its form widened (dynamic=None, per dim)."""
+        from cachecompile.key import automatic  # imported once a form widened
+
+        dims = self._widened.get(signature(args, kwargs, True))
+        return sig if dims is None else automatic.widen(sig, dims)
+
     def _automatic(self, sig: Signature, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Signature:
         """dynamic=None, as torch.compile's automatic dynamic shapes: the first call of a
-        form compiles static; a later call that differs from it in sizes (or int values)
-        only switches the method to dynamic, for every call from then on. Decided per
-        process from its own calls, so a warm process that sees the same calls loads the
-        same entries (the static one, then the dynamic one)."""
+        form compiles static; a later call that differs from it in tensor sizes only
+        compiles with the dims that changed dynamic (key.automatic), every other dim
+        static, for that form from then on; one that differs in more (an int's value)
+        switches the method to dynamic, for every call from then on. Decided per process
+        from its own calls, so a warm process that sees the same calls loads the same
+        entries (the static one, then the widened one)."""
+        from cachecompile.key import automatic  # not a warm start's: only sizes that vary
+
         assert self._shapes is not None
         blind = signature(args, kwargs, True)
         seen = self._shapes.get(blind)
-        if seen is None or seen == sig:
+        if seen is None:
             self._shapes[blind] = sig
             return sig
-        logger.info("cachecompile %s: [%s] after [%s]: sizes changed, so dynamic from now on "
-                    "(dynamic=None, torch.compile's automatic dynamic shapes)",
-                    self.__qualname__, describe(sig), describe(seen))
+        static = signature(args, kwargs, False)
+        known = self._widened.get(blind, ())
+        if static == seen and not known:
+            return sig
+        dims = automatic.changed_dims(seen, static, known)
+        if dims is not None:
+            if dims != known:
+                logger.info("cachecompile %s: [%s] after [%s]: sizes changed, so those dims "
+                            "are dynamic from now on (dynamic=None, torch.compile's automatic "
+                            "dynamic shapes)", self.__qualname__, describe(static),
+                            describe(seen))
+                self._widened[blind] = dims
+            sig = automatic.widen(static, dims)
+            self._unmark = automatic.mark(sig, args, kwargs, dims)
+            return sig
+        logger.info("cachecompile %s: [%s] after [%s]: more than sizes changed, so dynamic "
+                    "from now on (dynamic=None, torch.compile's automatic dynamic shapes)",
+                    self.__qualname__, describe(static), describe(seen))
         self._shapes = None
+        self._widened = {}
         self.spec = dataclasses.replace(self.spec, dynamic=True)
         self._dynamic = True
         self._keys = SignatureKeys(self._method, self.spec)

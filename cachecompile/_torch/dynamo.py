@@ -25,8 +25,7 @@ from .frame_cache import transformed_code
 
 logger = logging.getLogger(__name__)
 
-# (module, attribute path) for every private name below: checked by cachecompile._torch.probe
-# when a cold compile starts.
+# (module, attribute path) of every private name below: probed when a cold compile starts.
 NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.utils", "get_traced_code"),
     ("torch._dynamo.utils", "guard_failures"),
@@ -35,6 +34,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.exc", "FailOnRecompileLimitHit"),
     ("torch._dynamo.exc", "TorchRuntimeError"),
     ("torch._dynamo.exc", "BackendCompilerFailed"),
+    ("torch._dynamo.exc", "InternalTorchDynamoError"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("functorch.compile", "make_boxed_func"),
     ("torch", "_C._dynamo.eval_frame._debug_get_cache_entry_list"),
@@ -109,11 +109,12 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
 
 
 def backend_failures() -> tuple[type[BaseException], ...]:
-    """What torch raises when its backend fails to compile a graph Dynamo captured
-    (``BackendCompilerFailed``; Inductor's own ``InductorError`` where it surfaces as is)."""
+    """What torch raises when its compile fails on a graph Dynamo captured: in its backend
+    (``BackendCompilerFailed``; Inductor's ``InductorError`` where it surfaces as is), or in
+    Dynamo itself (``InternalTorchDynamoError``: a bug of torch's, never the inputs')."""
     from torch._dynamo import exc
 
-    out: list[type[BaseException]] = [exc.BackendCompilerFailed]
+    out: list[type[BaseException]] = [exc.BackendCompilerFailed, exc.InternalTorchDynamoError]
     inductor_exc = sys.modules.get("torch._inductor.exc")
     inductor_error = getattr(inductor_exc, "InductorError", None)
     if isinstance(inductor_error, type) and issubclass(inductor_error, BaseException):
@@ -132,8 +133,7 @@ def recompile_limit_errors() -> tuple[type[BaseException], ...]:
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
-    """What Dynamo raises when an operator fails on the call's fake tensors, besides
-    :func:`graph_break_errors` (a shape that does not fit: ``TorchRuntimeError``)."""
+    """What Dynamo raises when an operator fails on fake tensors (a shape that does not fit)."""
     try:
         from torch._dynamo.exc import TorchRuntimeError
     except ImportError:

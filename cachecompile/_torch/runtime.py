@@ -260,6 +260,8 @@ _MARKS: tuple[tuple[str, str], ...] = (
     ("dim_gears", "gears"),
 )
 # Marks that make a dim dynamic (Dynamo: mark_dynamic wins over mark_static).
+_WEAK = "_dynamo_weak_dynamic_indices"      # torch._dynamo.decorators.maybe_mark_dynamic
+_HAS_MARKS = "_has_dynamo_dim_marking"        # ... and what it sets beside it (2.6 on)
 DYNAMIC_MARKS = ("dynamic", "maybe_dynamic", "unbacked", "strict_unbacked")
 
 
@@ -286,6 +288,24 @@ def dim_marks(t: Any) -> tuple[tuple[str, Any], ...] | None:
         return None
     out = tuple((label, _mark_value(d[attr])) for attr, label in _MARKS if d.get(attr))
     return out or None
+
+
+def mark_maybe_dynamic(t: Any, dims: tuple[int, ...]) -> Callable[[], None]:
+    """``torch._dynamo.maybe_mark_dynamic`` of ``dims`` on ``t``, written as Dynamo writes
+    it (without importing Dynamo); what restores ``t``'s marks as they were."""
+    d = t.__dict__
+    before = {a: d[a] for a in (_WEAK, _HAS_MARKS) if a in d}
+    setattr(t, _WEAK, set(before.get(_WEAK, ())) | set(dims))
+    setattr(t, _HAS_MARKS, True)
+
+    def restore() -> None:
+        for a in (_WEAK, _HAS_MARKS):
+            if a in before:
+                setattr(t, a, before[a])
+            else:
+                t.__dict__.pop(a, None)
+
+    return restore
 
 
 # -- what this process has imported ------------------------------------------------------

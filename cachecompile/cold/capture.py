@@ -137,7 +137,8 @@ def _last_line(exc: BaseException) -> str:
 
 def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any], dynamic: bool,
-                        plain: BaseException | None) -> TorchCompileError:
+                        plain: BaseException | None,
+                        automatic: bool = False) -> TorchCompileError:
     """torch's backend failed to compile a graph of ``func``: one message, with the last
     line of torch's error, what plain torch.compile did with the same call (``plain``: its
     error; None: not tried, the method's graph breaks) and the argument to try; the whole
@@ -146,8 +147,14 @@ def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tupl
     qualname = getattr(func, "__qualname__", repr(func))
     names = [p.name for p in inspect.signature(func).parameters.values()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    try_instead = ("dynamic=None (torch.compile's default: static first) or dynamic=False"
-                   if dynamic else "dynamic=True, or caching a smaller part of the method")
+    if automatic:   # dynamic=None given: its dynamic compile failed, or its static one
+        try_instead = ("dynamic=False (one entry per shape)" if dynamic else
+                       "dynamic=False (one entry per shape), or caching a smaller part of "
+                       "the method")
+    else:
+        try_instead = ("dynamic=None (torch.compile's default: static first) or "
+                       "dynamic=False" if dynamic else
+                       "dynamic=True, or caching a smaller part of the method")
     if plain is None:
         spec = ("(Plain torch.compile was not tried on this call: the method's graph breaks, "
                 "and its first frames ran already.)")
@@ -157,7 +164,7 @@ def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tupl
                 "inputs.")
     return TorchCompileError(
         f"cache_compile could not compile {qualname}({describe_types(args, kwargs, names)}): "
-        f"torch's compile failed inside its backend ({_last_line(exc)}). {spec} Try "
+        f"torch's compile failed ({_last_line(exc)}). {spec} Try "
         f"{try_instead}. The whole error is logged at DEBUG (logger "
         "cachecompile.cold.capture). Nothing was cached.")
 
@@ -314,13 +321,13 @@ class LiveSession(Compiling):
             # run already: not tried again there.
             if not self._fullgraph:
                 raise torch_compile_error(e, self._orig, args, kwargs, self._dynamic,
-                                          None) from None
+                                          None, self._automatic) from None
             try:
                 result = self._plain_torch_compile()(*args, **kwargs)
             except Exception as plain:
                 logger.debug("plain torch.compile fails too", exc_info=True)
                 raise torch_compile_error(e, self._orig, args, kwargs, self._dynamic,
-                                          plain) from None
+                                          plain, self._automatic) from None
             fault(f"{getattr(self._orig, '__qualname__', self._orig)}: cachecompile's compile "
                   f"failed where plain torch.compile succeeds ({_last_line(e)}); the call ran "
                   "with plain torch.compile and nothing is cached. Please report it.")

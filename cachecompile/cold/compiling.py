@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from cachecompile import _torch
-from cachecompile._torch import dynamo
+from cachecompile._torch import dynamo, guard_export
 from cachecompile.backends.base import Compiled
 from cachecompile.spec import CompileSpec
 
@@ -56,6 +56,7 @@ class Compiling:
         self._options = dict(spec.options)
         self._decompositions = spec.decompositions
         self._dynamic = spec.dynamic
+        self._automatic = spec.automatic  # dynamic=None: what to try instead differs
         self._compile_seconds = 0.0
 
     @staticmethod
@@ -63,13 +64,15 @@ class Compiling:
     def dynamo_call(record: bool) -> Iterator[None]:
         """What every call of a session into Dynamo runs under (the one place it is said):
         torch's meta-kernel errors kept quiet, compiled graphs' outputs left unmarked
-        (:func:`dynamo.outputs_left_unmarked`), and, with ``record`` (a session that stores
+        (:func:`dynamo.outputs_left_unmarked`), Dynamo's export record tolerant of a
+        tensor built at each read (:mod:`cachecompile._torch.guard_export`), and, with ``record`` (a session that stores
         what Dynamo compiles), the names Dynamo looks up and the reads torch 2.11 leaves
         unguarded recorded. Without ``record``, :func:`dynamo.recorded_lookups` says "not
         recorded", and a frame's guards captured then are refused
         (:func:`guard_capture.translate`): a call that forgets to record costs a miss,
         never a frame stored without its absence guards."""
-        with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked():
+        with dynamo.quiet_meta_errors(), dynamo.outputs_left_unmarked(), \
+                guard_export.tolerant():
             if not record:
                 yield
                 return

@@ -146,6 +146,33 @@ def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) -
     return pos + (("kw",) + tuple((k, _value_sig(kwargs[k], dynamic)) for k in sorted(kwargs)),)
 
 
+def tensors_in_order(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The call's tensors in the order :func:`signature` signs them (keyword arguments
+    sorted, containers to the same depth): the n-th is the n-th tensor signature."""
+    out: list[Any] = []
+
+    def walk(v: Any, depth: int) -> None:
+        if isinstance(v, _Tensor):
+            out.append(v)
+        elif type(v) in _PLAIN_OBJECTS or isinstance(v, (*_VALUE_SCALARS, int, float)):
+            return
+        elif depth >= _MAX_DEPTH:
+            return
+        elif isinstance(v, Mapping):
+            for k in sorted(v, key=repr):
+                walk(v[k], depth + 1)
+        elif isinstance(v, (list, tuple)) or (dataclasses.is_dataclass(v)
+                                              and not isinstance(v, type)):
+            for x in _children(v):
+                walk(x, depth + 1)
+
+    for a in args:
+        walk(a, 0)
+    for k in sorted(kwargs):
+        walk(kwargs[k], 0)
+    return out
+
+
 def _children(v: Any) -> list[Any]:
     if isinstance(v, (list, tuple)):
         return list(v)

@@ -2,10 +2,10 @@
 fresh process that traces no frame: Qwen2-VL, the whole model (its vision tower splits
 by ``lengths.tolist()``; its decorated forwards are frames Dynamo skips, so every frame
 they call is a callee; four varied image grids and prompts),
-Longformer (breaks in four attention helpers), Reformer (numpy in its chunk sizes, a
-namedtuple rebuilt after a break), SwitchTransformers (its routers), each over three
-varied inputs, and a diffusion pipeline's step (the DiT,
-then DDIM's update, which breaks on the timestep, a frame variant per timestep). Qwen2-VL
+Longformer (breaks in four attention helpers; global attention, three lengths), Reformer
+(numpy in its chunk sizes, a namedtuple rebuilt after a break), SwitchTransformers (its
+routers), each over three varied inputs, and a diffusion pipeline's step (the DiT, then
+DDIM's update, which breaks on the timestep, a frame variant per timestep). Qwen2-VL
 serves its four calls with the module form's default (torch.compile's ``dynamic=None``):
 the second process compiles no frame either (issue 61: a frame its first process
 compiled for one grid was served to another signature's entry, whose frames had other

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from ccutil import Sandbox
 
 from cachecompile.key.identity import identity, importable_name
@@ -21,6 +22,7 @@ from cachecompile.key.identity import identity, importable_name
 MODEL = '''
 import math, operator, os
 import numpy as np
+import torch
 import torch
 from torch import nn
 
@@ -86,3 +88,29 @@ def test_a_frame_calling_numpy_math_and_operator_is_served_warm(tmp_path: Path) 
     # Another ufunc there: its identity guard fails, eager's result, never the stored one.
     other = box.run(RUN, ACT="sin")
     assert other["ok"], other.value
+
+
+class NumpyArg(torch.nn.Module):
+    """Takes a numpy array (BigBird's block-sparse attention makes its random blocks so):
+    Dynamo guards it as ``___from_numpy(L['a'])``, a tensor made anew at each read."""
+
+    def forward(self, x: torch.Tensor, a: np.ndarray) -> torch.Tensor:
+        return x * np.sum(a) + torch.from_numpy(np.tanh(a)).float()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_numpy_array_argument_is_cached(tmp_path: Path, backend: str) -> None:
+    """torch's own guard builder fails on it whenever guards are built twice (any
+    guard_filter_fn: ``torch.compile(f, options={"guard_filter_fn": ...})`` raises
+    InternalTorchDynamoError, "Boolean value of Tensor ... is ambiguous"), which every
+    capture is. A capture must bear it: compiled, stored, then served, as torch.compile."""
+    from cachecompile import cache_compile
+
+    m = NumpyArg()
+    x = torch.randn(3)
+    for want_event in ("miss", "hit"):
+        c = cache_compile(m, backend=backend, cache_dir=tmp_path / "cc")
+        with torch.no_grad():
+            for a in (np.arange(3.0), np.arange(3.0) + 1):
+                torch.testing.assert_close(c(x, a), m(x, a))
+        assert [e for e, _ in c.events] == [want_event], c.events

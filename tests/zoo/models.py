@@ -334,8 +334,11 @@ def build_qwen2_vl(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
     return model, calls
 
 
-def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
-    """Longformer: its sliding-window attention breaks in four helpers."""
+def build_longformer(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """Longformer with global attention on its first token: its sliding-window attention
+    breaks in four helpers, its global attention on ``.item()`` and ``nonzero``. Three
+    lengths: the second switches ``dynamic=None`` to dynamic in the sequence dim only, as
+    torch.compile does (the whole method dynamic made Inductor fail: issue 61)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -344,8 +347,13 @@ def build_longformer(seed: int = 0) -> tuple[nn.Module, list[tuple[Any, ...]]]:
         intermediate_size=64, attention_window=[4], max_position_embeddings=64,
         pad_token_id=1)
     model = transformers.LongformerModel(cfg).eval()
-    ids = torch.randint(2, 100, (1, 16), generator=torch.Generator().manual_seed(seed + 1))
-    return model, [(ids,)]
+    calls = []
+    for i, n in enumerate((16, 24, 32)):
+        ids = torch.randint(2, 100, (1, n), generator=torch.Generator().manual_seed(seed + i))
+        glob = torch.zeros_like(ids)
+        glob[:, 0] = 1
+        calls.append(dict(input_ids=ids, global_attention_mask=glob))
+    return model, calls
 
 
 def build_switch(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
