@@ -148,9 +148,8 @@ def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tupl
     names = [p.name for p in inspect.signature(func).parameters.values()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if automatic:   # dynamic=None given: its dynamic compile failed, or its static one
-        try_instead = ("dynamic=False (one entry per shape)" if dynamic else
-                       "dynamic=False (one entry per shape), or caching a smaller part of "
-                       "the method")
+        try_instead = "dynamic=False (one entry per shape)" + (
+            "" if dynamic else ", or caching a smaller part of the method")
     else:
         try_instead = ("dynamic=None (torch.compile's default: static first) or "
                        "dynamic=False" if dynamic else

@@ -98,7 +98,7 @@ def mark(sig: Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any],
     tensors = tensors_in_order(args, kwargs)
     if len(tensors) != len(found):
         return lambda: None
-    undo = [runtime.mark_maybe_dynamic(tensors[i], d) for i, d in dims if i < len(tensors)]
+    undo = [runtime.mark_maybe_dynamic(tensors[i], d) for i, d in dims]
 
     def unmark() -> None:
         for u in reversed(undo):   # a tensor given twice ends as it began
