@@ -34,8 +34,15 @@ run_test() {
 case "${1:-}" in
   items) items ;;
   prepare) echo "== guard sweep $2: nothing to install (the README's .venv)" ;;
+  # Tests' seconds on the reference machine: 229 for 384 cases (docs/performance.md).
+  estimate) echo $(( $2 * 229 / 384 + 30 )) ;;
+  discard) ;;
+  # The largest sweep, in whole batches of 64, whose estimate fits in $3 seconds; nothing
+  # when not even one batch does (.ci/tiers.sh sizes the sweep to a slow machine's time).
+  fit) n=$(( ($3 - 30) * 384 / 229 / 64 * 64 )); [ "$n" -gt "$2" ] && n=$2
+       [ "$n" -ge 64 ] && echo "$n" ;;
   test) start=$SECONDS; run_test "$2" || exit $?
         echo "== guard sweep $2: tests took $((SECONDS - start)) s" ;;
   "") run_test "$(items)" ;;
-  *) echo "usage: $0 [items | prepare N | test N]" >&2; exit 2 ;;
+  *) echo "usage: $0 [items | prepare N | test N | estimate N | discard N | fit N SECONDS]" >&2; exit 2 ;;
 esac

@@ -18,6 +18,7 @@ export PIP_CONSTRAINT=/dev/null
 
 tier_items() { echo "${CACHECOMPILE_NPU_MATRIX:-2.13.0 2.14.0}"; }
 tier_venv() { echo ".venv-npu-$1"; }
+tier_estimate() { echo 95; }   # tests' seconds on the reference machine
 
 tier_prepare() {
   local nv=$1

@@ -66,9 +66,14 @@ PYTHON_TESTS=(tests/store tests/entry tests/key tests/test_layers.py
               --ignore=tests/store/test_store_manifest_integrity.py)
 
 # 2.11.0: the release the lent GPU machines run (torch 2.11.0+cu130); 2.12.1: the last of
-# 2.12. Both differ from 2.13 in private names and guards (cachecompile/_torch/).
-tier_items() { echo "${CACHECOMPILE_TORCH_MATRIX:-2.11.0@3.10 2.12.1@3.12 2.14.1 2.15.0}"; }
+# 2.12. Both differ from 2.13 in private names and guards (cachecompile/_torch/). In the
+# order a slow machine keeps them (.ci/tiers.sh: CI's deadline): the oldest, the newest,
+# then 2.12 (and Python 3.12), then 2.14.1, the nearest to the README command's 2.13.
+tier_items() { echo "${CACHECOMPILE_TORCH_MATRIX:-2.11.0@3.10 2.15.0 2.12.1@3.12 2.14.1}"; }
 tier_venv() { echo ".venv-torch-${1/@/-py}"; }
+# Tests' seconds on the reference machine (docs/performance.md, "The test suite"): an item on
+# another Python adds that Python's fast tests.
+tier_estimate() { if [[ $1 == *@* ]]; then echo 350; else echo 190; fi; }
 item_torch() { echo "${1%%@*}"; }
 item_python() { [[ $1 == *@* ]] && echo "${1#*@}"; }
 
