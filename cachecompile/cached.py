@@ -240,8 +240,8 @@ class CachedFunction(Generic[_P, _R]):
         self._lookup.frame_compiler = self._cold
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._training_warned = False   # InferenceOnlyWarning given (or not needed)
-        # dynamic=None: each static signature's sizes-blind form -> the signature, until a
-        # call differs from an earlier one in sizes only (then dynamic, as Dynamo does).
+        # dynamic=None: each call's form (key.automatic.form) -> its first static signature,
+        # until a call differs from it (then dims or the method dynamic, as Dynamo does).
         self._shapes: dict[Signature, Signature] | None = {} if spec.automatic else None
         # ... and, per form, the dims that changed (key.automatic): widened from then on.
         self._widened: dict[Signature, tuple[tuple[int, tuple[int, ...]], ...]] = {}
@@ -490,7 +490,7 @@ class CachedFunction(Generic[_P, _R]):
         """A static signature with the dims its form widened (dynamic=None, per dim)."""
         from cachecompile.key import automatic  # imported once a form widened
 
-        dims = self._widened.get(signature(args, kwargs, True))
+        dims = self._widened.get(automatic.form(signature(args, kwargs, True)))
         return sig if dims is None else automatic.widen(sig, dims)
 
     def _automatic(self, sig: Signature, args: tuple[Any, ...],
@@ -505,7 +505,7 @@ class CachedFunction(Generic[_P, _R]):
         from cachecompile.key import automatic  # not a warm start's: only sizes that vary
 
         assert self._shapes is not None
-        blind = signature(args, kwargs, True)
+        blind = automatic.form(signature(args, kwargs, True))
         seen = self._shapes.get(blind)
         if seen is None:
             self._shapes[blind] = sig

@@ -8,7 +8,7 @@ the one torch.compile makes, and reaches torch bugs that torch.compile's never m
 (Longformer with global attention: Inductor's ``Invalid NaN comparison``).
 
 Here: the dimensions in which a call's static signature differs from the first of its
-form (same sizes-blind signature) are widened, in the signature (their size becomes its
+form (:func:`form`: the same signature but for sizes and ints, 0 and 1 included) are widened, in the signature (their size becomes its
 class, as ``dynamic=True`` writes it) and for Dynamo (``maybe_mark_dynamic`` on the
 call's tensors, for the first call of the widened signature only, and taken off after:
 the user's tensors keep no mark). A difference other than tensor sizes (an int's value,
@@ -41,6 +41,25 @@ def _tensor_sigs(sig: Any, out: list[tuple[Any, ...]]) -> None:
     elif type(sig) is tuple:
         for s in sig:
             _tensor_sigs(s, out)
+
+
+def form(dynamic_sig: Signature) -> Signature:
+    """The form of a call (its ``dynamic=True`` signature) whose calls are compared with
+    the first of them: every tensor size and int blinded, 0 and 1 too. Dynamo's automatic
+    dynamic compares every size with the first call's, so a batch of 1 then 2 makes that
+    dim dynamic (sizes 0 and 1 stay specialised: :func:`widen`), not a form of its own
+    compiled static first."""
+
+    def walk(s: Any) -> Any:
+        if _is_tensor_sig(s):
+            return (*s[:3], (-1,) * len(s[3]), *s[4:])
+        if type(s) is tuple:
+            if len(s) == 2 and s[0] == "int" and type(s[1]) is int:
+                return ("int", -1)
+            return tuple(walk(x) for x in s)
+        return s
+
+    return walk(dynamic_sig)
 
 
 def _same_but_sizes(a: Any, b: Any, out: dict[int, set[int]], n: list[int]) -> bool:

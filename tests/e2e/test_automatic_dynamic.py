@@ -40,8 +40,14 @@ def _inputs(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, n, 16, generator=g), (torch.rand(b, n, generator=g) > 0.2).float()
 
 
-def _torch_compiles(backend: str) -> tuple[int, list[torch.Tensor]]:
-    """Plain torch.compile's frame compiles and outputs on CALLS (the spec)."""
+# A batch of one that grows: Dynamo specialises sizes 0 and 1, so the dim that changed
+# serves every batch from 2 on, and the first compile stays for the batch of one.
+CALLS_FROM_ONE = [(1, 8), (2, 8), (3, 8), (1, 8), (5, 8)]
+
+
+def _torch_compiles(backend: str, calls: list[tuple[int, int]] = CALLS
+                    ) -> tuple[int, list[torch.Tensor]]:
+    """Plain torch.compile's frame compiles and outputs on ``calls`` (the spec)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -56,7 +62,7 @@ def _torch_compiles(backend: str) -> tuple[int, list[torch.Tensor]]:
     m = Attend().eval()
     f = torch.compile(m, backend=counting)
     with torch.no_grad():
-        outs = [f(*_inputs(b, n)) for b, n in CALLS]
+        outs = [f(*_inputs(b, n)) for b, n in calls]
     return compiles, outs
 
 
@@ -91,6 +97,23 @@ def test_the_dims_that_changed_are_dynamic_and_no_others(cache_dir: Path, backen
     assert [e for e, _ in events] == ["hit", "hit", "hit"], events
     for got, ref in zip(outs, want, strict=True):
         torch.testing.assert_close(got, ref)
+
+
+def test_a_size_of_one_that_grows_compiles_as_torch_compile_does(cache_dir: Path) -> None:
+    """A size-1 dim that grows is the same form as its size-1 first call (sizes 0 and 1 are
+    not a form of their own): two compiles, as torch.compile's, not a static one more."""
+    want_compiles, want = _torch_compiles("aot_eager", CALLS_FROM_ONE)
+    for process in ("cold", "warm"):
+        m = Attend().eval()
+        cached = cache_compile(m, backend="aot_eager", cache_dir=cache_dir)
+        with torch.no_grad():
+            outs = [cached(*_inputs(b, n)) for b, n in CALLS_FROM_ONE]
+        for got, ref in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, ref)
+        outcome = "miss" if process == "cold" else "hit"
+        assert cached.events == [(outcome, "float32[1,8,16]@cpu, float32[1,8]@cpu"),
+                                 (outcome, "float32[n,8,16]@cpu, float32[n,8]@cpu")], cached.events
+    assert want_compiles == 2
 
 
 def test_an_int_that_changes_makes_the_method_dynamic(cache_dir: Path) -> None:
