@@ -17,15 +17,16 @@
 #
 # CI's deadline (CACHECOMPILE_CI_DEADLINE_S, default 4800 s: 80 of CI's 90 minutes). The
 # same CI machine has run the same commit 2.6x slower one afternoon than that morning, which
-# put CI past 90 minutes with every test green. Before an item's tests start, its estimate
-# (the seconds it took on the reference machine, `estimate ITEM`) times this machine's
-# slowness (TIERS_FACTOR, which .ci/run measures with tools/machine_speed.py) must end
-# before the deadline. On a machine slower than the reference (factor over 1.25) an item
-# that cannot is skipped, said at once and again at the end; on one as fast as the
+# put CI past 90 minutes with every test green. When an item's turn comes, and again when
+# its install ends, its estimate (its tests' seconds on the reference machine, `estimate
+# ITEM`) times this machine's slowness (TIERS_FACTOR, which .ci/run measures with
+# tools/machine_speed.py) must end before the deadline. On a machine slower than the
+# reference (factor over 1.25) the sweep runs fewer batches (`fit`) and any other item that
+# cannot is skipped, each said at once and again at the end; on one as fast as the
 # reference it fails CI, since then the tests themselves have grown past the budget. The
-# items run most valuable first, so what a slow machine skips is what other items cover best:
-# the torch matrix (the oldest release, the GPU machines' 2.11, first), then the Ascend tier,
-# then the generated sweep (the README command runs its fixed seed).
+# items run most valuable first, so what a slow machine skips is what other items cover
+# best: the torch matrix (2.11, the GPU machines' release, then the newest), then the
+# Ascend tier, then the generated sweep (the README command runs its fixed seed).
 
 TIERS_PATH=$PATH                      # before .ci/run activates the README's .venv
 # Short: each item's tests get a TMPDIR under it, and paths there reach cachectl's tables.
@@ -140,22 +141,34 @@ _tiers_skip() {
   TIERS_SKIPPED+=("$script $item")
 }
 
+# Whether item K (of N) runs: 0 to run it (perhaps shrunk), 1 when skipped (the next
+# item's install started if it was not), 2 to fail CI.
+_tiers_keep() {
+  local k=$1 n=$2 rc
+  _tiers_fits "$k" && return 0
+  _tiers_skip "$k"
+  rc=$?
+  case $rc in
+    2) return 0 ;;
+    1) return 2 ;;
+  esac
+  if [ $((k + 1)) -lt "$n" ] && [ -z "${TIERS_PIDS[$((k + 1))]:-}" ]; then
+    _tiers_start $((k + 1))
+  fi
+  return 1
+}
+
 # Test every item in turn, each after its install, the next installing meanwhile.
 tiers_run() {
   local k n=${#TIERS_ITEMS[@]} script item rc
   for ((k = 0; k < n; k++)); do
     read -r script item <<<"${TIERS_ITEMS[$k]}"
     echo "== $script $item"
-    if ! _tiers_fits "$k"; then
-      _tiers_skip "$k"
-      rc=$?
-      [ "$rc" -eq 1 ] && { tiers_abort; return 1; }
-      if [ "$rc" -eq 0 ]; then
-        [ $((k + 1)) -lt "$n" ] && [ -z "${TIERS_PIDS[$((k + 1))]:-}" ] && _tiers_start $((k + 1))
-        continue
-      fi
-      read -r script item <<<"${TIERS_ITEMS[$k]}"
-    fi
+    _tiers_keep "$k" "$n"
+    rc=$?
+    [ "$rc" -eq 2 ] && { tiers_abort; return 1; }
+    [ "$rc" -eq 1 ] && continue
+    read -r script item <<<"${TIERS_ITEMS[$k]}"
     if [ -z "${TIERS_PIDS[$k]:-}" ]; then
       _tiers_start "$k"
     fi
@@ -168,6 +181,13 @@ tiers_run() {
       tiers_abort
       return 1
     fi
+    # Again after the install, which may have run long (a slow mirror, a disk too small to
+    # install beside the tests before).
+    _tiers_keep "$k" "$n"
+    rc=$?
+    [ "$rc" -eq 2 ] && { tiers_abort; return 1; }
+    [ "$rc" -eq 1 ] && continue
+    read -r script item <<<"${TIERS_ITEMS[$k]}"
     echo "== disk: $(_tiers_free_gb) GB free"
     [ $((k + 1)) -lt "$n" ] && _tiers_prefetch $((k + 1))
     mkdir -p "$TIERS_LOGS/t$k"

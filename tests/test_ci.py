@@ -17,24 +17,25 @@ REPO = Path(__file__).resolve().parent.parent
 STAND_IN = """#!/usr/bin/env bash
 case "$1" in
   items) echo "${ITEMS}" ;;
-  prepare) echo "prepared $2" ;;
+  prepare) if [ "$2" = late ]; then sleep 3; fi; echo "prepared $2" ;;
   test) echo "tested $(basename "$0" .sh) $2"; echo "$(basename "$0" .sh) $2" >> tested.txt ;;
-  estimate) if [ "$2" = slow ]; then echo 1000; else echo 10; fi ;;
+  estimate) case $2 in slow) echo 1000 ;; late) echo 30 ;; *) echo 10 ;; esac ;;
   discard) echo "discarded $2"; echo "$(basename "$0" .sh) $2" >> discarded.txt ;;
   fit) if [ "$(basename "$0" .sh)" = guard-sweep ] && [ "$3" -ge 20 ]; then echo small; fi ;;
 esac
 """
 
 
-def run_tiers(tmp_path: Path, factor: str) -> subprocess.CompletedProcess[str]:
+def run_tiers(tmp_path: Path, factor: str, items: tuple[str, str, str] = ("fast slow", "fast", "slow"),
+              deadline: int = 100) -> subprocess.CompletedProcess[str]:
     ci = tmp_path / ".ci"
     ci.mkdir()
     shutil.copy(REPO / ".ci" / "tiers.sh", ci / "tiers.sh")
-    for name, items in (("torch-matrix", "fast slow"), ("npu-tier", "fast"),
-                        ("guard-sweep", "slow")):
-        (ci / f"{name}.sh").write_text(STAND_IN.replace("${ITEMS}", items))
+    for name, its in zip(("torch-matrix", "npu-tier", "guard-sweep"), items, strict=True):
+        (ci / f"{name}.sh").write_text(STAND_IN.replace("${ITEMS}", its))
     script = ". .ci/tiers.sh; tiers_init; tiers_run"
-    env = {"PATH": "/usr/bin:/bin", "TIERS_FACTOR": factor, "CACHECOMPILE_CI_DEADLINE_S": "100",
+    env = {"PATH": "/usr/bin:/bin", "TIERS_FACTOR": factor,
+           "CACHECOMPILE_CI_DEADLINE_S": str(deadline),
            "TMPDIR": str(tmp_path)}
     return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
@@ -55,6 +56,16 @@ def test_a_slow_machine_skips_what_does_not_fit_and_says_so(tmp_path: Path) -> N
     assert "== SKIPPED for time: torch-matrix slow" in p.stdout
     assert "== SHRUNK for time: guard-sweep slow runs as guard-sweep small" in p.stdout
     assert "CI passed WITHOUT 2 tier item(s) whole" in p.stdout and "3.0x slower" in p.stdout
+
+
+def test_an_install_that_ran_long_is_checked_again(tmp_path: Path) -> None:
+    # "late" fits when its turn comes (30 s x 3 = 90 s of 92) but its install takes 3 s: it no
+    # longer fits when the install ends, and is skipped then, its venv removed.
+    p = run_tiers(tmp_path, "3", items=("late", "", ""), deadline=92)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "prepared late" in p.stdout
+    assert lines(tmp_path / "tested.txt") == []
+    assert lines(tmp_path / "discarded.txt") == ["torch-matrix late"]
 
 
 def test_the_sweep_fits_whole_batches_in_the_time_left() -> None:
