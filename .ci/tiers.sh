@@ -19,14 +19,16 @@
 # same CI machine has run the same commit 2.6x slower one afternoon than that morning, which
 # put CI past 90 minutes with every test green. When an item's turn comes, and again when
 # its install ends, its estimate (its tests' seconds on the reference machine, `estimate
-# ITEM`) times this machine's slowness (TIERS_FACTOR, which .ci/run measures with
-# tools/machine_speed.py) must end before the deadline. On a machine slower than the
-# reference (factor over 1.25) the sweep runs fewer batches (`fit`) and any other item that
-# cannot is skipped, each said at once and again at the end; on one as fast as the
-# reference it fails CI, since then the tests themselves have grown past the budget. The
-# items run most valuable first, so what a slow machine skips is what other items cover
-# best: the torch matrix (2.11, the GPU machines' release, then the newest), then the
-# Ascend tier, then the generated sweep (the README command runs its fixed seed).
+# ITEM`) times this machine's slowness (TIERS_FACTOR: .ci/run sets it to the README
+# command's time over its time on the reference machine) must end before the deadline. On
+# a machine slower than the reference (factor over 1.25) the sweep runs fewer batches
+# (`fit`) and any other item that cannot is skipped, each said at once and again at the
+# end; on one as fast as the reference it fails CI, since then the tests themselves have
+# grown past the budget. An item that will not fit is not installed: the next that will
+# installs instead. The items run most valuable first, so what a slow machine skips is what
+# other items cover best: the torch matrix (2.11, the GPU machines' release, then the
+# newest), then the Ascend tier, then the generated sweep (the README command runs its
+# fixed seed).
 
 TIERS_PATH=$PATH                      # before .ci/run activates the README's .venv
 # Short: each item's tests get a TMPDIR under it, and paths there reach cachectl's tables.
@@ -99,13 +101,35 @@ tiers_abort() {
   rm -rf .venv-py* .venv-torch-* .venv-npu-* "$TIERS_LOGS"
 }
 
-# 0 when item K's tests, at this machine's speed, end before the deadline.
-_tiers_fits() {
+# When item K's tests, started at AT (default now), end at this machine's speed.
+_tiers_end() {
   local script item est
   read -r script item <<<"${TIERS_ITEMS[$1]}"
   est=$(_tier_script "$script" estimate "$item")
-  awk -v now="$SECONDS" -v est="$est" -v f="$TIERS_FACTOR" -v d="$TIERS_DEADLINE" \
-    'BEGIN { exit !(now + est * f <= d) }'
+  awk -v at="${2:-$SECONDS}" -v est="$est" -v f="$TIERS_FACTOR" 'BEGIN { print int(at + est * f) }'
+}
+
+# 0 when item K's tests, started at AT (default now), end before the deadline.
+_tiers_fits() {
+  [ "$(_tiers_end "$1" "${2:-$SECONDS}")" -le "$TIERS_DEADLINE" ]
+}
+
+# Start installing the first item after K (of N) whose tests, started at AT, still end in
+# time (on a machine at the reference speed, K+1), unless one after K is installing already:
+# on a slow machine the item right after may be skipped at its turn, and its install would
+# only hold up the one that runs instead. MODE: prefetch (beside tests: only with the disk
+# to spare) or now.
+_tiers_install_next() {
+  local k=$1 n=$2 at=$3 mode=$4 j
+  for ((j = k + 1; j < n; j++)); do
+    [ -n "${TIERS_PIDS[$j]:-}" ] && return 0
+  done
+  for ((j = k + 1; j < n; j++)); do
+    if awk -v f="$TIERS_FACTOR" 'BEGIN { exit !(f <= 1.25) }' || _tiers_fits "$j" "$at"; then
+      if [ "$mode" = prefetch ]; then _tiers_prefetch "$j"; else _tiers_start "$j"; fi
+      return 0
+    fi
+  done
 }
 
 # Item K does not fit: on a slow machine run a smaller one where the tier has one (the
@@ -141,8 +165,8 @@ _tiers_skip() {
   TIERS_SKIPPED+=("$script $item")
 }
 
-# Whether item K (of N) runs: 0 to run it (perhaps shrunk), 1 when skipped (the next
-# item's install started if it was not), 2 to fail CI.
+# Whether item K (of N) runs: 0 to run it (perhaps shrunk), 1 when skipped (the install
+# of the next that fits started, if none is under way), 2 to fail CI.
 _tiers_keep() {
   local k=$1 n=$2 rc
   _tiers_fits "$k" && return 0
@@ -152,9 +176,7 @@ _tiers_keep() {
     2) return 0 ;;
     1) return 2 ;;
   esac
-  if [ $((k + 1)) -lt "$n" ] && [ -z "${TIERS_PIDS[$((k + 1))]:-}" ]; then
-    _tiers_start $((k + 1))
-  fi
+  _tiers_install_next "$k" "$n" "$SECONDS" now
   return 1
 }
 
@@ -189,7 +211,7 @@ tiers_run() {
     [ "$rc" -eq 1 ] && continue
     read -r script item <<<"${TIERS_ITEMS[$k]}"
     echo "== disk: $(_tiers_free_gb) GB free"
-    [ $((k + 1)) -lt "$n" ] && _tiers_prefetch $((k + 1))
+    _tiers_install_next "$k" "$n" "$(_tiers_end "$k")" prefetch
     mkdir -p "$TIERS_LOGS/t$k"
     TMPDIR=$TIERS_LOGS/t$k _tier_script "$script" test "$item"
     rc=$?
@@ -200,9 +222,7 @@ tiers_run() {
     fi
     echo "== through $script $item: ${SECONDS} s"
     # Deferred for want of disk: install it now that this item's venv is gone.
-    if [ $((k + 1)) -lt "$n" ] && [ -z "${TIERS_PIDS[$((k + 1))]:-}" ]; then
-      _tiers_start $((k + 1))
-    fi
+    _tiers_install_next "$k" "$n" "$SECONDS" now
   done
   rm -rf "$TIERS_LOGS"
   if [ "${#TIERS_SKIPPED[@]}" -gt 0 ]; then

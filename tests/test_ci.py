@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 STAND_IN = """#!/usr/bin/env bash
 case "$1" in
   items) echo "${ITEMS}" ;;
-  prepare) if [ "$2" = late ]; then sleep 3; fi; echo "prepared $2" ;;
+  prepare) if [ "$2" = late ]; then sleep 3; fi; echo "prepared $2"
+           echo "$(basename "$0" .sh) $2" >> prepared.txt ;;
   test) echo "tested $(basename "$0" .sh) $2"; echo "$(basename "$0" .sh) $2" >> tested.txt ;;
   estimate) case $2 in slow) echo 1000 ;; late) echo 30 ;; *) echo 10 ;; esac ;;
   discard) echo "discarded $2"; echo "$(basename "$0" .sh) $2" >> discarded.txt ;;
@@ -54,6 +55,8 @@ def test_a_slow_machine_skips_what_does_not_fit_and_says_so(tmp_path: Path) -> N
                                               "guard-sweep small"]
     assert lines(tmp_path / "discarded.txt") == ["torch-matrix slow"]
     assert "== SKIPPED for time: torch-matrix slow" in p.stdout
+    # What will not fit is not installed: the one after it installs instead.
+    assert "torch-matrix slow" not in lines(tmp_path / "prepared.txt")
     assert "== SHRUNK for time: guard-sweep slow runs as guard-sweep small" in p.stdout
     assert "CI passed WITHOUT 2 tier item(s) whole" in p.stdout and "3.0x slower" in p.stdout
 
