@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 STAND_IN = """#!/usr/bin/env bash
 case "$1" in
   items) echo "${ITEMS}" ;;
-  prepare) if [ "$2" = late ]; then sleep 3; fi; echo "prepared $2"
+  prepare) if [ "$2" = late ]; then sleep 6; fi; echo "prepared $2"
            echo "$(basename "$0" .sh) $2" >> prepared.txt ;;
   test) echo "tested $(basename "$0" .sh) $2"; echo "$(basename "$0" .sh) $2" >> tested.txt ;;
   estimate) case $2 in slow) echo 1000 ;; late) echo 30 ;; *) echo 10 ;; esac ;;
@@ -62,9 +62,9 @@ def test_a_slow_machine_skips_what_does_not_fit_and_says_so(tmp_path: Path) -> N
 
 
 def test_an_install_that_ran_long_is_checked_again(tmp_path: Path) -> None:
-    # "late" fits when its turn comes (30 s x 3 = 90 s of 92) but its install takes 3 s: it no
+    # "late" fits when its turn comes (30 s x 3 = 90 s of 95) but its install takes 6 s: it no
     # longer fits when the install ends, and is skipped then, its venv removed.
-    p = run_tiers(tmp_path, "3", items=("late", "", ""), deadline=92)
+    p = run_tiers(tmp_path, "3", items=("late", "", ""), deadline=95)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "prepared late" in p.stdout
     assert lines(tmp_path / "tested.txt") == []
