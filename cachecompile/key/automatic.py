@@ -8,11 +8,12 @@ the one torch.compile makes, and reaches torch bugs that torch.compile's never m
 (Longformer with global attention: Inductor's ``Invalid NaN comparison``).
 
 Here: the dimensions in which a call's static signature differs from the first of its
-form (:func:`form`: the same signature but for sizes and ints, 0 and 1 included) are widened, in the signature (their size becomes its
-class, as ``dynamic=True`` writes it) and for Dynamo (``maybe_mark_dynamic`` on the
-call's tensors, for the first call of the widened signature only, and taken off after:
-the user's tensors keep no mark). A difference other than tensor sizes (an int's value,
-strides, a dtype) gives None: the caller makes the method dynamic, as before.
+form (:func:`form`: the same signature but for sizes and ints, 0 and 1 included) are
+widened, in the signature (their size becomes its class, as ``dynamic=True`` writes it)
+and for Dynamo (``maybe_mark_dynamic`` on the call's tensors, for the first call of the
+widened signature only, and taken off after: the user's tensors keep no mark). A
+difference other than tensor sizes (an int's value, strides, a dtype) gives None: the
+caller makes the method dynamic, as before.
 
 Tensors are found in the order :func:`cachecompile.key.signature.signature` visits them,
 so the n-th tensor signature is the n-th tensor; where the two counts differ nothing is
