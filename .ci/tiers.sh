@@ -101,6 +101,12 @@ tiers_abort() {
   rm -rf .venv-py* .venv-torch-* .venv-npu-* "$TIERS_LOGS"
 }
 
+# 0 on a machine at about the reference speed: there a misfit is the tests' fault, not the
+# machine's, and fails CI.
+_tiers_at_reference_speed() {
+  awk -v f="$TIERS_FACTOR" 'BEGIN { exit !(f <= 1.25) }'
+}
+
 # When item K's tests, started at AT (default now), end at this machine's speed.
 _tiers_end() {
   local script item est
@@ -125,7 +131,7 @@ _tiers_install_next() {
     [ -n "${TIERS_PIDS[$j]:-}" ] && return 0
   done
   for ((j = k + 1; j < n; j++)); do
-    if awk -v f="$TIERS_FACTOR" 'BEGIN { exit !(f <= 1.25) }' || _tiers_fits "$j" "$at"; then
+    if _tiers_at_reference_speed || _tiers_fits "$j" "$at"; then
       if [ "$mode" = prefetch ]; then _tiers_prefetch "$j"; else _tiers_start "$j"; fi
       return 0
     fi
@@ -138,7 +144,7 @@ _tiers_install_next() {
 _tiers_skip() {
   local k=$1 script item left smaller
   read -r script item <<<"${TIERS_ITEMS[$k]}"
-  if awk -v f="$TIERS_FACTOR" 'BEGIN { exit !(f <= 1.25) }'; then
+  if _tiers_at_reference_speed; then
     echo "$script $item would end past CI's deadline (${TIERS_DEADLINE} s) on a machine as" \
          "fast as the reference: the tests have outgrown CI's time (docs/testing.md," \
          "\"The budget, and how to keep it\")" >&2

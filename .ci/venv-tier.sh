@@ -30,15 +30,16 @@ leave_tier_venv() {
   return "$2"
 }
 
-# tier_main LABEL [items | prepare ITEM | test ITEM | estimate ITEM | discard ITEM | fit ITEM SECONDS]: the one
-# way a tier script runs. A tier script defines tier_items (its items, e.g. torch releases),
-# tier_venv ITEM (the venv's path), tier_prepare ITEM (make the venv and install into it),
-# tier_test ITEM (run the tests in it, then leave_tier_venv) and tier_estimate ITEM (the
-# seconds its tests took on the reference machine: .ci/tiers.sh keeps CI's deadline with
-# it); discard removes an item's venv untested; fit ITEM SECONDS prints a smaller item that
-# fits in SECONDS, where the tier has one (the guard sweep's fewer cases). With no arguments every item is prepared and
-# tested in turn (a tier run on its own); .ci/tiers.sh runs the halves separately, so that
-# the next item installs (network and disk) while this one's tests use the cores.
+# tier_main LABEL [items | prepare ITEM | test ITEM | estimate ITEM | discard ITEM |
+# fit ITEM SECONDS]: the one way a tier script runs. A tier script defines tier_items (its
+# items, e.g. torch releases), tier_venv ITEM (the venv's path), tier_prepare ITEM (make
+# the venv and install into it), tier_test ITEM (run the tests in it, then leave_tier_venv)
+# and tier_estimate ITEM (the seconds its tests took on the reference machine: .ci/tiers.sh
+# keeps CI's deadline with it); discard removes an item's venv untested; fit ITEM SECONDS
+# prints a smaller item that fits in SECONDS, where the tier has one (the guard sweep's
+# fewer cases). With no arguments every item is prepared and tested in turn (a tier run on
+# its own); .ci/tiers.sh runs the halves separately, so that the next item installs
+# (network and disk) while this one's tests use the cores.
 # A failed install removes its venv; exit code 5 (no tests collected) fails the item.
 tier_main() {
   local label=$1 rc

@@ -1,9 +1,10 @@
 """How fast this machine runs the kind of work the test suite does, as one number.
 
-``python3 tools/machine_speed.py [--factor]`` prints the seconds a fixed, single-core workload takes
-(the median of eleven runs): Python compiling and walking source, dicts, strings and regexes,
-what mypy, Dynamo's tracing and Inductor's code generation spend their time on. ``--factor`` prints that time over ``REFERENCE_S``, never under 1. It needs
-only the standard library, so .ci/run runs it before any venv exists.
+``python3 tools/machine_speed.py [--factor]`` prints the seconds a fixed, single-core
+workload takes (the median of eleven runs): Python compiling and walking source, dicts,
+strings and regexes, what mypy, Dynamo's tracing and Inductor's code generation spend their
+time on. ``--factor`` prints that time over ``REFERENCE_S``, never under 1. It needs only
+the standard library, so .ci/run runs it before any venv exists.
 
 Why: the same 2-core CI machine ran the README command in 868 s one morning and in 2268 s
 that afternoon, with mypy alone (code it does not run) going from 44 s to 137 s. A budget in
@@ -55,7 +56,7 @@ def workload() -> float:
         counts: dict[str, int] = {}
         for word in _WORD.findall(src):
             counts[word] = counts.get(word, 0) + 1
-        "".join(sorted(counts)).count("f1") + len(names)
+        "".join(sorted(counts)).count("f1") + len(names)   # work, its result unused
     return time.perf_counter() - start
 
 
