@@ -166,15 +166,22 @@ def _warn_once(what: str, message: str) -> None:
 
 
 class _ByForm:
-    """``dynamic``'s default: torch.compile's (None, automatic) where ``cache_compile``
-    stands where ``torch.compile`` stood (a module, a decorator, a plain function, repeated
-    blocks), TorchAir's (True) for its own form, a bound method (docs/usage.md, "Forms")."""
+    """A default that depends on the form: TorchAir's for its own form, a bound method;
+    torch.compile's where ``cache_compile`` stands where ``torch.compile`` stood (a
+    module, a decorator, a plain function, repeated blocks) (docs/usage.md, "Forms")."""
+
+    def __init__(self, torchair: Any, torch_compile: Any) -> None:
+        self.torchair = torchair
+        self.torch_compile = torch_compile
 
     def __repr__(self) -> str:
-        return "<by form: True for a bound method, else None>"
+        return f"<by form: {self.torchair} for a bound method, else {self.torch_compile}>"
 
 
-_BY_FORM: Any = _ByForm()
+# dynamic: TorchAir's True; torch.compile's None (automatic).
+_BY_FORM: Any = _ByForm(True, None)
+# fullgraph: TorchAir's cache_compile compiles one graph; torch.compile's graph may break.
+_FULLGRAPH_BY_FORM: Any = _ByForm(True, False)
 
 
 class Options(TypedDict, total=False):
@@ -238,7 +245,8 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
                   gears: Mapping[str, Mapping[int, Sequence[int]]] | None = None,
                   gear_policy: str = "zip", pad: bool = False,
                   mode: str | None = None, options: Mapping[str, Any] | None = None,
-                  fullgraph: bool = True, disable: bool = False, **kwargs: Any) -> Any:
+                  fullgraph: Any = _FULLGRAPH_BY_FORM, disable: bool = False,
+                  **kwargs: Any) -> Any:
     """Cache ``torch.compile`` across processes, wherever ``torch.compile`` would go.
 
     ``func`` is any of (docs/usage.md, "Forms"):
@@ -302,6 +310,8 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             :class:`GraphBreakError` naming where) or ``False`` (the graph may break: every
             frame Dynamo compiles for a call is stored, each with its guards; the code
             between graphs runs as under torch.compile; docs/usage.md, "Graph breaks").
+            Default: ``True`` for a bound method (TorchAir's form compiles one graph),
+            ``False`` (torch.compile's default) for every other form.
         disable: torch.compile's: ``True`` returns ``func`` itself, uncompiled and uncached
             (``disable=not args.compile``); with no ``func``, a decorator that does so.
 
@@ -353,20 +363,23 @@ class _Settings:
     gears: Any
     gear_policy: Any
     pad: Any
-    fullgraph: Any = True
+    fullgraph: Any = _FULLGRAPH_BY_FORM
 
 
-def _dynamic_by_form(func: Any, s: _Settings) -> _Settings:
-    """``dynamic`` left to its default: TorchAir's for a bound method, torch.compile's for
-    the rest (:class:`_ByForm`)."""
-    if s.dynamic is not _BY_FORM:
-        return s
-    return dataclasses.replace(s, dynamic=True if isinstance(func, types.MethodType) else None)
+def _by_form(s: _Settings, torchair: bool) -> _Settings:
+    """``dynamic`` and ``fullgraph`` left to their defaults: TorchAir's for its form (a
+    bound method, ``torchair``), torch.compile's for the rest (:class:`_ByForm`)."""
+    for name in ("dynamic", "fullgraph"):
+        value = getattr(s, name)
+        if isinstance(value, _ByForm):
+            s = dataclasses.replace(
+                s, **{name: value.torchair if torchair else value.torch_compile})
+    return s
 
 
 def _form(func: Any, s: _Settings) -> Any:
     """Every form, down to a bound method of a module (forms.py)."""
-    s = _dynamic_by_form(func, s)
+    s = _by_form(s, torchair=isinstance(func, types.MethodType))
     if isinstance(func, (CachedFunction, forms.CachedModule, forms.CachedMethod)):
         raise ContractError(f"cache_compile() got a {type(func).__name__}, which is already "
                             "cached: cache the original once.\n" + _PATTERN)
@@ -419,10 +432,10 @@ def _form(func: Any, s: _Settings) -> Any:
 def _check_values(s: _Settings) -> None:
     """The plain values' types and ranges (dynamic, fullgraph, max_signatures,
     custom_decompositions): each a ContractError naming the argument."""
-    if s.dynamic is not None and s.dynamic is not _BY_FORM and not isinstance(s.dynamic, bool):
+    if s.dynamic is not None and not isinstance(s.dynamic, (bool, _ByForm)):
         raise ContractError(f"cache_compile(): dynamic must be True, False or None "
                             f"(automatic, as torch.compile's default), got {s.dynamic!r}")
-    if not isinstance(s.fullgraph, bool):
+    if not isinstance(s.fullgraph, (bool, _ByForm)):
         raise ContractError(f"cache_compile(): fullgraph must be True or False, got "
                             f"{s.fullgraph!r}")
     max_signatures = s.max_signatures
@@ -553,8 +566,7 @@ def compile_repeated_blocks(model: torch.nn.Module, *, blocks: Sequence[Any] | N
     if options.pop("disable", False) is True:
         return group  # as torch.compile(disable=True): nothing compiled, the blocks as they are
     settings = _Settings(**{**_DEFAULTS, **_settings_of(options)})
-    if settings.dynamic is _BY_FORM:   # it stands where block.compile() stood
-        settings = dataclasses.replace(settings, dynamic=None)
+    settings = _by_form(settings, torchair=False)   # it stands where block.compile() stood
     found: set[str] = set()
     for sub in model.modules():
         name = type(sub).__name__
@@ -584,7 +596,7 @@ _DEFAULTS: dict[str, Any] = {
     "config": None, "backend": None, "dynamic": _BY_FORM, "cache_dir": None, "global_rank": None,
     "tp_rank": None, "pp_rank": None, "custom_decompositions": None, "ge_cache": False,
     "max_signatures": 8, "guards": None, "passes": None, "gears": None,
-    "gear_policy": "zip", "pad": False, "fullgraph": True,
+    "gear_policy": "zip", "pad": False, "fullgraph": _FULLGRAPH_BY_FORM,
 }
 
 

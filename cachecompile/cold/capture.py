@@ -197,6 +197,14 @@ def _with_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
+class _Breaks(Exception):
+    """A trace captured whole broke where the graph may break (:meth:`LiveSession._let_break`)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+
+
 class LiveSession(Compiling):
     """One signature of one cached method under plain ``torch.compile``: caching is off,
     or this call is not cached, so nothing is kept (:class:`TraceSession` keeps it).
@@ -220,12 +228,30 @@ class LiveSession(Compiling):
         self.on_recompile_limit: Callable[[str], None] | None = None
         self._compiled: Compiled | None = None
         self._called = False
-        # fullgraph=False: Dynamo compiles other frames too (:meth:`_frame_graph`).
-        self._fullgraph = spec.fullgraph
+        # The graph is captured whole first, whatever ``fullgraph`` says: a method that
+        # compiles to one graph is then captured as fullgraph=True captures it (ranks share
+        # its compile, a failed compile is tried under plain torch.compile). With
+        # fullgraph=False, the first break switches the session to breaking
+        # (:meth:`_let_break`), and Dynamo compiles other frames too (:meth:`_frame_graph`).
+        self._fullgraph = True
+        self._may_break = not spec.fullgraph
+        self._live = self._torch_compile()
+
+    def _torch_compile(self) -> Callable[..., Any]:
         backend, compile_options = self._compile_args()
-        self._live = torch.compile(types.MethodType(self._fn, method.__self__),
-                                   backend=backend, fullgraph=self._fullgraph,
-                                   dynamic=self._dynamic, options=compile_options)
+        return torch.compile(types.MethodType(self._fn, self._orig.__self__),
+                             backend=backend, fullgraph=self._fullgraph,
+                             dynamic=self._dynamic, options=compile_options)
+
+    def _let_break(self, first: bool) -> None:
+        """A graph break in a trace captured whole, where the graph may break: from now on
+        Dynamo traces as torch.compile(fullgraph=False) does. Dynamo raised while it traced,
+        before the call ran anything, so the call is made again (as the first, if it was)."""
+        logger.debug("%s: the graph breaks; traced again with fullgraph=False",
+                     getattr(self._orig, "__qualname__", self._orig))
+        self._fullgraph = False
+        self._called = not first
+        self._live = self._torch_compile()
 
     # -- the hooks a capturing session overrides ---------------------------------------
     def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
@@ -294,6 +320,13 @@ class LiveSession(Compiling):
 
     # -- calls ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(args, kwargs)
+        except _Breaks as breaks:
+            self._let_break(breaks.first)
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first = not self._called
         self._called = True
         # Only the first call is timed: later calls of a live variant are the hot path.
@@ -304,6 +337,11 @@ class LiveSession(Compiling):
             with self.dynamo_call(self._records(first)):
                 return self._live(*args, **kwargs)
         except dynamo.graph_break_errors() + dynamo.input_errors() as e:
+            # Any break, one Dynamo blames on the inputs too (torch.compile(fullgraph=False)
+            # breaks there, and eager's error is then raised by eager code); an operator
+            # failing on fake tensors fails under fullgraph=False too (handled below).
+            if self._fullgraph and self._may_break and not isinstance(e, dynamo.input_errors()):
+                raise _Breaks(first) from e
             note = ""
             if dynamo.is_input_error(e):
                 self._raise_eager_error(args, kwargs)
@@ -311,6 +349,8 @@ class LiveSession(Compiling):
                         "cannot trace, not an error in them; it ran once to check.)\n")
             raise graph_break_error(e, self._orig, note) from None
         except dynamo.data_dependent_errors() as e:
+            if self._fullgraph and self._may_break:
+                raise _Breaks(first) from e
             raise graph_break_error(e, self._orig) from None
         except dynamo.backend_failures() as e:
             # fullgraph: nothing of the method ran yet (Dynamo compiles before it runs), so
@@ -349,7 +389,7 @@ class LiveSession(Compiling):
         """Plain ``torch.compile`` of the method with this session's arguments, through the
         adapter's public backend: what cache_compile stands for."""
         backend, options = self._adapter.plain_backend(self._options, self._decompositions)
-        return torch.compile(self._orig, backend=backend, fullgraph=self._fullgraph,
+        return torch.compile(self._orig, backend=backend, fullgraph=not self._may_break,
                              dynamic=self._dynamic, options=options)
 
     def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -410,6 +450,10 @@ class TraceSession(LiveSession):
     def _compile_args(self) -> tuple[Any, dict[str, Any] | None]:
         # Capturing needs the adapter's compile and Dynamo's guards, whatever the probe says.
         return self._backend, {"guard_filter_fn": self._on_guards}
+
+    def _let_break(self, first: bool) -> None:
+        super()._let_break(first)
+        self.share = None   # a graph break compiles several graphs: each rank its own
 
     # -- Dynamo's guards ------------------------------------------------------------
     def _on_guards(self, entries: Any) -> list[bool]:

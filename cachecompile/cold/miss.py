@@ -183,8 +183,9 @@ class MissPath:
                     return Served(Outcome.HIT, probe.runner, probe.runner.run(*args, **kwargs))
             phases.add("lock", time.perf_counter() - t_lock)
             share = None
-            # A graph break compiles several graphs per call: each rank compiles its own.
-            if not st.readonly and self._spec.adapter.shares_graphs and self._spec.fullgraph:
+            # Captured whole first (capture.LiveSession): a graph break drops the share,
+            # as it compiles several graphs per call, and each rank compiles its own.
+            if not st.readonly and self._spec.adapter.shares_graphs:
                 share = coop.GraphShare(st, self._keys.graph_factors(sig), self._spec.adapter,
                                         who, model=model_label(self._method.__self__))
                 held.callback(share.finish)

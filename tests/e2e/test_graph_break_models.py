@@ -1,5 +1,6 @@
-"""Graph breaks in code we did not write, cached with ``fullgraph=False`` and served in a
-fresh process that traces no frame: Qwen2-VL, the whole model (its vision tower splits
+"""Graph breaks in code we did not write, cached by ``cache_compile(model)`` (whose
+default is torch.compile's, ``fullgraph=False``: issue 61) and served in a fresh process
+that traces no frame: Qwen2-VL, the whole model (its vision tower splits
 by ``lengths.tolist()``; its decorated forwards are frames Dynamo skips, so every frame
 they call is a callee; four varied image grids and prompts),
 Longformer (breaks in four attention helpers; global attention, three lengths), Reformer
@@ -31,7 +32,7 @@ pytest.importorskip("diffusers")
 pytestmark = pytest.mark.slow
 
 DRIVER = r'''
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {tests!r})
 from zoo import models as zm
 from cachecompile import cache_compile
@@ -52,9 +53,20 @@ with torch.no_grad():
         ok = [bool(torch.equal(zm.denoise(cached, step), zm.denoise(step.step, step)))]
     else:
         model, calls = getattr(zm, "build_" + name)()
-        module = cache_compile(model, fullgraph=False, backend="aot_eager")
+        module = cache_compile(model, backend="aot_eager")   # torch.compile's fullgraph=False
         cached = module.cached_forward
-        ok = [bool(torch.equal(first(run(module, a)), first(run(model, a)))) for a in calls]
+        outs = [first(run(module, a)) for a in calls]
+        # After cache_compile's: plain torch.compile, compiling in a warm process, is
+        # the cold process's only (its outputs kept for the warm one).
+        if name in zm.TRACED_DIFFERS and os.path.exists("spec.pt"):
+            spec = torch.load("spec.pt")
+        elif name in zm.TRACED_DIFFERS:
+            plain = torch.compile(model, backend="aot_eager")
+            spec = [first(run(plain, a)) for a in calls]
+            torch.save(spec, "spec.pt")
+        else:
+            spec = [first(run(model, a)) for a in calls]
+        ok = [bool(torch.equal(o, s)) for o, s in zip(outs, spec)]
 served = []
 for vs in cached._runners.values():
     for v in vs:
@@ -71,6 +83,7 @@ report({{"ok": ok, "events": [e[0] for e in cached.events], "served": served,
     pytest.param("longformer", marks=pytest.mark.longest),
     "reformer",
     "switch",
+    "paligemma",
     "denoise",
 ])
 def test_a_model_that_breaks_in_its_own_code_is_served_with_nothing_traced(
@@ -85,5 +98,7 @@ def test_a_model_that_breaks_in_its_own_code_is_served_with_nothing_traced(
     # Every frame's stored code, or as written where Dynamo skips it too; none compiled
     # here, and Dynamo converted no frame.
     assert all(n[1] == 0 for n in warm["served"]), warm["served"]
-    assert sum(n[0] for n in warm["served"]) > 0, warm["served"]
+    # PaliGemma breaks under torch.compile (a tensor in an f-string), but traces whole
+    # with fullgraph=True, which a capture tries first: one frame, torch.compile's outputs.
+    assert (sum(n[0] for n in warm["served"]) > 0) is (name != "paligemma"), warm["served"]
     assert warm["frames"].get("total", 0) == 0, warm["frames"]

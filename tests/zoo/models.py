@@ -356,6 +356,38 @@ def build_longformer(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
     return model, calls
 
 
+# Models transformers runs otherwise under Dynamo than in eager: compared with plain
+# torch.compile's outputs, the spec, rather than eager's.
+TRACED_DIFFERS = {"paligemma"}
+
+
+def build_paligemma(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """PaliGemma: a SigLIP tower's image tokens merged into Gemma's prompt, its mask
+    checked with ``.item()`` (breaks). Varied: batches of one and two, a longer prompt."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=300, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=16, patch_size=4,
+                           projection_dim=32),
+        image_token_index=257, projection_dim=32)
+    model = PaliGemmaForConditionalGeneration(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    calls = []
+    for b, words in ((1, 4), (2, 4), (1, 8)):
+        ids = torch.cat([torch.full((b, 16), 257), torch.full((b, 1), 2),
+                         torch.randint(3, 250, (b, words), generator=gen)], dim=1)
+        # No token_type_ids: then it breaks (with them it is one graph), and transformers
+        # builds another mask under Dynamo than in eager: the spec is torch.compile's.
+        calls.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                          pixel_values=torch.randn(b, 3, 16, 16, generator=gen)))
+    return model, calls
+
+
 def build_switch(seed: int = 0) -> tuple[nn.Module, list[dict[str, Any]]]:
     """SwitchTransformers: a mixture of experts whose router picks each token's expert
     in Python (``nonzero`` over the router's mask: a break per layer)."""
