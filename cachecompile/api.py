@@ -165,23 +165,17 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(message, IgnoredArgumentWarning, stacklevel=user_stacklevel())
 
 
+@dataclasses.dataclass(frozen=True)
 class _ByForm:
-    """A default that depends on the form: TorchAir's for its own form, a bound method;
-    torch.compile's where ``cache_compile`` stands where ``torch.compile`` stood (a
-    module, a decorator, a plain function, repeated blocks) (docs/usage.md, "Forms")."""
+    """A default by form: TorchAir's for its own form, a bound method; torch.compile's
+    where ``cache_compile`` stands where ``torch.compile`` stood (docs/usage.md, "Forms")."""
 
-    def __init__(self, torchair: Any, torch_compile: Any) -> None:
-        self.torchair = torchair
-        self.torch_compile = torch_compile
-
-    def __repr__(self) -> str:
-        return f"<by form: {self.torchair} for a bound method, else {self.torch_compile}>"
+    torchair: Any
+    torch_compile: Any
 
 
-# dynamic: TorchAir's True; torch.compile's None (automatic).
-_BY_FORM: Any = _ByForm(True, None)
-# fullgraph: TorchAir's cache_compile compiles one graph; torch.compile's graph may break.
-_FULLGRAPH_BY_FORM: Any = _ByForm(True, False)
+_BY_FORM: Any = _ByForm(True, None)             # dynamic: TorchAir's True, else automatic
+_FULLGRAPH_BY_FORM: Any = _ByForm(True, False)  # fullgraph: one graph, else may break
 
 
 class Options(TypedDict, total=False):
@@ -237,16 +231,14 @@ def cache_compile(func: Callable[_P, _R], /,
                   **options: Unpack[Options]) -> CachedFunction[_P, _R]: ...
 def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = None,
                   dynamic: Any = _BY_FORM, cache_dir: str | os.PathLike[str] | None = None,
-                  global_rank: int | None = None, tp_rank: int | None = None,
-                  pp_rank: int | None = None,
+                  global_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
                   custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
                   ge_cache: bool = False, max_signatures: int = 8,
                   guards: str | None = None, passes: Mapping[str, Any] | None = None,
                   gears: Mapping[str, Mapping[int, Sequence[int]]] | None = None,
                   gear_policy: str = "zip", pad: bool = False,
                   mode: str | None = None, options: Mapping[str, Any] | None = None,
-                  fullgraph: Any = _FULLGRAPH_BY_FORM, disable: bool = False,
-                  **kwargs: Any) -> Any:
+                  fullgraph: Any = _FULLGRAPH_BY_FORM, disable: bool = False, **kwargs: Any) -> Any:
     """Cache ``torch.compile`` across processes, wherever ``torch.compile`` would go.
 
     ``func`` is any of (docs/usage.md, "Forms"):
@@ -310,8 +302,7 @@ def cache_compile(func: Any = None, /, *, config: Any = None, backend: Any = Non
             :class:`GraphBreakError` naming where) or ``False`` (the graph may break: every
             frame Dynamo compiles for a call is stored, each with its guards; the code
             between graphs runs as under torch.compile; docs/usage.md, "Graph breaks").
-            Default: ``True`` for a bound method (TorchAir's form compiles one graph),
-            ``False`` (torch.compile's default) for every other form.
+            Default: ``True`` for a bound method (TorchAir's), else ``False`` (torch.compile's).
         disable: torch.compile's: ``True`` returns ``func`` itself, uncompiled and uncached
             (``disable=not args.compile``); with no ``func``, a decorator that does so.
 
@@ -369,12 +360,9 @@ class _Settings:
 def _by_form(s: _Settings, torchair: bool) -> _Settings:
     """``dynamic`` and ``fullgraph`` left to their defaults: TorchAir's for its form (a
     bound method, ``torchair``), torch.compile's for the rest (:class:`_ByForm`)."""
-    for name in ("dynamic", "fullgraph"):
-        value = getattr(s, name)
-        if isinstance(value, _ByForm):
-            s = dataclasses.replace(
-                s, **{name: value.torchair if torchair else value.torch_compile})
-    return s
+    chosen = {n: (v.torchair if torchair else v.torch_compile) for n in ("dynamic", "fullgraph")
+              if isinstance(v := getattr(s, n), _ByForm)}
+    return dataclasses.replace(s, **chosen)
 
 
 def _form(func: Any, s: _Settings) -> Any:

@@ -47,6 +47,8 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
                                            two walkers (warm/lookup.py, warm/frames.py)
     _NotAPath                              control flow inside entry/guard_tree.py
     _Unstorable                            control flow inside backends/bare.py
+    _Breaks                                control flow inside cold/capture.py: a trace captured
+                                           whole broke; traced again letting it break
 
 Store faults are ``cachecompile.store.errors.StoreError`` subclasses; the integration layer turns them
 into a ``CacheFaultWarning`` and a live compile, never a crash.

@@ -204,6 +204,9 @@ def test_a_value_new_in_each_process_is_said_so(tmp_path: Path) -> None:
 
 class ItemScale(tiny.Small):
     def scaled(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        # A break first: traced whole (as a capture tries first), Dynamo would keep the
+        # .item() in the graph, general in k, and there would be no variants to make.
+        torch._dynamo.graph_break()
         k = n.sum().item()  # a break; the resume frame specialises on k (dynamic=False)
         return self.lin(x) * k
 
