@@ -24,7 +24,13 @@ import torch
 from ccutil import Sandbox
 from torch import nn
 
-from cachecompile import CachedModule, ContractError, IgnoredArgumentWarning, cache_compile
+from cachecompile import (
+    CachedModule,
+    ContractError,
+    IgnoredArgumentWarning,
+    cache_compile,
+    compile_repeated_blocks,
+)
 from cachecompile.forms import CachedMethod
 
 # -- the user's code, as a module of the child processes ---------------------------------
@@ -459,10 +465,35 @@ def test_mode_and_options_become_inductor_options() -> None:
     assert c.spec.options["max_autotune"] is False
     assert "triton.cudagraphs" not in cache_compile(Tiny().forward,
                                                     mode="max-autotune").spec.options
-    # fullgraph=False lets the graph break (docs/usage.md, "Graph breaks"), in every form.
+    # fullgraph=False lets the graph break (docs/usage.md, "Graph breaks"), in every form;
+    # it is the default where torch.compile stood, TorchAir's form keeps True.
     assert cache_compile(Tiny().forward, fullgraph=False).spec.fullgraph is False
-    assert cache_compile(Tiny(), fullgraph=False).cached_forward.spec.fullgraph is False
     assert cache_compile(Tiny().forward).spec.fullgraph is True
+    assert cache_compile(Tiny()).cached_forward.spec.fullgraph is False
+    assert cache_compile(Tiny(), fullgraph=True).cached_forward.spec.fullgraph is True
+    assert cache_compile(fn).spec.fullgraph is False
+    assert cache_compile(dynamic=False)(Tiny)().forward.spec.fullgraph is False
+    stack = Stack((True, False))
+    compile_repeated_blocks(stack)
+    assert all(b.forward.spec.fullgraph is False for b in stack.modules() if isinstance(b, Block))
+
+
+def breaks(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def test_a_plain_function_that_breaks_is_cached_by_default(cache_dir: Path) -> None:
+    """torch.compile(fn)'s default lets the graph break: so does cache_compile(fn)'s, and
+    the next process (Dynamo reset here) is served the frames."""
+    x = torch.randn(3)
+    for event in ("miss", "hit"):
+        torch._dynamo.reset()
+        c = cache_compile(breaks, backend="aot_eager", cache_dir=cache_dir)
+        with torch.no_grad():
+            assert torch.equal(c(x), breaks(x))
+        assert [e for e, _ in c.events] == [event]
 
 
 # -- repeated blocks, in process: one group loads once --------------------------------------
