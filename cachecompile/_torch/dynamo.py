@@ -271,6 +271,16 @@ class GuardEntry:
         args = getattr(fn, "args", ()) or ()
         return args[-1] if args else None
 
+    def origin(self) -> str:
+        """The traced line that made Dynamo install this guard, as ``copy.py:137 in
+        deepcopy: d = id(x)``; "" where Dynamo kept no user stack for it."""
+        stack = getattr(self._guard, "user_stack", None)
+        if not stack:
+            return ""
+        f = stack[-1]
+        name = str(f.filename).replace("\\", "/").rsplit("/", 1)[-1]
+        return f"{name}:{f.lineno} in {f.name}: {(f.line or '').strip()}".rstrip(": ")
+
 
 def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
     """Dynamo's guard entries for one frame, read into one form across releases, plus the

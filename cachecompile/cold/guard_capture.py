@@ -107,17 +107,25 @@ class _Builder:
         for kind, expr, value, text in lookups.guards(resolved):
             self.add(kind, expr, value, text)
 
-    def ident(self, expr: str, value: Any, guard_type: str) -> None:
+    def ident(self, expr: str, value: Any, guard_type: str, origin: str = "") -> None:
         ident = idn.identity(value)
         if ident is None:
-            fix = ("define it at the top level of an importable module (a fresh process "
-                   "then finds it by name), or call it outside the cached method"
-                   if callable(value) else
-                   "pass it as an argument, or make it a plain value (a number, a string, a "
-                   "tuple of them)")
+            if "id(" in origin:
+                # copy.deepcopy's memo (LED's decoder copies its config): the code reads
+                # the object's id, which nothing in another process can match.
+                fix = ("the traced code reads its id(), which means nothing in another "
+                       "process; where that code is yours, copy the object outside the "
+                       "cached method")
+            elif callable(value):
+                fix = ("define it at the top level of an importable module (a fresh process "
+                       "then finds it by name), or call it outside the cached method")
+            else:
+                fix = ("pass it as an argument, or make it a plain value (a number, a "
+                       "string, a tuple of them)")
             raise UnsupportedProgramError(
                 f"Dynamo guards the identity of {g.user_text(expr, self.module_name)} "
-                f"({guard_type} on a {idn.qualified_name(type(value))}), which has no "
+                f"({guard_type} on a {idn.qualified_name(type(value))}"
+                f"{f', for `{origin}`' if origin else ''}), which has no "
                 f"process-independent form; {fix}")
         if isinstance(value, type):
             self.classes.add(value)

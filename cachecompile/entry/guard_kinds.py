@@ -106,8 +106,8 @@ class Capture(Protocol):
         """The guarded value at trace time; not cacheable (named) if Dynamo had none."""
         ...
 
-    def ident(self, expr: str, value: Any, guard_type: str) -> None:
-        """An identity guard, or not cacheable where the object has no portable identity."""
+    def ident(self, expr: str, value: Any, guard_type: str, origin: str = "") -> None:
+        """An identity guard, or not cacheable (naming ``origin``, the traced line)."""
         ...
 
     def type_match(self, expr: str, value: Any) -> None:
@@ -650,7 +650,7 @@ def _capture_eq(c: Capture, e: GuardEntry) -> None:
     try:
         enc = values.encode_value(value)
     except UnsupportedProgramError:
-        c.ident(e.expr, value, e.guard_type)
+        c.ident(e.expr, value, e.guard_type, e.origin())
         return
     c.add("eq", e.expr, enc, f"{c.text(e.expr)} == {value!r}")
 
@@ -702,7 +702,7 @@ def _capture_ident(c: Capture, e: GuardEntry) -> None:
     else:
         # An opaque object's guard values (a process group's name, rank and size) are
         # part of its portable identity, as a class's or a module's name is theirs.
-        c.ident(e.expr, value, e.guard_type)
+        c.ident(e.expr, value, e.guard_type, e.origin())
 
 
 def _capture_tensor(c: Capture, e: GuardEntry) -> None:

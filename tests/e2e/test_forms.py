@@ -472,10 +472,12 @@ def test_mode_and_options_become_inductor_options() -> None:
     assert cache_compile(Tiny()).cached_forward.spec.fullgraph is False
     assert cache_compile(Tiny(), fullgraph=True).cached_forward.spec.fullgraph is True
     assert cache_compile(fn).spec.fullgraph is False
-    assert cache_compile(dynamic=False)(Tiny)().forward.spec.fullgraph is False
+    decorated: Any = cache_compile(dynamic=False)(Tiny)().forward    # cached on access
+    assert decorated.spec.fullgraph is False
     stack = Stack((True, False))
     compile_repeated_blocks(stack)
-    assert all(b.forward.spec.fullgraph is False for b in stack.modules() if isinstance(b, Block))
+    blocks: list[Any] = [b.forward for b in stack.modules() if isinstance(b, Block)]
+    assert blocks and all(f.spec.fullgraph is False for f in blocks)
 
 
 def breaks(x: torch.Tensor) -> torch.Tensor:

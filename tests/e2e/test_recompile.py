@@ -12,6 +12,7 @@ gets its own variant. What a process does when state changes *after* the first c
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -288,6 +289,49 @@ def test_a_published_frame_variant_serves_whatever_order_values_come_in(
     served, said = process([9.5, 2.5, 1.5])
     assert served == ["1", "0"], (served, said)
     assert len(said) == 1 and "compiled live in this process" in said[0], said
+
+
+class Config:
+    """A config object as a model holds one (a SimpleNamespace would be a value)."""
+
+    scale = 3.0
+
+
+class CopiesItsConfig(torch.nn.Module):
+    """LED's decoder, reduced: it deep-copies its config after a break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = Config()
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y * copy.deepcopy(self.cfg).scale
+
+
+def test_a_frame_that_reads_an_id_is_live_and_says_which_line(tmp_path: Path) -> None:
+    """copy.deepcopy reads id(x) for its memo, so Dynamo guards the object's identity,
+    which no other process can match: the frame compiles live in each, and the warning
+    names the line that made the guard, not a fix that does not fit."""
+    import warnings
+
+    from cachecompile import CacheFaultWarning
+
+    x, cache_dir = torch.randn(3), tmp_path / "cc"
+    said: list[str] = []
+    for event in ("miss", "hit"):
+        torch._dynamo.reset()   # Dynamo's caches as a fresh process has them
+        m = CopiesItsConfig().eval()
+        c = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir, fullgraph=False)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert torch.equal(c(x), m.run(x))
+        assert [e for e, _ in c.events] == [event]
+        said = [str(w.message) for w in caught if issubclass(w.category, CacheFaultWarning)]
+    assert len(said) == 1 and "compiled live in every process" in said[0], said
+    assert "for `copy.py:" in said[0] and "in deepcopy: d = id(x)`" in said[0], said[0]
+    assert "reads its id()" in said[0] and "pass it as an argument" not in said[0], said[0]
 
 
 class ReadsEnv(tiny.Small):
