@@ -34,7 +34,13 @@ from cachecompile._torch import dynamo, frame_cache, runtime
 from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold import frame_assembly, guard_capture
 from cachecompile.cold.compiling import Compiling, Phases
-from cachecompile.cold.failures import graph_break_error, last_line, torch_compile_error, with_note
+from cachecompile.cold.failures import (
+    call_types,
+    graph_break_error,
+    last_line,
+    torch_compile_error,
+    with_note,
+)
 from cachecompile.cold.frame_assembly import FrameCompile, GraphCapture
 from cachecompile.cold.frame_capture import FrameCapture
 from cachecompile.cold.verify import Verified
@@ -43,7 +49,6 @@ from cachecompile.entry import codeobj, guard_kinds
 from cachecompile.errors import UnsupportedProgramError, fault
 from cachecompile.key.deps import by_module as deps_by_module
 from cachecompile.key.deps import hash_file
-from cachecompile.key.signature import describe_types
 from cachecompile.procs.coop import GraphShare
 from cachecompile.spec import CompileSpec
 
@@ -318,9 +323,7 @@ class LiveSession(Compiling):
                 self._orig(*args, **kwargs)
         except Exception as eager:
             qualname = getattr(self._orig, "__qualname__", "the method")
-            names = [p.name for p in inspect.signature(self._orig).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            call = describe_types(args, kwargs, names)
+            call = call_types(self._orig, args, kwargs)
             raise with_note(eager, (
                 f"cache_compile: {qualname}({call}) raises this uncompiled too: the inputs "
                 "do not fit the method. Nothing was compiled or cached.")) from None

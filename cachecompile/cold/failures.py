@@ -42,6 +42,13 @@ def last_line(exc: BaseException) -> str:
     return f"{type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
+def call_types(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """A call's argument types under ``func``'s parameter names (``x: float32[4,15]@cpu``)."""
+    names = [p.name for p in inspect.signature(func).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return describe_types(args, kwargs, names)
+
+
 def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any], dynamic: bool,
                         plain: BaseException | None,
@@ -52,8 +59,6 @@ def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tupl
     chain at DEBUG."""
     logger.debug("torch's compile failed", exc_info=exc)
     qualname = getattr(func, "__qualname__", repr(func))
-    names = [p.name for p in inspect.signature(func).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if automatic:   # dynamic=None given: its dynamic compile failed, or its static one
         try_instead = "dynamic=False (one entry per shape)" + (
             "" if dynamic else ", or caching a smaller part of the method")
@@ -69,7 +74,7 @@ def torch_compile_error(exc: BaseException, func: Callable[..., Any], args: tupl
                 f"({last_line(plain)}): a limit or a bug of this torch release, not of the "
                 "inputs.")
     return TorchCompileError(
-        f"cache_compile could not compile {qualname}({describe_types(args, kwargs, names)}): "
+        f"cache_compile could not compile {qualname}({call_types(func, args, kwargs)}): "
         f"torch's compile failed ({last_line(exc)}). {spec} Try "
         f"{try_instead}. The whole error is logged at DEBUG (logger "
         "cachecompile.cold.failures). Nothing was cached.")

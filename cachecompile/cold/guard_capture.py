@@ -60,6 +60,10 @@ def reads_args(expr: str, arg_names: set[str]) -> bool:
 _GLOBAL_HOOKS = re.compile(r"\._global_\w*hooks\w*$")
 
 
+# A traced line that reads an object's id() (copy.deepcopy's memo: ``d = id(x)``).
+_READS_ID = re.compile(r"(?<![\w.])id\(")
+
+
 class _Builder:
     def __init__(self, arg_names: set[str], tensor_dims: Mapping[str, tuple[list[Any], list[Any]]],
                  module_name: str, state: Mapping[str, JSON]) -> None:
@@ -110,7 +114,7 @@ class _Builder:
     def ident(self, expr: str, value: Any, guard_type: str, origin: str = "") -> None:
         ident = idn.identity(value)
         if ident is None:
-            if "id(" in origin:
+            if _READS_ID.search(origin):
                 # copy.deepcopy's memo (LED's decoder copies its config): the code reads
                 # the object's id, which nothing in another process can match.
                 fix = ("the traced code reads its id(), which means nothing in another "
