@@ -287,6 +287,7 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
     guards a release failed to build for reads made while tracing that frame
     (:func:`unguarded_reads_recorded`)."""
     out: list[GuardEntry] = []
+    as_read = versions.at_least(2, 12)   # once per frame: a frame has thousands of guards
     for e in entries:
         guard = e.orig_guard
         entry = GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
@@ -294,7 +295,7 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
                            derived_types=frozenset(e.derived_guard_types or ()),
                            code_parts=tuple(getattr(guard, "code_list", None) or ()),
                            _guard=guard)
-        if versions.at_least(2, 12):
+        if as_read:
             out.append(entry)
         else:
             out.append(_as_in_2_12(entry, e))

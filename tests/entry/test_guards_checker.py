@@ -360,3 +360,77 @@ def test_the_entry_meta_record_round_trips_and_names_another_format() -> None:
         EntryMeta.from_json({**raw, "guards": "x"})
     with pytest.raises(UnsupportedProgramError, match="no 'adapter'"):
         EntryMeta.from_json({k: v for k, v in raw.items() if k != "adapter"})
+
+
+# -- shared object paths, generated --------------------------------------------------------
+def _generated_conds(rng: Any, n: int) -> list[str]:
+    """Conditions over nested attributes, constant subscripts and ``___odict_getitem``
+    reads of ``x`` (and a lambda whose names are its own), as guard kinds write them: no
+    ``and`` (a body reads a condition's paths before testing it, so a read that only a
+    short circuit skips fails the body: a miss, never a wrong hit)."""
+    def path(depth: int) -> str:
+        p = "x"
+        for _ in range(depth):
+            step = rng.choice(["attr", "item", "odict"])
+            if step == "attr":
+                p = f"{p}.{rng.choice('ab')}"
+            elif step == "item":
+                p = f"{p}[{rng.choice(['0', repr('k')])}]"
+            else:
+                p = f"___odict_getitem({p}, {rng.choice(['0', repr('k')])})"
+        return p
+    return [rng.choice([
+        f"{path(rng.randint(1, 4))} == {rng.randint(0, 2)}",
+        f"{path(rng.randint(1, 3))} != {path(rng.randint(1, 3))}",
+        f"(lambda y: y.a)({path(rng.randint(0, 2))}) == 0",
+    ]) for _ in range(n)]
+
+
+def _tree(rng: Any, depth: int) -> Any:
+    """A value every generated path can read (or fail to: a failing read is a False)."""
+    if depth == 0:
+        return rng.randint(0, 2)
+    class Node(dict):   # attribute and item reads alike
+        pass
+    node = Node()
+    for k in ("k", 0):
+        if rng.random() < 0.9:
+            node[k] = _tree(rng, depth - 1)
+    for a in "ab":
+        if rng.random() < 0.9:
+            setattr(node, a, _tree(rng, depth - 1))
+    return node
+
+
+def test_shared_paths_check_what_the_conditions_check() -> None:
+    """guard_lines(share_paths=True) binds each path once, over conditions that repeat
+    across bodies (a frame's checkers, a model's frames, in another order): each body
+    decides what its conditions decide one by one, whatever was derived before it."""
+    import random
+
+    rng = random.Random(65)
+    ns: dict[str, Any] = {"___odict_getitem": lambda d, k: dict.__getitem__(d, k)}
+    pool = _generated_conds(rng, 40)
+    for _ in range(60):
+        conds = rng.sample(pool, rng.randint(1, 12))
+        body = g.guard_lines(conds, True)
+        assert "__cc_L" not in body, body
+        src = ("def f(x):\n    try:\n" + "".join(f"        {ln}\n" for ln in body.splitlines())
+               + "        return True\n    except Exception:\n        return False\n")
+        env = dict(ns)
+        exec(src, env)
+        for _ in range(5):
+            x = _tree(rng, 4)
+
+            def one(c: str, x: Any = x) -> bool:
+                try:
+                    return bool(eval(c, dict(ns), {"x": x}))
+                except Exception:
+                    return False
+            assert env["f"](x) == all(one(c) for c in conds), (conds, body)
+        # Each path read once: no binding repeats a path, and names start from 0 per body.
+        binds = [ln for ln in body.splitlines() if ln.startswith("__cc_p")]
+        paths = [ln.split(" = ", 1)[1] for ln in binds]
+        assert len(paths) == len(set(paths)), body
+        assert [ln.split(" = ", 1)[0] for ln in binds] == [f"__cc_p{i}"
+                                                           for i in range(len(binds))], body
