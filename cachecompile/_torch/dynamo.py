@@ -287,7 +287,7 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
     guards a release failed to build for reads made while tracing that frame
     (:func:`unguarded_reads_recorded`)."""
     out: list[GuardEntry] = []
-    as_read = versions.at_least(2, 12)   # once per frame: a frame has thousands of guards
+    as_read = versions.at_least(2, 12)   # once per frame, not per guard (thousands)
     for e in entries:
         guard = e.orig_guard
         entry = GuardEntry(guard_type=e.guard_type, expr=guard.name, value=e.value,
@@ -295,11 +295,8 @@ def guard_entries(entries: Iterable[Any]) -> list[GuardEntry]:
                            derived_types=frozenset(e.derived_guard_types or ()),
                            code_parts=tuple(getattr(guard, "code_list", None) or ()),
                            _guard=guard)
-        if as_read:
-            out.append(entry)
-        else:
-            out.append(_as_in_2_12(entry, e))
-            out.extend(_defaults_as_in_2_12(entry))
+        out.extend([entry] if as_read else [_as_in_2_12(entry, e),
+                                            *_defaults_as_in_2_12(entry)])
     if _unguarded is not None:
         out.extend(_unguarded)
         _unguarded.clear()                # each frame's guards are built once, after it
