@@ -103,7 +103,7 @@ def _attn_processor(r: zm.DiTRunner) -> Callable[[], None]:
 
     def undo() -> None:
         for a in attns:
-            a.set_processor(AttnProcessor2_0())  # type: ignore[arg-type]
+            a.set_processor(AttnProcessor2_0())
     return undo
 
 

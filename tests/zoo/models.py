@@ -224,7 +224,7 @@ class UNetRunner(_Served):
         # a Stable Diffusion UNet's parts, less its down- and upsampling convolutions. With
         # a second, plain resolution it built 44 kernels against 26, and its compile cost
         # ~40% more (issue 36); what the zoo holds it to is the DDIM loop's guards.
-        self.unet = UNet2DConditionModel(  # type: ignore[attr-defined]
+        self.unet = UNet2DConditionModel(
             sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
             block_out_channels=(32,), down_block_types=("CrossAttnDownBlock2D",),
             up_block_types=("CrossAttnUpBlock2D",), cross_attention_dim=32,
@@ -251,11 +251,11 @@ def unet_loop(runner: UNetRunner, step: Any, batch: int, steps: int = 10) -> tor
     from diffusers import DDIMScheduler
 
     sched = DDIMScheduler(num_train_timesteps=1000)
-    sched.set_timesteps(steps)  # type: ignore[attr-defined]
+    sched.set_timesteps(steps)
     latents, _, context = unet_inputs(batch)
-    for t in sched.timesteps:  # type: ignore[attr-defined]
+    for t in sched.timesteps:
         noise = step(latents, t, context)
-        latents = sched.step(noise, t, latents).prev_sample  # type: ignore[attr-defined]
+        latents = sched.step(noise, t, latents).prev_sample
     return latents
 
 
@@ -272,7 +272,7 @@ class DiTRunner(_Served):
         from diffusers import DiTTransformer2DModel
 
         torch.manual_seed(seed)
-        self.dit = DiTTransformer2DModel(  # type: ignore[attr-defined]
+        self.dit = DiTTransformer2DModel(
             num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
             num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
             norm_num_groups=8).eval()
