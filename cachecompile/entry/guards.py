@@ -158,10 +158,15 @@ def _shared_form(cond: str) -> tuple[tuple[tuple[str, str], ...], str]:
 def guard_lines(conds: Sequence[str], share_paths: bool) -> str:
     """``if not (cond): return False`` per guard; with ``share_paths`` each object path is
     bound to a local once, where a guard first reads it (this parses every guard)."""
+    out = _shared_lines(conds) if share_paths else [f"if not ({c}): return False"
+                                                     for c in conds]
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def _shared_lines(conds: Sequence[str]) -> list[str]:
+    """The body's lines with each object path bound once, over the conditions' kept
+    forms (:func:`_shared_form`), their own names mapped onto the body's."""
     out: list[str] = []
-    if not share_paths:
-        out = [f"if not ({cond}): return False" for cond in conds]
-        return "\n".join(out) + ("\n" if out else "")
     bound: dict[str, str] = {}   # path, over the body's names -> the body's name
     for cond in conds:
         bindings, text = _shared_form(cond)
@@ -179,7 +184,7 @@ def guard_lines(conds: Sequence[str], share_paths: bool) -> str:
                 out.append(f"{shared} = {key}")
             mine[name] = shared
         out.append(f"if not ({_LOCAL_NAME.sub(body_name, text)}): return False")
-    return "\n".join(out) + ("\n" if out else "")
+    return out
 
 
 def describe(v: Any, kind: str, expected: Any = None) -> str:
