@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overlo
 
 import torch
 
+from cachecompile.backends.base import capability
 from cachecompile.errors import (
     InferenceOnlyError,
     InferenceOnlyWarning,
@@ -240,6 +241,7 @@ class CachedFunction(Generic[_P, _R]):
         self._lookup.frame_compiler = self._cold
         self._limit_hit_warned = False  # a live compile passed Dynamo's recompile limit
         self._training_warned = False   # InferenceOnlyWarning given (or not needed)
+        self._trains = bool(capability(spec.adapter, "trains")())
         # dynamic=None: each call's form (key.automatic.form) -> its first static signature,
         # until a call differs from it (then dims or the method dynamic, as Dynamo does).
         self._shapes: dict[Signature, Signature] | None = {} if spec.automatic else None
@@ -288,6 +290,12 @@ class CachedFunction(Generic[_P, _R]):
                 return self._locked(sig, args, kwargs)  # as _dispatch after its checks
             return self._dispatch(args, kwargs, sig=sig)
         if _grad_enabled():
+            if self._trains and self._needs_autograd(args, kwargs):
+                # A training call: compiled (forward and backward), stored and served in
+                # grad mode, as torch.compile runs it; its guards hold grad mode and each
+                # input's and parameter's requires_grad, so it never serves an
+                # inference call, nor one of those a training call.
+                return self._call(args, kwargs)
             if requires_grad(args, kwargs):
                 raise InferenceOnlyError(
                     f"{self.__qualname__} is cached for inference only, but an input requires "
@@ -300,6 +308,13 @@ class CachedFunction(Generic[_P, _R]):
             with torch.no_grad():
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
+
+    def _needs_autograd(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """In grad mode: an input requires grad, or the module is training with
+        parameters that do (an ``eval()`` module keeps the inference path: under
+        ``no_grad``, its outputs without autograd history)."""
+        return requires_grad(args, kwargs) or (
+            self._module.training and any(p.requires_grad for p in self._module.parameters()))
 
     @property
     def gears(self) -> Gears | None:

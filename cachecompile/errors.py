@@ -120,7 +120,8 @@ class TorchCompileError(CacheCompileError, RuntimeError):
 
 
 class InferenceOnlyError(CacheCompileError):
-    """A call that needs autograd reached an inference-only cached function."""
+    """A call that needs autograd reached a cached function whose backend caches
+    inference only (TorchAir, a bare backend callable; Inductor and aot_eager cache it)."""
 
 
 class UnsupportedProgramError(CacheCompileError):
@@ -175,7 +176,8 @@ class IgnoredArgumentWarning(UserWarning):
 
 class InferenceOnlyWarning(UserWarning):
     """A cached method called in grad mode on a module in training mode whose parameters
-    require grad: its outputs carry no autograd history (the cache is inference only)."""
+    require grad, on a backend that caches inference only: its outputs carry no autograd
+    history."""
 
 
 class UncachedCallWarning(UserWarning):

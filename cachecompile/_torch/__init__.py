@@ -45,7 +45,7 @@ INDUCTOR = "inductor"
 # start, issue 53).
 _PARTS: dict[str, tuple[str, ...]] = {
     "warm": ("runtime", "dynamo_shim", "inductor_runtime", "frame_hook"),
-    DYNAMO: ("dynamo", "guard_export"),
+    DYNAMO: ("dynamo", "guard_export", "aot"),
     INDUCTOR: ("inductor", "passes"),
 }
 

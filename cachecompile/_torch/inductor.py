@@ -41,13 +41,16 @@ NEEDS: tuple[tuple[str, str], ...] = (
 
 # -- compiling -----------------------------------------------------------------------------
 def compile_capturing(gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
-                      decompositions: Mapping[Any, Any] | None) -> tuple[Any, list[Any]]:
+                      decompositions: Mapping[Any, Any] | None,
+                      on_forward: Callable[[], Any] | None = None) -> tuple[Any, list[Any]]:
     """``compile_fx`` as torch.compile runs it, keeping what ``compile_fx_inner`` returned.
 
     Returns the live callable and a list that fills, as graphs compile, with
-    ``(compiled graph, AOTAutograd's graph module, kept)`` triples. ``kept`` is None, or
-    under freezing the indices of the inputs the compiled graph still takes (the others,
-    the weights, became its constants): what ``freeze`` returned.
+    ``(compiled graph, AOTAutograd's graph module, kept, role)`` tuples. ``kept`` is None,
+    or under freezing the indices of the inputs the compiled graph still takes (the others,
+    the weights, became its constants): what ``freeze`` returned. ``role`` is "backward"
+    for a training graph's backward, else what ``on_forward`` returned when the graph was
+    compiled (called while AOTAutograd's metadata for it is current), or None.
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.freezing as freezing
@@ -63,8 +66,10 @@ def compile_capturing(gm: Any, example_inputs: Sequence[Any], options: Mapping[s
         return opt_model, preserved
 
     def inner(gm2: Any, ex2: Sequence[Any], **kwargs: Any) -> Any:
+        role = "backward" if kwargs.get("is_backward") else \
+            on_forward() if on_forward is not None else None
         out = compile_fx_inner(gm2, ex2, **kwargs)
-        captured.append((out, gm2, kept.pop() if kept else None))
+        captured.append((out, gm2, kept.pop() if kept else None, role))
         return out
 
     # AOTAutograd's cache would hand back a compiled graph without calling

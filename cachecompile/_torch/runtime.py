@@ -29,6 +29,8 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree", ""),
     ("torch.fx._pytree", ""),
     ("torch", "_as_tensor_fullprec"),
+    ("torch", "_C._DisableAutocast"),
+    ("torch", "_C._autograd._get_current_graph_task_keep_graph"),
 )
 
 # The module torch defines its operator classes in (OpOverload, OpOverloadPacket,
@@ -306,6 +308,22 @@ def mark_maybe_dynamic(t: Any, dims: tuple[int, ...]) -> Callable[[], None]:
                 t.__dict__.pop(a, None)
 
     return restore
+
+
+# -- a training graph's run (cachecompile.backends.joint) --------------------------------
+def autocast_off() -> Any:
+    """A context with autocast off on every device: AOTAutograd runs a program traced
+    under autocast so (the casts are in the program)."""
+    return torch._C._DisableAutocast()
+
+
+def keeps_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def is_view(t: torch.Tensor) -> bool:
+    return bool(t._is_view())
 
 
 # -- what this process has imported ------------------------------------------------------

@@ -78,62 +78,113 @@ class AotEagerAdapter(Adapter):
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
         if options:
             raise UnsupportedProgramError(f"aot_eager takes no options, got {sorted(options)}")
+        from cachecompile._torch import aot  # cold only
+
+        n_inputs = len(example_inputs)
+        if aot.needs_autograd(example_inputs):
+            return self._compile_training(gm, example_inputs, decompositions)
         captured: list[torch.fx.GraphModule] = []
         live = dynamo.aot_inference(captured.append, decompositions)(gm, example_inputs)
-        n_inputs = len(example_inputs)
 
         def program() -> Program:
             if len(captured) != 1:
                 raise UnsupportedProgramError(f"expected one AOT graph, got {len(captured)}")
-            fx_gm = captured[0]
-            placeholders = [n for n in fx_gm.graph.nodes if n.op == "placeholder"]
-            if len(placeholders) != n_inputs:
-                raise UnsupportedProgramError(
-                    f"AOTAutograd changed the inputs ({n_inputs} graph inputs, "
-                    f"{len(placeholders)} compiled)")
-            code = fx_gm.graph.python_code(root_module="self")
-            bad = sorted(k for k, v in code.globals.items()
-                         if k not in _SAFE_GLOBALS and not isinstance(v, types.ModuleType)
-                         and not k.startswith("__"))
-            if bad:
-                raise UnsupportedProgramError(f"graph code needs globals {bad}")
-            constants: dict[str, torch.Tensor] = {}
-            for node in fx_gm.graph.nodes:
-                if node.op == "get_attr":
-                    value = getattr(fx_gm, str(node.target))
-                    if not isinstance(value, torch.Tensor):
-                        raise UnsupportedProgramError(f"graph attribute {node.target} is "
-                                                      f"a {type(value).__name__}")
-                    constants[str(node.target)] = value.detach()
-            mutated = tuple(i for i, p in enumerate(placeholders)
-                            if any(u.target is torch.ops.aten.copy_.default and u.args[0] is p
-                                   for u in p.users))
-            files: dict[str, bytes | Path] = {PROGRAM_FILE: code.src.encode("utf-8")}
-            if constants:
-                buf = io.BytesIO()
-                torch.save(constants, buf)
-                files[CONSTANTS_FILE] = buf.getvalue()
-            names = sorted(code.globals)
-            light = _make_callable(code.src, "<cachecompile capture>", constants, names)
-            operators = passes.operators_in(code.src)
-            meta: dict[str, JSON] = {"globals": names, "n_inputs": n_inputs,
-                                     "mutated_inputs": list(mutated), "operators": operators,
-                                     "op_namespaces": passes.namespaces(operators)}
-            return Program(files=files, meta=meta, light=light, mutated_inputs=mutated)
+            return _program_of(captured[0], n_inputs)
 
         return Compiled(live=live, program=program)
 
+    def _compile_training(self, gm: Any, example_inputs: Sequence[Any],
+                          decompositions: Mapping[Any, Any] | None) -> Compiled:
+        """A graph that needs autograd: AOTAutograd's forward and backward, joined."""
+        from cachecompile._torch import aot  # cold only
+
+        n_inputs = len(example_inputs)
+        forwards: list[tuple[torch.fx.GraphModule, Any]] = []  # (graph, Layout or why not)
+        backwards: list[torch.fx.GraphModule] = []
+        backend = aot.training_backend(lambda g, lay: forwards.append((g, lay)),
+                                       backwards.append, n_inputs, decompositions)
+        with aot.backward_with_forward():
+            live = backend(gm, example_inputs)
+
+        def program() -> Program:
+            if len(forwards) != 1 or len(backwards) != 1:
+                raise UnsupportedProgramError(
+                    f"expected one forward and one backward graph, got {len(forwards)} and "
+                    f"{len(backwards)}")
+            fw_gm, layout = forwards[0]
+            if isinstance(layout, str):
+                raise UnsupportedProgramError(layout)
+            bw_gm = backwards[0]
+            n_bw = sum(1 for n in bw_gm.graph.nodes if n.op == "placeholder")
+            from cachecompile.backends import joint
+
+            return joint.join_programs(_program_of(fw_gm, n_inputs), _program_of(bw_gm, n_bw),
+                                       layout)
+
+        return Compiled(live=live, program=program)
+
+    def trains(self) -> bool:
+        return True
+
     def load(self, files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
-        constants: dict[str, Any] = {}
-        if CONSTANTS_FILE in files:
-            constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
-        src = files[PROGRAM_FILE].read_text(encoding="utf-8")
-        return _make_callable(src, str(files[PROGRAM_FILE]), constants, meta.get("globals", []))
+        if entry_files.JOINT_META in meta:   # a training program (imported when one loads)
+            from cachecompile.backends import joint
+
+            return joint.load(_load_one, files, meta)
+        return _load_one(files, meta)
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
         # torch.compile's aot_eager takes no decompositions: custom ones are not applied.
         return "aot_eager", None
+
+
+def _program_of(fx_gm: torch.fx.GraphModule, n_inputs: int) -> Program:
+    """One AOT graph as a stored program: its FX code, its tensor constants."""
+    placeholders = [n for n in fx_gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != n_inputs:
+        raise UnsupportedProgramError(
+            f"AOTAutograd changed the inputs ({n_inputs} graph inputs, "
+            f"{len(placeholders)} compiled)")
+    code = fx_gm.graph.python_code(root_module="self")
+    bad = sorted(k for k, v in code.globals.items()
+                 if k not in _SAFE_GLOBALS and not isinstance(v, types.ModuleType)
+                 and not k.startswith("__"))
+    if bad:
+        raise UnsupportedProgramError(f"graph code needs globals {bad}")
+    constants: dict[str, torch.Tensor] = {}
+    for node in fx_gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(fx_gm, str(node.target))
+            if not isinstance(value, torch.Tensor):
+                raise UnsupportedProgramError(f"graph attribute {node.target} is "
+                                              f"a {type(value).__name__}")
+            constants[str(node.target)] = value.detach()
+    mutated = tuple(i for i, p in enumerate(placeholders)
+                    if any(u.target is torch.ops.aten.copy_.default and u.args[0] is p
+                           for u in p.users))
+    files: dict[str, bytes | Path] = {PROGRAM_FILE: code.src.encode("utf-8")}
+    if constants:
+        buf = io.BytesIO()
+        torch.save(constants, buf)
+        files[CONSTANTS_FILE] = buf.getvalue()
+    names = sorted(code.globals)
+    light = _make_callable(code.src, "<cachecompile capture>", constants, names)
+    operators = passes.operators_in(code.src)
+    meta: dict[str, JSON] = {"globals": names, "n_inputs": n_inputs,
+                             "mutated_inputs": list(mutated), "operators": operators,
+                             "op_namespaces": passes.namespaces(operators)}
+    return Program(files=files, meta=meta, light=light, mutated_inputs=mutated)
+
+
+def _load_one(files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
+    constants: dict[str, Any] = {}
+    if CONSTANTS_FILE in files:
+        constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
+    src = files[PROGRAM_FILE].read_text(encoding="utf-8")
+    globals_ = meta.get("globals", [])
+    return _make_callable(src, str(files[PROGRAM_FILE]), constants,
+                          [str(n) for n in globals_] if isinstance(globals_, list) else [])
 
 
 ADAPTER = AotEagerAdapter()

@@ -123,6 +123,12 @@ class Adapter(Protocol):
         raise ValueError(f"passes= are Inductor's custom pass hooks; the {self.name!r} "
                          "backend does not run them")
 
+    def trains(self) -> bool:
+        """Whether a call that needs autograd is cached (its graphs' forward and backward
+        programs, joined by :mod:`cachecompile.backends.joint`). Default: inference only;
+        such a call then runs under ``no_grad`` or is refused (``InferenceOnlyError``)."""
+        return False
+
     def default_cache_dir(self) -> str | None:
         """The cache dir when ``cache_compile`` names none: a backend's own convention (a
         drop-in keeps its users' caches where they were). Default None: cachecompile's."""
@@ -130,7 +136,8 @@ class Adapter(Protocol):
 
 
 # The optional capabilities: defined with a default on Adapter.
-OPTIONAL = ("make_options", "freezes", "cpu_target", "with_passes", "default_cache_dir")
+OPTIONAL = ("make_options", "freezes", "cpu_target", "with_passes", "trains",
+            "default_cache_dir")
 # Everything else the protocol names is required.
 REQUIRED = tuple(sorted(
     {*Adapter.__annotations__,

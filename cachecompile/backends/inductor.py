@@ -154,42 +154,40 @@ class InductorAdapter(Adapter):
     def compile(self, gm: Any, example_inputs: Sequence[Any], options: Mapping[str, Any],
                 decompositions: Mapping[Any, Any] | None) -> Compiled:
         # Cold only: the warm path never imports them.
-        from cachecompile._torch import dynamo, inductor
+        from cachecompile._torch import aot, dynamo, inductor
 
         n_inputs = len(example_inputs)
         sources = [dynamo.placeholder_source(n) or "" for n in gm.graph.nodes
                    if n.op == "placeholder"]
         level = cpu.BY_NAME.get(_level(options) or "")
-        with _building_for(level):
+        training = aot.needs_autograd(example_inputs)
+        amp = aot.any_autocast()
+        # A training graph's layout is read while AOTAutograd compiles its forward.
+        on_forward = (lambda: aot.layout_or_refusal(n_inputs, amp)) if training else None
+        with _building_for(level), \
+                aot.backward_with_forward() if training else contextlib.nullcontext():
             live, captured = inductor.compile_capturing(gm, example_inputs, options,
-                                                        decompositions)
+                                                        decompositions, on_forward)
 
         def program() -> Program:
             # The capture run asks Inductor's code cache for each kernel by its build
             # command: the same target, or it would build (and record) native ones.
             with _building_for(level):
-                return _capture_program(captured, n_inputs, options, sources)
+                if not training:
+                    return _capture_program(captured, n_inputs, options, sources)
+                return _capture_training(captured, n_inputs, options, sources)
 
         return Compiled(live=live, program=program)
 
-    def load(self, files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
-        kernels = {digest: files[rel] for digest, rel in meta["kernels"].items()}
-        if meta.get("async_compile") == "light":
-            async_compile: Callable[[], Any] = inductor_runtime.light_async_compile_factory(kernels)
-        else:
-            from cachecompile._torch import inductor  # Inductor's own machinery
+    def trains(self) -> bool:
+        return True
 
-            async_compile = inductor.async_compile_class()
-        constants: dict[str, torch.Tensor] = {}
-        if CONSTANTS_FILE in files:
-            # weights_only=True: the restricted unpickler; an entry's bytes are untrusted.
-            constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
-        code = _stored_code(files) if meta.get("code") == PROGRAM_CODE else None
-        if code is None:
-            src = files[PROGRAM_FILE].read_text(encoding="utf-8")
-            code = _compile_program(src, str(files[PROGRAM_FILE]))
-        return _exec_program(code, str(files[PROGRAM_FILE]), async_compile, constants,
-                             meta.get("inputs_to_check", []), meta.get("kept_inputs"))
+    def load(self, files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
+        if entry_files.JOINT_META in meta:   # a training program (imported when one loads)
+            from cachecompile.backends import joint
+
+            return joint.load(_load_one, files, meta)
+        return _load_one(files, meta)
 
     def plain_backend(self, options: Mapping[str, Any], decompositions: Mapping[Any, Any] | None
                       ) -> tuple[Any, dict[str, Any] | None]:
@@ -197,6 +195,26 @@ class InductorAdapter(Adapter):
 
         # torch.compile's Inductor takes no decompositions: custom ones are not applied.
         return "inductor", inductor.config_patches(options) or None
+
+
+def _load_one(files: Mapping[str, Path], meta: Mapping[str, JSON]) -> GraphCallable:
+    kernels = {digest: files[rel] for digest, rel in meta["kernels"].items()}
+    if meta.get("async_compile") == "light":
+        async_compile: Callable[[], Any] = inductor_runtime.light_async_compile_factory(kernels)
+    else:
+        from cachecompile._torch import inductor  # Inductor's own machinery
+
+        async_compile = inductor.async_compile_class()
+    constants: dict[str, torch.Tensor] = {}
+    if CONSTANTS_FILE in files:
+        # weights_only=True: the restricted unpickler; an entry's bytes are untrusted.
+        constants = torch.load(files[CONSTANTS_FILE], weights_only=True)
+    code = _stored_code(files) if meta.get("code") == PROGRAM_CODE else None
+    if code is None:
+        src = files[PROGRAM_FILE].read_text(encoding="utf-8")
+        code = _compile_program(src, str(files[PROGRAM_FILE]))
+    return _exec_program(code, str(files[PROGRAM_FILE]), async_compile, constants,
+                         meta.get("inputs_to_check", []), meta.get("kept_inputs"))
 
 
 def _compile_program(src: str, filename: str) -> types.CodeType:
@@ -293,7 +311,7 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
             raise UnsupportedProgramError(f"Inductor option {opt}={value!r} is not replayable")
     if len(captured) != 1:
         raise UnsupportedProgramError(f"expected one Inductor graph, got {len(captured)}")
-    out, aot_gm, kept = captured[0]
+    out, aot_gm, kept, _ = captured[0]
     code = inductor.output_code(out)
     if code is None or not code.source_code:
         raise UnsupportedProgramError(f"Inductor returned {type(out).__name__}, not a CompiledFxGraph")
@@ -358,6 +376,27 @@ def _capture_program(captured: list[Any], n_inputs: int, options: Mapping[str, A
     }
     return Program(files=files, meta=meta, light=light,
                    mutated_inputs=tuple(meta["mutated_inputs"]))
+
+
+def _capture_training(captured: list[Any], n_inputs: int, options: Mapping[str, Any],
+                      sources: Sequence[str]) -> Program:
+    """A training graph's two Inductor programs, joined (:mod:`cachecompile.backends.joint`)."""
+    if [role == "backward" for *_, role in captured] != [False, True]:
+        raise UnsupportedProgramError(
+            f"expected one forward and one backward Inductor graph, got {len(captured)} "
+            "graphs")
+    (fw_out, fw_gm, fw_kept, layout), bw = captured
+    if isinstance(layout, str):
+        raise UnsupportedProgramError(layout)
+    if fw_kept is not None or bw[2] is not None:
+        raise UnsupportedProgramError("freezing is for inference: a training graph's weights "
+                                      "change")
+    n_bw = sum(1 for n in bw[1].graph.nodes if n.op == "placeholder")
+    forward = _capture_program([(fw_out, fw_gm, None, None)], n_inputs, options, sources)
+    backward = _capture_program([bw], n_bw, options, [""] * n_bw)
+    from cachecompile.backends import joint
+
+    return joint.join_programs(forward, backward, layout)
 
 
 def _check_frozen(kept: Sequence[int], n_inputs: int, n_aot: int,

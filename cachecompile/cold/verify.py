@@ -7,7 +7,7 @@ adapter's program beside the live graph, on the same random numbers, and compare
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from cachecompile.backends.base import Compiled, Program
 from cachecompile.cold.compiling import Phases
 from cachecompile.cold.frame_assembly import GraphCapture
+from cachecompile.entry import joint
 from cachecompile.errors import UnsupportedProgramError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class Verified:
     in ``out.verdict``) and, with ``verify``, runs it beside the live graph: both draw the
     same random numbers and the call draws them once, as torch.compile's one call does;
     each mutated input goes to one of them as a copy made before either ran; outputs and
-    mutated inputs are compared, a difference is a verdict. ``serve`` says who answers:
+    mutated inputs are compared, and a training program's gradients too
+    (:func:`gradients_differ`); a difference is a verdict. ``serve`` says who answers:
 
     * ``serve=False`` (the method's own graph, fullgraph): the live graph, on the call's
       arguments, in this call and every later one; the program gets the copies;
@@ -79,6 +81,9 @@ class Verified:
                 for i in program.mutated_inputs:
                     mismatch = mismatch or compare(light_args[i], live_args[i],
                                                     f"mutated input {i}")
+                if not mismatch and joint.KEY in program.meta:
+                    mismatch = gradients_differ(self._compiled.live, program.light, args,
+                                                restore_rng)
         except Exception as e:  # the program failed: the live graph's result stands
             logger.debug("the program failed on the call's arguments", exc_info=True)
             mismatch = f"it raised {type(e).__name__}: {e}"
@@ -108,6 +113,34 @@ class Verified:
             logger.debug("program capture failed", exc_info=True)
             out.verdict = f"capturing the program failed: {type(e).__name__}: {e}"
         return None
+
+
+def gradients_differ(live: Callable[..., Any], light: Callable[..., Any],
+                     args: Sequence[Any], restore_rng: Callable[[], None]) -> str | None:
+    """A training program's gradients against the live compile's: each run on leaves of
+    its own (the call's autograd graph stays the user's), from the random state before
+    the call, and differentiated with the same random output gradients (drawn from a
+    generator of their own); the random state after the call is kept."""
+    after = rng_snapshot()
+    grads: list[tuple[Any, ...]] = []
+    try:
+        for fn in (live, light):
+            restore_rng()
+            leaves = [a.detach().requires_grad_(a.requires_grad)
+                      if isinstance(a, torch.Tensor) else a for a in args]
+            with torch.enable_grad():
+                outs = fn(*leaves)
+            outs = [o for o in (outs if isinstance(outs, (list, tuple)) else [outs])
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            inputs = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            gen = torch.Generator().manual_seed(0)
+            tangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
+                        for o in outs]
+            grads.append(torch.autograd.grad(outs, inputs, tangents, allow_unused=True)
+                         if outs and inputs else ())
+    finally:
+        after()
+    return compare(grads[1], grads[0], "gradient")
 
 
 def rng_snapshot() -> Callable[[], None]:

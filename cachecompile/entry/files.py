@@ -20,6 +20,12 @@ TORCHAIR_PROGRAM = "torchair_program.py"
 BARE_GRAPH = "dynamo_graph.json"
 PROGRAM_FILES = tuple(dict.fromkeys((INDUCTOR_PROGRAM, AOT_EAGER_PROGRAM, TORCHAIR_PROGRAM,
                                      BARE_GRAPH)))
+# A training graph's program (backends.joint): its layout under this key of the program's
+# record (entry.joint), the backward program's own record under BACKWARD_META and its
+# files under BACKWARD_DIR.
+JOINT_META = "joint"
+BACKWARD_META = "backward"
+BACKWARD_DIR = "backward/"
 # A bytecode constant marshal cannot hold is stored as this prefix + its index in the
 # entry's ``consts`` (entry.codeobj); ``cachectl program`` shows the constant in its place.
 CONST_PREFIX = "\x00cachecompile-const\x00"

@@ -108,9 +108,14 @@ def test_double_wrapping_is_refused() -> None:
         cache_compile(cached)
 
 
-def test_grad_mode_call_with_grad_input_is_refused(cache_dir: Path) -> None:
+def eager_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """A user's backend callable: cached for inference only."""
+    return gm.forward
+
+
+def test_grad_input_on_an_inference_only_backend_is_refused(cache_dir: Path) -> None:
     m = Small()
-    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    cached = cache_compile(m.run, backend=eager_backend, cache_dir=cache_dir)
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(InferenceOnlyError, match="inference only"):
         cached(x)
@@ -119,8 +124,20 @@ def test_grad_mode_call_with_grad_input_is_refused(cache_dir: Path) -> None:
         assert torch.allclose(cached(x), m.run(x))
 
 
-def test_output_has_no_autograd_history(cache_dir: Path) -> None:
+def test_grad_input_on_a_training_backend_gets_its_gradient(cache_dir: Path) -> None:
     m = Small()
+    cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
+    x = torch.randn(2, 4, requires_grad=True)
+    cached(x).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    m.run(x2).sum().backward()
+    assert x.grad is not None and x2.grad is not None
+    assert torch.allclose(x.grad, x2.grad)
+
+
+def test_an_eval_module_output_has_no_autograd_history(cache_dir: Path) -> None:
+    """The inference path: a module in eval mode, called in grad mode, runs under no_grad."""
+    m = Small().eval()
     cached = cache_compile(m.run, backend="aot_eager", cache_dir=cache_dir)
     out = cached(torch.randn(2, 4))
     assert not out.requires_grad

@@ -1,5 +1,5 @@
 """A user's mistakes answered in their terms (issue 51), each run as the user ran it:
-training through the cache, wrong inputs, generators, what torch.compile returned,
+training through a backend cached for inference only, wrong inputs, generators, what torch.compile returned,
 torch.compile's own arguments (``dynamic=None``, ``disable=``), a typo in a keyword,
 ``generate()`` on a cached module, a data-dependent vision tower, a truncated manifest
 and a cache dir that cannot be made.
@@ -70,10 +70,16 @@ def _entries(root: Path) -> int:
     return sum(1 for _ in root.rglob("manifest.json")) if root.exists() else 0
 
 
-# -- 1. training through an inference-only cache ------------------------------------------
+# -- 1. training through a backend that caches inference only -----------------------------
+def eager_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """A user's own backend callable: cachecompile caches what it returns for inference
+    only (aot_eager and Inductor cache training calls too: tests/e2e/test_training.py)."""
+    return gm.forward
+
+
 def test_training_mode_in_grad_mode_warns_before_anything_is_compiled(cache_dir: Path) -> None:
     m = Mlp()  # a fresh module is in training mode, its parameters require grad
-    cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
+    cached = cache_compile(m.f, backend=eager_backend, cache_dir=cache_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", InferenceOnlyWarning)
         with pytest.raises(InferenceOnlyWarning) as info:
@@ -91,6 +97,24 @@ def test_training_mode_in_grad_mode_warns_before_anything_is_compiled(cache_dir:
     assert not out.requires_grad
 
 
+def test_training_mode_on_a_training_backend_is_a_training_call(cache_dir: Path) -> None:
+    """The same call on aot_eager: cached as torch.compile would run it, with autograd
+    history, and no InferenceOnlyWarning."""
+    m = Mlp()
+    cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
+    x = torch.randn(2, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cached(x)
+    assert [w for w in caught if w.category is InferenceOnlyWarning] == []
+    assert out.requires_grad and cached.events == [("miss", cached.events[0][1])]
+    out.sum().backward()
+    want = Mlp()
+    want.f(x).sum().backward()
+    assert m.fc1.weight.grad is not None and want.fc1.weight.grad is not None
+    assert torch.equal(m.fc1.weight.grad, want.fc1.weight.grad)
+
+
 @pytest.mark.parametrize("setup", ["eval", "no_grad", "frozen"])
 def test_no_training_warning_when_it_is_inference(cache_dir: Path, setup: str) -> None:
     m = Mlp()
@@ -98,7 +122,7 @@ def test_no_training_warning_when_it_is_inference(cache_dir: Path, setup: str) -
         m.eval()
     if setup == "frozen":
         m.requires_grad_(False)
-    cached = cache_compile(m.f, backend="aot_eager", cache_dir=cache_dir)
+    cached = cache_compile(m.f, backend=eager_backend, cache_dir=cache_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if setup == "no_grad":
