@@ -35,6 +35,12 @@ NEEDS: tuple[tuple[str, str], ...] = (
 # when the first call stores it. Absent from a release: the backward compiles lazily, and
 # the program is refused for lacking it.
 _EAGER_BACKWARD = "force_non_lazy_backward_lowering"
+# And no donated buffers (a backward that reuses the saved activations' memory): torch
+# decides it at the first backward, from whether that one keeps its graph, so
+# torch.compile lets retain_graph=True and create_graph=True through when its first
+# backward uses them. Compiled before any backward, a stored backward would have to
+# refuse them always; without donation it takes them always. The arithmetic is the same.
+_DONATED = "donated_buffer"
 
 
 def needs_autograd(example_inputs: Sequence[Any]) -> bool:
@@ -45,13 +51,13 @@ def needs_autograd(example_inputs: Sequence[Any]) -> bool:
 
 @contextlib.contextmanager
 def backward_with_forward() -> Iterator[None]:
-    """While compiling: AOTAutograd compiles a graph's backward with its forward."""
+    """While compiling: AOTAutograd compiles a graph's backward with its forward, and
+    with no donated buffers."""
     import torch._functorch.config as functorch_config
 
-    if not hasattr(functorch_config, _EAGER_BACKWARD):
-        yield
-        return
-    with functorch_config.patch({_EAGER_BACKWARD: True}):
+    patch = {name: value for name, value in ((_EAGER_BACKWARD, True), (_DONATED, False))
+             if hasattr(functorch_config, name)}
+    with functorch_config.patch(patch):
         yield
 
 
@@ -145,9 +151,21 @@ def any_autocast() -> bool:
     return bool(torch._C._is_any_autocast_enabled())
 
 
+def _say_none_donated() -> None:
+    """With donation off (:func:`backward_with_forward`) AOTAutograd leaves the graph's
+    donated-buffer list unset, which its runtime reads as "some" (``None != []``) and then
+    refuses ``retain_graph=True`` in the live compile: say none."""
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
+
+
 def layout_or_refusal(n_inputs: int, disable_amp: bool) -> dict[str, Any] | str:
     """:func:`layout`, or why there is none: called inside AOTAutograd's compiler
     callback, where an exception would fail the user's live compile."""
+    _say_none_donated()
     try:
         return layout(n_inputs, disable_amp)
     except UnsupportedProgramError as e:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from cachecompile._torch import runtime
 from cachecompile.backends.base import GraphCallable, Program
@@ -36,6 +35,12 @@ _DONATED = ("This backward function was compiled with non-empty donated buffers 
             "backward(create_graph=False, retain_graph=False) across all backward() "
             "function calls, or set torch._functorch.config.donated_buffer=False to disable "
             "donated buffer.")
+
+
+_DOUBLE_BACKWARD = ("torch.compile with aot_autograd does not currently support double "
+                    "backward (cachecompile: the same for a cached training graph). Take the "
+                    "second derivative through the module itself, uncompiled, or through "
+                    "torch.func.")
 
 
 def _coercer(spec: Mapping[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -91,7 +96,6 @@ def joined(forward: GraphCallable, backward: GraphCallable, layout: Layout) -> G
             return tuple(user)
 
         @staticmethod
-        @once_differentiable
         def backward(ctx: Any, *grads: Any) -> Any:
             if check_deterministic and torch.are_deterministic_algorithms_enabled():
                 raise RuntimeError(_DETERMINISTIC)
@@ -99,17 +103,38 @@ def joined(forward: GraphCallable, backward: GraphCallable, layout: Layout) -> G
                 raise RuntimeError(_DONATED)
             args = [*ctx.cc_symints, *ctx.saved_tensors, *ctx.cc_unchecked,
                     *(c(grads[i]) for c, i in zip(coerce, tangents, strict=True))]
-            with amp_off():
-                out = tuple(backward(*args))
-            if len(out) != n_inputs:
-                raise RuntimeError(f"cachecompile: the stored backward returned {len(out)} "
-                                   f"gradients for {n_inputs} inputs")
-            return out
+
+            def run() -> tuple[Any, ...]:
+                with amp_off():
+                    out = tuple(backward(*args))
+                if len(out) != n_inputs:
+                    raise RuntimeError(f"cachecompile: the stored backward returned "
+                                       f"{len(out)} gradients for {n_inputs} inputs")
+                return out
+
+            if torch.is_grad_enabled():
+                # create_graph=True: the gradients are computed, and a second backward
+                # through them refused, as AOTAutograd's CompiledFunctionBackward does.
+                return _SecondBackward.apply(run, torch.empty(0, requires_grad=True))
+            return run()
 
     def call(*args: Any) -> Any:
         return JointProgram.apply(*args)
 
     return call
+
+
+class _SecondBackward(torch.autograd.Function):
+    """The gradients of a backward run with ``create_graph=True``: a node that refuses
+    to be differentiated (AOTAutograd compiles no double backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[], tuple[Any, ...]], _anchor: torch.Tensor) -> Any:
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_DOUBLE_BACKWARD)
 
 
 def join_programs(forward: Program, backward: Program, raw_layout: Mapping[str, Any]) -> Program:

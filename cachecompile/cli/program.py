@@ -27,7 +27,7 @@ import click
 from rich.syntax import Syntax
 
 from cachecompile.entry import guard_paths
-from cachecompile.entry.files import BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
+from cachecompile.entry.files import BACKWARD_DIR, BYTECODE_FILE, CONST_PREFIX, PROGRAM_FILES
 from cachecompile.entry.frame_records import graph_prefix
 from cachecompile.entry.meta import EntryMeta
 
@@ -107,10 +107,18 @@ def _frames(meta: EntryMeta, data_dir: Path, no_bytecode: bool,
                             f"{calls or 'nothing of ours'})",
                             bytecode_text(data_dir / v.bytecode, list(v.consts)), "text"))
     for g in sorted(graphs):
+        out.extend(_programs(data_dir / graph_prefix(g), f"graph {g}: "))
+    return out
+
+
+def _programs(folder: Path, title: str) -> list[tuple[str, str, str]]:
+    """A graph's program files; a training graph's backward program after its forward."""
+    out: list[tuple[str, str, str]] = []
+    for sub, what in (("", ""), (BACKWARD_DIR, " (the backward of a training graph)")):
         for name in PROGRAM_FILES:
-            path = data_dir / graph_prefix(g) / name
+            path = folder / sub / name
             if path.is_file():
-                out.append((f"graph {g}: {name}",
+                out.append((f"{title}{sub}{name}{what}",
                             path.read_text(encoding="utf-8", errors="replace"), "python"))
     return out
 
@@ -186,10 +194,7 @@ def _own_frame(meta: EntryMeta, data_dir: Path, tree: bool, no_bytecode: bool,
         calls = ", ".join([meta.compiled_fn] * bool(meta.compiled_fn) + list(meta.resumes))
         out.append((f"Dynamo's transformed bytecode (calls {calls or 'nothing of ours'})",
                     bytecode_text(bytecode, list(meta.consts)), "text"))
-    for name in PROGRAM_FILES:
-        path = data_dir / name
-        if path.is_file():
-            out.append((name, path.read_text(encoding="utf-8", errors="replace"), "python"))
+    out.extend(_programs(data_dir, ""))
     return out
 
 

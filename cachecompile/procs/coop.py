@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import xxhash
 
-from cachecompile._torch import dynamo
+from cachecompile._torch import dynamo, runtime
 from cachecompile.backends.base import Adapter, Compiled, Program
 from cachecompile.entry import writer
 from cachecompile.entry.meta import EntryMeta
@@ -165,6 +165,10 @@ def graph_digest(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str
     for x in example_inputs:
         h.update(_meta(x).encode())
         h.update(b";")
+    # What AOTAutograd makes of the same graph depends on the global state it compiles
+    # under: grad mode (a training graph's forward and backward, or an inference graph)
+    # and autocast (its casts are baked into the program).
+    h.update(runtime.global_state().encode())
     return h.hexdigest()
 
 

@@ -266,3 +266,123 @@ def test_a_training_graph_that_mutates_a_buffer_runs_with_torch_compile(cache_di
     mean, want_mean = net.bn.running_mean, ref.bn.running_mean
     assert mean is not None and want_mean is not None and torch.equal(mean, want_mean)
     assert not list(cache_dir.rglob("manifest.json")), "nothing was stored"
+
+
+DP_JOB = r'''
+import hashlib, json, os, sys
+import torch, torch.distributed as dist
+from cachecompile import cache_compile
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)                 # every rank starts from the same weights
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 1)
+
+    def forward(self, x, y):
+        return (self.b(torch.nn.functional.silu(self.a(x))) - y).square().mean()
+
+net = Net().train()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+fn = torch.compile(net.forward, dynamic=False, fullgraph=True) \
+    if os.environ["PHASE"] == "plain" else cache_compile(net.forward, dynamic=False)
+g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
+rows = []
+for _ in range(3):
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    opt.zero_grad()
+    loss = fn(x, y)
+    loss.backward()
+    for p in net.parameters():               # data parallel: the mean gradient
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
+    rows.append([float(loss).hex(), h.hexdigest()[:16]])
+compiles = frames = 0
+if "torch._dynamo.utils" in sys.modules:   # torch.optim imports Dynamo itself
+    from torch._dynamo.utils import counters
+    compiles = sum(v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_"))
+    frames = counters["frames"]["total"]
+with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "rows": rows, "compiles": compiles, "frames": frames,
+               "events": [e for e, _ in getattr(fn, "events", [])],
+               "inductor": "torch._inductor.compile_fx" in sys.modules}, f)
+dist.destroy_process_group()
+os._exit(0)   # as tests/procs/test_ranks.py: gloo's teardown may abort after a clean run
+'''
+
+
+def _dp_job(sb: Sandbox, phase: str, **kw: Any) -> list[dict[str, Any]]:
+    import json
+    import subprocess
+    import sys
+    import time
+
+    script = sb.root / "dp_job.py"
+    script.write_text(DP_JOB)
+    out = sb.root / f"results{time.monotonic_ns()}"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script)],
+                          env=sb.env(RESULT_DIR=str(out), PHASE=phase, **kw),
+                          capture_output=True, text=True, timeout=600, cwd=sb.root)
+    results = [json.loads(p.read_text()) for p in out.glob("rank*.json")]
+    assert proc.returncode == 0 and len(results) == 2, proc.stdout + proc.stderr[-5000:]
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.mark.slow
+def test_a_data_parallel_job_compiles_once_and_its_restart_nothing(tmp_path: Path) -> None:
+    """Two ranks under torchrun (gloo), the same graph on each: one rank compiles its
+    forward and backward, the other loads them (one compile for the job); the restarted
+    job, in empty Inductor dirs, compiles nothing; all three as torch.compile's job."""
+    sb = Sandbox(tmp_path)
+    plain = _dp_job(sb, "plain")
+    cold = _dp_job(sb, "cold")
+    assert sorted(e for r in cold for e in r["events"]) == ["miss", "shared"], cold
+    assert sum(r["compiles"] for r in cold) == 2, "one forward and one backward for the job"
+    warm = _dp_job(sb, "warm", fresh_inductor=True)
+    assert all(r["events"] == ["hit"] and r["frames"] == 0 and not r["inductor"]
+               for r in warm), warm
+    for ref, c, w in zip(plain, cold, warm, strict=True):
+        assert c["rows"] == ref["rows"] and w["rows"] == ref["rows"], (ref, c, w)
+    assert plain[0]["rows"][-1][1] == plain[1]["rows"][-1][1], "the ranks stay in step"
+
+
+class Cubic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)).pow(3).sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_retain_graph_create_graph_and_double_backward_on_a_hit(cache_dir: Path,
+                                                                 backend: str) -> None:
+    """On a loaded entry (a second cached function over the store: a hit), as
+    torch.compile's first backward allows them: retain_graph=True twice, create_graph=True,
+    and a double backward refused in torch's words."""
+    m = Cubic()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    cache_compile(m.forward, backend=backend, cache_dir=cache_dir)(x).backward()
+    fn = cache_compile(m.forward, backend=backend, cache_dir=cache_dir)
+    (want,) = torch.autograd.grad(m(x), x)
+
+    y = fn(x)
+    assert [e for e, _ in fn.events] == ["hit"]
+    x.grad = None
+    y.backward(retain_graph=True)
+    y.backward()
+    assert x.grad is not None and torch.allclose(x.grad, 2 * want, rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(fn(x), x, create_graph=True)
+    assert g.requires_grad and torch.allclose(g, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        g.sum().backward()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from ccutil import cachectl
 from torch import nn
 
 from cachecompile import (
@@ -113,6 +114,12 @@ def test_training_mode_on_a_training_backend_is_a_training_call(cache_dir: Path)
     want.f(x).sum().backward()
     assert m.fc1.weight.grad is not None and want.fc1.weight.grad is not None
     assert torch.equal(m.fc1.weight.grad, want.fc1.weight.grad)
+    # cachectl shows both programs of the stored entry.
+    [manifest] = list(cache_dir.rglob("manifest.json"))
+    key = json.loads(manifest.read_text())["key"]
+    shown = cachectl("program", key, "--no-bytecode", "--cache-dir", str(cache_dir)).stdout
+    assert "# ---- program.py" in shown
+    assert "# ---- backward/program.py (the backward of a training graph)" in shown
 
 
 @pytest.mark.parametrize("setup", ["eval", "no_grad", "frozen"])
