@@ -43,6 +43,8 @@ export PIP_CONSTRAINT=/dev/null
 # The remote tier runs its file:// case here: what a release changes is the entry a node
 # publishes and another loads, not how a tier moves its bytes (the store is torch-free);
 # its Redis, S3, HTTP and OCI cases, ~20 s each a release, run in the README command.
+# A training graph's layout is read from AOTAutograd's metadata, whose fields move between
+# releases (_torch/aot.py): one in-process training test per backend, on a stored entry.
 SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         "tests/e2e/test_guard_matrix.py::test_guard_matrix[aot_eager]"
         tests/e2e/test_guard_sweep.py
@@ -57,7 +59,8 @@ SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
         tests/e2e/test_cross_release.py
         tests/e2e/test_float_inputs.py
         "tests/e2e/test_live_frames.py::test_a_frame_compiled_live_carries_every_guard_of_a_cold_capture[aot_eager]"
-        tests/e2e/test_write_sweep.py)
+        tests/e2e/test_write_sweep.py
+        "tests/e2e/test_training.py::test_retain_graph_create_graph_and_double_backward_on_a_hit")
 # On another Python than the README command's: the fast tests of what a Python release
 # changes most. Left out: the store's stats test (it compiles a model in fresh processes),
 # the S3 and Redis tiers' (servers, 45 and 33 s; the Redis client's URL handling still runs
@@ -76,7 +79,7 @@ tier_items() { echo "${CACHECOMPILE_TORCH_MATRIX:-2.11.0@3.10 2.15.0 2.12.1@3.12
 tier_venv() { echo ".venv-torch-${1/@/-py}"; }
 # Tests' seconds on the reference machine (docs/performance.md, "The test suite"): an item on
 # another Python adds that Python's fast tests.
-tier_estimate() { if [[ $1 == *@* ]]; then echo 320; else echo 165; fi; }
+tier_estimate() { if [[ $1 == *@* ]]; then echo 345; else echo 190; fi; }
 item_torch() { echo "${1%%@*}"; }
 item_python() { [[ $1 == *@* ]] && echo "${1#*@}"; }
 

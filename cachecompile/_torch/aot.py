@@ -78,69 +78,79 @@ def _memory_format(meta: Any) -> dict[str, Any]:
         raise UnsupportedProgramError(f"a tangent's layout is symbolic ({e})") from None
 
 
-def layout(n_inputs: int, disable_amp: bool) -> dict[str, Any]:  # noqa: C901 (one refusal per form)
-    """The layout of the training graph AOTAutograd is compiling now, as the record
-    :class:`cachecompile.entry.joint.Layout` reads (call it from the forward compiler,
-    while its tracing context holds the metadata)."""
-    from torch._guards import TracingContext
+def _refuse(why: str) -> UnsupportedProgramError:
+    return UnsupportedProgramError(f"a training graph that {why} is not cached yet (it runs "
+                                   "with torch.compile)")
 
-    ctx = TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
-    if meta is None:
-        raise UnsupportedProgramError("AOTAutograd's metadata for the graph was not found")
 
-    def refuse(why: str) -> UnsupportedProgramError:
-        return UnsupportedProgramError(f"a training graph that {why} is not cached yet "
-                                       "(it runs with torch.compile)")
-
-    if meta.num_mutated_inp_runtime_indices:
-        raise refuse("mutates an input (a buffer, an argument)")
-    if meta.num_intermediate_bases or getattr(meta, "num_unsafe_view_outputs", 0):
-        raise refuse("returns views of its intermediates")
-    if getattr(meta, "is_rng_op_functionalized", False):
-        raise refuse("functionalizes random ops")
-    if getattr(meta, "tokens", None) or getattr(meta, "num_backward_tokens", 0):
-        raise refuse("has side-effect tokens")
-    if getattr(meta, "num_opaque_objects_saved_for_bw", 0):
-        raise refuse("saves opaque objects for backward")
+def _check_form(meta: Any) -> None:
+    """Refuse the forms of a graph the warm join does not replay (its runtime wrappers
+    would be needed): input mutations, views, RNG state, tokens, opaques, subclasses."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+    if meta.num_mutated_inp_runtime_indices:
+        raise _refuse("mutates an input (a buffer, an argument)")
+    if meta.num_intermediate_bases or getattr(meta, "num_unsafe_view_outputs", 0):
+        raise _refuse("returns views of its intermediates")
+    if getattr(meta, "is_rng_op_functionalized", False):
+        raise _refuse("functionalizes random ops")
+    if getattr(meta, "tokens", None) or getattr(meta, "num_backward_tokens", 0):
+        raise _refuse("has side-effect tokens")
+    if getattr(meta, "num_opaque_objects_saved_for_bw", 0):
+        raise _refuse("saves opaque objects for backward")
     if any(is_traceable_wrapper_subclass(x) for x in getattr(meta, "traced_tangents", ())):
-        raise refuse("has tensor-subclass gradients")
+        raise _refuse("has tensor-subclass gradients")
+    n_outputs = int(meta.num_outputs)
+    if int(meta.num_forward_returns) != n_outputs or int(meta.num_forward) != n_outputs:
+        raise _refuse("returns more than its outputs before what backward saves")
+
+
+def _outputs(meta: Any) -> tuple[list[bool], list[int]]:
+    """Whether each output requires grad, and which take a gradient in backward."""
     from torch._functorch._aot_autograd.schemas import OutputType
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     # What a plain tensor output is seen as while AOTAutograd traces.
     plain = (torch.Tensor, torch.nn.Parameter, FunctionalTensor, FakeTensor)
-
     outputs: list[bool] = []
     tangents: list[int] = []
     for i, info in enumerate(meta.output_info):
         if info.output_type is not OutputType.non_alias:
-            raise refuse(f"returns an alias ({info.output_type.name}) as output {i}")
-        if not issubclass(info.raw_type, torch.Tensor):
-            if info.requires_grad:
-                raise refuse(f"returns a {info.raw_type.__name__} that requires grad")
-        elif info.raw_type not in plain:
-            raise refuse(f"returns a {info.raw_type.__name__}")
+            raise _refuse(f"returns an alias ({info.output_type.name}) as output {i}")
+        tensor = issubclass(info.raw_type, torch.Tensor)
+        if tensor and info.raw_type not in plain:
+            raise _refuse(f"returns a {info.raw_type.__name__}")
+        if not tensor and info.requires_grad:
+            raise _refuse(f"returns a {info.raw_type.__name__} that requires grad")
         outputs.append(bool(info.requires_grad))
-        if issubclass(info.raw_type, torch.Tensor) and \
-                getattr(info, "requires_grad_for_backward", info.requires_grad):
+        if tensor and getattr(info, "requires_grad_for_backward", info.requires_grad):
             tangents.append(i)
-    n_outputs = int(meta.num_outputs)
-    if int(meta.num_forward_returns) != n_outputs or int(meta.num_forward) != n_outputs:
-        raise refuse("returns more than its outputs before what backward saves")
+    return outputs, tangents
+
+
+def layout(n_inputs: int, disable_amp: bool) -> dict[str, Any]:
+    """The layout of the training graph AOTAutograd is compiling now, as the record
+    :class:`cachecompile.entry.joint.Layout` reads (call it from the forward compiler,
+    while its tracing context holds the metadata)."""
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is None:
+        raise UnsupportedProgramError("AOTAutograd's metadata for the graph was not found")
+    _check_form(meta)
+    outputs, tangents = _outputs(meta)
     tangent_metas = list(getattr(meta, "subclass_tangent_meta", None) or ())
     if len(tangent_metas) != len(tangents):
-        raise refuse(f"has {len(tangent_metas)} tangents for {len(tangents)} outputs")
-    formats = [_memory_format(getattr(m, "memory_format", None)) for m in tangent_metas]
-    n_symints = int(meta.num_symints_saved_for_bw or 0)
-    unchecked = int(getattr(meta, "num_tensors_saved_with_no_vc_check", 0) or 0)
+        raise _refuse(f"has {len(tangent_metas)} tangents for {len(tangents)} outputs")
     deterministic = meta.deterministic
-    return {"n_inputs": n_inputs, "n_outputs": n_outputs, "n_symints": n_symints,
-            "n_unchecked": unchecked, "outputs_require_grad": outputs, "tangents": tangents,
-            "tangent_layouts": formats, "disable_amp": disable_amp,
+    return {"n_inputs": n_inputs, "n_outputs": len(outputs),
+            "n_symints": int(meta.num_symints_saved_for_bw or 0),
+            "n_unchecked": int(getattr(meta, "num_tensors_saved_with_no_vc_check", 0) or 0),
+            "outputs_require_grad": outputs, "tangents": tangents,
+            "tangent_layouts": [_memory_format(getattr(m, "memory_format", None))
+                                for m in tangent_metas],
+            "disable_amp": disable_amp,
             "deterministic": None if deterministic is None else bool(deterministic),
             "donated": bool(getattr(meta, "bw_donated_idxs", None))}
 

@@ -2,7 +2,9 @@
 
 No kernels are generated, so an entry is just the graph's Python code (FX codegen) plus
 any tensor constants. Useful where Inductor cannot run, to debug a model, and as the
-fast path in tests. The same replay contract as Inductor: ``call(flat_inputs)``.
+fast path in tests. The same replay contract as Inductor: ``call(flat_inputs)``; a
+training graph's forward and backward are two such programs, joined
+(:mod:`cachecompile.backends.joint`).
 """
 
 from __future__ import annotations

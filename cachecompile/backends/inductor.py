@@ -18,8 +18,11 @@ constants, stored in the entry (``constants.pt``) with the indices of the inputs
 program still takes; the key holds the weights' content (``frozen_state``), so other
 weights are a miss, never the old ones. Only the module's own state may be frozen.
 
-Refused (the call goes on with a live compile and a warning): more than one Inductor
-graph, AOTAutograd changing the argument list (duplicate or synthetic-base inputs),
+A training graph (a call that needs autograd) is two Inductor graphs, its forward and
+backward, each captured as above and stored together (:mod:`cachecompile.backends.joint`).
+
+Refused (the call goes on with a live compile and a warning): more Inductor graphs than
+that, AOTAutograd changing the argument list (duplicate or synthetic-base inputs),
 ``cpp_wrapper``, CUDA graphs, freezing set in ``torch._inductor.config`` rather than
 given to ``cache_compile`` (the key would not hold the weights).
 """

@@ -53,56 +53,64 @@ class Layout:
                 "donated": self.donated}
 
     @classmethod
-    def from_json(cls, raw: Any) -> Layout:  # noqa: C901 (one check per field, failing closed)
+    def from_json(cls, raw: Any) -> Layout:
         """The layout a record holds; UnsupportedProgramError for anything malformed."""
-        def bad(why: str) -> UnsupportedProgramError:
-            return UnsupportedProgramError(f"the entry's training layout is malformed: {why}")
-
         if not isinstance(raw, Mapping):
-            raise bad("not a map")
-
-        def count(name: str) -> int:
-            v = raw.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise bad(f"{name} is {v!r}")
-            return v
-
-        def flag(name: str, nullable: bool = False) -> Any:
-            v = raw.get(name, "missing")
-            if isinstance(v, bool) or (nullable and v is None):
-                return v
-            raise bad(f"{name} is {v!r}")
-
-        n_outputs = count("n_outputs")
+            raise _bad("not a map")
+        n_outputs = _count(raw, "n_outputs")
         rg = raw.get("outputs_require_grad")
         if not isinstance(rg, list) or len(rg) != n_outputs or \
                 not all(isinstance(x, bool) for x in rg):
-            raise bad("outputs_require_grad")
+            raise _bad("outputs_require_grad")
         tangents = raw.get("tangents")
         if not isinstance(tangents, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_outputs
                 for i in tangents) or tangents != sorted(set(tangents)):
-            raise bad("tangents")
+            raise _bad("tangents")
         layouts = raw.get("tangent_layouts")
         if not isinstance(layouts, list) or len(layouts) != len(tangents):
-            raise bad("tangent_layouts")
+            raise _bad("tangent_layouts")
         for t in layouts:
-            if not isinstance(t, Mapping):
-                raise bad("a tangent layout")
-            if "memory_format" in t:
-                if t["memory_format"] not in _FORMATS or len(t) != 1:
-                    raise bad(f"memory format {t.get('memory_format')!r}")
-            elif set(t) != {"size", "stride"} or not all(
-                    isinstance(t[k], list) and all(isinstance(x, int) for x in t[k])
-                    for k in ("size", "stride")) or len(t["size"]) != len(t["stride"]):
-                raise bad("a tangent's size and stride")
-        return cls(n_inputs=count("n_inputs"), n_outputs=n_outputs,
-                   n_symints=count("n_symints"), n_unchecked=count("n_unchecked"),
+            _check_tangent_layout(t)
+        return cls(n_inputs=_count(raw, "n_inputs"), n_outputs=n_outputs,
+                   n_symints=_count(raw, "n_symints"), n_unchecked=_count(raw, "n_unchecked"),
                    outputs_require_grad=tuple(rg), tangents=tuple(tangents),
                    tangent_layouts=tuple(dict(t) for t in layouts),
-                   disable_amp=flag("disable_amp"),
-                   deterministic=flag("deterministic", nullable=True),
-                   donated=flag("donated"))
+                   disable_amp=_flag(raw, "disable_amp"),
+                   deterministic=_flag(raw, "deterministic", nullable=True),
+                   donated=_flag(raw, "donated"))
+
+
+def _bad(why: str) -> UnsupportedProgramError:
+    return UnsupportedProgramError(f"the entry's training layout is malformed: {why}")
+
+
+def _count(raw: Mapping[str, Any], name: str) -> int:
+    v = raw.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _bad(f"{name} is {v!r}")
+    return v
+
+
+def _flag(raw: Mapping[str, Any], name: str, nullable: bool = False) -> Any:
+    v = raw.get(name, "missing")
+    if isinstance(v, bool) or (nullable and v is None):
+        return v
+    raise _bad(f"{name} is {v!r}")
+
+
+def _check_tangent_layout(t: Any) -> None:
+    """{"memory_format": name} or {"size": [ints], "stride": [ints]} of one rank."""
+    if not isinstance(t, Mapping):
+        raise _bad("a tangent layout")
+    if "memory_format" in t:
+        if t["memory_format"] not in _FORMATS or len(t) != 1:
+            raise _bad(f"memory format {t.get('memory_format')!r}")
+    elif set(t) != {"size", "stride"} or not all(
+            isinstance(t[k], list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                           for x in t[k]) for k in ("size", "stride")) \
+            or len(t["size"]) != len(t["stride"]):
+        raise _bad("a tangent's size and stride")
 
 
 def layout_of(meta: Mapping[str, Any]) -> Layout | None:
