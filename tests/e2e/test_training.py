@@ -284,26 +284,21 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)   # as HELPERS: bit-equal runs
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)                 # every rank starts from the same weights
-        self.a = torch.nn.Linear(16, 32)
-        self.b = torch.nn.Linear(32, 1)
-
-    def forward(self, x, y):
-        return (self.b(torch.nn.functional.silu(self.a(x))) - y).square().mean()
-
-net = Net().train()
-opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+import transformers
+torch.manual_seed(0)                         # every rank starts from the same weights
+cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=64, attn_implementation="sdpa")
+net = transformers.LlamaForCausalLM(cfg).train()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 fn = torch.compile(net.forward, dynamic=False, fullgraph=True) \
     if os.environ["PHASE"] == "plain" else cache_compile(net.forward, dynamic=False)
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
 rows = []
 for _ in range(3):
-    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
     opt.zero_grad()
-    loss = fn(x, y)
+    loss = fn(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     for p in net.parameters():               # data parallel: the mean gradient
         dist.all_reduce(p.grad)
@@ -346,9 +341,10 @@ def _dp_job(sb: Sandbox, phase: str, **kw: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_data_parallel_job_compiles_once_and_its_restart_nothing(tmp_path: Path) -> None:
-    """Two ranks under torchrun (gloo), the same graph on each: one rank compiles its
-    forward and backward, the other loads them (one compile for the job); the restarted
-    job, in empty Inductor dirs, compiles nothing; all three as torch.compile's job."""
+    """The tiny Llama on two ranks under torchrun (gloo), data parallel, the same graph on
+    each: one rank compiles its forward and backward, the other loads them (one compile
+    for the job); the restarted job, in empty Inductor dirs, compiles nothing; all three
+    as torch.compile's job."""
     sb = Sandbox(tmp_path)
     plain = _dp_job(sb, "plain")
     cold = _dp_job(sb, "cold")
