@@ -92,6 +92,7 @@ report({"steps": steps, "gxx": gxx_calls() - g0, "traced": traced(),
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_tiny_llama_trains_warm_as_torch_compile_does(tmp_path: Path) -> None:
     """Issue 64's first check: 5 AdamW steps of a tiny Llama in a fresh warm process,
     0 g++, nothing traced, every loss and parameter bit-equal to torch.compile's."""
@@ -340,6 +341,7 @@ def _dp_job(sb: Sandbox, phase: str, **kw: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_a_data_parallel_job_compiles_once_and_its_restart_nothing(tmp_path: Path) -> None:
     """The tiny Llama on two ranks under torchrun (gloo), data parallel, the same graph on
     each: one rank compiles its forward and backward, the other loads them (one compile
