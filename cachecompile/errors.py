@@ -9,7 +9,8 @@ Hierarchy::
     ├── GraphBreakError                    Dynamo could not capture the method as one graph
     ├── TorchCompileError                  torch's own compile failed (the backend, Inductor):
     │   (also RuntimeError)                named in one message, the fix to try with it
-    ├── InferenceOnlyError                 a call needs autograd (input requires grad in grad mode)
+    ├── InferenceOnlyError                 a call needs autograd on a backend cached for inference
+    │                                      only (TorchAir, a bare callable; input requires grad)
     ├── UnsupportedProgramError            the compiled program cannot be replayed without
     │                                      Dynamo (degrades to a live compile, never raised to users)
     ├── RankConfigError (also ValueError)  conflicting rank sources (explicit vs torchrun env)
@@ -34,8 +35,9 @@ Outside the tree, deliberately (tests/test_error_tree.py reads this list)::
     IgnoredArgumentWarning (UserWarning)   keyword arguments cache_compile does not know (TorchAir
                                            accepts and ignores them; so do we, once warned)
     OutOfGearWarning (UserWarning)         a call whose shape is none of the declared gears
-    InferenceOnlyWarning (UserWarning)     grad mode on, the module training with parameters
-                                           that require grad: outputs carry no autograd history
+    InferenceOnlyWarning (UserWarning)     an inference-only backend, grad mode on, the module
+                                           training with parameters that require grad: outputs
+                                           carry no autograd history
     UncachedCallWarning (UserWarning)      model.generate() of cache_compile(model): it calls
                                            the original forward, uncached
 
