@@ -290,13 +290,14 @@ class CachedFunction(Generic[_P, _R]):
                 return self._locked(sig, args, kwargs)  # as _dispatch after its checks
             return self._dispatch(args, kwargs, sig=sig)
         if _grad_enabled():
-            if self._trains and self._needs_autograd(args, kwargs):
+            grad_input = requires_grad(args, kwargs)
+            if self._trains and (grad_input or self._training_with_grads()):
                 # A training call: compiled (forward and backward), stored and served in
                 # grad mode, as torch.compile runs it; its guards hold grad mode and each
                 # input's and parameter's requires_grad, so it never serves an
                 # inference call, nor one of those a training call.
                 return self._call(args, kwargs)
-            if requires_grad(args, kwargs):
+            if grad_input:
                 raise InferenceOnlyError(
                     f"{self.__qualname__} is cached for inference only, but an input requires "
                     "grad while grad mode is on. Call it under torch.no_grad() or "
@@ -309,12 +310,11 @@ class CachedFunction(Generic[_P, _R]):
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
 
-    def _needs_autograd(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """In grad mode: an input requires grad, or the module is training with
-        parameters that do (an ``eval()`` module keeps the inference path: under
-        ``no_grad``, its outputs without autograd history)."""
-        return requires_grad(args, kwargs) or (
-            self._module.training and any(p.requires_grad for p in self._module.parameters()))
+    def _training_with_grads(self) -> bool:
+        """The module is training with parameters that require grad: in grad mode, with
+        an input that requires grad, a call that needs autograd (an ``eval()`` module
+        keeps the inference path: under ``no_grad``, its outputs without history)."""
+        return self._module.training and any(p.requires_grad for p in self._module.parameters())
 
     @property
     def gears(self) -> Gears | None:

@@ -129,13 +129,17 @@ def _outputs(meta: Any) -> tuple[list[bool], list[int]]:
     return outputs, tangents
 
 
-def layout(n_inputs: int, disable_amp: bool) -> dict[str, Any]:
-    """The layout of the training graph AOTAutograd is compiling now, as the record
-    :class:`cachecompile.entry.joint.Layout` reads (call it from the forward compiler,
-    while its tracing context holds the metadata)."""
+def _compiling_metadata() -> Any:
+    """AOTAutograd's metadata of the graph it is compiling now (its tracing context's,
+    current inside its compiler callbacks); None outside one."""
     from torch._guards import TracingContext
 
-    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    return getattr(TracingContext.try_get(), "fw_metadata", None)
+
+
+def layout(meta: Any, n_inputs: int, disable_amp: bool) -> dict[str, Any]:
+    """The layout of a training graph from AOTAutograd's metadata ``meta``, as the record
+    :class:`cachecompile.entry.joint.Layout` reads."""
     if meta is None:
         raise UnsupportedProgramError("AOTAutograd's metadata for the graph was not found")
     _check_form(meta)
@@ -161,23 +165,22 @@ def any_autocast() -> bool:
     return bool(torch._C._is_any_autocast_enabled())
 
 
-def _say_none_donated() -> None:
+def _say_none_donated(meta: Any) -> None:
     """With donation off (:func:`backward_with_forward`) AOTAutograd leaves the graph's
     donated-buffer list unset, which its runtime reads as "some" (``None != []``) and then
     refuses ``retain_graph=True`` in the live compile: say none."""
-    from torch._guards import TracingContext
-
-    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
     if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
         meta.bw_donated_idxs = []
 
 
 def layout_or_refusal(n_inputs: int, disable_amp: bool) -> dict[str, Any] | str:
-    """:func:`layout`, or why there is none: called inside AOTAutograd's compiler
-    callback, where an exception would fail the user's live compile."""
-    _say_none_donated()
+    """The layout of the training graph AOTAutograd is compiling now (:func:`layout`), or
+    why there is none: called inside its forward compiler callback, where an exception
+    would fail the user's live compile."""
+    meta = _compiling_metadata()
+    _say_none_donated(meta)
     try:
-        return layout(n_inputs, disable_amp)
+        return layout(meta, n_inputs, disable_amp)
     except UnsupportedProgramError as e:
         return str(e)
     except Exception as e:  # a release whose metadata reads otherwise: not cached

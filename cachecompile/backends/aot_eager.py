@@ -101,7 +101,7 @@ class AotEagerAdapter(Adapter):
         from cachecompile._torch import aot  # cold only
 
         n_inputs = len(example_inputs)
-        forwards: list[tuple[torch.fx.GraphModule, Any]] = []  # (graph, Layout or why not)
+        forwards: list[tuple[torch.fx.GraphModule, Any]] = []  # (graph, layout or why not)
         backwards: list[torch.fx.GraphModule] = []
         backend = aot.training_backend(lambda g, lay: forwards.append((g, lay)),
                                        backwards.append, n_inputs, decompositions)
@@ -114,8 +114,6 @@ class AotEagerAdapter(Adapter):
                     f"expected one forward and one backward graph, got {len(forwards)} and "
                     f"{len(backwards)}")
             fw_gm, layout = forwards[0]
-            if isinstance(layout, str):
-                raise UnsupportedProgramError(layout)
             bw_gm = backwards[0]
             n_bw = sum(1 for n in bw_gm.graph.nodes if n.op == "placeholder")
             from cachecompile.backends import joint

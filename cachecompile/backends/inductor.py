@@ -389,8 +389,6 @@ def _capture_training(captured: list[Any], n_inputs: int, options: Mapping[str, 
             f"expected one forward and one backward Inductor graph, got {len(captured)} "
             "graphs")
     (fw_out, fw_gm, fw_kept, layout), bw = captured
-    if isinstance(layout, str):
-        raise UnsupportedProgramError(layout)
     if fw_kept is not None or bw[2] is not None:
         raise UnsupportedProgramError("freezing is for inference: a training graph's weights "
                                       "change")

@@ -137,10 +137,14 @@ class _SecondBackward(torch.autograd.Function):
         raise RuntimeError(_DOUBLE_BACKWARD)
 
 
-def join_programs(forward: Program, backward: Program, raw_layout: Mapping[str, Any]) -> Program:
+def join_programs(forward: Program, backward: Program,
+                  raw_layout: Mapping[str, Any] | str) -> Program:
     """One stored program of a training graph's two (the backward's files under
     ``backward/``, its record under ``backward``); ``raw_layout`` as
-    :func:`cachecompile._torch.aot.layout` read it, checked here as a load checks it."""
+    :func:`cachecompile._torch.aot.layout_or_refusal` gave it (the refusal raised here),
+    checked as a load checks it."""
+    if isinstance(raw_layout, str):
+        raise UnsupportedProgramError(raw_layout)
     layout = Layout.from_json(raw_layout)
     if forward.mutated_inputs or backward.mutated_inputs:
         raise UnsupportedProgramError("a training graph that mutates an input is not cached yet")
