@@ -82,7 +82,9 @@ its cache dirs, ``TMPDIR`` and ``CXX``, so only children on the session's shared
 dirs (which that zygote was started with) use it; a child with empty dirs of its own runs
 without it. A warm child never uses it: its promise may be that it imports no Dynamo.
 What the preload imported is in the child already (modules, loggers, atexit handlers,
-the warnings it printed: written first, not at the first compile).
+the warnings it printed: written first, not at the first compile), and so is what its
+probes found out (:data:`PROBES`: the CPU's vector ISAs, whose g++ calls are then in no
+sandbox's log; the generator an import made there is reseeded, :data:`RESEEDED`).
 ``test_a_compiling_child_forks_with_the_compiler_imported_only_on_shared_dirs``.
 
 ``CC_TESTS_ZYGOTE=0`` turns zygotes off (every child a plain interpreter); CI runs the
@@ -130,6 +132,8 @@ RESEEDED = {
     # Dummies made during the zygote's imports keep theirs, as at a fresh start).
     "sympy.core.symbol": ("d = sympy.core.symbol.Dummy; d._prng.seed(); "
                           "d._base_dummy_index = d._prng.randint(10**6, 9*10**6)"),
+    # Imported by Inductor's ISA probe (PROBES: setuptools, then jaraco's helpers).
+    "more_itertools.recipes": "more_itertools.recipes._private_randrange.__self__.seed()",
 }
 
 _SERVER = r"""
@@ -165,7 +169,8 @@ os.dup2(_kept[1], 2)
 import torch  # noqa: F401  (the whole point)
 import importlib, threading
 for _m in filter(None, sys.argv[3].split(",")):
-    importlib.import_module(_m)
+    if ":" not in _m:
+        importlib.import_module(_m)
 sys.stdout.flush()
 sys.stderr.flush()
 os.dup2(_saved[0], 1)
@@ -179,6 +184,25 @@ _import_output = [_written(fd) for fd in _kept]
 for fd in _saved:
     os.close(fd)
 _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _get, _has, _iter
+# The probes (zygote.PROBES: calls whose result the module keeps for the process), with
+# the environment no longer watched: what they read is what the imports made of it (the
+# compiler, the cache dirs), not a setting of their own. Their g++ calls are the zygote's,
+# counted in no sandbox's log; what they print goes to stderr (stdout's first line is
+# this zygote's answer to its parent).
+for _m in filter(None, sys.argv[3].split(",")):
+    if ":" in _m:
+        _mod, _fn = _m.split(":")
+        _log = os.environ.pop("CC_TESTS_GXX_LOG", None)
+        _out = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            getattr(importlib.import_module(_mod), _fn)()
+        finally:
+            sys.stdout.flush()
+            os.dup2(_out, 1)
+            os.close(_out)
+        if _log is not None:
+            os.environ["CC_TESTS_GXX_LOG"] = _log
 # (A native thread is there already: OpenBLAS's pool, which numpy's import starts; it
 # stops it before a fork and starts it again at the child's first BLAS call.)
 if threading.active_count() != 1:
@@ -399,7 +423,17 @@ class Zygote:
 # What a compiling child imports anyway, and what costs it most (~3 s of a core after
 # torch): Dynamo and Inductor's compiler. A child that will compile forks from a zygote
 # that imported them too (ccutil.choose_process).
-COMPILER = ("torch._dynamo", "torch._inductor.compile_fx")
+#
+# PROBES ("module:function", called after the import) are the machine facts such a child
+# would find out at its first compile and the module keeps for the process: Inductor's
+# list of the vector ISAs this CPU builds and loads. Finding it out runs g++ on a test
+# program per ISA and a `python -c` per ISA to dlopen the result (~0.3 s of a core, in
+# each of the ~330 compiling children of the suite: 667 such interpreters, 86 s of CPU,
+# issue 65). The list depends on the CPU and the compiler only (ATEN_CPU_CAPABILITY is
+# read later, at each pick), both the zygote's as much as the child's; cachecompile's CPU
+# targets replace the list for their builds (_torch/inductor.vec_isa_limited).
+PROBES = ("torch._inductor.cpu_vec_isa:valid_vec_isa_list",)
+COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", *PROBES)
 _zygotes: dict[tuple[str, ...], list[Zygote]] = {}
 _lock = threading.Lock()
 _broken: dict[tuple[str, ...], str] = {}
