@@ -130,6 +130,10 @@ class Sandbox:
         env["CXX"] = str(self.gxx)
         env[GXX_LOG_ENV] = str(self.gxx_log)
         env["PYTHONWARNINGS"] = "default"
+        if os.environ.get("CC_TESTS_INDUCTOR_POOL") != "1":
+            # Set again after the TORCHINDUCTOR_ variables were cleared: Inductor compiles
+            # in-process, without its pool of compile workers (tests/conftest.py says why).
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         fresh = self.fresh_inductor if fresh_inductor is None else fresh_inductor
         env.update(self.fresh_inductor_dirs() if fresh or shared is None else shared)
         env.update(environ or {})

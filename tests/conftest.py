@@ -29,7 +29,8 @@ for path in (TESTS, REPO):
 # factor). Set here, before any torch import: the workers and every child inherit it,
 # and libgomp reads it when it loads. A caller's own setting stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Inductor compiles in-process, not in its pool of compile workers. On two cores its
+# Inductor compiles in-process, not in its pool of compile workers (here, and in every
+# Sandbox child: ccutil.Sandbox.env sets it again after clearing Inductor's variables). On two cores its
 # default (one worker per core) starts, in every process that compiles, a sidecar
 # interpreter that imports torch and forks the workers: ~1.3 s of a core each time
 # (measured on the DiT zoo test: 2.7 s of CPU over its cold and warm children), for a

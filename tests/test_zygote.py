@@ -149,7 +149,8 @@ for obj in gc.get_objects():
 import numpy.random, sympy
 mi = sys.modules.get("more_itertools.recipes")
 report({"found": sorted(found), "torch": torch.rand(1).item(), "numpy": numpy.random.rand(),
-        "more_itertools": mi._private_randrange(10**12) if mi is not None else None,
+        "more_itertools": (mi._private_randrange(10**12)
+                           if getattr(mi, "_private_randrange", None) else None),
         "sympy": [sympy.core.random.rng.random(), sympy.core.random._assumptions_rng.random(),
                   sympy.Dummy("x").dummy_index]})
 """

@@ -133,7 +133,9 @@ RESEEDED = {
     "sympy.core.symbol": ("d = sympy.core.symbol.Dummy; d._prng.seed(); "
                           "d._base_dummy_index = d._prng.randint(10**6, 9*10**6)"),
     # Imported by Inductor's ISA probe (PROBES: setuptools, then jaraco's helpers).
-    "more_itertools.recipes": "more_itertools.recipes._private_randrange.__self__.seed()",
+    # (Where a release has no such generator, the stand-in is Python's own, reseeded anyway.)
+    "more_itertools.recipes": ("import random; (getattr(more_itertools.recipes, "
+                               "'_private_randrange', None) or random.random).__self__.seed()"),
 }
 
 _SERVER = r"""
@@ -203,6 +205,9 @@ for _m in filter(None, sys.argv[3].split(",")):
             os.close(_out)
         if _log is not None:
             os.environ["CC_TESTS_GXX_LOG"] = _log
+        # The probe runs the compiler found on PATH: a child with another PATH (a g++
+        # hidden, or another one first) finds out for itself, as a plain interpreter.
+        _read.add("PATH")
 # (A native thread is there already: OpenBLAS's pool, which numpy's import starts; it
 # stops it before a fork and starts it again at the child's first BLAS call.)
 if threading.active_count() != 1:
