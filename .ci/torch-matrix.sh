@@ -39,8 +39,9 @@ export PIP_CONSTRAINT=/dev/null
 # what the backend builds from it: their tests run on aot_eager here (on both backends in
 # the README command); the warm path, the zoo model and the plugin test keep Inductor per
 # release (issue 65: the guard matrix's Inductor half alone was ~4 minutes a release).
-# The remote tier runs its file:// case on the end releases (ENDS below): what a release changes is the entry a node
-# publishes and another loads, not how a tier moves its bytes (the store is torch-free);
+# The remote tier runs its file:// case on the end releases (ENDS below): what a release
+# changes is the entry a node publishes and another loads, not how a tier moves its bytes
+# (the store is torch-free);
 # its Redis, S3, HTTP and OCI cases, ~20 s each a release, run in the README command.
 # A training graph's layout is read from AOTAutograd's metadata, whose fields move between
 # releases (_torch/aot.py): one in-process training test per backend, on a stored entry.
@@ -85,9 +86,10 @@ tier_items() { echo "${CACHECOMPILE_TORCH_MATRIX:-2.11.0@3.10 2.15.0 2.12.1@3.12
 tier_venv() { echo ".venv-torch-${1/@/-py}"; }
 # Tests' seconds on the reference machine (docs/performance.md, "The test suite"): an item on
 # another Python adds that Python's fast tests.
+is_end() { [[ " $END_RELEASES " == *" $(item_torch "$1") "* ]]; }
 tier_estimate() {
   local e=140
-  [[ " $END_RELEASES " == *" $(item_torch "$1") "* ]] && e=$((e + 50))
+  is_end "$1" && e=$((e + 50))
   [[ $1 == *@* ]] && e=$((e + 155))
   echo "$e"
 }
@@ -127,7 +129,7 @@ tier_test() {
     export CACHECOMPILE_TEST_OTHER_PYTHON=$PWD/.venv/bin/python
   fi
   local tests=("${SUBSET[@]}")
-  [[ " $END_RELEASES " == *" $(item_torch "$1") "* ]] && tests+=("${ENDS[@]}")
+  is_end "$1" && tests+=("${ENDS[@]}")
   python -m pytest -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 "${tests[@]}"
   rc=$?
   if [ "$rc" -eq 0 ] && [ -n "$(item_python "$1")" ]; then

@@ -123,17 +123,16 @@ class Sandbox:
         shared = shared_inductor_dirs()
         env = dict(os.environ)
         for k in list(env):
-            if k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_", "TORCH_COMPILE")):
+            # Kept: Inductor's compile threads, no key factor (tests/conftest.py sets it
+            # for the session: compiles in-process, without Inductor's pool of workers).
+            if k.startswith(("CACHECOMPILE_", "TORCHINDUCTOR_", "TORCH_COMPILE")) \
+                    and k != "TORCHINDUCTOR_COMPILE_THREADS":
                 del env[k]
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(self.root)])
         env["CACHECOMPILE_DIR"] = str(self.store)
         env["CXX"] = str(self.gxx)
         env[GXX_LOG_ENV] = str(self.gxx_log)
         env["PYTHONWARNINGS"] = "default"
-        if os.environ.get("CC_TESTS_INDUCTOR_POOL") != "1":
-            # Set again after the TORCHINDUCTOR_ variables were cleared: Inductor compiles
-            # in-process, without its pool of compile workers (tests/conftest.py says why).
-            env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         fresh = self.fresh_inductor if fresh_inductor is None else fresh_inductor
         env.update(self.fresh_inductor_dirs() if fresh or shared is None else shared)
         env.update(environ or {})

@@ -29,13 +29,13 @@ for path in (TESTS, REPO):
 # factor). Set here, before any torch import: the workers and every child inherit it,
 # and libgomp reads it when it loads. A caller's own setting stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Inductor compiles in-process, not in its pool of compile workers (here, and in every
-# Sandbox child: ccutil.Sandbox.env sets it again after clearing Inductor's variables). On two cores its
-# default (one worker per core) starts, in every process that compiles, a sidecar
-# interpreter that imports torch and forks the workers: ~1.3 s of a core each time
-# (measured on the DiT zoo test: 2.7 s of CPU over its cold and warm children), for a
-# pool that is ready only after the short compiles of a test's tiny models are done, and
-# whose parallelism two busy xdist workers cannot use. Not a key factor (it changes no
+# Inductor compiles in-process, not in its pool of compile workers, here and in every
+# Sandbox child (ccutil.Sandbox.env keeps this one of Inductor's variables). On two cores
+# its default (one worker per core) starts, in every process that compiles, a sidecar
+# interpreter that imports torch and forks the workers (~1.3 s of a core), for a pool
+# that is ready only after the short compiles of a test's tiny models are done, and whose
+# parallelism two busy xdist workers cannot use: paired on the DiT and the Inductor guard
+# matrix, 158/158 s of CPU with it, 144/155 s without. Not a key factor (it changes no
 # program: cachecompile's own parallel builds set it the same way, procs/builders.py).
 # CI's fresh-process pass keeps Inductor's default (CC_TESTS_INDUCTOR_POOL=1), so the
 # pool's path stays tested; a caller's own setting stands.

@@ -167,11 +167,11 @@ def test_every_generator_in_a_zygote_is_reseeded(tmp_path: Path) -> None:
     one, two = (box.run(GENERATORS, compiles=True) for _ in range(2))
     reseeded = {"random._inst", "numpy.random.mtrand._rand", "sympy.core.random.rng",
                 "sympy.core.random._assumptions_rng", "sympy.core.symbol.Dummy._prng"}
-    # tempfile's name sequence (made by the zygote's ISA probe, zygote.PROBES) draws a new
-    # generator itself in a process of another pid (_RandomNameSequence._rng_pid).
-    own = {"tempfile._name_sequence._rng"}
-    # Reseeded too (zygote.RESEEDED), where the probe's imports still bring it in.
-    own.add("more_itertools.recipes._private_randrange.__self__")
+    # Made by the zygote's ISA probe (zygote.PROBES), where its imports still bring them
+    # in: tempfile's name sequence draws a new generator itself in a process of another
+    # pid (_RandomNameSequence._rng_pid); more_itertools' is in zygote.RESEEDED (and its
+    # draws are compared below).
+    own = {"tempfile._name_sequence._rng", "more_itertools.recipes._private_randrange.__self__"}
     unknown = [names for names in one["found"] if not (reseeded | own) & set(names)]
     assert unknown == [], f"generators the zygote's children do not reseed: {unknown}"
     seen = {name for names in one["found"] for name in names} & reseeded

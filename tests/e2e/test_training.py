@@ -237,13 +237,11 @@ def test_a_training_graph_that_mutates_a_buffer_runs_with_torch_compile(cache_di
 
 
 DP_JOB = r'''
-import hashlib, json, os, sys
-import torch, torch.distributed as dist
-from cachecompile import cache_compile
+import json
+import torch.distributed as dist
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.set_num_threads(1)   # as HELPERS: bit-equal runs
 
 import transformers
 torch.manual_seed(0)                         # every rank starts from the same weights
@@ -254,9 +252,6 @@ net = transformers.LlamaForCausalLM(cfg).train()
 opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 fn = torch.compile(net.forward, dynamic=True, fullgraph=True) \
     if os.environ["PHASE"] == "plain" else cache_compile(net.forward)   # TorchAir's default
-log = os.environ.get("CC_TESTS_GXX_LOG", "")
-def gxx_calls():
-    return len(open(log).read().splitlines()) if log and os.path.exists(log) else 0
 g0 = gxx_calls()
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
 rows = []
@@ -269,15 +264,13 @@ for _ in range(5):
         dist.all_reduce(p.grad)
         p.grad /= world
     opt.step()
-    h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
-    rows.append([float(loss).hex(), h.hexdigest()[:16]])
-compiles = frames = 0
+    rows.append([float(loss).hex(), digest(net)])
+compiles = 0
 if "torch._dynamo.utils" in sys.modules:   # torch.optim imports Dynamo itself
     from torch._dynamo.utils import counters
     compiles = sum(v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_"))
-    frames = counters["stats"]["unique_graphs"]   # graphs Dynamo captured
 with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
-    json.dump({"rank": rank, "rows": rows, "compiles": compiles, "frames": frames,
+    json.dump({"rank": rank, "rows": rows, "compiles": compiles, "frames": traced(),
                "gxx": gxx_calls() - g0,
                "events": [e for e, _ in getattr(fn, "events", [])],
                "inductor": "torch._inductor.compile_fx" in sys.modules}, f)
@@ -293,7 +286,8 @@ def _dp_job(sb: Sandbox, phase: str, **kw: Any) -> list[dict[str, Any]]:
     import time
 
     script = sb.root / "dp_job.py"
-    script.write_text(DP_JOB)
+    # HELPERS: one thread (bit-equal runs), digest(), traced(), gxx_calls().
+    script.write_text(HELPERS.format(log_env=GXX_LOG_ENV) + DP_JOB)
     out = sb.root / f"results{time.monotonic_ns()}"
     out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
