@@ -68,6 +68,19 @@ ENDS=(tests/procs/test_ranks.py::test_four_ranks_compile_one_shared_graph_once
       "tests/procs/test_remote_procs.py::test_node_b_loads_node_a_entry_with_zero_compiles[file]"
       "tests/e2e/test_zoo.py::test_zoo_model[llama-forward]")
 END_RELEASES="2.11.0 2.15.0"
+# One minor from the README command's 2.13 and from 2.15, each of which runs all of the
+# above: 2.14.1 (NEAR) runs its private-torch layer, guards and warm path (NEAR_SUBSET), not
+# the generated sweeps, live frames, floats, plugins and the cross-release miss, which
+# reach Dynamo through the same private names (issue 65: ~90 s at the reference speed; a
+# behaviour 2.14 changed and 2.15 changed back is what this leaves to the README command's
+# neighbours).
+NEAR_RELEASES="2.14.1"
+NEAR_SUBSET=(tests/e2e/test_warm_start.py::test_cold_then_warm_compiles_nothing
+             "tests/e2e/test_guard_matrix.py::test_guard_matrix[aot_eager]"
+             tests/entry/test_guard_tree.py
+             tests/_torch/test_torch_layer.py
+             tests/e2e/test_cache_compile_api.py
+             "tests/e2e/test_training.py::test_retain_graph_create_graph_and_double_backward_on_a_hit")
 # On another Python than the README command's: the fast tests of what a Python release
 # changes most. Left out: the store's stats test (it compiles a model in fresh processes),
 # the S3 and Redis tiers' (servers, 45 and 33 s; the Redis client's URL handling still runs
@@ -87,8 +100,10 @@ tier_venv() { echo ".venv-torch-${1/@/-py}"; }
 # Tests' seconds on the reference machine (docs/performance.md, "The test suite"): an item on
 # another Python adds that Python's fast tests.
 is_end() { [[ " $END_RELEASES " == *" $(item_torch "$1") "* ]]; }
+is_near() { [[ " $NEAR_RELEASES " == *" $(item_torch "$1") "* ]]; }
 tier_estimate() {
   local e=140
+  is_near "$1" && e=70
   is_end "$1" && e=$((e + 50))
   [[ $1 == *@* ]] && e=$((e + 155))
   echo "$e"
@@ -129,6 +144,7 @@ tier_test() {
     export CACHECOMPILE_TEST_OTHER_PYTHON=$PWD/.venv/bin/python
   fi
   local tests=("${SUBSET[@]}")
+  is_near "$1" && tests=("${NEAR_SUBSET[@]}")
   is_end "$1" && tests+=("${ENDS[@]}")
   python -m pytest -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 "${tests[@]}"
   rc=$?
