@@ -4,12 +4,18 @@ every declared signature with zero compiles (a logging g++ counts them)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ccutil import Sandbox
+from redis_util import RedisServer
+
+from cachecompile.store import open_store
+from cachecompile.store.remote import RedisRemote
+from cachecompile.store.signing import Trust
 
 SERVED = '''
 import torch
@@ -67,10 +73,25 @@ def _cachectl(box: Sandbox, *args: str, **env: str) -> subprocess.CompletedProce
 
 @pytest.mark.slow
 def test_cachectl_build_then_a_warm_process_compiles_nothing(tmp_path: Path) -> None:
-    box = Sandbox(tmp_path)
-    (box.root / "served.py").write_text(SERVED)
-    p = _cachectl(box, "build", "served:factory", "--jobs", "2",
-                  CACHECOMPILE_COMPILE_SLOTS="2")
+    """Where redis-server is installed (CI), the build runs as docs/deploy.md's does, with
+    the remote set, and every publish must reach it: the build used to SIGTERM each worker
+    as soon as its input closed, killing its upload flush, and the remote got nothing.
+    (That was a test of its own, a second build of the same four signatures: issue 65.)"""
+    srv = RedisServer(tmp_path / "redis").start() if shutil.which("redis-server") else None
+    try:
+        box = Sandbox(tmp_path / "box")
+        (box.root / "served.py").write_text(SERVED)
+        remote = {} if srv is None else {"CACHECOMPILE_REMOTE": srv.url(),
+                                         "CACHECOMPILE_SIGNING_KEY": "k"}
+        p = _cachectl(box, "build", "served:factory", "--jobs", "2",
+                      CACHECOMPILE_COMPILE_SLOTS="2", **remote)
+        if srv is not None:
+            local = {i.key for i in open_store(box.store, remote="").entries()}
+            records = RedisRemote(srv.url(), trust=Trust(key=b"k")).records()
+            assert local and {r.key for r in records} == local, (p.stdout, p.stderr)
+    finally:
+        if srv is not None:
+            srv.stop()
     assert p.returncode == 0, p.stdout + p.stderr
     assert "4 signature(s) to build" in p.stdout
     assert "4 built, 0 present, 0 not served from the cache" in p.stdout
@@ -101,29 +122,3 @@ def test_cachectl_build_reports_a_bad_factory(tmp_path: Path) -> None:
     assert broken.returncode == 1
     assert "RuntimeError: the model did not load" in broken.stderr
     assert "Traceback" not in broken.stderr
-
-
-@pytest.mark.slow
-def test_cachectl_build_uploads_to_the_remote(tmp_path: Path) -> None:
-    # docs/deploy.md: build with the remote set, and every publish reaches it. The build
-    # used to SIGTERM each worker as soon as its input closed, killing its upload flush:
-    # the remote got nothing.
-    from redis_util import RedisServer
-
-    from cachecompile.store import open_store
-    from cachecompile.store.remote import RedisRemote
-    from cachecompile.store.signing import Trust
-
-    srv = RedisServer(tmp_path / "redis").start()
-    try:
-        box = Sandbox(tmp_path / "box")
-        (box.root / "served.py").write_text(SERVED)
-        env = {"CACHECOMPILE_REMOTE": srv.url(), "CACHECOMPILE_SIGNING_KEY": "k",
-               "CACHECOMPILE_COMPILE_SLOTS": "2"}
-        p = _cachectl(box, "build", "served:factory", "--jobs", "2", **env)
-        assert p.returncode == 0, p.stdout + p.stderr
-        local = {i.key for i in open_store(box.store, remote="").entries()}
-        remote = {r.key for r in RedisRemote(srv.url(), trust=Trust(key=b"k")).records()}
-        assert local and remote == local, (sorted(local - remote), p.stdout)
-    finally:
-        srv.stop()
