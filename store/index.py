@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import errors
+from .database import BUSY_TIMEOUT_S, connect
 from .keys import Key
 from .outcomes import EntryInfo
 from .policy import is_shared_graph
@@ -77,8 +78,6 @@ T = TypeVar("T")
 DB_NAME = "entries.db"
 OLD_DB_NAME = "cache.db"   # diskcache's, before SCHEMA_VERSION 2: migrated once
 SCHEMA_VERSION = 2
-# How long a statement waits for another process's lock (SQLite's busy timeout).
-BUSY_TIMEOUT_S = 60.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     digest TEXT PRIMARY KEY,
@@ -188,59 +187,6 @@ def _info(row: Sequence[Any], labels: _Labels) -> EntryInfo:
 class _NoDatabase(Exception):
     """A read-only index whose database was never made (nothing was published there), or
     is of an older layout that only a writer migrates: an empty index."""
-
-
-def _into_wal(con: sqlite3.Connection) -> None:
-    """``PRAGMA journal_mode=WAL``, waiting out other openers as every other statement does.
-
-    Switching a database into WAL takes an exclusive lock without SQLite's busy handler:
-    while another connection reads the new file (a rank opening the same fresh store), it
-    fails at once with "database is locked", whatever the timeout (seen under the suite's
-    load; 5-10% of rounds of six threads opening one new file). Retried here until
-    :data:`BUSY_TIMEOUT_S`, the wait every other statement gets."""
-    import sqlite3
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    pause = 0.001
-    while True:
-        try:
-            con.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) and "busy" not in str(e):
-                raise
-            if time.monotonic() + pause > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-
-
-def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit: :meth:`Index._tx`).
-
-    Read-only: ``mode=ro``, or ``immutable=1`` where not even the ``-shm`` file can be
-    made (a read-only file system), which then reads the last checkpoint."""
-    import sqlite3  # here, not at import: a warm hit writes its hits after its calls
-    if not readonly:
-        con = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                              check_same_thread=False)
-        try:
-            _into_wal(con)
-            con.execute("PRAGMA synchronous=NORMAL")
-        except BaseException:
-            con.close()
-            raise
-        return con
-    import urllib.parse
-
-    db = urllib.parse.quote(str(path))
-    try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S,
-                              isolation_level=None, check_same_thread=False)
-        con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-    except sqlite3.Error:
-        con = sqlite3.connect(f"file:{db}?immutable=1", uri=True, isolation_level=None,
-                              check_same_thread=False)
-    return con
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -361,7 +307,7 @@ class Index:
                     if not self.db.exists():
                         # Not kept: a writer may make it later, and this reader then reads it.
                         raise _NoDatabase(self.path)
-                    con = _connect(self.db, readonly=True)
+                    con = connect(self.db, readonly=True)
                     (version,) = con.execute("PRAGMA user_version").fetchone()
                     if version != SCHEMA_VERSION:
                         con.close()
@@ -369,7 +315,7 @@ class Index:
                     self._con = con
                     return con
                 self.path.mkdir(parents=True, exist_ok=True)
-                con = _connect(self.db, readonly=False)
+                con = connect(self.db, readonly=False)
                 try:
                     self._upgrade(con)
                 except BaseException:
@@ -449,7 +395,7 @@ class Index:
                 scan = con
             else:
                 if self._scan is None:
-                    self._scan = _connect(self.db, readonly=True)
+                    self._scan = connect(self.db, readonly=True)
                 scan = self._scan
             cursor = scan.execute(sql, args)
         # Stepped under the lock, a batch at a time: no thread is inside SQLite while
