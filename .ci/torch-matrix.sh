@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The torch matrix beyond the README's 2.13.0: torch 2.11.0, 2.12.1, 2.14.1 and 2.15.0,
 # each in its own venv, each running the subset that covers the warm path, guards, graph
-# breaks, ranks, bundles and the private-torch layer. These PyPI builds are CUDA builds
+# breaks and the private-torch layer (ranks, a remote node and an HF model on the end
+# releases; 2.14.1, the near one, less: SUBSET, ENDS, NEAR_SUBSET below). These PyPI builds are CUDA builds
 # (~5 GB each, 2-3 minutes to install) that run on CPU; each venv is removed after its run
 # to keep the disk small.
 #
