@@ -34,8 +34,12 @@ tier_test() {
   # The newest torch-npu runs the whole tier; the older one skips the tests whose code
   # path does not depend on TorchAir's release (rank labels, the default dir, ignored
   # keywords, a torn GE file, no-GE-cache staging, live parameters), to keep CI under an hour.
+  # Also the stale-hit test (seven fresh processes, 69 s of the older release's 141 s on a
+  # 2-core VM): what it changes is CANN's version file, an env var and the method's source,
+  # none TorchAir's; the one TorchAir setting it flips is a key factor that
+  # test_every_config_option_is_a_key_factor_and_defaults_are_stable checks on both (issue 65).
   if [ "$nv" != "${NPU_FULL:-2.14.0}" ]; then
-    npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read)')
+    npu_k=(-k 'not (rank_layout or default_cache_dir or unknown_keywords or torn_ge_file or without_ge_cache or parameters_are_read or stale_hits_after)')
   fi
   python -m pytest tests_npu -q -p no:cacheprovider -n logical --maxschedchunk=1 --durations=10 -W ignore::DeprecationWarning ${npu_k[@]+"${npu_k[@]}"}
   leave_tier_venv "$(tier_venv "$nv")" $? "Ascend tier (torch-npu $nv)"
