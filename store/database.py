@@ -59,11 +59,12 @@ def connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
     import urllib.parse
 
     db = urllib.parse.quote(str(path))
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S,
+                          isolation_level=None, check_same_thread=False)
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S,
-                              isolation_level=None, check_same_thread=False)
         con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
     except sqlite3.Error:
+        con.close()
         con = sqlite3.connect(f"file:{db}?immutable=1", uri=True, isolation_level=None,
                               check_same_thread=False)
     return con

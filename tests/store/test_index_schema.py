@@ -100,10 +100,12 @@ def test_openers_of_a_new_index_all_wait_for_the_switch_to_wal(tmp_path: Path) -
             t.start()
         for t in threads:
             t.join()
-        assert opened[0].counter("hits") == 6, rnd
-        for i in opened:
-            i.close()
-    assert errs == []
+        try:
+            assert errs == []
+            assert opened[0].counter("hits") == 6, rnd
+        finally:
+            for i in opened:
+                i.close()
 
 
 def test_ls_order_and_gc_order_are_sql(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def _fds(under: Path) -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:   # the listing's own fd, closed by now
             continue
-        if target.startswith(str(under)):
+        if target.startswith(str(under) + os.sep):
             found.append(target)
     return sorted(found)
 
