@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import errors
-from .database import BUSY_TIMEOUT_S, connect
+from .database import connect
 from .keys import Key
 from .outcomes import EntryInfo
 from .policy import is_shared_graph
@@ -207,8 +207,7 @@ def _old_rows(path: Path) -> Iterator[tuple[str, Any]]:
     table, its values pickled inline). A value diskcache kept in a file of its own (over
     32 KB: a huge blob map) is skipped: that entry reads as unindexed until a hit or
     ``verify --fix`` writes it again, never as something it is not."""
-    import sqlite3
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+    con = connect(path, readonly=True)   # its path quoted: "?" or "#" are a URI's syntax
     try:
         rows = con.execute("SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND "
                            "(expire_time IS NULL OR expire_time > ?)", (time.time(),))

@@ -221,7 +221,7 @@ MODULE_EXCEPTIONS: dict[str, tuple[int, str]] = {
     "cachecompile/_torch/dynamo.py": (831, "every private Dynamo name the cold side reads, "
                                            "version branches side by side (one layer)"),
     "cachecompile/entry/guard_kinds.py": (779, "the guard-kinds table: one row per kind"),
-    "store/index.py": (723, "the index and its schema, migrations beside it"),
+    "store/index.py": (722, "the index and its schema, migrations beside it"),
     "cachecompile/entry/guard_tree.py": (753, "the C++ guard tree built from portable guards"),
     "store/maintenance.py": (701, "gc, purge, verify and repair: the maintenance protocol"),
     "store/remote/s3.py": (655, "S3's requests, signing and the servers that differ"),

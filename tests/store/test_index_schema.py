@@ -78,6 +78,15 @@ def test_an_old_layout_index_is_migrated_once_by_concurrent_openers(tmp_path: Pa
     assert (s["entries"], s["shared_graphs"]["entries"]) == (1, 1)
 
 
+def test_an_old_layout_index_at_a_path_with_uri_syntax_is_migrated(tmp_path: Path) -> None:
+    """The old index is read through a ``file:`` URI: a store under a directory whose name
+    has "?", "#" or "%" lost its records (read as another file, the migration warned and
+    started empty)."""
+    idx = tmp_path / "a?b#c%20d" / "index"
+    _old_index(idx, {"c:hits": 41})
+    assert Index(idx).counters()["hits"] == 41
+
+
 def test_openers_of_a_new_index_all_wait_for_the_switch_to_wal(tmp_path: Path) -> None:
     """Ranks opening one fresh store at once: SQLite's switch into WAL takes its lock
     without the busy timeout, and failed at once ("database is locked") in 5-10% of rounds
