@@ -29,8 +29,8 @@ cd "$(dirname "$0")/.."
 export PIP_CONSTRAINT=/dev/null
 
 # One test per promise, not the whole suite: the full suite runs on 2.13 (the README's
-# command). Per release (2.14.1 less: NEAR_SUBSET below): the warm path (no torch._dynamo/_inductor import, zero compiler
-# calls), Dynamo's guards (the guard matrix, and the generated guard cases' fixed seed:
+# command). Per release (2.14.1 less: NEAR_SUBSET below): the warm path (no
+# torch._dynamo/_inductor import, zero compiler calls), Dynamo's guards (the guard matrix, and the generated guard cases' fixed seed:
 # the lookups Dynamo resolves are read through its private names) and the C++ guard tree,
 # the private-torch layer and its probe, the API contract, a bare backend callable's
 # Dynamo half rebuilt from data, and the traced floats' tensors made

@@ -21,6 +21,11 @@ SKIP_REASON = ("redis-server is not on PATH: install it (bash .ci/system-deps.sh
                "apt-get install redis-server) to run the remote-tier tests")
 
 
+def server_exe() -> str | None:
+    """The redis-server on PATH, or None: a test that only adds a check with it asks here."""
+    return shutil.which("redis-server")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +87,7 @@ class RedisServer(ServerProcess):
 
     def __init__(self, workdir: Path, *, appendonly: bool = False,
                  maxmemory: str | None = None) -> None:
-        exe = shutil.which("redis-server")
+        exe = server_exe()
         if exe is None:
             pytest.skip(SKIP_REASON)
         super().__init__(workdir, "redis-server", "redis.log")

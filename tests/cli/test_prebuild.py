@@ -4,7 +4,6 @@ every declared signature with zero compiles (a logging g++ counts them)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import warnings
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from ccutil import Sandbox
-from redis_util import SKIP_REASON, RedisServer
+from redis_util import SKIP_REASON, RedisServer, server_exe
 
 from cachecompile.store import open_store
 from cachecompile.store.remote import RedisRemote
@@ -78,7 +77,7 @@ def test_cachectl_build_then_a_warm_process_compiles_nothing(tmp_path: Path) -> 
     the remote set, and every publish must reach it: the build used to SIGTERM each worker
     as soon as its input closed, killing its upload flush, and the remote got nothing.
     (That was a test of its own, a second build of the same four signatures: issue 65.)"""
-    srv = RedisServer(tmp_path / "redis").start() if shutil.which("redis-server") else None
+    srv = RedisServer(tmp_path / "redis").start() if server_exe() else None
     if srv is None:
         warnings.warn(f"{SKIP_REASON}: the build's remote check is left out", stacklevel=1)
     try:
