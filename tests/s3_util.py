@@ -1,7 +1,7 @@
 """A real S3-compatible server for tests: moto's server mode on a free loopback port.
 
 ``moto_server`` speaks the S3 API over HTTP, refuses a conditional put that does not hold
-with 412, and (with ``auth=True``) enforces IAM policies, so a user whose policy allows
+with 412 (``moto_serve.py`` makes each write atomic, as S3 does), and (with ``auth=True``) enforces IAM policies, so a user whose policy allows
 only reads gets a real 403 on every write. The test extras install it (``moto[s3]``,
 ``flask`` and ``flask-cors``: what its server mode needs for S3 and IAM); without it the
 S3 tests skip, saying so.
@@ -65,7 +65,7 @@ class MotoServer(ServerProcess):
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
         log = open(self.log_file, "ab")  # the server keeps it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, str(Path(__file__).with_name("moto_serve.py")), str(self.port)],
             stdout=log, stderr=log, env=env)
         log.close()
 
