@@ -9,18 +9,12 @@ request. Reads stay concurrent, as on S3.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from moto.moto_server.werkzeug_app import (
-    DomainDispatcherApplication,
-    MotoRequestHandler,
-    create_backend_app,
-)
-from werkzeug.serving import run_simple
+import moto.server
 
 WRITES = frozenset({"PUT", "POST", "DELETE"})
 
@@ -39,10 +33,15 @@ def atomic_writes(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable
 
 
 def main() -> None:
-    os.environ.setdefault("MOTO_PORT", sys.argv[1])  # as moto.server sets it
-    app = DomainDispatcherApplication(create_backend_app)
-    run_simple("127.0.0.1", int(sys.argv[1]), atomic_writes(app), threaded=True,
-               request_handler=MotoRequestHandler)
+    # moto's own main (its arguments, environment and handler, whatever its release),
+    # with its app wrapped where it hands it to werkzeug.
+    serve = moto.server.run_simple
+
+    def run_simple(host: str, port: int, app: Any, **kw: Any) -> None:
+        serve(host, port, atomic_writes(app), **kw)
+
+    moto.server.run_simple = run_simple
+    moto.server.main(["-H", "127.0.0.1", "-p", sys.argv[1]])
 
 
 if __name__ == "__main__":
