@@ -13,6 +13,7 @@ import contextvars
 import enum
 import functools
 import importlib
+import sys
 import types
 from typing import Any
 
@@ -238,13 +239,29 @@ def importable_name(obj: Any) -> str | None:
         return None
     module = getattr(obj, "__module__", None)
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    if not isinstance(module, str) or not isinstance(name, str) or "<" in name:
+    if not isinstance(module, str):
         return None
+    if not isinstance(name, str) or "<" in name:
+        return _global_name(obj, module)
     try:
         found = import_attr(module, name)
     except Exception:  # not reachable by its name: no portable form
         return None
     return f"{module}.{name}" if found is obj else None
+
+
+def _global_name(obj: Any, module: str) -> str | None:
+    """``module.name`` for a callable object without a name of its own that ``module``
+    (its ``__module__``, already imported) binds at top level: a library's decorator that
+    turns a function into an instance of a class made inside the decorator (transformers
+    5.25's ``apply_rotary_pos_emb``, a ``kernels`` hub ``Func`` module), which a fresh
+    process that imports the module binds there again. The first such name, sorted (an
+    alias binds the same object)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return None
+    names = sorted(k for k, v in list(vars(mod).items()) if v is obj and k.isidentifier())
+    return f"{module}.{names[0]}" if names else None
 
 
 def _cell_full(cell: types.CellType) -> bool:
