@@ -62,6 +62,35 @@ _GLOBAL_HOOKS = re.compile(r"\._global_\w*hooks\w*$")
 
 # A traced line that reads an object's id() (copy.deepcopy's memo: ``d = id(x)``).
 _READS_ID = re.compile(r"(?<![\w.])id\(")
+_ORIGIN = re.compile(r"^(?P<file>[^:]+):\d+ in (?P<func>[^:]+): (?P<line>.*)$")
+# Traced lines whose id() is a key that never leaves the frame: the number Dynamo bakes
+# into the program is compared only with numbers baked from the same objects, and nothing
+# holding it outlives the call. ``kernels`` (transformers 5.25's hub kernels, on every
+# Llama-family attention): ``new_forward`` keys a dict by id(fn), sets it in a context
+# variable and resets that in ``finally``; ``Func.forward`` looks itself up in it. Read
+# in kernels 0.19's kernels/_internals/layer/layer.py. (file, function, line) as the
+# guard's origin gives them (GuardEntry.origin: no trailing colon); any other id() read
+# is not cacheable.
+_FRAME_LOCAL_IDS = frozenset({
+    ("layer.py", "new_forward",
+     "active_kernel_funcs[id(fn)] = (kernel_func, kernel_func.forward.__func__)"),
+    ("layer.py", "forward",
+     "if (active_kernel_func := active_kernel_funcs.get(id(self))) is not None"),
+    # inspect.unwrap (Python 3.10-3.13): a local memo of the wrappers seen, against cycles.
+    ("inspect.py", "unwrap", "memo = {id(f): f}"),
+    ("inspect.py", "unwrap", "id_func = id(func)"),
+})
+
+
+def _id_leaves_frame(origin: str, value: Any) -> bool:
+    """Whether the traced line ``origin``, which made Dynamo guard ``value``'s identity,
+    reads an id() that may reach the program's result or state: Dynamo bakes the number
+    in, and another process's object has another. The line is all that is known of
+    which object's id it reads; the builtin ``id`` itself, read there, is not one."""
+    if value is id or not _READS_ID.search(origin):
+        return False
+    m = _ORIGIN.match(origin)
+    return m is None or (m["file"], m["func"], m["line"]) not in _FRAME_LOCAL_IDS
 
 
 class _Builder:
@@ -112,14 +141,16 @@ class _Builder:
             self.add(kind, expr, value, text)
 
     def ident(self, expr: str, value: Any, guard_type: str, origin: str = "") -> None:
-        ident = idn.identity(value)
+        # An id() read (copy.deepcopy's memo, LED's decoder copying its config) is never
+        # portable, whatever names the object: the number is in the program.
+        reads_id = _id_leaves_frame(origin, value)
+        ident = None if reads_id else idn.identity(value, matched=True)
         if ident is None:
-            if _READS_ID.search(origin):
-                # copy.deepcopy's memo (LED's decoder copies its config): the code reads
-                # the object's id, which nothing in another process can match.
-                fix = ("the traced code reads its id(), which means nothing in another "
-                       "process; where that code is yours, copy the object outside the "
-                       "cached method")
+            if reads_id:
+                fix = ("the traced code reads its id(), a number that Dynamo bakes into the "
+                       "program and that the object has in no other process; where that "
+                       "code is yours, copy the object or key by something else outside "
+                       "the cached method")
             elif callable(value):
                 fix = ("define it at the top level of an importable module (a fresh process "
                        "then finds it by name), or call it outside the cached method")

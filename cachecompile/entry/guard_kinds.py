@@ -170,13 +170,13 @@ class _IdentMatch:
         if type(obj) is types.MethodType:
             if obj.__func__ is self._last() and obj.__self__ is self._last_self():
                 return True
-            if identity(obj) != self.value:
+            if identity(obj, matched=True) != self.value:
                 return False
             self._last, self._last_self = _remember(obj.__func__), _remember(obj.__self__)
             return True
         if obj is self._last():
             return True
-        if identity(obj) != self.value:
+        if identity(obj, matched=True) != self.value:
             return False
         self._last = _remember(obj)
         return True

@@ -163,11 +163,16 @@ def value_token(v: Any, depth: int = 0, unknown: list[str] | None = None) -> str
     return f"object:{qualified_name(type(v))}"
 
 
-def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str | None:  # noqa: C901 (today's exception: one branch per kind of object Dynamo matches by id)
+def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None, *,  # noqa: C901 (today's exception: one branch per kind of object Dynamo matches by id)
+             matched: bool = False) -> str | None:
     """A process-independent identity for what Dynamo matches by ``id``; None if none.
 
     ``unknown`` (optional) collects the types of values inside it (closure cells,
     defaults, partial arguments) that have no identity and are keyed by type only.
+    ``matched``: the object an identity guard matches itself, which may also be named by
+    the module global that binds it (:func:`global_name`): Dynamo guards what the traced
+    code reads of it on its own. Never inside a closure, default or partial argument (a
+    key's token), where nothing would guard such an object's state.
     """
     if obj is None or obj is True or obj is False or obj is Ellipsis or obj is NotImplemented:
         return repr(obj)
@@ -227,7 +232,7 @@ def identity(obj: Any, depth: int = 0, unknown: list[str] | None = None) -> str 
         return f"{type(obj).__name__}:{identity(obj.__func__, depth + 1, unknown)}"
     if isinstance(obj, property):
         return f"property:{identity(obj.fget, depth + 1, unknown)}"
-    named = importable_name(obj)
+    named = importable_name(obj) or (global_name(obj) if matched else None)
     return f"named:{named}" if named is not None else None
 
 
@@ -239,10 +244,8 @@ def importable_name(obj: Any) -> str | None:
         return None
     module = getattr(obj, "__module__", None)
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    if not isinstance(module, str):
+    if not isinstance(module, str) or not isinstance(name, str) or "<" in name:
         return None
-    if not isinstance(name, str) or "<" in name:
-        return _global_name(obj, module)
     try:
         found = import_attr(module, name)
     except Exception:  # not reachable by its name: no portable form
@@ -250,18 +253,25 @@ def importable_name(obj: Any) -> str | None:
     return f"{module}.{name}" if found is obj else None
 
 
-def _global_name(obj: Any, module: str) -> str | None:
-    """``module.name`` for a callable object without a name of its own that ``module``
-    (its ``__module__``, already imported) binds at top level: a library's decorator that
+def global_name(obj: Any) -> str | None:
+    """``module.name`` for a callable object without a name of its own that its module
+    (``__module__``, already imported) binds at top level: a library's decorator that
     turns a function into an instance of a class made inside the decorator (transformers
     5.25's ``apply_rotary_pos_emb``, a ``kernels`` hub ``Func`` module), which a fresh
-    process that imports the module binds there again. The first such name, sorted (an
-    alias binds the same object)."""
-    mod = sys.modules.get(module)
-    if mod is None:
+    process that imports the module binds there again. Only under one name: a module that
+    binds it twice (an alias, or a global rebound to another such object) could bind
+    another object under the name it had, which the name alone would not tell. None
+    otherwise, and for a module we cannot read."""
+    if not callable(obj):
         return None
-    names = sorted(k for k, v in list(vars(mod).items()) if v is obj and k.isidentifier())
-    return f"{module}.{names[0]}" if names else None
+    try:
+        module = obj.__module__
+        namespace = vars(sys.modules[module])
+        names = sorted(k for k, v in list(namespace.items())
+                       if v is obj and isinstance(k, str) and k.isidentifier())
+    except Exception:  # not imported, or a namespace that is not a module's
+        return None
+    return f"{module}.{names[0]}" if len(names) == 1 else None
 
 
 def _cell_full(cell: types.CellType) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 import torch
 from ccutil import Sandbox
 
-from cachecompile.key.identity import identity, importable_name
+from cachecompile.key.identity import global_name, identity, importable_name
 
 MODEL = '''
 import math, operator, os
@@ -83,29 +84,33 @@ def test_named_callables_have_an_identity() -> None:
 def test_a_callable_object_its_module_binds_is_named_by_that_global(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
-    (tmp_path / "hub_like.py").write_text(HUB_LIKE)
+    (tmp_path / "made.py").write_text(MADE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import hub_like
+    import made
 
-    assert importable_name(hub_like.rotate) == "hub_like.rotate"
-    assert identity(hub_like.scale) == "named:hub_like.scale"
-    assert identity(hub_like.rotate) != identity(hub_like.scale)
-    # An alias binds the same object: the first name, sorted, whichever was read.
-    monkeypatch.setattr(hub_like, "a_rotate", hub_like.rotate, raising=False)
-    assert importable_name(hub_like.rotate) == "hub_like.a_rotate"
+    assert global_name(made.rotate) == "made.rotate"
+    assert identity(made.scale, matched=True) == "named:made.scale"
+    assert identity(made.rotate, matched=True) != identity(made.scale, matched=True)
+    # Only the object a guard matches: in a closure or a default (a key's token) nothing
+    # guards its state, so it stays keyed by its type there.
+    assert identity(made.scale) is None and importable_name(made.scale) is None
     # One the module does not bind (made at run time, or its global rebound): no name.
-    assert importable_name(hub_like.as_module(lambda x: x)) is None
-    old = hub_like.scale
-    monkeypatch.setattr(hub_like, "scale", hub_like.as_module(lambda x: x))
-    assert importable_name(old) is None
+    assert global_name(made.as_module(lambda x: x)) is None
+    old = made.scale
+    monkeypatch.setattr(made, "scale", made.as_module(lambda x: x))
+    assert global_name(old) is None
+    # An odd key in the namespace is passed over; one bound twice (an alias, or another
+    # global rebound to it) has no name: the name alone would not tell them apart.
+    monkeypatch.setitem(vars(made), 7, made.rotate)
+    assert global_name(made.rotate) == "made.rotate"
+    monkeypatch.setattr(made, "a_rotate", made.rotate, raising=False)
+    assert global_name(made.rotate) is None
+    # A namespace we cannot read: no name, no exception.
+    monkeypatch.setitem(sys.modules, "made", object())
+    assert global_name(made.rotate) is None
 
 
-# A library's decorators as kernels' (transformers 5.25) are: a function made into an
-# instance of a class defined inside the decorator, and a class whose forward reads that
-# instance's id() through a closure, as a key into a global it sets and then clears. The
-# frame reaches such objects four ways: a closure cell, a module global, a default
-# argument and a class attribute.
-HUB_LIKE = """
+MADE = """
 import torch
 from torch import nn
 
@@ -127,34 +132,34 @@ def rotate(x):
 @as_module
 def scale(x):
     return x * 3
+"""
+
+# The real ``kernels`` decorators transformers 5.25 puts on every Llama-family attention:
+# a function made into a hub ``Func`` module, and a class whose forward keys it by id().
+# The frame reaches such an object four ways: through kernels' closure, a module global,
+# a default argument and a class attribute.
+HUB = """
+import torch
+from kernels import use_kernel_forward_from_hub, use_kernelized_func
+from torch import nn
 
 
-@as_module
+@use_kernel_forward_from_hub("CcRotate")
+def rotate(x):
+    return torch.cat((-x[..., 2:], x[..., :2]), dim=-1)
+
+
+@use_kernel_forward_from_hub("CcScale")
+def scale(x):
+    return x * 3
+
+
+@use_kernel_forward_from_hub("CcShift")
 def shift(x):
     return x + 0.5
 
 
-ACTIVE = {}
-
-
-def kernelized(*fns):
-    def deco(cls):
-        orig = cls.forward
-
-        def forward(self, x):
-            for fn in fns:
-                ACTIVE[id(fn)] = fn
-            try:
-                return orig(self, x)
-            finally:
-                ACTIVE.clear()
-
-        cls.forward = forward
-        return cls
-    return deco
-
-
-@kernelized(rotate)
+@use_kernelized_func(rotate)
 class Attn(nn.Module):
     post = shift
 
@@ -165,30 +170,41 @@ class Attn(nn.Module):
 
     def forward(self, x, act=scale):
         y = self.lin(x)
-        return ACTIVE[id(rotate)](y) + act(y) + scale(y) + Attn.post(y)
+        return rotate(y) + act(y) + scale(y) + Attn.post(y)
 """
 
 HUB_RUN = """
 import sys, torch, warnings
-import hub_like
+import hub
 from cachecompile import cache_compile
 
-m = hub_like.Attn().eval()
+m = hub.Attn().eval()
 c = cache_compile(m.forward, backend={backend!r})
 x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
 ref = torch.compile(m.forward, backend={backend!r})
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with torch.no_grad():
+        if {change!r} == "global first":
+            # Before the first call, a global the frame reads binds another hub object:
+            # the spec is a fresh torch.compile, which traces it.
+            hub.scale = hub.shift
         rows = [(c(x), m(x), ref(x))]
-        if {change!r}:
-            # After the first call, in the process that loaded the entry: the function
-            # class of every such object gets another forward, as kernelize() would swap in.
-            Func = type(hub_like.rotate)
+        # After the first call, in the process that loaded the entry: the function class
+        # of the hub objects gets another forward (under compile kernels dispatches to the
+        # function it wrapped, so torch.compile is not eager there: the spec is
+        # torch.compile), or a global the frame reads binds another hub object (which
+        # torch.compile's own cache serves stale, and a fresh compile as eager).
+        if {change!r} == "forward":
+            Func = type(hub.rotate)
             orig = Func.forward
             Func.forward = lambda self, *a: orig(self, *a) * 2
             rows.append((c(x), m(x), ref(x)))
-report({{"ok": [bool(torch.allclose(g, w)) and bool(torch.allclose(r, w)) for g, w, r in rows],
+        elif {change!r} == "global":
+            hub.scale = hub.shift
+            rows.append((c(x), m(x), ref(x)))
+report({{"tc": [bool(torch.allclose(g, r)) for g, w, r in rows],
+        "eager": [bool(torch.allclose(g, w)) for g, w, r in rows],
         "events": [e[0] for e in c.events], "dynamo": "torch._dynamo" in sys.modules,
         "warnings": [str(w.message) for w in caught if "cachecompile" in str(w.message)]}})
 """
@@ -196,16 +212,98 @@ report({{"ok": [bool(torch.allclose(g, w)) and bool(torch.allclose(r, w)) for g,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_hub_kernel_style_module_object_is_served_warm(tmp_path: Path, backend: str) -> None:
+def test_a_hub_kernel_module_object_is_served_warm(tmp_path: Path, backend: str) -> None:
+    pytest.importorskip("kernels")
     box = Sandbox(tmp_path)
-    (box.root / "hub_like.py").write_text(HUB_LIKE)
-    cold = box.run(HUB_RUN.format(backend=backend, change=False))
-    assert cold["ok"] == [True] and cold["events"] == ["miss"], cold.value
+    (box.root / "hub.py").write_text(HUB)
+    cold = box.run(HUB_RUN.format(backend=backend, change=""))
+    assert cold["tc"] == cold["eager"] == [True] and cold["events"] == ["miss"], cold.value
     assert not cold["warnings"], cold.value
-    warm = box.run(HUB_RUN.format(backend=backend, change=True))
-    # The change after the hit is a miss (its forward's code is guarded), eager's result.
-    assert warm["ok"] == [True, True] and warm["events"][0] == "hit", warm.value
-    assert warm["events"][1:] == ["miss"], warm.value
+    # A hit, then torch.compile's result after the new forward (a miss: its code is
+    # guarded), or a fresh compile's (eager's) once the global binds another object.
+    warm = box.run(HUB_RUN.format(backend=backend, change="forward"))
+    assert warm["tc"] == [True, True] and warm["eager"][0], warm.value
+    assert warm["events"] == ["hit", "miss"], warm.value
+    warm = box.run(HUB_RUN.format(backend=backend, change="global"))
+    assert warm["tc"][0] and warm["eager"][0] and warm["events"][0] == "hit", warm.value
+    assert warm["tc"][1] or warm["eager"][1], warm.value
+    warm = box.run(HUB_RUN.format(backend=backend, change="global first"))
+    assert warm["tc"] == warm["eager"] == [True] and "hit" not in warm["events"], warm.value
+
+
+# An id() that reaches the result or the module's state, generated: what the id is of (a
+# named function, a module's callable object, a class), and where the number goes (the
+# result, a global dict's key, an attribute). Dynamo bakes the number into the program;
+# another process's object has another, so none of these may be served from a store.
+ID_OF = {"function": "plain", "object": "made.rotate", "class": "torch.nn.Linear"}
+ID_GOES = {"result": "return x + (id({o}) % 997)",
+           "key": "SEEN[id({o})] = 1\n    return x + 1",
+           "attr": "STATE.last = id({o})\n    return x * 2"}
+# The cases live in a module (a function of ``__main__`` is not cacheable for another
+# reason: the builtins it reads could be shadowed there unguarded).
+ESCAPE_CASES = """
+import types
+import torch
+import made
+
+SEEN = {{}}
+
+
+class State:
+    last = 0
+
+
+STATE = State()
+
+
+def plain(x):
+    return x
+
+{functions}
+
+CASES = {{n: f for n, f in dict(globals()).items() if n.startswith("fn_")}}
+"""
+
+ESCAPE = """
+import torch, warnings
+import escape
+from cachecompile import cache_compile
+
+x = torch.ones(2)
+out = {}
+for name, fn in sorted(escape.CASES.items()):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = cache_compile(fn, backend="aot_eager")
+        got = c(x)
+        state = (dict(escape.SEEN), escape.STATE.last)
+        escape.SEEN.clear()
+        escape.STATE.last = 0
+        want = fn(x)
+    out[name] = {"ok": bool(torch.equal(got, want))
+                       and state == (dict(escape.SEEN), escape.STATE.last),
+                 "events": [e[0] for e in c.events],
+                 "said": any("reads its id()" in str(w.message) for w in caught)}
+    escape.SEEN.clear()
+    escape.STATE.last = 0
+report(out)
+"""
+
+
+@pytest.mark.slow
+def test_an_id_that_leaves_the_frame_is_never_served_from_the_store(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path)
+    (box.root / "made.py").write_text(MADE)
+    functions = "\n".join(
+        f"def fn_{of}_{goes}(x):\n    {body.format(o=obj)}\n"
+        for of, obj in ID_OF.items() for goes, body in ID_GOES.items())
+    (box.root / "escape.py").write_text(ESCAPE_CASES.format(functions=functions))
+    for phase in ("cold", "warm"):
+        res = box.run(ESCAPE).value
+        assert len(res) == len(ID_OF) * len(ID_GOES), res
+        bad = {n: r for n, r in res.items()
+               if not r["ok"] or "hit" in r["events"] or not r["said"]}
+        assert not bad, (phase, bad)
 
 
 @pytest.mark.slow
