@@ -13,8 +13,9 @@
 # the entry format and the layer check (what a Python release changes most: bytecode, the
 # standard library, the libraries pip picks for it); 2.12.1 and 2.14.1 run on the README
 # command's 3.11. (3.12 was 2.12.1's until issue 65: on an end release it also runs the
-# whole subset, the guard sweep's super() cases through 3.12's LOAD_SUPER_ATTR among them.) An item is "RELEASE" or "RELEASE@PYTHON"; a Python with no interpreter
-# here (pyenv or pythonX.Y on PATH) is said and skipped.
+# whole subset, the guard sweep's super() cases through 3.12's LOAD_SUPER_ATTR among
+# them.) An item is "RELEASE" or "RELEASE@PYTHON"; a Python with no interpreter here
+# (pyenv or pythonX.Y on PATH) is said and skipped.
 #
 # It also proves the install contract: `pip install -e .` next to an installed torch
 # keeps that torch (no downgrade to 2.13, no upgrade).
@@ -31,9 +32,10 @@ cd "$(dirname "$0")/.."
 export PIP_CONSTRAINT=/dev/null
 
 # One test per promise, not the whole suite: the full suite runs on 2.13 (the README's
-# command). Per release (2.14.1 less: NEAR_SUBSET below): the warm path (no
-# torch._dynamo/_inductor import, zero compiler calls), Dynamo's guards (the guard matrix, and the generated guard cases' fixed seed:
-# the lookups Dynamo resolves are read through its private names) and the C++ guard tree,
+# command). Per release (2.12.1 and 2.14.1 less: NEAR_SUBSET below): the warm path (no
+# torch._dynamo/_inductor import, zero compiler calls), Dynamo's guards (the guard matrix,
+# and the generated guard cases' fixed seed: the lookups Dynamo resolves are read through
+# its private names) and the C++ guard tree,
 # the private-torch layer and its probe, the API contract, a bare backend callable's
 # Dynamo half rebuilt from data, and the traced floats' tensors made
 # once (torch._as_tensor_fullprec, which 2.11 and 2.12 also call in shape guards). (The

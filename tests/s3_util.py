@@ -1,8 +1,9 @@
 """A real S3-compatible server for tests: moto's server mode on a free loopback port.
 
 ``moto_server`` speaks the S3 API over HTTP, refuses a conditional put that does not hold
-with 412 (``moto_serve.py`` makes each write atomic, as S3 does), and (with ``auth=True``) enforces IAM policies, so a user whose policy allows
-only reads gets a real 403 on every write. The test extras install it (``moto[s3]``,
+with 412 (``moto_serve.py`` makes each write atomic, as S3 does), and (with
+``auth=True``) enforces IAM policies, so a user whose policy allows only reads gets a real
+403 on every write. The test extras install it (``moto[s3]``,
 ``flask`` and ``flask-cors``: what its server mode needs for S3 and IAM); without it the
 S3 tests skip, saying so.
 """
