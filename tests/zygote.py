@@ -84,7 +84,9 @@ without it. A warm child never uses it: its promise may be that it imports no Dy
 What the preload imported is in the child already (modules, loggers, atexit handlers,
 the warnings it printed: written first, not at the first compile), and so is what its
 probes found out (:data:`PROBES`: the CPU's vector ISAs, whose g++ calls are then in no
-sandbox's log; the generator an import made there is reseeded, :data:`RESEEDED`).
+sandbox's log, and the hash of torch's source files; the generator an import made there is
+reseeded, :data:`RESEEDED`). One torch metric is not measured in it: Dynamo's timing of
+each new guard tree (:data:`UNMEASURED`; ``CC_TESTS_GUARD_PROFILE=1`` measures it).
 ``test_a_compiling_child_forks_with_the_compiler_imported_only_on_shared_dirs``.
 
 ``CC_TESTS_ZYGOTE=0`` turns zygotes off (every child a plain interpreter); CI runs the
@@ -192,7 +194,10 @@ _orig.__getitem__, _orig.__contains__, _orig.__iter__ = _get, _has, _iter
 # counted in no sandbox's log; what they print goes to stderr (stdout's first line is
 # this zygote's answer to its parent).
 for _m in filter(None, sys.argv[3].split(",")):
-    if ":" in _m:
+    if _m.endswith("=0"):   # zygote.UNMEASURED: a metric's measurement made a no-op
+        _mod, _fn = _m[:-2].split(":")
+        setattr(importlib.import_module(_mod), _fn, lambda *a, **k: 0.0)
+    elif ":" in _m:
         _mod, _fn = _m.split(":")
         _log = os.environ.pop("CC_TESTS_GXX_LOG", None)
         _out = os.dup(1)
@@ -437,8 +442,22 @@ class Zygote:
 # issue 65). The list depends on the CPU and the compiler only (ATEN_CPU_CAPABILITY is
 # read later, at each pick), both the zygote's as much as the child's; cachecompile's CPU
 # targets replace the list for their builds (_torch/inductor.vec_isa_limited).
-PROBES = ("torch._inductor.cpu_vec_isa:valid_vec_isa_list",)
-COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", *PROBES)
+#
+# And the hash of torch's own source files that Inductor's and AOTAutograd's cache keys
+# hold (``torch_key``: every .py file of torch read and hashed, ~0.2 s of a core in each
+# compiling child; the venv's files, the same for every process of the session).
+PROBES = ("torch._inductor.cpu_vec_isa:valid_vec_isa_list",
+          "torch._inductor.codecache:torch_key")
+# Dynamo times each new guard tree for its compile metrics, once per compiled frame, after
+# flushing the CPU's caches (~20 ms a frame, 1.5 s of a 28 s cold child of the write
+# sweep; Qwen2-VL's 192 frames, 3.6 s). It returns the latency for a log line and a
+# counter, which nothing of cachecompile nor of a test reads: the compiling zygote's
+# children skip it ("module:function=0": the function made a no-op that returns 0.0).
+# CC_TESTS_GUARD_PROFILE=1 keeps it; a plain interpreter (CC_TESTS_ZYGOTE=0, CI's
+# fresh-process pass) and a child that imports Dynamo after a hit always run it.
+UNMEASURED = () if os.environ.get("CC_TESTS_GUARD_PROFILE") == "1" else (
+    "torch._dynamo.guards:profile_guard_manager=0",)
+COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", *PROBES, *UNMEASURED)
 _zygotes: dict[tuple[str, ...], list[Zygote]] = {}
 _lock = threading.Lock()
 _broken: dict[tuple[str, ...], str] = {}
