@@ -1,14 +1,15 @@
 # Sourced by .ci/run: the tiers after the README command (.ci/guard-sweep.sh,
 # .ci/torch-matrix.sh, .ci/npu-tier.sh), pipelined. Each tier item
 # (a Python, a torch release, a torch-npu release) has an install half (a venv of its own: mostly download and
-# unpack, several GB for the CUDA builds) and a test half (the cores). Item k+1 installs
-# in the background while item k's tests run, and item 0 installs while the README command
-# runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At most two
-# tier venvs exist at once (the one under test, the next one), and only while the disk has
-# room: a CUDA build's venv is about 5.5 GB and its install needs about 3 GB more while pip
-# unpacks, so the next item installs beside this one's tests only with
-# CACHECOMPILE_TIER_PREFETCH_GB (default 16) free; with less it installs after them, when
-# this item's venv is gone (slower, but a CI machine with a small disk passes). A CI run
+# unpack, several GB for the CUDA builds) and a test half (the cores). Items k+1 and
+# k+2 install in the background while item k's tests run, and item 0 installs while the
+# README command runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At most three
+# tier venvs exist at once (the one under test, the next two: _tiers_install_next), and
+# only while the disk has room: a CUDA build's venv is about 5.5 GB and its install needs
+# about 3 GB more while pip unpacks, so an item installs beside tests only with
+# CACHECOMPILE_TIER_PREFETCH_GB (default 16) free for it and for each install ahead of it;
+# with less it installs after them, when this item's venv is gone (slower, but a CI
+# machine with a small disk passes). A CI run
 # ran out of disk here (the Python 3.12 install, beside 3.10's venv and pip's cache of
 # every CUDA wheel so far): pip's cache is off for the tiers (each wheel is installed once,
 # so a cache only fills the disk), and each item's tests run with a TMPDIR of their own,
@@ -49,11 +50,13 @@ _tiers_free_gb() {
   df -P -k . | awk 'NR == 2 { print int($4 / 1048576) }'
 }
 
-# Start item K's install now if the disk has room for it beside what exists, else say
-# that it waits for the tests before it.
+# Start item K's install now if the disk has room for it beside what exists (PENDING other
+# installs ahead, each still to grow to a venv: room for each), else say that it waits for
+# the tests before it.
 _tiers_prefetch() {
-  local k=$1 free need=${CACHECOMPILE_TIER_PREFETCH_GB:-16}
+  local k=$1 pending=${2:-0} free need=${CACHECOMPILE_TIER_PREFETCH_GB:-16}
   free=$(_tiers_free_gb)
+  need=$((need * (pending + 1)))
   if [ "$free" -ge "$need" ]; then
     _tiers_start "$k"
   else
@@ -120,20 +123,31 @@ _tiers_fits() {
   [ "$(_tiers_end "$1" "${2:-$SECONDS}")" -le "$TIERS_DEADLINE" ]
 }
 
-# Start installing the first item after K (of N) whose tests, started at AT, still end in
-# time (on a machine at the reference speed, K+1), unless one after K is installing already:
-# on a slow machine the item right after may be skipped at its turn, and its install would
-# only hold up the one that runs instead. MODE: prefetch (beside tests: only with the disk
-# to spare) or now.
+# Start installing the first items after K (of N) whose tests, started at AT, still end in
+# time (on a machine at the reference speed, K+1 and K+2), until CACHECOMPILE_TIER_AHEAD
+# (default 2) items after K are installed or installing. Two, not one: an install (150-230 s
+# on a 2-core VM) outlasts the short items' tests (2.14.1's 114 s, torch-npu's 97 s), and
+# with one ahead CI waited for them (110 s in one run); started earlier, beside the longer
+# items' tests, they are done at their turn. On a slow machine an item may be skipped at its
+# turn, its install wasted; the items run most valuable first, so it is a later one. MODE:
+# prefetch (beside tests: only with the disk to spare) or now (one, the tests before it
+# done).
 _tiers_install_next() {
-  local k=$1 n=$2 at=$3 mode=$4 j
+  local k=$1 n=$2 at=$3 mode=$4 j pending=0 ahead=${CACHECOMPILE_TIER_AHEAD:-2}
   for ((j = k + 1; j < n; j++)); do
-    [ -n "${TIERS_PIDS[$j]:-}" ] && return 0
+    [ -n "${TIERS_PIDS[$j]:-}" ] && pending=$((pending + 1))
   done
-  for ((j = k + 1; j < n; j++)); do
+  [ "$mode" = now ] && ahead=1
+  for ((j = k + 1; j < n && pending < ahead; j++)); do
+    [ -n "${TIERS_PIDS[$j]:-}" ] && continue
     if _tiers_at_reference_speed || _tiers_fits "$j" "$at"; then
-      if [ "$mode" = prefetch ]; then _tiers_prefetch "$j"; else _tiers_start "$j"; fi
-      return 0
+      if [ "$mode" = prefetch ]; then
+        _tiers_prefetch "$j" "$pending"
+        [ -n "${TIERS_PIDS[$j]:-}" ] || return 0   # no room on the disk: none further
+      else
+        _tiers_start "$j"
+      fi
+      pending=$((pending + 1))
     fi
   done
 }

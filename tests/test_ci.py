@@ -28,16 +28,17 @@ esac
 
 
 def run_tiers(tmp_path: Path, factor: str, items: tuple[str, str, str] = ("fast slow", "fast", "slow"),
-              deadline: int = 100) -> subprocess.CompletedProcess[str]:
+              deadline: int = 100, stand_in: str = STAND_IN,
+              env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     ci = tmp_path / ".ci"
     ci.mkdir()
     shutil.copy(REPO / ".ci" / "tiers.sh", ci / "tiers.sh")
     for name, its in zip(("torch-matrix", "npu-tier", "guard-sweep"), items, strict=True):
-        (ci / f"{name}.sh").write_text(STAND_IN.replace("${ITEMS}", its))
+        (ci / f"{name}.sh").write_text(stand_in.replace("${ITEMS}", its))
     script = ". .ci/tiers.sh; tiers_init; tiers_run"
     env = {"PATH": "/usr/bin:/bin", "TIERS_FACTOR": factor,
            "CACHECOMPILE_CI_DEADLINE_S": str(deadline),
-           "TMPDIR": str(tmp_path)}
+           "TMPDIR": str(tmp_path), **(env_extra or {})}
     return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
 
@@ -88,6 +89,40 @@ def test_a_machine_as_fast_as_the_reference_fails_instead(tmp_path: Path, factor
     assert "the tests have outgrown CI's time" in p.stderr
     assert lines(tmp_path / "tested.txt") == ["torch-matrix fast"]
     assert "SKIPPED" not in p.stdout
+
+
+# Each event as it starts; a test takes a second, so an install begun beside it is logged
+# before it.
+TIMED = """#!/usr/bin/env bash
+case "$1" in
+  items) echo "${ITEMS}" ;;
+  prepare) echo "prepare $2" >> events.txt ;;
+  test) sleep 1; echo "test $2" >> events.txt ;;
+  estimate) echo 10 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("ahead", ["1", "2", "disk"])
+def test_installs_run_ahead_of_the_tests_by_two_items(tmp_path: Path, ahead: str) -> None:
+    """An install outlasts a short item's tests: the two items after the one under test
+    install beside it (CACHECOMPILE_TIER_AHEAD, default 2), not only the next; the second
+    only where the disk has room for both ("disk": room for one, so one ahead)."""
+    free_gb = shutil.disk_usage(tmp_path).free // 2**30
+    env: dict[str, str] = {
+        "2": {}, "1": {"CACHECOMPILE_TIER_AHEAD": "1"},
+        "disk": {"CACHECOMPILE_TIER_PREFETCH_GB": str(max(1, free_gb * 2 // 3))}}[ahead]
+    p = run_tiers(tmp_path, "1", items=("a b c d", "", ""), stand_in=TIMED, env_extra=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ev = lines(tmp_path / "events.txt")
+    assert sorted(ev) == sorted(f"{what} {i}" for i in "abcd" for what in ("prepare", "test"))
+    for i, j in zip("abcd", "bcd", strict=False):
+        assert ev.index(f"prepare {j}") < ev.index(f"test {i}"), ev   # one ahead, always
+    if ahead == "2":
+        assert ev.index("prepare c") < ev.index("test a"), ev
+        assert ev.index("prepare d") < ev.index("test b"), ev
+    else:
+        assert ev.index("prepare c") > ev.index("test a"), ev
 
 
 def test_the_speed_tool_gives_a_factor_never_under_one() -> None:
