@@ -1,10 +1,10 @@
 # Sourced by .ci/run: the tiers after the README command (.ci/guard-sweep.sh,
-# .ci/torch-matrix.sh, .ci/npu-tier.sh), pipelined. Each tier item
-# (a Python, a torch release, a torch-npu release) has an install half (a venv of its own: mostly download and
-# unpack, several GB for the CUDA builds) and a test half (the cores). Items k+1 and
-# k+2 install in the background while item k's tests run, and item 0 installs while the
-# README command runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At most three
-# tier venvs exist at once (the one under test, the next two: _tiers_install_next), and
+# .ci/torch-matrix.sh, .ci/npu-tier.sh), pipelined. Each tier item (a Python, a torch
+# release, a torch-npu release) has an install half (a venv of its own: mostly download and
+# unpack, several GB for the CUDA builds) and a test half (the cores). Items k+1 and k+2
+# install in the background while item k's tests run, and item 0 installs while the README
+# command runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At
+# most three tier venvs exist at once (the one under test, the next two: _tiers_install_next), and
 # only while the disk has room: a CUDA build's venv is about 5.5 GB and its install needs
 # about 3 GB more while pip unpacks, so an item installs beside tests only with
 # CACHECOMPILE_TIER_PREFETCH_GB (default 16) free for it and for each install ahead of it;
