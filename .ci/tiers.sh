@@ -4,8 +4,8 @@
 # unpack, several GB for the CUDA builds) and a test half (the cores). Items k+1 and k+2
 # install in the background while item k's tests run, and item 0 installs while the README
 # command runs, so the installs (about 15 minutes of CI in a row) overlap the tests. At
-# most three tier venvs exist at once (the one under test, the next two: _tiers_install_next), and
-# only while the disk has room: a CUDA build's venv is about 5.5 GB and its install needs
+# most three tier venvs exist at once (the one under test, the next two:
+# _tiers_install_next), and only while the disk has room: a CUDA build's venv is about 5.5 GB and its install needs
 # about 3 GB more while pip unpacks, so an item installs beside tests only with
 # CACHECOMPILE_TIER_PREFETCH_GB (default 16) free for it and for each install ahead of it;
 # with less it installs after them, when this item's venv is gone (slower, but a CI
@@ -50,9 +50,9 @@ _tiers_free_gb() {
   df -P -k . | awk 'NR == 2 { print int($4 / 1048576) }'
 }
 
-# Start item K's install now if the disk has room for it beside what exists (PENDING other
-# installs ahead, each still to grow to a venv: room for each), else say that it waits for
-# the tests before it.
+# Start item K's install now if the disk has room for it beside what exists and for the
+# PENDING installs ahead of it (room kept for each, even one already done: a margin), else
+# say that it waits for the tests before it.
 _tiers_prefetch() {
   local k=$1 pending=${2:-0} free need=${CACHECOMPILE_TIER_PREFETCH_GB:-16}
   free=$(_tiers_free_gb)
