@@ -9,8 +9,9 @@
 # 5.5 GB and its install needs about 3 GB more while pip unpacks, so an item installs
 # beside tests only with CACHECOMPILE_TIER_PREFETCH_GB (default 16) free for it and for
 # each install ahead of it; with less it installs after them, when this item's venv is
-# gone (slower, but a CI machine with a small disk passes). A CI run ran out of disk here (the Python 3.12 install, beside 3.10's venv and pip's cache of
-# every CUDA wheel so far): pip's cache is off for the tiers (each wheel is installed once,
+# gone (slower, but a CI machine with a small disk passes). A CI run ran out of disk here
+# (the Python 3.12 install, beside 3.10's venv and pip's cache of every CUDA wheel so
+# far): pip's cache is off for the tiers (each wheel is installed once,
 # so a cache only fills the disk), and each item's tests run with a TMPDIR of their own,
 # removed after them (pytest's directories, Inductor's precompiled headers: 150 MB each).
 # Every background install logs to a file that is printed when the item's turn comes.
