@@ -42,6 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("CC_TESTS_INDUCTOR_POOL") != "1":
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+import breadth  # noqa: E402
 import gxx_memo  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
@@ -86,7 +87,11 @@ def pytest_configure(config: pytest.Config) -> None:
             _set.append("CXX")
 
 
+# First, so that -m and -k (pytest's own hook) see the breadth marks.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # What the README command leaves to CI's breadth step (tests/breadth.py).
+    breadth.mark(items, config.args)
     # The longest tests first, then the other slow ones, then the rest (stable otherwise):
     # pytest-xdist hands tests out in this order, so the long process-heavy ones start
     # early and the quick ones fill the gaps, instead of the longest running last on one
