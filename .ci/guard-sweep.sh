@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The guard sweep (issue 47): tests/e2e/test_guard_sweep.py with CACHECOMPILE_GUARD_SWEEP
 # generated cases (default 256, in batches of 64, each batch four fresh processes over one
-# store; most on aot_eager, every eighth on Inductor), zero wrong hits. The README command
-# runs the fixed seed's 21 (one per kind); this tier runs many more, on the README's venv
+# store; most on aot_eager, every eighth on Inductor), zero wrong hits. By default the file
+# runs the fixed seed's 21 (one per kind: CI's breadth step); this tier runs many more, the
+# same 21 first (guard_gen.cases is prefix-stable), on the README's venv
 # (.venv, made by the README command: no install of its own), on every logical core. About
 # 3 minutes on 2 idle cores. It ran 384 until issue 65 sized it to CI's time: 256 cases
 # (the first 256 of the same seed's 384) still draw each of the 21 kinds 16 times or more;

@@ -28,7 +28,7 @@
 # grown past the budget. An item that will not fit is not installed: the next that will
 # installs instead. The items run most valuable first, so what a slow machine skips is what
 # other items cover best: the torch matrix (2.11, the GPU machines' release, then the
-# newest), then the Ascend tier, then the generated sweep (the README command runs its
+# newest), then the Ascend tier, then the generated sweep (CI's breadth step runs its
 # fixed seed).
 
 TIERS_PATH=$PATH                      # before .ci/run activates the README's .venv

@@ -47,7 +47,8 @@ export PIP_CONSTRAINT=/dev/null
 # The remote tier runs its file:// case on the end releases (ENDS below): what a release
 # changes is the entry a node publishes and another loads, not how a tier moves its bytes
 # (the store is torch-free);
-# its Redis, S3, HTTP and OCI cases, ~20 s each a release, run in the README command.
+# its Redis, S3, HTTP and OCI cases, ~20 s each a release, run on 2.13 (the README command
+# and the breadth step after it).
 # A training graph's layout is read from AOTAutograd's metadata, whose fields move between
 # releases (_torch/aot.py): one in-process training test per backend, on a stored entry.
 # NEAR_SUBSET is what every release runs; SUBSET adds the rest for all but NEAR_RELEASES.
@@ -90,7 +91,7 @@ END_RELEASES="2.11.0 2.15.0"
 # changes most. Left out: the store's stats test (it compiles a model in fresh processes),
 # the S3 and Redis tiers' (servers, 45 and 33 s; the Redis client's URL handling still runs
 # in test_remote_secrets) and the manifest-integrity cases (hashed alike on every Python);
-# all of them run on 3.11 in the README command.
+# all of them run on 3.11 in the README command or the breadth step after it.
 PYTHON_TESTS=(tests/store tests/entry tests/key tests/test_layers.py
               --ignore=tests/store/test_stats.py --ignore=tests/store/test_s3.py
               --ignore=tests/store/test_remote.py

@@ -23,7 +23,7 @@ this list cannot point at a renamed test and silently keep its case in the READM
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import pytest
 
@@ -79,40 +79,64 @@ CASES: Mapping[str, str] = {
     # a README-command test (tests/cli/test_prebuild.py, test_build_shards.py,
     # tests/store/test_bundle.py); the README's own demo follows its docs literally
     # (tests/demo/test_demo.py).
-    "tests/e2e/test_deploy.py::test_deploy_page_step_by_step": "test_prebuild, test_demo",
+    "tests/e2e/test_deploy.py::test_deploy_page_step_by_step":
+        "tests/cli/test_prebuild.py::test_cachectl_build_then_a_warm_process_compiles_nothing, "
+        "tests/demo/test_demo.py::test_demo_runs_cold_then_warm",
 }
 
 
-def _backend_pair(items: Iterable[pytest.Item]) -> set[str]:
-    """Node ids of the ``aot_eager`` cases whose ``inductor`` twin was collected."""
-    twins: dict[tuple[str, tuple[tuple[str, object], ...]], set[str]] = {}
-    ids: dict[tuple[str, tuple[tuple[str, object], ...]], str] = {}
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", None)
-        if not params or params.get("backend") not in ("inductor", "aot_eager"):
-            continue
-        rest = tuple(sorted((k, repr(v)) for k, v in params.items() if k != "backend"))
-        key = (item.nodeid.split("[", 1)[0], rest)
-        twins.setdefault(key, set()).add(params["backend"])
-        if params["backend"] == "aot_eager":
-            ids[key] = item.nodeid
-    return {ids[key] for key, seen in twins.items() if seen == {"inductor", "aot_eager"}}
+def _backend_values(marker: pytest.Mark) -> tuple[int, list[object]] | None:
+    """The position of ``backend`` among a parametrize marker's names, and its values."""
+    names, values = marker.args[0], marker.args[1]
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    if "backend" not in names:
+        return None
+    at = names.index("backend")
+    out = []
+    for v in values:
+        given = getattr(v, "values", None)   # pytest.param(...): a ParameterSet's values
+        row = given if isinstance(given, tuple) else (v,) if len(names) == 1 else tuple(v)
+        out.append(row[at])
+    return at, out
 
 
-def mark(items: list[pytest.Item], args: Iterable[str]) -> None:
-    """Mark the breadth cases among ``items`` (a session's whole collection, before -m and
-    -k deselect). Where ``args`` name only files and folders, fail on a ``CASES`` entry
-    whose file was collected but which names no test in it."""
+def _aot_eager_twin(item: pytest.Item) -> bool:
+    """An ``aot_eager`` case of a test whose ``backend`` parametrization also has
+    ``inductor``: decided by the test's own parametrization, so that a case is breadth or
+    not whatever else a run selects."""
+    params = getattr(getattr(item, "callspec", None), "params", None)
+    if not params or params.get("backend") != "aot_eager":
+        return False
+    for marker in item.iter_markers("parametrize"):
+        found = _backend_values(marker)
+        if found is not None and "inductor" in found[1]:
+            return True
+    return False
+
+
+def whole(config: pytest.Config) -> bool:
+    """Whether this session collects every test of each file it names: not when its
+    arguments name tests (``::``) or ``--lf`` narrows the collection to what failed."""
+    return not (any("::" in arg for arg in config.args) or config.getoption("lf", False))
+
+
+def mark(items: list[pytest.Item], check: bool) -> int:
+    """Mark the breadth cases among ``items`` (a session's collection, before -m and -k
+    deselect) and return how many. With ``check`` (a whole collection: ``whole``), fail on
+    a ``CASES`` entry whose file was collected but which names no test in it."""
     collected = {item.nodeid for item in items}
-    chosen = _backend_pair(items) | (collected & CASES.keys())
-    if not any("::" in arg for arg in args):
+    if check:
         files = {nodeid.split("::", 1)[0] for nodeid in collected}
         stale = [case for case in CASES
                  if case.split("::", 1)[0] in files and case not in collected]
         if stale:
             raise pytest.UsageError(
-                "tests/breadth.py names tests that were not collected (renamed or "
-                "removed?): " + ", ".join(stale))
+                "tests/breadth.py names tests that were not collected: "
+                + ", ".join(stale) + ". If a test was renamed or removed, update CASES in "
+                "tests/breadth.py to match (a case it names is left out of the README command).")
+    count = 0
     for item in items:
-        if item.nodeid in chosen:
+        if item.nodeid in CASES or _aot_eager_twin(item):
             item.add_marker(MARK)
+            count += 1
+    return count

@@ -47,6 +47,8 @@ import gxx_memo  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
 _created: list[str] = []
+# How many of the session's tests tests/breadth.py marked.
+_BREADTH = pytest.StashKey[int]()
 _set: list[str] = []
 
 
@@ -91,7 +93,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # What the README command leaves to CI's breadth step (tests/breadth.py).
-    breadth.mark(items, config.args)
+    config.stash[_BREADTH] = breadth.mark(items, check=breadth.whole(config))
     # The longest tests first, then the other slow ones, then the rest (stable otherwise):
     # pytest-xdist hands tests out in this order, so the long process-heavy ones start
     # early and the quick ones fill the gaps, instead of the longest running last on one
@@ -102,7 +104,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                  item.get_closest_marker("slow") is None))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    # Say why tests were left out when -m left out the breadth cases (the README command).
+    # Under xdist this process collects nothing (its workers do): no count, the same line.
+    n = config.stash.get(_BREADTH, None)
+    if "not breadth" in (config.option.markexpr or "") and n != 0:
+        terminalreporter.write_line(
+            "-m 'not breadth' left out the breadth cases (tests/breadth.py"
+            + ("" if n is None else f": {n} here") + "): CI runs them after this "
+            "(`bash .ci/breadth.sh`); `-m breadth` runs them here, no -m runs everything")
     # What the session's g++ cost and what its memo saved (tests/gxx_memo.py): the
     # suite's time is mostly C++ compiles, so this is the figure to watch.
     base = os.environ.get(SHARED_INDUCTOR_ENV)

@@ -15,8 +15,9 @@ processes over one store serve every case of a batch:
 4. armed: as loaded, but the change comes once the case's guard tree is built and, as the
    variant that served the calls before, answers alone (no signature, no Python check).
 
-A wrong hit is a call served by an entry whose result is not the spec's. The README command
-runs the fixed seed's 21 cases, one per kind (most on aot_eager, every eighth on Inductor);
+A wrong hit is a call served by an entry whose result is not the spec's. By default it runs
+the fixed seed's 21 cases, one per kind (most on aot_eager, every eighth on Inductor): a
+breadth case (tests/breadth.py), which CI runs and the README command leaves out;
 ``CACHECOMPILE_GUARD_SWEEP=N`` runs N cases (CI's guard-sweep tier, .ci/guard-sweep.sh),
 ``CACHECOMPILE_GUARD_SWEEP_SEED`` another seed, in batches of ``BATCH`` cases per three
 processes.
