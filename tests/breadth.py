@@ -17,8 +17,9 @@ Two kinds of entry, each with why it is breadth:
 * ``CASES``: a node id, whole or with its parameters, and the README-command test that
   checks the same promise.
 
-A ``CASES`` entry that names no collected test fails the collection of its file, so that
-this list cannot point at a renamed test and silently keep its case in the README command.
+A ``CASES`` entry that names no collected test fails a collection of its whole file (not
+one narrowed by a node id or ``--lf``: ``whole``), so that this list cannot point at a
+renamed test and silently keep its case in the README command.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ CASES: Mapping[str, str] = {
 }
 
 
-def _backend_values(marker: pytest.Mark) -> tuple[int, list[object]] | None:
-    """The position of ``backend`` among a parametrize marker's names, and its values."""
+def _backend_values(marker: pytest.Mark) -> list[object] | None:
+    """The ``backend`` values of a parametrize marker, if it names ``backend``."""
     names, values = marker.args[0], marker.args[1]
     names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     if "backend" not in names:
@@ -97,7 +98,7 @@ def _backend_values(marker: pytest.Mark) -> tuple[int, list[object]] | None:
         given = getattr(v, "values", None)   # pytest.param(...): a ParameterSet's values
         row = given if isinstance(given, tuple) else (v,) if len(names) == 1 else tuple(v)
         out.append(row[at])
-    return at, out
+    return out
 
 
 def _aot_eager_twin(item: pytest.Item) -> bool:
@@ -109,7 +110,7 @@ def _aot_eager_twin(item: pytest.Item) -> bool:
         return False
     for marker in item.iter_markers("parametrize"):
         found = _backend_values(marker)
-        if found is not None and "inductor" in found[1]:
+        if found is not None and "inductor" in found:
             return True
     return False
 

@@ -47,9 +47,9 @@ import gxx_memo  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
 _created: list[str] = []
+_set: list[str] = []
 # How many of the session's tests tests/breadth.py marked.
 _BREADTH = pytest.StashKey[int]()
-_set: list[str] = []
 
 
 def _byte_compile() -> None:
