@@ -140,6 +140,7 @@ def holders(obj):
             elif isinstance(v, type) and v.__module__ == m.__name__:
                 yield from (f"{m.__name__}.{k}.{a}" for a, w in list(vars(v).items()) if w is obj)
 import tempfile
+gc.unfreeze()   # what the zygote froze (zygote.FROZEN), back in get_objects()' view
 for obj in gc.get_objects():
     if isinstance(obj, tuple(kinds)) and not isinstance(obj, random.SystemRandom):
         names = sorted(holders(obj))

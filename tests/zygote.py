@@ -73,6 +73,9 @@ zygote "does not fit"), or is left as it is, with the reason; each names the tes
 - *Memory* (left): a child's pages are the zygote's, copy-on-write, and its peak RSS
   (``ru_maxrss``) starts at the zygote's. No test measures a child's memory (the tools/
   benchmarks start their own interpreters): the same test.
+- *The collector* (left): a zygote freezes what its imports made (:data:`FROZEN`), so a
+  child's collections skip it, and ``gc.get_objects()`` does not list it: a test that scans
+  the heap unfreezes first (``test_every_generator_in_a_zygote_is_reseeded``).
 
 **A child that will compile** (a cold run: its store holds no entry yet; ccutil decides)
 forks from a third zygote that has also imported Dynamo and Inductor's compiler
@@ -220,6 +223,11 @@ if threading.active_count() != 1:
 if torch.cuda.is_initialized():
     sys.exit("an import initialised CUDA, which a forked child cannot use")
 _reseed = compile(sys.argv[4], "<reseed>", "exec")
+# zygote.FROZEN: what the imports made, out of the collector's reach in every child.
+if sys.argv[5] == "1":
+    import gc
+    gc.collect()
+    gc.freeze()
 import selectors, socket
 
 def _serve(path, parent):
@@ -337,7 +345,7 @@ class Zygote:
         # Started from / with no PYTHONPATH: it imports torch, and nothing of this checkout.
         server_env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"}
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.path, str(os.getpid()),
-                                      ",".join(preload), reseed],
+                                      ",".join(preload), reseed, "1" if FROZEN else "0"],
                                      env=server_env, cwd="/", stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -458,6 +466,18 @@ PROBES = ("torch._inductor.cpu_vec_isa:valid_vec_isa_list",
 UNMEASURED = () if os.environ.get("CC_TESTS_GUARD_PROFILE") == "1" else (
     "torch._dynamo.guards:profile_guard_manager=0",)
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", *PROBES, *UNMEASURED)
+# A zygote ends its start with gc.freeze(), as a forking server does: what its imports made
+# (torch's modules; Dynamo's and Inductor's in the compiling zygote) moves to the collector's
+# permanent generation, which no collection in a child traverses. A child's full collections
+# walked all of it again: 4-6% of the CPU of a child that traces (a tiny Llama under Dynamo,
+# paired, 4.2-4.3 s against 4.0-4.1). What it changes for the child's code:
+# gc.get_objects() and gc.get_referrers() leave frozen objects out (a test that scans them
+# calls gc.unfreeze() first), and a cycle through one is never collected. cachecompile asks
+# the collector for referrers only on Python 3.10 (entry/frame_records: a callee's qualified
+# name, which 3.11's code objects carry), so a 3.10 zygote does not freeze.
+# CC_TESTS_GC_FREEZE=0 turns it off; a plain interpreter (CC_TESTS_ZYGOTE=0, CI's
+# fresh-process pass) never has it.
+FROZEN = sys.version_info >= (3, 11) and os.environ.get("CC_TESTS_GC_FREEZE") != "0"
 _zygotes: dict[tuple[str, ...], list[Zygote]] = {}
 _lock = threading.Lock()
 _broken: dict[tuple[str, ...], str] = {}
