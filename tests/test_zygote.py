@@ -222,10 +222,14 @@ def test_a_changed_umask_gets_a_plain_interpreter(tmp_path: Path) -> None:
     the test process's as it was when the zygote started, so a change since means a plain
     interpreter, which has the new one."""
     box = Sandbox(tmp_path)
-    assert box.run(FORKED, CC_TEST_PID=str(os.getpid()))["fork"]
+    # compiles=False: the plain zygotes, started before the window. On an empty store a run
+    # is a cold one, whose zygote (the compiling one), or choose_process's (a plain one),
+    # could start inside the window, with umask 077: a worker whose first zygote test this
+    # was then ran every later child as python -c, and those tests failed.
+    assert box.run(FORKED, compiles=False, CC_TEST_PID=str(os.getpid()))["fork"]
     old = os.umask(0o077)
     try:
-        child = box.run(FORKED, CC_TEST_PID=str(os.getpid())).value
+        child = box.run(FORKED, compiles=False, CC_TEST_PID=str(os.getpid())).value
         why = choose_process(f"import torch\n{FORKED}", box.env(), base=box.env(),
                              compiles=False, store=box.store, turn=0).why
     finally:
