@@ -4,6 +4,7 @@ compiler (tests/ccutil.py says which)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -44,6 +45,7 @@ if os.environ.get("CC_TESTS_INDUCTOR_POOL") != "1":
 
 import breadth  # noqa: E402
 import gxx_memo  # noqa: E402
+import zygote  # noqa: E402
 from ccutil import SHARED_INDUCTOR_ENV, logging_gxx  # noqa: E402
 
 _created: list[str] = []
@@ -102,6 +104,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # every one of the longest tests to the first worker.
     items.sort(key=lambda item: (item.get_closest_marker("longest") is None,
                                  item.get_closest_marker("slow") is None))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What collection imported (torch, the test modules, what they build at import) moves
+    # out of the collector's reach for this process's in-process tests, as each zygote does
+    # for its children (zygote.FROZEN, which says what it changes; CC_TESTS_GC_FREEZE=0).
+    if zygote.FROZEN:
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
