@@ -470,13 +470,16 @@ COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", *PROBES, *UNMEASURED)
 # (torch's modules; Dynamo's and Inductor's in the compiling zygote) moves to the collector's
 # permanent generation, which no collection in a child traverses. A child's full collections
 # walked all of it again: 4-6% of the CPU of a child that traces (a tiny Llama under Dynamo,
-# paired, 4.2-4.3 s against 4.0-4.1). What it changes for the child's code:
+# paired, 4.2-4.3 s against 4.0-4.1), up to 10% over whole tests (Qwen2-VL, the guard
+# matrix, the write sweep: 171-175 s of CPU against 154-161). What it changes for a child:
 # gc.get_objects() and gc.get_referrers() leave frozen objects out (a test that scans them
 # calls gc.unfreeze() first), and a cycle through one is never collected. cachecompile asks
 # the collector for referrers only on Python 3.10 (entry/frame_records: a callee's qualified
 # name, which 3.11's code objects carry), so a 3.10 zygote does not freeze.
-# CC_TESTS_GC_FREEZE=0 turns it off; a plain interpreter (CC_TESTS_ZYGOTE=0, CI's
-# fresh-process pass) never has it.
+# CC_TESTS_GC_FREEZE=0 turns it off. A child run as a plain interpreter (CC_TESTS_ZYGOTE=0,
+# CI's fresh-process pass) never has it; pytest's workers freeze after collection on every
+# pass (tests/conftest.py), so only the torch matrix's Python 3.10 runs the in-process tests
+# unfrozen.
 FROZEN = sys.version_info >= (3, 11) and os.environ.get("CC_TESTS_GC_FREEZE") != "0"
 _zygotes: dict[tuple[str, ...], list[Zygote]] = {}
 _lock = threading.Lock()
